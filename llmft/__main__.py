@@ -1,0 +1,3 @@
+from llmft.cli import main
+
+raise SystemExit(main())

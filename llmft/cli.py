@@ -1,0 +1,160 @@
+"""Command line: argument parsing only, one function per subcommand.
+
+Heavy imports (torch, deepspeed, transformers) happen inside the subcommands
+that need them, so ``llmft compile`` and ``--help`` start instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from llmft.errors import UserError
+
+EXAMPLES = {
+    "compile": "llmft compile configs/llama3-8b-lora-fsdp-8gpu.yaml --nproc-per-node 8 --out compiled/\n"
+    "  llmft compile configs/tiny-cpu.yaml batch.global_batch_size=16 --nproc-per-node 2",
+    "train": "llmft train configs/quickstart.yaml\n"
+    "  torchrun --nproc_per_node 2 -m llmft train configs/tiny-cpu.yaml distributed.engine=fsdp\n"
+    "  llmft train compiled/            # a directory written by llmft compile",
+    "export": "llmft export runs/quickstart --out exported/\n"
+    "  llmft export runs/qlora/checkpoints/step-100 --merge-lora --out merged/",
+    "plot": "llmft plot runs/quickstart            # writes runs/quickstart/metrics.png",
+    "plan": "llmft plan configs/llama3-8b-qlora-1gpu.yaml distributed.gpu_memory_gb=24",
+    "verify": "llmft verify configs/tiny-cpu.yaml batch.micro_batch_size=2",
+}
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe YAML file, or a directory written by `llmft compile`")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-4")
+
+
+def _layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nnodes", type=int, default=None, help="nodes (default: distributed.nnodes)")
+    p.add_argument(
+        "--nproc-per-node", type=int, default=None, help="processes per node (default: distributed.nproc_per_node)"
+    )
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from llmft.plan.compile import compile_recipe
+    from llmft.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
+    out = Path(args.out) if args.out else Path(recipe.run.output_dir) / "compiled"
+    print(compile_recipe(recipe, out))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from llmft.train import train
+
+    return train(args.recipe, args.overrides)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from llmft.export import export
+
+    out = export(args.checkpoint, args.out, merge_lora=args.merge_lora)
+    print(f"exported to {out}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from llmft.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from llmft.plan.memory import plan_command
+
+    print(plan_command(args.recipe, args.overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from llmft.verify import verify
+
+    return verify(args.recipe, args.overrides, tolerance=args.tolerance, samples=args.samples)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmft",
+        description="Fine-tune LLMs from one recipe: exact gradient accumulation, DeepSpeed/FSDP2 configs "
+        "that agree, checkpoints on accumulation boundaries.",
+        epilog="example:\n  llmft train configs/quickstart.yaml\n\nRun `llmft COMMAND --help` for each command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from llmft import __version__
+
+    parser.add_argument("--version", action="version", version=f"llmft {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, helptext: str, fn) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=helptext,
+            description=helptext,
+            epilog="example:\n  " + EXAMPLES[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.set_defaults(fn=fn)
+        return p
+
+    p = add(
+        "compile",
+        "resolve a recipe, solve the batch, write DeepSpeed/FSDP/accelerate configs and launch scripts",
+        cmd_compile,
+    )
+    _recipe_args(p)
+    _layout_args(p)
+    p.add_argument("--out", default=None, help="output directory (default: <run.output_dir>/compiled)")
+
+    p = add("train", "train (one process, torchrun, the deepspeed launcher or srun)", cmd_train)
+    _recipe_args(p)
+
+    p = add("export", "write a Hugging Face model or PEFT adapter directory from a checkpoint", cmd_export)
+    p.add_argument("checkpoint", help="checkpoints/step-N, checkpoints/latest, or a run directory (its latest)")
+    p.add_argument("--out", default=None, help="output directory (default: <run>/exported/step-N)")
+    p.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into the base model")
+
+    p = add("plot", "plot train/eval loss, lr and eval metrics of a run to a PNG", cmd_plot)
+    p.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    p.add_argument("--out", default=None, help="PNG path (default: <run_dir>/metrics.png)")
+
+    p = add("plan", "estimate memory per GPU and pick the micro-batch", cmd_plan)
+    _recipe_args(p)
+    _layout_args(p)
+
+    p = add(
+        "verify", "check that micro x accumulation gives the same gradient as one big batch on your data", cmd_verify
+    )
+    _recipe_args(p)
+    p.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed relative difference")
+    p.add_argument("--samples", type=int, default=None, help="sequences to use (default: one global batch)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "fn", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.fn(args) or 0)
+    except UserError as e:
+        print(f"llmft {args.command}: error: {e.render()}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"llmft {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Planning: pure arithmetic and config compilers. Imports no torch and no deepspeed."""

@@ -1,0 +1,185 @@
+"""The batch equation: ``global = micro x accumulation x dp``.
+
+Pure integer arithmetic, no torch. Any one unknown is solved from the other two
+and ``dp_size``; nothing is ever rounded. When no whole solution exists the
+error prints the equation and the nearest choices that do work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmft.errors import Problem, UserError
+
+KEYS = ("global_batch_size", "micro_batch_size", "gradient_accumulation_steps")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    dp_size: int
+
+    def __post_init__(self) -> None:
+        assert self.micro_batch_size * self.gradient_accumulation_steps * self.dp_size == self.global_batch_size
+
+    @property
+    def local_batch_size(self) -> int:
+        """Sequences one rank processes per optimizer step."""
+        return self.micro_batch_size * self.gradient_accumulation_steps
+
+    def equation(self) -> str:
+        return (
+            f"micro {self.micro_batch_size} x accumulation {self.gradient_accumulation_steps} "
+            f"x data-parallel {self.dp_size} = global {self.global_batch_size}"
+        )
+
+
+class BatchError(UserError):
+    pass
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest_multiples(n: int, unit: int) -> list[int]:
+    low = (n // unit) * unit
+    return sorted({m for m in (low, low + unit) if m > 0})
+
+
+def _fmt(values: list[int], limit: int = 12) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return "{" + shown + (", ..." if len(values) > limit else "") + "}"
+
+
+def _check_value(key: str, value: object) -> int | None:
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BatchError(
+            Problem(
+                f"batch.{key}",
+                f"must be a positive integer or auto, got {value!r}",
+                f"Set batch.{key}=auto or a whole number >= 1.",
+            )
+        )
+    return value
+
+
+def solve_batch(
+    global_batch_size: int | str | None = None,
+    micro_batch_size: int | str | None = None,
+    gradient_accumulation_steps: int | str | None = None,
+    dp_size: int = 1,
+) -> BatchPlan:
+    """Solve ``global = micro x accumulation x dp`` for the one unknown (None or "auto")."""
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise BatchError(Problem("dp_size", f"must be a positive integer, got {dp_size!r}"))
+    g = _check_value("global_batch_size", global_batch_size)
+    m = _check_value("micro_batch_size", micro_batch_size)
+    a = _check_value("gradient_accumulation_steps", gradient_accumulation_steps)
+    dp = dp_size
+    unknown = [k for k, v in zip(KEYS, (g, m, a), strict=False) if v is None]
+
+    if len(unknown) > 1:
+        raise BatchError(
+            Problem(
+                "batch",
+                f"{' and '.join('batch.' + k for k in unknown)} are both auto; only one of the three batch keys can be solved",
+                "Give two of global_batch_size, micro_batch_size, gradient_accumulation_steps "
+                "(e.g. batch.global_batch_size=32 batch.micro_batch_size=2).",
+            )
+        )
+    if not unknown:
+        if m * a * dp == g:
+            return BatchPlan(g, m, a, dp)
+        hints = [f"global_batch_size={m * a * dp}"]
+        if g % (m * dp) == 0:
+            hints.append(f"gradient_accumulation_steps={g // (m * dp)}")
+        if g % (a * dp) == 0:
+            hints.append(f"micro_batch_size={g // (a * dp)}")
+        raise BatchError(
+            Problem(
+                "batch",
+                f"inconsistent: micro {m} x accumulation {a} x data-parallel {dp} = {m * a * dp}, "
+                f"but global_batch_size is {g}",
+                f"Set one of: {', or '.join(hints)}; or set one key to auto to have it solved.",
+            )
+        )
+    if unknown == ["gradient_accumulation_steps"]:
+        if g % (m * dp) == 0:
+            return BatchPlan(g, m, g // (m * dp), dp)
+        fixes = [f"global_batch_size in {_fmt(_nearest_multiples(g, m * dp))} (multiples of {m} x {dp})"]
+        if g % dp == 0:
+            fixes.append(f"micro_batch_size in {_fmt(divisors(g // dp))} (divisors of {g} / {dp})")
+        else:
+            fixes.append(f"a data-parallel size that divides {g}: {_fmt(divisors(g))}")
+        raise BatchError(
+            Problem(
+                "batch",
+                f"global_batch_size {g} is not divisible by micro {m} x data-parallel {dp} = {m * dp}: "
+                f"accumulation would be {g}/{m * dp} = {g / (m * dp):.4g}, and llmft never rounds",
+                "Choose " + ", or ".join(fixes) + ".",
+            )
+        )
+    if unknown == ["micro_batch_size"]:
+        if g % (a * dp) == 0:
+            return BatchPlan(g, g // (a * dp), a, dp)
+        fixes = [f"global_batch_size in {_fmt(_nearest_multiples(g, a * dp))} (multiples of {a} x {dp})"]
+        if g % dp == 0:
+            fixes.append(f"gradient_accumulation_steps in {_fmt(divisors(g // dp))} (divisors of {g} / {dp})")
+        raise BatchError(
+            Problem(
+                "batch",
+                f"global_batch_size {g} is not divisible by accumulation {a} x data-parallel {dp} = {a * dp}: "
+                f"micro-batch would be {g / (a * dp):.4g}, and llmft never rounds",
+                "Choose " + ", or ".join(fixes) + ".",
+            )
+        )
+    return BatchPlan(m * a * dp, m, a, dp)
+
+
+def sequences_from_tokens(global_batch_tokens: int, max_seq_len: int) -> int:
+    """With packing every row is max_seq_len tokens, so a token budget is a whole number of rows."""
+    if global_batch_tokens % max_seq_len:
+        low = max(global_batch_tokens // max_seq_len, 1) * max_seq_len
+        raise BatchError(
+            Problem(
+                "batch.global_batch_tokens",
+                f"{global_batch_tokens} is not a multiple of data.max_seq_len {max_seq_len}",
+                f"Choose {low} or {low + max_seq_len} ({low // max_seq_len} or {low // max_seq_len + 1} packed rows).",
+            )
+        )
+    return global_batch_tokens // max_seq_len
+
+
+def resolve_for_world(plan: BatchPlan, dp_size: int) -> tuple[BatchPlan, str | None]:
+    """Re-check a compiled plan against the real world size.
+
+    Keeps the global batch and the micro-batch and re-solves accumulation. If that is
+    not whole, keeps the global batch and the per-rank load and tries a smaller micro-batch.
+    Returns the plan and a note for the log when anything changed.
+    """
+    if dp_size == plan.dp_size:
+        return plan, None
+    g, m = plan.global_batch_size, plan.micro_batch_size
+    if g % (m * dp_size) == 0:
+        new = BatchPlan(g, m, g // (m * dp_size), dp_size)
+    elif g % dp_size == 0:
+        local = g // dp_size
+        micro = max(d for d in divisors(local) if d <= m)
+        new = BatchPlan(g, micro, local // micro, dp_size)
+    else:
+        raise BatchError(
+            Problem(
+                "batch",
+                f"the plan was compiled for data-parallel {plan.dp_size} ({plan.equation()}), but "
+                f"{dp_size} processes were launched and global_batch_size {g} is not divisible by {dp_size}",
+                f"Launch with a data-parallel size in {_fmt(divisors(g))}, or recompile with a different "
+                "batch.global_batch_size.",
+            )
+        )
+    note = f"world size {dp_size} differs from the compiled {plan.dp_size}: re-solved to {new.equation()}"
+    return new, note

@@ -1,0 +1,258 @@
+"""The recipe schema: every key a recipe may hold, its type, default and meaning.
+
+Each field carries its documentation in ``metadata["doc"]``; ``llmft compile
+--help``-style references and docs/recipe.md are generated from it, so the
+text here is the single source of truth for what a key means.
+
+Keys whose value may be a number or the word ``auto`` are typed ``Any`` (OmegaConf
+has no unions); ``recipe.validate`` checks them.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, Dict, List, Optional
+
+
+def doc(default: Any, text: str, *, choices: tuple | None = None) -> Any:
+    """A dataclass field with documentation (and, optionally, allowed values)."""
+    meta = {"doc": text}
+    if choices is not None:
+        meta["choices"] = choices
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    if is_dataclass(default):
+        return field(default_factory=type(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = doc("runs/default", "Directory for metrics, checkpoints and the resolved recipe.")
+    seed: int = doc(0, "Seed for model init, data order, dropout and everything else random.")
+    name: Optional[str] = doc(None, "A label for the run (shown in logs); defaults to the output dir name.")
+    overwrite: bool = doc(
+        False,
+        "Allow a fresh run (checkpoint.resume=never) to delete existing checkpoints in output_dir.",
+    )
+    tensorboard: bool = doc(True, "Write TensorBoard event files when tensorboard is installed.")
+
+
+@dataclass
+class QuantizationConfig:
+    bits: int = doc(4, "4 (NF4 with double quantization: QLoRA) or 8 (LLM.int8) via bitsandbytes.", choices=(4, 8))
+    quant_type: str = doc("nf4", "4-bit data type.", choices=("nf4", "fp4"))
+    double_quant: bool = doc(True, "Quantize the 4-bit quantization constants too (saves ~0.4 bit/param).")
+    quant_storage: Optional[str] = doc(
+        None,
+        "Storage dtype of packed 4-bit weights. Sharded engines (FSDP, ZeRO-3) need it equal to "
+        "model.dtype; null picks that automatically when sharding.",
+        choices=(None, *DTYPES, "uint8"),
+    )
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: Optional[str] = doc(None, "Hugging Face hub id or local directory of the model to fine-tune.")
+    config: Optional[Dict[str, Any]] = doc(
+        None,
+        "Instead of name_or_path: HF config fields (with model_type) to build a fresh randomly "
+        "initialised model. null switches it off.",
+    )
+    tokenizer: Optional[str] = doc(
+        None,
+        "Tokenizer dir or hub id. Default: the model's own; with model.config, a built-in "
+        "byte-level tokenizer (vocab 320 suffices).",
+    )
+    dtype: str = doc("bf16", "Training (compute) dtype.", choices=DTYPES)
+    attn_implementation: str = doc(
+        "sdpa",
+        "Attention kernel passed to transformers.",
+        choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
+    )
+    gradient_checkpointing: bool = doc(False, "Recompute activations in the backward pass to save memory.")
+    quantization: Optional[QuantizationConfig] = doc(
+        None, "null, or {bits: 4} / {bits: 8}: load the frozen base weights quantized with bitsandbytes."
+    )
+    trust_remote_code: bool = doc(False, "Run model code shipped with a hub repo. Off unless you turn it on.")
+    revision: Optional[str] = doc(None, "Hub revision (branch, tag or commit) of name_or_path.")
+
+
+@dataclass
+class PeftConfig:
+    method: str = doc("none", "none (full fine-tune), lora, or dora.", choices=("none", "lora", "dora"))
+    r: int = doc(16, "LoRA rank.")
+    alpha: float = doc(32.0, "LoRA alpha; the update is scaled by alpha / r.")
+    dropout: float = doc(0.0, "Dropout on the LoRA input.")
+    target_modules: Any = doc(
+        "all-linear", "Module names to adapt: a list of names, or 'all-linear' (every linear layer but the head)."
+    )
+    modules_to_save: Optional[List[str]] = doc(None, "Extra modules trained fully and saved with the adapter.")
+
+
+@dataclass
+class DataConfig:
+    train: Any = doc(
+        None,
+        "Training data: a JSONL/JSON/Parquet file, a directory of them, a datasets save_to_disk dir, or a list.",
+    )
+    eval: Any = doc(None, "Held-out data in the same formats; null disables eval (unless eval_fraction > 0).")
+    eval_fraction: float = doc(0.0, "Hold out this fraction of data.train for eval when data.eval is null.")
+    max_seq_len: int = doc(2048, "Tokens per sequence; longer records are truncated (and counted).")
+    packing: bool = doc(False, "Concatenate records into max_seq_len rows; attention never crosses record boundaries.")
+    shuffle: bool = doc(True, "Reshuffle the records every epoch with a seeded permutation.")
+    train_on: str = doc(
+        "completion",
+        "Which tokens are targets: 'completion' (completion / assistant turns only; plain text records "
+        "train on all), or 'all'.",
+        choices=("completion", "all"),
+    )
+    on_bad_record: str = doc(
+        "error", "A malformed record: 'error' (stop, naming file:line) or 'skip' (count it).", choices=("error", "skip")
+    )
+    num_workers: int = doc(1, "DataLoader worker processes (0 loads in the training process).")
+    prefetch_factor: int = doc(4, "Micro-batches each worker prepares ahead.")
+
+
+@dataclass
+class BatchConfig:
+    global_batch_size: Any = doc("auto", "Sequences per optimizer step across all data-parallel ranks (int or auto).")
+    micro_batch_size: Any = doc("auto", "Sequences per device per forward/backward (int or auto).")
+    gradient_accumulation_steps: Any = doc("auto", "Micro-batches per optimizer step on each rank (int or auto).")
+    global_batch_tokens: Optional[int] = doc(
+        None,
+        "With data.packing: tokens per optimizer step; sets global_batch_size = global_batch_tokens / max_seq_len.",
+    )
+
+
+@dataclass
+class OptimConfig:
+    name: str = doc(
+        "adamw",
+        "adamw, sgd (torch), adamw_8bit, paged_adamw, paged_adamw_8bit (bitsandbytes).",
+        choices=("adamw", "sgd", "adamw_8bit", "paged_adamw", "paged_adamw_8bit"),
+    )
+    lr: float = doc(2e-4, "Peak learning rate.")
+    weight_decay: float = doc(0.0, "Decoupled weight decay (not applied to biases and norms).")
+    betas: List[float] = doc([0.9, 0.999], "Adam betas.")
+    eps: float = doc(1e-8, "Adam epsilon.")
+    momentum: float = doc(0.0, "SGD momentum.")
+    scheduler: str = doc("cosine", "LR schedule after warmup.", choices=("constant", "linear", "cosine"))
+    warmup_steps: int = doc(0, "Optimizer steps of linear warmup from 0 to lr.")
+    min_lr_ratio: float = doc(0.0, "Final lr as a fraction of lr for linear and cosine.")
+    max_grad_norm: Optional[float] = doc(1.0, "Clip the global gradient norm at each optimizer step; null: off.")
+    lr_scaling: str = doc(
+        "none",
+        "Scale lr with the global batch: none, linear (lr * G / base) or sqrt (lr * sqrt(G / base)).",
+        choices=("none", "linear", "sqrt"),
+    )
+    lr_scaling_base_batch: int = doc(1, "The global batch size at which optim.lr was tuned (the base of lr_scaling).")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: Optional[int] = doc(None, "Optimizer steps to train (not micro-steps). Or set epochs.")
+    epochs: Optional[float] = doc(
+        None, "Passes over data.train, converted to whole optimizer steps (rounded up); ignored when max_steps is set."
+    )
+    log_every_steps: int = doc(1, "Write a metrics.jsonl row every N optimizer steps.")
+    eval_every_steps: Optional[int] = doc(
+        None, "Evaluate every N optimizer steps (and at the end); null: only at the end."
+    )
+    eval_max_batches: Optional[int] = doc(None, "Cap the number of eval micro-batches; null: the whole eval set.")
+    eval_generate_samples: int = doc(
+        0,
+        "Greedy-generate completions for this many eval prompt/completion records and log exact-match "
+        "accuracy (0: off).",
+    )
+    eval_max_new_tokens: int = doc(32, "Longest generated completion for the exact-match eval.")
+    progress_bar: bool = doc(True, "Show a progress bar on rank 0.")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: Optional[int] = doc(None, "Checkpoint every N optimizer steps (and always at the end).")
+    keep_last: Optional[int] = doc(3, "Keep the newest N checkpoints; null keeps all.")
+    resume: str = doc("auto", "auto (newest complete checkpoint in output_dir, if any), never, or a checkpoint path.")
+    save_optimizer: bool = doc(True, "Save optimizer state (needed for an exact resume).")
+
+
+@dataclass
+class DistributedConfig:
+    engine: str = doc(
+        "auto",
+        "auto, single, ddp, fsdp or deepspeed. auto: single for one process, ddp for several "
+        "(fsdp when zero_stage is 3 or params are offloaded).",
+        choices=("auto", "single", "ddp", "fsdp", "deepspeed"),
+    )
+    zero_stage: int = doc(2, "DeepSpeed ZeRO stage 0-3.", choices=(0, 1, 2, 3))
+    offload_optimizer: str = doc(
+        "none", "Optimizer state offload: none, cpu, or nvme (DeepSpeed).", choices=("none", "cpu", "nvme")
+    )
+    offload_params: str = doc(
+        "none",
+        "Parameter offload: none, cpu (DeepSpeed ZeRO-3 or FSDP), or nvme (DeepSpeed).",
+        choices=("none", "cpu", "nvme"),
+    )
+    nvme_path: str = doc("/local_nvme", "Directory for nvme offload.")
+    reshard_after_forward: bool = doc(
+        True, "FSDP2: free gathered params after forward (ZeRO-3 like); false keeps them (ZeRO-2 like)."
+    )
+    hsdp_replicate: int = doc(
+        1, "FSDP2 HSDP: number of replica groups; params are sharded within a group of dp_size / hsdp_replicate."
+    )
+    reduce_dtype: str = doc("fp32", "dtype of gradient reduction under FSDP mixed precision.", choices=DTYPES)
+    nnodes: int = doc(1, "Nodes the job runs on (used by compile and the launch scripts).")
+    nproc_per_node: int = doc(1, "Processes (GPUs) per node.")
+    master_port: int = doc(29500, "Rendezvous port on the first node.")
+    backend: str = doc(
+        "auto",
+        "Process-group backend: auto (nccl with CUDA, else gloo), nccl or gloo.",
+        choices=("auto", "nccl", "gloo"),
+    )
+    stop_signal: str = doc(
+        "SIGUSR1",
+        "Signal that asks for checkpoint-and-exit besides SIGTERM and SIGINT (SLURM's --signal).",
+        choices=("SIGUSR1", "SIGUSR2"),
+    )
+    gpu_memory_gb: Optional[float] = doc(
+        None, "Memory per GPU for the planner (batch.micro_batch_size=auto); null: the detected device."
+    )
+    timeout_minutes: int = doc(30, "Collective timeout.")
+
+
+@dataclass
+class Recipe:
+    run: RunConfig = doc(RunConfig(), "Output and seeding.")
+    model: ModelConfig = doc(ModelConfig(), "What to fine-tune.")
+    peft: PeftConfig = doc(PeftConfig(), "Parameter-efficient fine-tuning.")
+    data: DataConfig = doc(DataConfig(), "Training and eval data.")
+    batch: BatchConfig = doc(BatchConfig(), "The batch equation: global = micro x accumulation x dp.")
+    optim: OptimConfig = doc(OptimConfig(), "Optimizer and schedule.")
+    train: TrainConfig = doc(TrainConfig(), "Length, logging and eval cadence.")
+    checkpoint: CheckpointConfig = doc(CheckpointConfig(), "Checkpoints and resume.")
+    distributed: DistributedConfig = doc(DistributedConfig(), "Engine and world layout.")
+
+
+def iter_fields(cls: type = Recipe, prefix: str = ""):
+    """Yield (dotted_key, dataclass_field, nested_dataclass_or_None) for the schema, depth first."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        sub = next((c for c in (tp, *getattr(tp, "__args__", ())) if isinstance(c, type) and is_dataclass(c)), None)
+        yield key, f, sub
+        if sub is not None:
+            yield from iter_fields(sub, key + ".")
+
+
+def default_of(f) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return MISSING

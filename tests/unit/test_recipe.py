@@ -1,0 +1,117 @@
+import textwrap
+
+import pytest
+
+from llmft.recipe import RecipeError, load_recipe, to_yaml
+
+TINY = textwrap.dedent(
+    """\
+    run:
+      output_dir: runs/t
+    model:
+      config: {model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
+               intermediate_size: 128, vocab_size: 320}
+      dtype: fp32
+    data:
+      train: data/train.jsonl
+      max_seq_len: 64
+    batch:
+      global_batch_size: 16
+      micro_batch_size: 2
+    optim:
+      lr: 1e-4
+    train:
+      max_steps: 10
+    """
+)
+
+
+@pytest.fixture
+def recipe_file(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text(TINY)
+    return p
+
+
+def errors(path, overrides=(), **kw) -> str:
+    with pytest.raises(RecipeError) as e:
+        load_recipe(path, list(overrides), **kw)
+    return str(e.value)
+
+
+def test_loads_and_solves(recipe_file):
+    r = load_recipe(recipe_file, nproc_per_node=2)
+    assert (r.batch.global_batch_size, r.batch.micro_batch_size, r.batch.gradient_accumulation_steps) == (16, 2, 4)
+    assert r.optim.lr == 1e-4  # YAML 1.1 would read "1e-4" as a string
+    assert r.distributed.engine == "fsdp"  # auto, full fine-tune on 2 ranks
+    text = to_yaml(r)
+    assert "${" not in text
+    assert "auto" not in text.split("batch:")[1].split("optim:")[0]
+
+
+def test_overrides_and_interpolation(recipe_file):
+    r = load_recipe(recipe_file, ["optim.lr=3e-4", "run.name=x", "run.output_dir=runs/${run.name}"])
+    assert r.optim.lr == 3e-4 and r.run.output_dir == "runs/x"
+
+
+def test_quantization_override_creates_section(recipe_file):
+    r = load_recipe(recipe_file, ["model.quantization.bits=4", "peft.method=lora"])
+    assert r.model.quantization.bits == 4 and r.model.quantization.double_quant is True
+
+
+def test_typo_key_suggests(recipe_file):
+    msg = errors(recipe_file, ["optim.lrr=1"])
+    assert "override 'optim.lrr=1': optim.lrr: unknown key. Did you mean optim.lr?" in msg
+
+
+def test_typo_in_file_names_line(recipe_file):
+    recipe_file.write_text(TINY.replace("max_seq_len: 64", "max_seqlen: 64"))
+    msg = errors(recipe_file)
+    assert f"{recipe_file}:9: data.max_seqlen: unknown key. Did you mean data.max_seq_len?" in msg
+
+
+def test_wrong_type(recipe_file):
+    msg = errors(recipe_file, ["data.max_seq_len=long"])
+    assert "data.max_seq_len: wrong type" in msg and "'long'" in msg
+
+
+def test_out_of_range_and_choice_reported_together(recipe_file):
+    msg = errors(recipe_file, ["peft.r=0", "model.dtype=fp8"])
+    assert "2 problem(s)" in msg
+    assert "peft.r: 0 must be >= 1" in msg
+    assert "model.dtype: 'fp8' is not one of fp32, bf16, fp16" in msg
+
+
+def test_inconsistent_batch(recipe_file):
+    msg = errors(recipe_file, ["batch.gradient_accumulation_steps=3"], nproc_per_node=2)
+    assert "micro 2 x accumulation 3 x data-parallel 2 = 12, but global_batch_size is 16" in msg
+    assert "gradient_accumulation_steps=4" in msg
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("run:\n  output_dir: x\nmodel:\n  dtype: [fp32\n")
+    msg = errors(p)
+    assert f"{p}:" in msg and "YAML syntax error" in msg
+
+
+def test_missing_recipe(tmp_path):
+    msg = errors(tmp_path / "nope.yaml")
+    assert "nope.yaml: recipe file not found" in msg
+
+
+def test_single_engine_on_two_ranks(recipe_file):
+    assert "single cannot run on 2 processes" in errors(recipe_file, ["distributed.engine=single"], nproc_per_node=2)
+
+
+def test_quantized_full_finetune_refused(recipe_file):
+    assert "quantized weights cannot be fully fine-tuned" in errors(recipe_file, ["model.quantization.bits=4"])
+
+
+def test_compiled_plan_resolved_for_new_world(recipe_file):
+    r = load_recipe(recipe_file, nproc_per_node=2)
+    # A fully concrete (compiled) plan launched on 4 ranks keeps global and micro.
+    from llmft.recipe.validate import validate
+
+    r2 = validate(r, dp_size=4)
+    assert (r2.batch.global_batch_size, r2.batch.micro_batch_size, r2.batch.gradient_accumulation_steps) == (16, 2, 2)
