@@ -189,6 +189,7 @@ def load_recipe(
     *,
     nnodes: int | None = None,
     nproc_per_node: int | None = None,
+    world_size: int | None = None,
 ) -> Recipe:
     """Load, merge, resolve and validate. Raises ``RecipeError`` listing every problem."""
     from llmft.recipe.validate import validate
@@ -223,7 +224,7 @@ def load_recipe(
             )
         ) from None
     recipe: Recipe = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    return validate(recipe, sources)
+    return validate(recipe, sources, dp_size=world_size)
 
 
 def to_container(recipe: Recipe) -> dict:

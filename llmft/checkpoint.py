@@ -1,0 +1,199 @@
+"""Checkpoints on accumulation boundaries: step folders, completion marker, ``latest``, retention.
+
+A checkpoint is written into ``checkpoints/.tmp-step-N`` by every rank, then,
+after a barrier, rank 0 writes the ``COMPLETE`` marker and renames the folder to
+``step-N`` (an atomic rename on one filesystem), then points ``latest`` at it
+with another atomic rename. A process killed at any moment therefore leaves
+either the new complete checkpoint or the previous one as ``latest``, never a
+half-written folder under a ``step-N`` name.
+
+Non-tensor state is JSON; tensors are safetensors or ``torch.save`` files that
+are read back with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmft.dist import DistEnv, barrier, broadcast_object
+from llmft.errors import Problem, UserError
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+COMPLETE = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+STEP_RE = re.compile(r"^step-(\d+)$")
+FAULT_ENV = "LLMFT_FAULT_INJECT"  # tests only: "kill_in_save:<step>" SIGKILLs this process mid-save
+
+
+def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = STEP_RE.match(d.name)
+        if m and d.is_dir() and (d / COMPLETE).exists():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = Path(run_dir) / CHECKPOINTS
+    pointer = root / LATEST
+    if pointer.is_file() and not pointer.is_symlink():
+        target = root / pointer.read_text().strip()
+        if (target / COMPLETE).exists():
+            return target
+    dirs = step_dirs(run_dir)
+    return dirs[-1][1] if dirs else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A ``step-N`` dir, ``checkpoints/latest``, ``checkpoints/``, or a run dir (its latest)."""
+    p = Path(path)
+    if p.name == LATEST and p.is_file():
+        p = p.parent / p.read_text().strip()
+    if (p / COMPLETE).exists():
+        return p
+    if p.is_dir() and STEP_RE.match(p.name):
+        raise UserError(
+            Problem(
+                str(p),
+                "is an incomplete checkpoint (no COMPLETE marker: its save was interrupted)",
+                "Use an older checkpoint, or the run dir to pick its newest complete one.",
+            )
+        )
+    for run in (p, p.parent):
+        found = latest_checkpoint(run) if (run / CHECKPOINTS).is_dir() else None
+        if found is not None:
+            return found
+    raise UserError(
+        Problem(
+            str(p),
+            "no complete checkpoint found here",
+            "Pass a checkpoints/step-N directory, checkpoints/latest, or a run directory that has checkpoints.",
+        )
+    )
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _maybe_fault(step: int) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec == f"kill_in_save:{step}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: Path, env: DistEnv, keep_last: int | None) -> None:
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / CHECKPOINTS
+        self.env = env
+        self.keep_last = keep_last
+        self.protected: Path | None = None  # the checkpoint we resumed from is never pruned mid-run
+
+    def save(
+        self, step: int, engine, state: dict[str, Any], *, recipe_yaml: str, tokenizer, save_optimizer: bool
+    ) -> Path:
+        final = self.root / f"step-{step}"
+        tmp = self.root / f".tmp-step-{step}"
+        if self.env.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a killed save
+            tmp.mkdir()
+        barrier()
+        engine.save(tmp, save_optimizer=save_optimizer)
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(rng_state(), tmp / "rng" / f"rank-{self.env.rank}.pt")
+        if self.env.is_main:
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+            (tmp / "recipe.yaml").write_text(recipe_yaml)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / "tokenizer")
+        _maybe_fault(step)
+        barrier()
+        if self.env.is_main:
+            _atomic_write(tmp / COMPLETE, json.dumps({"step": step}))
+            if final.exists():  # re-running a step after resuming from an older checkpoint
+                trash = self.root / f".trash-step-{step}"
+                shutil.rmtree(trash, ignore_errors=True)
+                os.replace(final, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            _atomic_write(self.root / LATEST, final.name)
+            self.prune()
+        barrier()
+        return final
+
+    def prune(self) -> None:
+        if self.keep_last is None:
+            return
+        dirs = step_dirs(self.run_dir)
+        for _, d in dirs[: max(len(dirs) - self.keep_last, 0)]:
+            if self.protected is not None and d.resolve() == self.protected.resolve():
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+
+    def load_state(self, ckpt: Path) -> dict[str, Any]:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        rng_file = ckpt / "rng" / f"rank-{self.env.rank}.pt"
+        state["_rng"] = torch.load(rng_file, weights_only=True) if rng_file.exists() else None
+        return state
+
+    def existing(self) -> list[tuple[int, Path]]:
+        return broadcast_object(step_dirs(self.run_dir) if self.env.is_main else None)

@@ -1,0 +1,103 @@
+"""Turn any engine's checkpoint back into one ordinary (unsharded) model in one process.
+
+single / ddp: ``model/`` is a save_pretrained dir. fsdp: a DCP folder, read without a
+process group. deepspeed: ZeRO partitions, merged to fp32 by DeepSpeed's own
+``zero_to_fp32``. Export and the cross-engine tests use this.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from llmft.checkpoint import STATE_FILE, resolve_checkpoint
+from llmft.recipe import Recipe, load_recipe
+
+
+def checkpoint_engine(ckpt: Path) -> str:
+    return json.loads((ckpt / STATE_FILE).read_text())["engine"]
+
+
+def load_checkpoint_model(path: str | Path) -> tuple[torch.nn.Module, object, Recipe, Path]:
+    """(model in fp32 on CPU with the checkpoint's weights, tokenizer, recipe, checkpoint dir)."""
+    from llmft.engines.single import MODEL_DIR, load_model_weights
+    from llmft.model import build_model
+    from llmft.tokenizer import load_tokenizer
+
+    ckpt = resolve_checkpoint(path)
+    recipe = load_recipe(
+        ckpt / "recipe.yaml",
+        [
+            "distributed.engine=single",
+            "distributed.nnodes=1",
+            "distributed.nproc_per_node=1",
+            "distributed.hsdp_replicate=1",
+            "distributed.offload_optimizer=none",
+            "distributed.offload_params=none",
+            "batch.gradient_accumulation_steps=auto",
+        ],
+        world_size=1,
+    )
+    recipe.model.quantization = None  # export and comparisons want plain weights
+    recipe.model.dtype = "fp32"
+    recipe.model.gradient_checkpointing = False
+    tok_dir = ckpt / "tokenizer"
+    tokenizer = load_tokenizer(recipe.model) if not tok_dir.is_dir() else _load_tok(tok_dir)
+    model = build_model(recipe, tokenizer, device="cpu")
+    engine = checkpoint_engine(ckpt)
+    if engine in ("single", "ddp"):
+        load_model_weights(model, ckpt / MODEL_DIR)
+    elif engine == "fsdp":
+        _load_dcp(model, ckpt)
+    elif engine == "deepspeed":
+        _load_deepspeed(model, ckpt)
+    else:  # pragma: no cover
+        raise AssertionError(engine)
+    return model, tokenizer, recipe, ckpt
+
+
+def _load_tok(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _trainable_names(model: torch.nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _load_dcp(model: torch.nn.Module, ckpt: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from llmft.engines.fsdp import DCP_DIR
+
+    state = model.state_dict()
+    if hasattr(model, "peft_config"):
+        keep = _trainable_names(model)
+        state = {k: v for k, v in state.items() if k in keep}
+    holder = {"model": state}
+    dcp.load(holder, checkpoint_id=str(ckpt / DCP_DIR), no_dist=True)
+    missing, unexpected = model.load_state_dict(holder["model"], strict=False)
+    assert not unexpected, unexpected[:5]
+
+
+def _load_deepspeed(model: torch.nn.Module, ckpt: Path) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from llmft.engines.deepspeed import DS_DIR, TAG
+
+    peft = hasattr(model, "peft_config")
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / DS_DIR), tag=TAG, exclude_frozen_parameters=peft)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected[:5]
+    if not peft:
+        tied = set(getattr(model, "_tied_weights_keys", None) or [])
+        assert set(missing) <= tied or all("lm_head" in k for k in missing), missing[:5]
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Weights the run trained, keyed by parameter name (for comparisons across engines)."""
+    names = _trainable_names(model) if hasattr(model, "peft_config") else {n for n, _ in model.named_parameters()}
+    return {n: p.detach().float().clone() for n, p in model.named_parameters() if n in names}

@@ -1,0 +1,60 @@
+"""Micro-batches as tensors: padding, the attention inputs, and counting target tokens."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from llmft.data.encode import IGNORE_INDEX
+from llmft.data.sampler import MicroBatchSampler
+
+
+def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a list of dataset rows into a batch.
+
+    Unpacked rows get an ``attention_mask``. Packed rows get ``position_ids``
+    and deliberately no ``attention_mask``: transformers builds the
+    block-diagonal mask from the restarting positions only when the 2D mask
+    is absent (see ``llmft.data.pack``). Pads are marked by position, never by
+    ``input_ids == pad_id``, so a pad id equal to eos is harmless.
+    """
+    packed = examples[0]["position_ids"] is not None
+    assert all((e["position_ids"] is not None) == packed for e in examples), "mixed packed and unpacked rows"
+    width = max(len(e["input_ids"]) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    extra = torch.zeros((len(examples), width), dtype=torch.long)  # attention_mask or position_ids
+    for row, e in enumerate(examples):
+        n = len(e["input_ids"])
+        input_ids[row, :n] = torch.tensor(e["input_ids"])
+        labels[row, :n] = torch.tensor(e["labels"])
+        if packed:
+            extra[row, :n] = torch.tensor(e["position_ids"])
+            extra[row, n:] = torch.arange(width - n)  # a padded tail is its own (ignored) sequence
+        else:
+            extra[row, :n] = 1
+    key = "position_ids" if packed else "attention_mask"
+    return {"input_ids": input_ids, "labels": labels, key: extra}
+
+
+def count_targets(labels: torch.Tensor) -> int:
+    """Tokens that contribute to the causal LM loss (HF shifts labels by one inside the loss)."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def make_loader(
+    dataset: Any, sampler: MicroBatchSampler, pad_id: int, num_workers: int, prefetch_factor: int
+) -> torch.utils.data.DataLoader:
+    """A DataLoader over ``sampler``'s micro-batches; workers stay alive across the (endless) iteration."""
+    workers = num_workers > 0
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=functools.partial(collate, pad_id=pad_id),
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor if workers else None,
+        persistent_workers=workers,
+        pin_memory=torch.cuda.is_available(),
+    )

@@ -1,0 +1,103 @@
+"""The global sample order and its split into micro-batches: resumable from one integer.
+
+A run consumes an infinite sequence of *positions* 0, 1, 2, ...; position p
+is sample ``GlobalOrder.index(p)``. Step s takes positions
+``[start + s*G, start + (s+1)*G)`` whatever the layout, and only then are
+they dealt out to ranks and micro-steps. So the set of samples of a step is
+the same for (micro 8, acc 1, dp 1) and (micro 1, acc 4, dp 2), and the number
+of positions consumed is the entire data state of a checkpoint: a resume on
+a different world size neither skips nor repeats a sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+class GlobalOrder:
+    """Position -> dataset index; epoch e is a permutation seeded with ``seed + e`` (or identity)."""
+
+    def __init__(self, num_samples: int, seed: int, shuffle: bool) -> None:
+        if num_samples <= 0:
+            raise ValueError(f"GlobalOrder needs at least one sample, got num_samples={num_samples}")
+        self.num_samples = num_samples
+        self.seed = seed
+        self.shuffle = shuffle
+        self._cached_epoch = -1
+        self._perm: list[int] = []
+
+    def epoch(self, position: int) -> int:
+        return position // self.num_samples
+
+    def index(self, position: int) -> int:
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        offset = position % self.num_samples
+        if not self.shuffle:
+            return offset
+        return self._permutation(self.epoch(position))[offset]
+
+    def _permutation(self, epoch: int) -> list[int]:
+        # Positions are read in increasing order, so caching the current epoch suffices.
+        if epoch != self._cached_epoch:
+            import torch
+
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm = torch.randperm(self.num_samples, generator=gen).tolist()
+            self._cached_epoch = epoch
+        return self._perm
+
+
+class MicroBatchSampler:
+    """Index lists of one rank's micro-batches, step after step (endless unless ``num_steps``).
+
+    Within step s, rank r takes the contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of
+    the step's positions, and micro-step k takes the k-th ``micro_batch_size``
+    chunk of that slice. Usable as a DataLoader ``batch_sampler``.
+    """
+
+    def __init__(
+        self,
+        order: GlobalOrder,
+        global_batch_size: int,
+        micro_batch_size: int,
+        gradient_accumulation_steps: int,
+        dp_rank: int,
+        dp_size: int,
+        start_position: int = 0,
+        num_steps: int | None = None,
+    ) -> None:
+        if micro_batch_size * gradient_accumulation_steps * dp_size != global_batch_size:
+            raise ValueError(
+                f"micro_batch_size {micro_batch_size} x gradient_accumulation_steps {gradient_accumulation_steps} "
+                f"x dp_size {dp_size} != global_batch_size {global_batch_size}"
+            )
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
+        self.order = order
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.start_position = start_position
+        self.num_steps = num_steps
+
+    def position_after(self, steps: int) -> int:
+        """The resume state after ``steps`` optimizer steps from the start position."""
+        return self.start_position + steps * self.global_batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        per_rank = self.global_batch_size // self.dp_size
+        step = 0
+        while self.num_steps is None or step < self.num_steps:
+            first = self.position_after(step) + self.dp_rank * per_rank
+            for k in range(self.gradient_accumulation_steps):
+                lo = first + k * self.micro_batch_size
+                yield [self.order.index(p) for p in range(lo, lo + self.micro_batch_size)]
+            step += 1
+
+    def __len__(self) -> int:
+        if self.num_steps is None:
+            raise TypeError("an endless MicroBatchSampler has no length; pass num_steps")
+        return self.num_steps * self.gradient_accumulation_steps

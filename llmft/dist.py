@@ -1,0 +1,138 @@
+"""Where this process sits in the job: ranks from torchrun, the deepspeed launcher or srun.
+
+Also the few collectives the loop needs, written so they cost nothing in a
+single process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from llmft.errors import Problem, UserError
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    launcher: str = "none"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+
+def _int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def read_env() -> DistEnv:
+    """torchrun and the deepspeed launcher set RANK/WORLD_SIZE/LOCAL_RANK; srun sets SLURM_*."""
+    if _int("WORLD_SIZE") is not None and _int("RANK") is not None:
+        world = _int("WORLD_SIZE") or 1
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "env"
+        return DistEnv(
+            rank=_int("RANK") or 0,
+            world_size=world,
+            local_rank=_int("LOCAL_RANK") or 0,
+            local_world_size=_int("LOCAL_WORLD_SIZE") or world,
+            launcher=launcher,
+        )
+    if _int("SLURM_NTASKS") and _int("SLURM_PROCID") is not None and "SLURM_STEP_ID" in os.environ:
+        world = _int("SLURM_NTASKS") or 1
+        if world > 1:
+            env = DistEnv(
+                rank=_int("SLURM_PROCID") or 0,
+                world_size=world,
+                local_rank=_int("SLURM_LOCALID") or 0,
+                local_world_size=_int("SLURM_NTASKS_PER_NODE") or _int("SLURM_TASKS_PER_NODE") or world,
+                launcher="srun",
+            )
+            # torch.distributed's env:// rendezvous reads these names.
+            os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(world), LOCAL_RANK=str(env.local_rank))
+            if "MASTER_ADDR" not in os.environ:
+                raise UserError(
+                    Problem(
+                        "MASTER_ADDR",
+                        "srun started several tasks but MASTER_ADDR is not set",
+                        "Launch with the launch/slurm.sbatch that `llmft compile` writes, or export MASTER_ADDR "
+                        "(the first host of $SLURM_JOB_NODELIST) and MASTER_PORT before srun.",
+                    )
+                )
+            return env
+    return DistEnv()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(env: DistEnv, backend: str = "auto", timeout_minutes: int = 30, *, force: bool = False) -> None:
+    """Create the process group. ``force``: also for one process (FSDP2 and DeepSpeed need a group)."""
+    if dist.is_initialized() or not (env.distributed or force):
+        return
+    if not env.distributed:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo" and os.environ.get("MASTER_ADDR", "127.0.0.1") in LOOPBACK:
+        # A local multi-process run: keep gloo off the machine's other interfaces.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """One all-reduce for a few scalars (token counts, loss sums, stop flags)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

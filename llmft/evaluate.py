@@ -1,0 +1,102 @@
+"""Eval: token-mean loss and perplexity over the eval set, and exact-match accuracy of greedy
+generation on eval prompts. Every rank runs the same number of forward calls (sharded engines
+need all ranks in every collective), padding its share with no-target batches."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from llmft.dist import DistEnv, all_reduce_sum
+from llmft.plan.batch import BatchPlan
+from llmft.recipe.schema import Recipe
+
+
+def _shard(n: int, rank: int, world: int) -> range:
+    per = math.ceil(n / world)
+    return range(min(rank * per, n), min((rank + 1) * per, n))
+
+
+class Evaluator:
+    def __init__(self, recipe: Recipe, env: DistEnv, engine, data, tokenizer, plan: BatchPlan) -> None:
+        self.recipe, self.env, self.engine, self.data, self.tokenizer = recipe, env, engine, data, tokenizer
+        self.micro = plan.micro_batch_size
+
+    @torch.no_grad()
+    def run(self, step: int) -> dict[str, Any] | None:
+        row: dict[str, Any] = {"split": "eval", "step": step}
+        if self.data.eval is not None and len(self.data.eval):
+            row.update(self._loss())
+        if self.recipe.train.eval_generate_samples and self.data.eval_prompts:
+            row.update(self._exact_match())
+        return row if len(row) > 2 else None
+
+    def _loss(self) -> dict[str, float]:
+        from llmft.data import collate, count_targets
+
+        ds, world = self.data.eval, self.env.world_size
+        n = len(ds)
+        if self.recipe.train.eval_max_batches is not None:
+            n = min(n, self.recipe.train.eval_max_batches * self.micro * world)
+        mine = list(_shard(n, self.env.rank, world))
+        num_batches = math.ceil(math.ceil(n / world) / self.micro)
+        model = self.engine.model
+        model.eval()
+        loss_sum, targets = 0.0, 0.0
+        for b in range(num_batches):
+            idx = mine[b * self.micro : (b + 1) * self.micro]
+            examples = [ds[i] for i in idx] or [ds[0]]  # a rank with no data left runs a dummy batch
+            batch = collate(examples, self.tokenizer.pad_token_id)
+            if not idx:
+                batch["labels"].fill_(-100)
+            batch = {k: v.to(self.env.device) for k, v in batch.items()}
+            count = count_targets(batch["labels"])
+            with self.engine.autocast():
+                out = model(**batch, num_items_in_batch=torch.tensor(1.0, device=self.env.device), use_cache=False)
+            if count:
+                loss_sum += float(out.loss)
+                targets += count
+        loss_sum, targets = all_reduce_sum([loss_sum, targets], self.env.device)
+        loss = loss_sum / max(targets, 1.0)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(targets)}
+
+    def _exact_match(self) -> dict[str, float]:
+        prompts = self.data.eval_prompts[: self.recipe.train.eval_generate_samples]
+        world, rank = self.env.world_size, self.env.rank
+        per = math.ceil(len(prompts) / world)
+        mine = prompts[rank * per : (rank + 1) * per]
+        real = len(mine)
+        mine = mine + [prompts[0]] * (per - real)  # equal work on every rank
+        model = self.engine.unwrap()
+        model.eval()
+        correct = 0
+        batch_size = max(self.micro, 8)
+        for start in range(0, per, batch_size):
+            chunk = mine[start : start + batch_size]
+            texts = self._generate([p for p, _ in chunk])
+            for j, (text, (_, ref)) in enumerate(zip(texts, chunk, strict=True)):
+                if start + j < real and text.strip() == ref.strip():
+                    correct += 1
+        correct_all, total = all_reduce_sum([float(correct), float(real)], self.env.device)
+        return {"exact_match": correct_all / max(total, 1.0), "generated": int(total)}
+
+    def _generate(self, prompt_ids: list[list[int]]) -> list[str]:
+        tok = self.tokenizer
+        width = max(len(p) for p in prompt_ids)
+        pad = tok.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=self.env.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=self.env.device)
+        model = self.engine.unwrap()
+        with self.engine.autocast():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=self.recipe.train.eval_max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=tok.eos_token_id,
+                synced_gpus=self.env.distributed and self.recipe.distributed.engine in ("fsdp", "deepspeed"),
+            )
+        return tok.batch_decode(out[:, width:], skip_special_tokens=True)

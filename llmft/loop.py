@@ -1,0 +1,140 @@
+"""The training loop. One iteration = one optimizer step = ``accumulation`` micro-batches.
+
+The loss of a micro-batch is the sum of its token losses divided by the number
+of target tokens in the WHOLE global batch (counted for the step before any
+backward and all-reduced once), so the summed gradients of any split
+(micro x accumulation x ranks) equal the gradient of one big batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from llmft.data import count_targets
+from llmft.dist import DistEnv, all_reduce_sum
+from llmft.errors import Problem, TrainingDiverged
+from llmft.plan.batch import BatchPlan
+from llmft.stop import StopRequest
+
+log = logging.getLogger("llmft")
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # optimizer steps done
+    samples: int = 0  # position in the global sample order (samples consumed by all ranks)
+    tokens: int = 0  # target tokens trained on
+
+
+@dataclass
+class LoopHooks:
+    """What the loop calls out to; train.py wires these to metrics, eval and checkpoints."""
+
+    log_train: Callable[[dict[str, Any]], None]
+    evaluate: Callable[[int], None]
+    checkpoint: Callable[[LoopState], None]
+    progress: Callable[[LoopState, dict[str, Any]], None] = lambda state, row: None
+    extra_metrics: Callable[[dict[str, Any]], dict[str, Any]] = lambda row: {}
+
+
+@dataclass
+class LoopConfig:
+    max_steps: int
+    max_grad_norm: float | None
+    log_every: int = 1
+    eval_every: int | None = None
+    checkpoint_every: int | None = None
+    stopped: str | None = field(default=None)
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def train_loop(
+    engine,
+    scheduler,
+    batches: Iterator[dict[str, torch.Tensor]],
+    plan: BatchPlan,
+    env: DistEnv,
+    cfg: LoopConfig,
+    state: LoopState,
+    hooks: LoopHooks,
+    stop: StopRequest,
+) -> LoopState:
+    device = env.device
+    model = engine.model
+    model.train()
+    while state.step < cfg.max_steps:
+        t0 = time.perf_counter()
+        # All micro-batches of the step are fetched first: their target tokens must be counted
+        # before the first backward (each micro loss is divided by the global count).
+        micro_batches = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
+        data_wait = time.perf_counter() - t0
+        local_targets = sum(count_targets(mb["labels"]) for mb in micro_batches)
+        (global_targets,) = all_reduce_sum([float(local_targets)], device)
+        num_items = torch.tensor(max(global_targets, 1.0), device=device)
+
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        for k, mb in enumerate(micro_batches):
+            boundary = k == plan.gradient_accumulation_steps - 1
+            mb = _to_device(mb, device)
+            with engine.micro_step(boundary):
+                with engine.autocast():
+                    loss = model(**mb, num_items_in_batch=num_items, use_cache=False).loss
+                engine.backward(loss * engine.grad_scale)
+            loss_sum += loss.detach().double()
+
+        # One all-reduce for the step's loss and the stop flag: every rank sees the same decision.
+        loss_global, stop_votes = all_reduce_sum([float(loss_sum), 1.0 if stop.requested else 0.0], device)
+        if not math.isfinite(loss_global):
+            raise TrainingDiverged(
+                Problem(
+                    f"step {state.step + 1}",
+                    f"the loss is {loss_global} (not finite); no optimizer step was taken and the last "
+                    "checkpoint is untouched",
+                    "Lower optim.lr, enable optim.max_grad_norm, use bf16 instead of fp16, or check the data.",
+                )
+            )
+        grad_norm = engine.step(cfg.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        state.step += 1
+        state.samples += plan.global_batch_size
+        state.tokens += int(global_targets)
+        step_time = time.perf_counter() - t0
+
+        row = {
+            "split": "train",
+            "step": state.step,
+            "loss": loss_global,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": int(global_targets),
+            "tokens_per_s": global_targets / step_time,
+            "step_time_s": step_time,
+            "data_wait_frac": data_wait / step_time,
+            "samples": state.samples,
+        }
+        row.update(hooks.extra_metrics(row))
+        if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
+            hooks.log_train(row)
+        hooks.progress(state, row)
+
+        stopping = stop_votes > 0
+        last = state.step == cfg.max_steps
+        if cfg.eval_every and state.step % cfg.eval_every == 0 and not last and not stopping:
+            hooks.evaluate(state.step)
+            model.train()
+        if stopping or last or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
+            hooks.checkpoint(state)
+        if stopping:
+            cfg.stopped = stop.requested or "a signal on another rank"
+            break
+    return state

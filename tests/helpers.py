@@ -1,0 +1,124 @@
+"""Shared test fixtures: a tiny recipe, tiny variable-length data, and running `llmft train`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 320,
+    "max_position_embeddings": 256,
+}
+
+
+def write_data(path: Path, n: int = 64, seed: int = 0, kind: str = "completion") -> Path:
+    """Records of very different lengths, so per-micro-batch averaging would visibly differ."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for _ in range(n):
+            word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 24)))
+            if kind == "text":
+                rec = {"text": word * rng.randint(1, 3)}
+            else:
+                rec = {"prompt": f"reverse {word}:", "completion": word[::-1]}
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def write_recipe(tmp: Path, **sections) -> Path:
+    """A complete tiny recipe; keyword args are dotted-key overrides baked into the file."""
+    import yaml
+
+    data = tmp / "train.jsonl"
+    if not data.exists():
+        write_data(data)
+    recipe = {
+        "run": {"output_dir": str(tmp / "run"), "seed": 0, "tensorboard": False},
+        "model": {"config": TINY_LLAMA, "dtype": "fp32", "attn_implementation": "eager"},
+        "data": {"train": str(data), "max_seq_len": 64, "num_workers": 0},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 4},
+        "optim": {"name": "adamw", "lr": 1e-3, "scheduler": "constant"},
+        "train": {"max_steps": 2, "progress_bar": False},
+        "checkpoint": {"every_steps": None},
+    }
+    for key, value in sections.items():
+        node = recipe
+        *parents, leaf = key.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def train_inproc(recipe: Path, *overrides: str) -> int:
+    from llmft.train import train
+
+    return train(str(recipe), list(overrides))
+
+
+def torchrun(
+    args: list[str], nproc: int = 2, timeout: int = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "llmft",
+        *args,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(run_dir: Path, split: str = "train") -> list[dict]:
+    """metrics.jsonl rows of one split; where a step appears twice the later row counts."""
+    rows: dict[int, dict] = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["split"] == split:
+            rows[row["step"]] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def checkpoint_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Weights of a single-process / DDP checkpoint (adapter or full model)."""
+    model_dir = Path(ckpt) / "model"
+    for name in ("adapter_model.safetensors", "model.safetensors"):
+        if (model_dir / name).exists():
+            return load_file(model_dir / name)
+    raise FileNotFoundError(model_dir)
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-12)).item() for k in a)
