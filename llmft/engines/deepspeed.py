@@ -22,7 +22,18 @@ from llmft.plan.batch import BatchPlan
 from llmft.recipe.schema import Recipe
 
 DS_DIR = "deepspeed"
+# Fresh models (model.config) up to this size are built whole on every rank with the seeded init
+# and partitioned by deepspeed.initialize, so their weights equal the single-process run's;
+# larger ones and every pretrained model are built under zero.Init, partitioned from the start.
+WHOLE_INIT_MAX_PARAMS = 1_000_000_000
 TAG = "state"
+
+
+def builds_whole(recipe: Recipe) -> bool:
+    from llmft.plan.shape import model_shape
+
+    shape = model_shape(recipe.model)
+    return recipe.model.config is not None and shape is not None and shape.num_params <= WHOLE_INIT_MAX_PARAMS
 
 
 class DeepSpeedEngineAdapter:
@@ -35,9 +46,14 @@ class DeepSpeedEngineAdapter:
         from llmft.plan.shape import model_shape
 
         self.env = env
+        # DeepSpeed's comm layer wraps the process group train.py created; its config checks
+        # (batch x world size, also inside zero.Init) read the world size from there.
+        deepspeed.init_distributed(
+            dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=False
+        )
         self.config = deepspeed_config(recipe, model_shape(recipe.model))
         self._hf_ds = None
-        if recipe.distributed.zero_stage == 3:
+        if recipe.distributed.zero_stage == 3 and not builds_whole(recipe):
             from transformers.integrations import HfDeepSpeedConfig
 
             self._hf_ds = HfDeepSpeedConfig(self.config)  # must stay alive while the model is built
