@@ -183,7 +183,12 @@ def _combinations(r: Recipe, where, dp_size: int) -> list[Problem]:
                 f"Choose a divisor of {dp_size}.",
             )
         )
-    if m.quantization is not None and m.quantization.bits == 8 and d.engine in ("fsdp", "deepspeed") and dp_size > 1:
+    # FSDP2 turns every param into a DTensor even on one rank, which drops the int8 weights' scales.
+    if (
+        m.quantization is not None
+        and m.quantization.bits == 8
+        and (d.engine == "fsdp" or (d.engine == "deepspeed" and dp_size > 1))
+    ):
         p.append(
             Problem(
                 where("model.quantization.bits"),
@@ -208,6 +213,30 @@ def _combinations(r: Recipe, where, dp_size: int) -> list[Problem]:
                     "Use optim.name=adamw with offload, or offload_optimizer=none.",
                 )
             )
+    if d.engine == "deepspeed" and d.offload_optimizer != "none" and d.zero_stage == 0:
+        p.append(
+            Problem(
+                where("distributed.offload_optimizer"),
+                "ZeRO stage 0 has no optimizer partitions to offload (DeepSpeed would silently keep them on the GPU)",
+                "Set distributed.zero_stage to 1, 2 or 3, or offload_optimizer=none.",
+            )
+        )
+    if d.engine == "deepspeed" and d.offload_optimizer == "nvme" and d.zero_stage in (1, 2):
+        p.append(
+            Problem(
+                where("distributed.offload_optimizer"),
+                f"nvme optimizer offload needs ZeRO stage 3 (stage {d.zero_stage} would silently offload to CPU RAM)",
+                "Set distributed.zero_stage=3, or offload_optimizer=cpu.",
+            )
+        )
+    if d.hsdp_replicate > 1 and d.engine != "fsdp":
+        p.append(
+            Problem(
+                where("distributed.hsdp_replicate"),
+                f"HSDP replica groups are an FSDP2 setting; engine is {d.engine}, which would ignore it",
+                "Set distributed.engine=fsdp, or distributed.hsdp_replicate=1.",
+            )
+        )
     if r.batch.global_batch_tokens is not None and not r.data.packing:
         p.append(
             Problem(

@@ -50,3 +50,43 @@ def test_one_sgd_step_matches_single_process(tmp_path, single_sgd, name, overrid
     ref_rows = metrics(single_sgd[0] / "run")
     assert rows[0]["tokens"] == ref_rows[0]["tokens"]
     assert abs(rows[0]["loss"] - ref_rows[0]["loss"]) < 1e-5
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_one_gradient_reduction_per_optimizer_step(tmp_path, engine):
+    """At accumulation 4, only the last micro-step of each optimizer step reduces gradients."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT, free_port
+
+    recipe = write_recipe(tmp_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(ROOT / "tests/distributed/collectives_probe.py"),
+        str(recipe),
+        engine,
+        str(tmp_path / "run"),
+    ]
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("COLLECTIVES "))
+    log = json.loads(line.split(" ", 1)[1])["per_micro_step"]
+    assert [boundary for boundary, _ in log] == [False, False, False, True] * 3
+    assert all(n == 0 for boundary, n in log if not boundary)  # no communication inside the cycle
+    per_step = [n for boundary, n in log if boundary]
+    assert per_step[0] > 0 and len(set(per_step)) == 1  # one reduction (set of buckets) per step

@@ -1,0 +1,370 @@
+"""Model folders of a checkpoint, and ``llmft export``: a Hugging Face directory from a checkpoint.
+
+The model part of a (single-process) checkpoint ``checkpoints/step-N/``::
+
+    model/          exactly what ``save_pretrained`` writes: a PEFT adapter dir
+                    (adapter_config.json + adapter_model.safetensors) or a full HF model dir
+    tokenizer/      ``tokenizer.save_pretrained``
+    recipe.yaml     the resolved recipe (how to rebuild the base model)
+
+An adapter needs its base. A base named by ``model.name_or_path`` is found by that
+name. A base built from ``model.config`` exists only as random weights in memory, so
+the checkpoint code writes it once with ``save_base_model`` to
+``checkpoints/base_model/`` (beside the step dirs, so pruning never removes it). When
+it is missing, export rebuilds it from ``model.config`` and ``run.seed``: the same
+weights as long as torch and transformers are the versions that trained.
+
+Weights are written as safetensors and read only from safetensors; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from llmft.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from llmft.recipe.schema import Recipe
+
+log = logging.getLogger("llmft")
+
+MODEL_DIR = "model"
+TOKENIZER_DIR = "tokenizer"
+RECIPE_FILE = "recipe.yaml"
+BASE_DIR = "base_model"
+ADAPTER_CONFIG = "adapter_config.json"
+EXPORTS = "exported"
+
+# Names PEFT inserts into parameter paths: wrappers around the original module, and
+# the adapter's own weights (which are not part of the base).
+_PEFT_WRAPPERS = {"base_layer", "original_module"}
+_PEFT_ONLY = {
+    "lora_A",
+    "lora_B",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_magnitude_vector",
+    "modules_to_save",
+}
+
+
+# --- checkpoint time ----------------------------------------------------------------------------
+
+
+def save_model_dir(model: torch.nn.Module, tokenizer: Any, out: Path, *, state_dict: dict | None = None) -> Path:
+    """Write ``out/model`` (``save_pretrained``: adapter dir or full model dir) and ``out/tokenizer``.
+
+    ``state_dict``: a consolidated state dict from a sharding engine (gathered on this rank).
+    """
+    out = Path(out)
+    model_dir = out / MODEL_DIR
+    model.save_pretrained(model_dir, safe_serialization=True, state_dict=state_dict)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out / TOKENIZER_DIR)
+    return model_dir
+
+
+def save_base_model(model: torch.nn.Module, out: Path, *, dtype: torch.dtype | None = None) -> Path:
+    """Write the frozen base of a (PEFT) model as a HF model dir that ``from_pretrained`` loads.
+
+    Adapter weights are left out; quantized weights are dequantized, so an adapter
+    trained with QLoRA sees, on this base, the weights it was trained against. Written
+    into a temporary sibling and renamed, so ``out`` is complete or absent. Call it on
+    an unsharded model (single process, or DDP rank 0).
+    """
+    from safetensors.torch import save_file
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    dtype = dtype or _config_dtype(base.config)
+    state = base_state_dict(base, dtype)
+    config = plain_config(base.config, dtype)
+    _check_keys(state, config)
+
+    out = Path(out)
+    with _staged(out, replace=True) as tmp:
+        config.save_pretrained(tmp)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def base_state_dict(base: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The base model's weights under their original names, dequantized, on CPU, in ``dtype``."""
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()  # tied weights are one tensor under two names: keep the first
+    for module_name, module in base.named_modules():
+        persistent = [
+            (n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set
+        ]
+        for name, tensor in [*module.named_parameters(recurse=False), *persistent]:
+            key = _base_key(f"{module_name}.{name}" if module_name else name)
+            if key is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            state[key] = _dequantized(tensor).to("cpu", dtype).contiguous()
+    return state
+
+
+def _base_key(name: str) -> str | None:
+    parts = name.split(".")
+    if _PEFT_ONLY.intersection(parts):
+        return None
+    return ".".join(p for p in parts if p not in _PEFT_WRAPPERS)
+
+
+def _dequantized(t: torch.Tensor) -> torch.Tensor:
+    kind = type(t).__name__
+    if kind == "Params4bit" and getattr(t, "bnb_quantized", False):
+        import bitsandbytes.functional as bnb_f
+
+        return bnb_f.dequantize_4bit(t.data, t.quant_state)
+    if kind == "Int8Params" and getattr(t, "SCB", None) is not None:
+        import bitsandbytes.functional as bnb_f
+
+        return bnb_f.int8_vectorwise_dequant(t.data, t.SCB)
+    return t.detach()
+
+
+def plain_config(config: PretrainedConfig, dtype: torch.dtype) -> PretrainedConfig:
+    """The config of the unquantized model in ``dtype``, ready for inference (KV cache on)."""
+    config = copy.deepcopy(config)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config.dtype = dtype
+    config.use_cache = True
+    return config
+
+
+def _check_keys(state: dict[str, torch.Tensor], config: PretrainedConfig) -> None:
+    """Our renaming of PEFT's parameter paths must give exactly the plain model's names."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        expected_model = AutoModelForCausalLM.from_config(config)
+    expected = set(expected_model.state_dict())
+    unexpected = sorted(set(state) - expected)
+    missing = expected - set(state)
+    tied = set(getattr(expected_model, "_tied_weights_keys", None) or ())  # a dict (v5) or a list: the names
+    assert not unexpected, f"base weights with names the model does not have: {unexpected[:5]}"
+    assert missing <= tied, f"base weights missing: {sorted(missing)[:5]}"
+
+
+def _config_dtype(config: PretrainedConfig) -> torch.dtype:
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+# --- export -------------------------------------------------------------------------------------
+
+
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike | None = None, *, merge_lora: bool = False) -> Path:
+    """``llmft export``: a step dir, ``checkpoints/latest`` or a run dir -> a HF directory.
+
+    Default ``out``: ``<run>/exported/step-N`` (``step-N-merged`` with ``merge_lora``).
+    """
+    from llmft.checkpoint import resolve_checkpoint
+
+    step_dir = resolve_checkpoint(checkpoint)
+    if out is None:
+        out = step_dir.parent.parent / EXPORTS / (step_dir.name + ("-merged" if merge_lora else ""))
+    return export_model_dir(step_dir, Path(out), merge_lora=merge_lora)
+
+
+def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool) -> Path:
+    """Write ``out``: a PEFT adapter dir (LoRA, no merge) or a full model dir, tokenizer beside it.
+
+    LoRA without ``merge_lora``: the adapter, its ``base_model_name_or_path`` pointing at a
+    loadable base (the hub id or local dir of ``model.name_or_path``, or for a
+    ``model.config`` base a copy in ``out/base_model``). With ``merge_lora``: the adapter
+    merged into the unquantized base in the compute dtype (``model.dtype``). A full
+    fine-tune: the model in the compute dtype.
+    """
+    from llmft.model import DTYPES
+
+    step_dir, out = Path(step_dir), Path(out)
+    recipe = _checkpoint_recipe(step_dir)
+    dtype = DTYPES[recipe.model.dtype]
+    _check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # beside the output, not in /tmp: a consolidated model can be as large as the export
+    with tempfile.TemporaryDirectory(prefix=".llmft-consolidated-", dir=out.parent) as scratch:
+        model_dir = _checkpoint_model_dir(step_dir, Path(scratch))
+        is_adapter = (model_dir / ADAPTER_CONFIG).is_file()
+        if merge_lora and not is_adapter:
+            log.warning("%s holds a full fine-tune, not an adapter: nothing to merge, exporting the model", step_dir)
+        with _staged(out) as tmp:
+            if not is_adapter:
+                _write_full(model_dir, recipe, dtype, tmp)
+            elif merge_lora:
+                _write_merged(step_dir, model_dir, recipe, dtype, tmp)
+            else:
+                _write_adapter(step_dir, model_dir, recipe, dtype, tmp, final=out)
+            _copy_tokenizer(step_dir, tmp)
+    return out
+
+
+def _checkpoint_recipe(step_dir: Path) -> Recipe:
+    from llmft.recipe import load_recipe
+
+    path = step_dir / RECIPE_FILE
+    if not path.is_file():
+        raise UserError(
+            Problem(
+                str(step_dir),
+                f"has no {RECIPE_FILE}, so it is not a checkpoint written by llmft train",
+                "Pass a checkpoints/step-N directory, checkpoints/latest, or a run directory.",
+            )
+        )
+    return load_recipe(path)
+
+
+def _checkpoint_model_dir(step_dir: Path, scratch: Path) -> Path:
+    """``model/`` of the checkpoint; sharded FSDP/ZeRO states are first consolidated into ``scratch``."""
+    model_dir = step_dir / MODEL_DIR
+    if (model_dir / ADAPTER_CONFIG).is_file() or (model_dir / "config.json").is_file():
+        return model_dir
+    from llmft.checkpoint import STATE_FILE
+    from llmft.engines.deepspeed import DS_DIR
+    from llmft.engines.fsdp import DCP_DIR
+
+    if (step_dir / STATE_FILE).is_file() and any((step_dir / d).is_dir() for d in (DCP_DIR, DS_DIR)):
+        from llmft.consolidate import load_checkpoint_model
+
+        model = load_checkpoint_model(step_dir)[0]
+        model.save_pretrained(scratch / MODEL_DIR, safe_serialization=True)
+        return scratch / MODEL_DIR
+    found = ", ".join(sorted(p.name for p in step_dir.iterdir())) if step_dir.is_dir() else "nothing"
+    raise UserError(
+        Problem(
+            str(step_dir),
+            f"has no {MODEL_DIR}/ folder with a Hugging Face model or PEFT adapter, and no sharded "
+            f"FSDP/DeepSpeed state (found: {found})",
+            "Pass a checkpoints/step-N directory written by llmft train, checkpoints/latest, or a run directory.",
+        )
+    )
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(Problem(str(out), "already exists and is not empty", "Choose another --out, or delete it."))
+
+
+@contextlib.contextmanager
+def _staged(out: Path, *, replace: bool = False) -> Iterator[Path]:
+    """Build ``out`` in a temporary sibling and rename it into place: complete or absent."""
+    if not replace:
+        _check_out(out)
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.is_dir():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def _write_full(model_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path) -> None:
+    # Loaded and saved rather than copied: training may keep fp32 master weights, the
+    # export is in the compute dtype like a merged adapter.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=recipe.model.trust_remote_code
+    )
+    _save_for_inference(model, dtype, out)
+
+
+def _write_merged(step_dir: Path, model_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path) -> None:
+    from peft import PeftModel
+
+    base = _load_base(step_dir, recipe, dtype)
+    merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
+    _save_for_inference(merged, dtype, out)
+
+
+def _write_adapter(
+    step_dir: Path, model_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path, *, final: Path
+) -> None:
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix not in (".bin", ".pt", ".pth", ".pkl"):
+            shutil.copy2(f, out / f.name)
+    config = json.loads((out / ADAPTER_CONFIG).read_text())
+    m = recipe.model
+    if m.config is None:
+        from llmft.model import resolve_name
+
+        name = resolve_name(m.name_or_path)
+        config["base_model_name_or_path"] = str(Path(name).resolve()) if Path(name).is_dir() else name
+        config["revision"] = m.revision
+    else:
+        _write_base(step_dir, recipe, dtype, out / BASE_DIR)
+        # Absolute: transformers resolves a relative path against the working directory, not this folder.
+        config["base_model_name_or_path"] = str(final.resolve() / BASE_DIR)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _saved_base(step_dir: Path) -> Path | None:
+    for candidate in (step_dir / BASE_DIR, step_dir.parent / BASE_DIR):
+        if (candidate / "config.json").is_file():
+            return candidate
+    return None
+
+
+def _write_base(step_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path) -> None:
+    saved = _saved_base(step_dir)
+    if saved is not None:
+        shutil.copytree(saved, out)
+        return
+    _save_for_inference(_load_base(step_dir, recipe, dtype), dtype, out)
+
+
+def _load_base(step_dir: Path, recipe: Recipe, dtype: torch.dtype) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
+    from llmft.model import load_base_model
+
+    saved = _saved_base(step_dir) if recipe.model.config is not None else None
+    if saved is not None:
+        return AutoModelForCausalLM.from_pretrained(saved, dtype=dtype, use_safetensors=True)
+    if recipe.model.config is not None:
+        log.warning(
+            "no saved base model beside %s: rebuilding it from model.config and run.seed=%d; the weights "
+            "match training only with the same torch and transformers versions",
+            step_dir,
+            recipe.run.seed,
+        )
+    return load_base_model(recipe, dtype=dtype)
+
+
+def _save_for_inference(model: PreTrainedModel, dtype: torch.dtype, out: Path) -> None:
+    model.to(dtype)
+    model.config.use_cache = True  # training turned it off; generation wants it
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def _copy_tokenizer(step_dir: Path, out: Path) -> None:
+    src = step_dir / TOKENIZER_DIR
+    if not src.is_dir():
+        log.warning("%s has no %s/ folder: the export has no tokenizer", step_dir, TOKENIZER_DIR)
+        return
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)

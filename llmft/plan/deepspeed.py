@@ -1,0 +1,118 @@
+"""The DeepSpeed config of a validated recipe: concrete numbers only, never ``"auto"``.
+
+The same function writes ``ds_config.json`` at compile time and builds the dict
+the DeepSpeed engine passes to ``deepspeed.initialize`` at run time (with the
+live recipe, whose batch was re-solved for the real world size), so the file a
+user reads is the config that runs. It is pure: no torch, no deepspeed, no I/O.
+
+What is deliberately absent:
+
+- ``optimizer`` / ``scheduler``: llmft builds the torch optimizer and the LR
+  schedule itself and hands the optimizer to ``deepspeed.initialize``, so that
+  every engine steps the same optimizer and schedule.
+- ``"auto"``: HF's late resolution is what makes the trainer and the JSON
+  disagree; the bucket sizes it would derive from the hidden size are computed
+  here instead.
+- ``elasticity``: it would let DeepSpeed pick its own batch; the batch equation
+  is ours (and DeepSpeed >= 0.19 rejects the block anyway).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmft.plan.batch import BatchPlan
+from llmft.plan.shape import ModelShape
+from llmft.recipe.schema import Recipe
+
+# Used for the bucket sizes when the model's hidden size cannot be known without a
+# download: the sizes HF's "auto" gives for a 7-8B model, a sensible middle ground.
+FALLBACK_HIDDEN_SIZE = 4096
+# DeepSpeed prints every N steps; llmft logs itself, so effectively never.
+STEPS_PER_PRINT = 1_000_000_000
+
+
+def _plan(recipe: Recipe) -> BatchPlan:
+    """The recipe's batch as a plan; ``BatchPlan`` asserts the equation holds."""
+    b, d = recipe.batch, recipe.distributed
+    return BatchPlan(
+        b.global_batch_size, b.micro_batch_size, b.gradient_accumulation_steps, d.nnodes * d.nproc_per_node
+    )
+
+
+def _offload(device: str, recipe: Recipe) -> dict[str, Any]:
+    block: dict[str, Any] = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        block["nvme_path"] = recipe.distributed.nvme_path
+    return block
+
+
+def zero_optimization(recipe: Recipe, shape: ModelShape | None) -> dict[str, Any]:
+    """The ``zero_optimization`` block for stages 0-3, bucket sizes from the hidden size.
+
+    The sizes are what HF's ``auto`` would give: reduce bucket h*h, stage-3 prefetch
+    0.9*h*h, and params smaller than 10*h kept whole on every rank.
+    """
+    d = recipe.distributed
+    stage = d.zero_stage
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 0:
+        return zero
+    h = shape.hidden_size if shape is not None else FALLBACK_HIDDEN_SIZE
+    bucket = h * h
+    zero.update(
+        overlap_comm=True,
+        contiguous_gradients=True,
+        reduce_scatter=True,
+        reduce_bucket_size=bucket,
+    )
+    if stage < 3:
+        zero["allgather_partitions"] = True
+        zero["allgather_bucket_size"] = bucket
+    else:
+        zero.update(
+            stage3_prefetch_bucket_size=int(0.9 * h * h),
+            stage3_param_persistence_threshold=10 * h,
+            stage3_max_live_parameters=1_000_000_000,
+            stage3_max_reuse_distance=1_000_000_000,
+            sub_group_size=1_000_000_000,
+            # llmft consolidates ZeRO-3 shards itself at export; gathering 16-bit
+            # weights on every save would materialise the whole model on rank 0.
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
+    if d.offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload(d.offload_optimizer, recipe)
+    if stage == 3 and d.offload_params != "none":
+        zero["offload_param"] = _offload(d.offload_params, recipe)
+    return zero
+
+
+def precision(dtype: str) -> dict[str, Any]:
+    """``bf16`` and ``fp16`` blocks, both always present so nothing falls back to a default."""
+    fp16: dict[str, Any] = {"enabled": dtype == "fp16"}
+    if dtype == "fp16":
+        # loss_scale 0 means dynamic loss scaling: start at 2**16, halve on overflow,
+        # double after a window of clean steps.
+        fp16.update(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1)
+    return {"bf16": {"enabled": dtype == "bf16"}, "fp16": fp16}
+
+
+def deepspeed_config(recipe: Recipe, shape: ModelShape | None = None) -> dict[str, Any]:
+    """The complete DeepSpeed config of a validated recipe (batch keys concrete for its dp size)."""
+    plan = _plan(recipe)
+    max_norm = recipe.optim.max_grad_norm
+    return {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "gradient_clipping": float(max_norm) if max_norm is not None else 0.0,
+        "zero_optimization": zero_optimization(recipe, shape),
+        **precision(recipe.model.dtype),
+        # The optimizer is llmft's own torch (or bitsandbytes) optimizer.
+        "zero_allow_untested_optimizer": True,
+        # ... and it stays ours under optimizer offload too, instead of DeepSpeed
+        # refusing anything that is not its DeepSpeedCPUAdam.
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": STEPS_PER_PRINT,
+        "wall_clock_breakdown": False,
+    }

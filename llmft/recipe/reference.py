@@ -1,0 +1,107 @@
+"""docs/recipe.md, rendered from the schema's field docs (the single source of what a key means).
+
+    python -m llmft.recipe.reference > docs/recipe.md
+
+A test fails when the committed file differs from what this renders.
+"""
+
+from __future__ import annotations
+
+import sys
+import typing
+from dataclasses import MISSING, Field, is_dataclass
+from typing import Any
+
+from llmft.recipe.schema import Recipe, default_of, iter_fields
+
+REGENERATE = "python -m llmft.recipe.reference > docs/recipe.md"
+
+INTRO = f"""\
+# Recipe reference
+
+<!-- Generated from llmft/recipe/schema.py by `{REGENERATE}`. Do not edit by hand. -->
+
+A recipe is one YAML file of the sections below. Every key is optional except what a run
+needs (a model, `data.train`, and `train.max_steps` or `train.epochs`); unknown keys are an
+error that suggests the closest valid key. Override any key on the command line with
+OmegaConf dot-list syntax, e.g. `llmft train recipe.yaml optim.lr=1e-4 model.quantization.bits=4`.
+Of the three batch keys, any one may be `auto`: it is solved from the other two and the
+data-parallel size (see [batch.md](batch.md)). Complete, tested recipes live in `configs/`.
+"""
+
+
+def render_reference() -> str:
+    """The whole of docs/recipe.md."""
+    parts = [INTRO.rstrip()]
+    owner: dict[str, type] = {"": Recipe}  # dotted prefix -> the dataclass holding its fields
+    section: list[str] = []
+    for key, f, sub in iter_fields():
+        parent = key.rpartition(".")[0]
+        if sub is not None:
+            owner[key] = sub
+        if not parent:  # a top-level section
+            if section:
+                parts.append("\n".join(section))
+            section = [
+                f"## `{key}`",
+                "",
+                f.metadata["doc"],
+                "",
+                "| key | type | default | meaning |",
+                "| --- | --- | --- | --- |",
+            ]
+            continue
+        hint = typing.get_type_hints(owner[parent])[f.name]
+        section.append(f"| `{key}` | {_type_name(hint, f)} | {_default(f)} | {_meaning(f)} |")
+    parts.append("\n".join(section))
+    return "\n\n".join(parts) + "\n"
+
+
+def _type_name(hint: Any, f: Field) -> str:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return f"{_type_name(inner[0], f)} or null"
+    if hint is Any:
+        return "int or `auto`" if default_of(f) == "auto" else "any (see meaning)"
+    if is_dataclass(hint):
+        return "section"
+    origin = typing.get_origin(hint)
+    if origin in (list, typing.List):
+        return f"list of {_type_name(args[0], f)}" if args else "list"
+    if origin in (dict, typing.Dict):
+        return "mapping"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _default(f: Field) -> str:
+    value = default_of(f)
+    if value is MISSING:
+        return "required"
+    if is_dataclass(value):
+        return "(section)"
+    return f"`{_value(value)}`"
+
+
+def _meaning(f: Field) -> str:
+    text = f.metadata["doc"]
+    choices = f.metadata.get("choices")
+    if choices is not None:
+        text += " One of: " + ", ".join(f"`{_value(c)}`" for c in choices) + "."
+    return text.replace("|", "\\|")
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_reference())

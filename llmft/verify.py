@@ -1,0 +1,380 @@
+"""``llmft verify``: prove on the user's own data and model that accumulation is the big batch.
+
+One optimizer step's gradient is computed three ways from the same weights and
+the first global batch of the real data order (``GlobalOrder`` +
+``MicroBatchSampler``, exactly the sequences step 1 of ``llmft train`` sees):
+
+- **big batch**: one forward/backward of all G sequences, loss = the token mean
+  (transformers' own ``mean`` reduction, independent of llmft's arithmetic);
+- **llmft**: the configured split, computed as ``loop.py`` does it: each micro
+  loss is its token-loss sum divided by the target tokens of the whole global
+  batch (``num_items_in_batch``), gradients summed over the micro-steps;
+- **naive**: each micro loss is its own token mean divided by the number of
+  micro-batches (what per-micro-batch averaging gives), shown so that the user
+  sees the size of the error llmft avoids.
+
+Relative differences ``|g - g_big| / |g_big|`` are reported per trainable
+tensor and over all of them; the check fails when the largest one exceeds the
+tolerance. Only trainable parameters are compared, so a quantized base is fine.
+
+Data-parallel ranks are emulated in one process. The layout is the recipe's
+own (``distributed.nnodes x nproc_per_node``, as ``llmft compile`` plans it;
+override those keys to check another). Rank r takes the contiguous slice r of
+the global batch, as ``MicroBatchSampler`` deals it, accumulates its
+micro-batches, and the ranks' gradients are then summed: what DDP/FSDP/
+DeepSpeed produce after llmft undoes their averaging (``grad_scale``, see
+docs/batch.md). Communication itself is not exercised; the distributed tests
+cover that.
+
+The check runs in fp32 unless ``model.dtype`` is overridden (in bf16/fp16 the
+two computations legitimately differ by ~1e-2), with dropout switched off (its
+masks would differ between the two computations; randomness is not what is
+being checked). Limitations: the whole training set is tokenized first (the
+data order is a permutation of all of it), and the big batch must fit in
+memory as one forward/backward; a CUDA out-of-memory error is reported with the
+``--samples`` values that shrink it (on CPU the operating system may simply
+kill the process: use ``--samples`` up front for large models).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from llmft.errors import Problem, UserError
+from llmft.plan.batch import BatchPlan, divisors
+from llmft.recipe.schema import Recipe
+
+WORST_SHOWN = 5  # tensors listed in the table besides the global row
+
+Grads = dict[str, torch.Tensor]
+
+
+@dataclass
+class TensorDiff:
+    name: str
+    ref_norm: float  # |g_big| of this tensor
+    llmft: float  # relative difference of llmft's accumulated gradient
+    naive: float  # relative difference of per-micro-batch mean averaging
+
+
+@dataclass
+class VerifyResult:
+    plan: BatchPlan  # the split that was checked (global = the sequences used)
+    configured_global: int  # the recipe's global batch (plan.global_batch_size < it with --samples)
+    targets: list[list[int]]  # target tokens per rank, per micro-batch
+    losses: dict[str, float]  # big, llmft, naive: the step's loss as each computation sees it
+    overall: TensorDiff  # all trainable tensors as one vector
+    tensors: list[TensorDiff] = field(default_factory=list)
+    dtype: str = "fp32"
+    device: str = "cpu"
+    params: str = ""
+
+    @property
+    def worst(self) -> TensorDiff:
+        return max(self.tensors, key=lambda t: t.llmft)
+
+    @property
+    def max_rel_diff(self) -> float:
+        """The number compared with the tolerance: the worst tensor or the whole, whichever is larger."""
+        return max(self.overall.llmft, self.worst.llmft)
+
+
+def verify(
+    recipe_path: str,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    tolerance: float = 1e-4,
+    samples: int | None = None,
+) -> int:
+    """Run the check, print the table; 0 when within ``tolerance``, 1 otherwise."""
+    if not tolerance > 0:
+        raise UserError(Problem("--tolerance", f"must be > 0, got {tolerance}", "Use e.g. --tolerance 1e-4."))
+    result = check_gradients(load_for_verify(recipe_path, overrides), samples=samples)
+    print(render(result, tolerance, title=f"llmft verify {recipe_path}"))
+    if result.max_rel_diff <= tolerance:
+        return 0
+    print(f"llmft verify: error: {failure_message(result, tolerance)}", file=sys.stderr)
+    return 1
+
+
+def load_for_verify(recipe_path: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """The recipe on its own layout (its dp is emulated), in fp32 unless ``model.dtype`` is overridden."""
+    from llmft.recipe import load_recipe
+
+    # Later overrides win, so a user's model.dtype=bf16 replaces this default.
+    return load_recipe(recipe_path, ["model.dtype=fp32", *overrides])
+
+
+def split_for_samples(plan: BatchPlan, samples: int | None) -> BatchPlan:
+    """``--samples N``: the first N sequences, same micro-batch and ranks, fewer accumulation steps."""
+    if samples is None:
+        return plan
+    unit = plan.micro_batch_size * plan.dp_size
+    valid = [n for n in range(unit, plan.global_batch_size + 1, unit)]
+    if samples < 1 or samples > plan.global_batch_size or samples % unit:
+        raise UserError(
+            Problem(
+                "--samples",
+                f"{samples} cannot keep the split whole: it must be a multiple of micro {plan.micro_batch_size} x "
+                f"data-parallel {plan.dp_size} = {unit}, at most the global batch {plan.global_batch_size}",
+                f"Use one of {_fmt_list(valid)}.",
+            )
+        )
+    return BatchPlan(samples, plan.micro_batch_size, samples // unit, plan.dp_size)
+
+
+def check_gradients(recipe: Recipe, *, samples: int | None = None) -> VerifyResult:
+    """Build the model once, compute the three gradients of the first global batch, compare them."""
+    from llmft.data import GlobalOrder, build_data
+    from llmft.dist import DistEnv
+    from llmft.engines import autocast_for
+    from llmft.engines.single import compute_dtype, prepare_model
+    from llmft.model import describe
+    from llmft.recipe.validate import batch_plan
+    from llmft.tokenizer import load_tokenizer
+    from llmft.train import seed_everything
+
+    n = recipe.distributed.nnodes * recipe.distributed.nproc_per_node
+    configured = batch_plan(recipe, n)
+    plan = split_for_samples(configured, samples)
+    seed_everything(recipe.run.seed)
+    tokenizer = load_tokenizer(recipe.model)
+    data = build_data(recipe, tokenizer)
+    order = GlobalOrder(len(data.train), recipe.run.seed, recipe.data.shuffle)
+    ranks, big = _first_step(data.train, order, plan, tokenizer.pad_token_id)
+
+    device = DistEnv().device
+    model = prepare_model(recipe, tokenizer, device)
+    _switch_off_dropout(model)
+    dtype = compute_dtype(recipe)
+
+    def autocast():
+        return autocast_for(dtype, device)
+
+    targets = [[_count(mb) for mb in micro_batches] for micro_batches in ranks]
+    g_big, loss_big = _big_batch_grads(model, big, device, autocast, plan)
+    g_llmft, loss_llmft = _accumulated_grads(model, ranks, sum(map(sum, targets)), device, autocast, naive=False)
+    llmft = _compare(g_big, g_llmft)
+    del g_llmft
+    g_naive, loss_naive = _accumulated_grads(model, ranks, sum(map(sum, targets)), device, autocast, naive=True)
+    naive = _compare(g_big, g_naive)
+    tensors = [TensorDiff(name, *llmft[name][:2], naive[name][1]) for name in g_big]
+    overall = TensorDiff("all", *llmft[None][:2], naive[None][1])
+    return VerifyResult(
+        plan=plan,
+        configured_global=configured.global_batch_size,
+        targets=targets,
+        losses={"big": loss_big, "llmft": loss_llmft, "naive": loss_naive},
+        overall=overall,
+        tensors=tensors,
+        dtype=recipe.model.dtype,
+        device=str(device),
+        params=describe(model),
+    )
+
+
+def _first_step(dataset, order, plan: BatchPlan, pad_id: int):
+    """Step 1's micro-batches per rank, and the same sequences as one batch."""
+    from llmft.data import MicroBatchSampler, collate
+
+    ranks, indices = [], []
+    for rank in range(plan.dp_size):
+        sampler = MicroBatchSampler(
+            order,
+            plan.global_batch_size,
+            plan.micro_batch_size,
+            plan.gradient_accumulation_steps,
+            rank,
+            plan.dp_size,
+            num_steps=1,
+        )
+        lists = list(sampler)
+        indices += [i for micro in lists for i in micro]
+        ranks.append([collate([dataset[i] for i in micro], pad_id) for micro in lists])
+    (whole,) = MicroBatchSampler(order, plan.global_batch_size, plan.global_batch_size, 1, 0, 1, num_steps=1)
+    assert whole == indices, "the ranks' micro-batches must tile the global batch in order"
+    return ranks, collate([dataset[i] for i in whole], pad_id)
+
+
+def _count(batch: dict[str, torch.Tensor]) -> int:
+    from llmft.data import count_targets
+
+    return count_targets(batch["labels"])
+
+
+def _switch_off_dropout(model: torch.nn.Module) -> None:
+    """Training mode (as the loop runs it), but deterministic: no dropout anywhere."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.eval()
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0  # HF attention applies it functionally while training
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _take_grads(model: torch.nn.Module) -> Grads:
+    """The trainable parameters' gradients (copied to CPU, fp32), then cleared."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            g = p.grad if p.grad is not None else torch.zeros(p.shape, device=p.device)
+            out[name] = g.detach().to("cpu", torch.float32, copy=True)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _big_batch_grads(model, batch, device, autocast, plan: BatchPlan) -> tuple[Grads, float]:
+    model.zero_grad(set_to_none=True)
+    try:
+        with autocast():
+            loss = model(**_to(batch, device), use_cache=False).loss  # transformers' token mean
+        loss.backward()
+    except torch.OutOfMemoryError:
+        model.zero_grad(set_to_none=True)
+        raise UserError(
+            Problem(
+                "--samples",
+                f"the big batch of {plan.global_batch_size} sequences does not fit in {device} memory as one "
+                "forward/backward (the check needs it as the reference)",
+                f"Check a smaller batch with the same micro-batch and ranks: --samples {_fmt_list(_smaller(plan))}.",
+            )
+        ) from None
+    return _take_grads(model), float(loss.detach())
+
+
+def _smaller(plan: BatchPlan) -> list[int]:
+    unit = plan.micro_batch_size * plan.dp_size
+    return [unit * d for d in divisors(plan.gradient_accumulation_steps)][:-1] or [unit]
+
+
+def _accumulated_grads(model, ranks, num_targets: int, device, autocast, *, naive: bool) -> tuple[Grads, float]:
+    """Each emulated rank accumulates its micro-batches; the ranks' gradients are summed (the all-reduce)."""
+    num_items = torch.tensor(float(max(num_targets, 1)), device=device)
+    per_step = sum(len(micro_batches) for micro_batches in ranks)  # accumulation x dp
+    total: Grads = {}
+    loss_sum = 0.0
+    model.zero_grad(set_to_none=True)
+    for micro_batches in ranks:
+        for mb in micro_batches:
+            with autocast():
+                if naive:
+                    loss = model(**_to(mb, device), use_cache=False).loss / per_step
+                else:  # exactly loop.py's micro loss
+                    loss = model(**_to(mb, device), num_items_in_batch=num_items, use_cache=False).loss
+            loss.backward()
+            loss_sum += float(loss.detach())
+        rank_grads = _take_grads(model)
+        total = rank_grads if not total else {k: total[k].add_(v) for k, v in rank_grads.items()}
+    return total, loss_sum
+
+
+def _compare(ref: Grads, got: Grads) -> dict[str | None, tuple[float, float]]:
+    """name -> (|ref|, |got - ref| / |ref|); key None holds all tensors as one vector.
+
+    A tensor whose reference gradient is exactly zero (e.g. LoRA A while B is still zero) is
+    measured against the norm of the whole gradient instead of its own.
+    """
+    sq_ref = sq_diff = 0.0
+    out: dict[str | None, tuple[float, float]] = {}
+    norms = {}
+    for name, r in ref.items():
+        r64, d64 = r.double(), got[name].double() - r.double()
+        norms[name] = (float(r64.norm()), float(d64.norm()))
+        sq_ref += norms[name][0] ** 2
+        sq_diff += norms[name][1] ** 2
+    whole = math.sqrt(sq_ref)
+    for name, (ref_norm, diff_norm) in norms.items():
+        out[name] = (ref_norm, _ratio(diff_norm, ref_norm or whole))
+    out[None] = (whole, _ratio(math.sqrt(sq_diff), whole))
+    return out
+
+
+def _ratio(diff: float, ref: float) -> float:
+    if ref > 0:
+        return diff / ref
+    return 0.0 if diff == 0 else math.inf
+
+
+def _fmt_list(values: list[int], limit: int = 10) -> str:
+    return ", ".join(map(str, values[:limit])) + (", ..." if len(values) > limit else "")
+
+
+def _fmt_targets(targets: list[list[int]]) -> str:
+    total = sum(map(sum, targets))
+    flat = [t for rank in targets for t in rank]
+    if len(flat) > 16:
+        detail = f"per micro-batch {min(flat)} to {max(flat)}"
+    else:
+        detail = "per micro-batch " + " | ".join(" ".join(map(str, rank)) for rank in targets)
+        if len(targets) > 1:
+            detail += " (ranks separated by |)"
+    return f"{total} target tokens; {detail}"
+
+
+def render(result: VerifyResult, tolerance: float, title: str = "llmft verify") -> str:
+    plan = result.plan
+    used = (
+        "the first global batch of the data order"
+        if plan.global_batch_size == result.configured_global
+        else f"--samples: the first {plan.global_batch_size} of global batch {result.configured_global}"
+    )
+    ranks = (
+        f"; {plan.dp_size} ranks emulated in one process, their gradients summed as DDP/FSDP do"
+        if plan.dp_size > 1
+        else ""
+    )
+    lines = [
+        title,
+        f"split:   {plan.equation()}",
+        f"data:    {used}{ranks}",
+        f"targets: {_fmt_targets(result.targets)}",
+        f"model:   {result.params}, {result.dtype} on {result.device}",
+        "loss:    big batch {big:.6f}, llmft accumulated {llmft:.6f}, naive per-micro-batch mean {naive:.6f}".format(
+            **result.losses
+        ),
+        "",
+        "relative difference of the gradient to the big batch's, |g - g_big| / |g_big|",
+    ]
+    worst = sorted(result.tensors, key=lambda t: t.llmft, reverse=True)[:WORST_SHOWN]
+    rows = [(f"all {len(result.tensors)} trainable tensors", result.overall)]
+    rows += [(t.name, t) for t in worst]
+    width = max(len(name) for name, _ in rows)
+    lines.append(f"{'parameter':<{width}}  {'|g_big|':>9}  {'llmft':>9}  {'naive':>9}")
+    for name, t in rows:
+        lines.append(f"{name:<{width}}  {t.ref_norm:9.3e}  {t.llmft:9.2e}  {t.naive:9.2e}")
+    if len(result.tensors) > len(worst):
+        lines.append(
+            f"({len(result.tensors) - len(worst)} more tensors not shown, none with a larger llmft difference)"
+        )
+    lines.append("")
+    verdict = "PASS" if result.max_rel_diff <= tolerance else "FAIL"
+    lines.append(
+        f"{verdict}: largest relative difference {result.max_rel_diff:.2e} "
+        f"{'<=' if verdict == 'PASS' else '>'} tolerance {tolerance:g}; "
+        f"per-micro-batch mean averaging would be off by {result.overall.naive:.2e}"
+    )
+    return "\n".join(lines)
+
+
+def failure_message(result: VerifyResult, tolerance: float) -> str:
+    worst = result.worst if result.worst.llmft >= result.overall.llmft else result.overall
+    hint = (
+        f"In {result.dtype} some difference is rounding: rerun in fp32 (drop the model.dtype override) "
+        "or raise --tolerance."
+        if result.dtype != "fp32"
+        else "In fp32 the difference should be ~1e-6: a larger one means this model's loss ignores "
+        "num_items_in_batch or its forward depends on the batch (BatchNorm, MoE capacity limits); "
+        "a slightly larger one can be rounding on very deep models (raise --tolerance)."
+    )
+    return (
+        f"gradient accumulation is not equivalent to the big batch within tolerance: the accumulated gradient "
+        f"differs by {result.max_rel_diff:.2e} (relative, {worst.name}), more than --tolerance {tolerance:g}. " + hint
+    )

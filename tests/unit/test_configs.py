@@ -1,0 +1,118 @@
+"""Every recipe shipped in configs/ loads, compiles, and says how to launch it.
+
+Each is compiled as written and for data-parallel sizes 1, 2, 8 and 16; where the
+batch cannot be split over that many ranks the failure must be a clean
+``RecipeError`` that explains the batch equation, never a traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmft.plan.compile import compile_recipe
+from llmft.recipe import RecipeError, load_recipe
+from llmft.recipe.validate import batch_plan, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+DP_SIZES = (1, 2, 8, 16)
+QUICKSTART_DP_SIZES = (1, 2)  # the CPU quickstart is only meant for a laptop or two gloo ranks
+
+
+def dp_sizes(path: Path) -> tuple[int, ...]:
+    return QUICKSTART_DP_SIZES if path.name == "quickstart.yaml" else DP_SIZES
+
+
+@functools.cache
+def loaded(path: Path):
+    """load_recipe costs ~0.3 s (OmegaConf); each config is loaded once and re-validated per dp size."""
+    return load_recipe(path)
+
+
+def for_dp(path: Path, dp: int):
+    """What ``llmft compile PATH --nnodes 1 --nproc-per-node DP`` validates: the file's own batch
+    and engine choices (``auto`` where it leaves them out), solved for ``dp`` ranks."""
+    raw = yaml.safe_load(path.read_text())
+    recipe = copy.deepcopy(loaded(path))
+    for key in ("global_batch_size", "micro_batch_size", "gradient_accumulation_steps"):
+        setattr(recipe.batch, key, raw["batch"].get(key, "auto"))
+    recipe.distributed.engine = raw.get("distributed", {}).get("engine", "auto")
+    recipe.distributed.nnodes, recipe.distributed.nproc_per_node = 1, dp
+    return validate(recipe)
+
+
+def test_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {
+        "tiny-cpu.yaml",
+        "llama3-8b-qlora-1gpu.yaml",
+        "llama3-8b-lora-fsdp-8gpu.yaml",
+        "llama3-8b-full-zero3-2x8gpu.yaml",
+        "llama3-70b-qlora-fsdp-8gpu.yaml",
+    } <= names
+
+
+def check_artefacts(recipe, out: Path, summary: str) -> None:
+    """The batch equation is the same in the summary, the written recipe and the engine config."""
+    d = recipe.distributed
+    plan = batch_plan(recipe, d.nnodes * d.nproc_per_node)
+    assert plan.equation() in summary
+    written = yaml.safe_load((out / "recipe.yaml").read_text())["batch"]
+    assert (written["global_batch_size"], written["micro_batch_size"], written["gradient_accumulation_steps"]) == (
+        plan.global_batch_size,
+        plan.micro_batch_size,
+        plan.gradient_accumulation_steps,
+    )
+    if d.engine == "deepspeed":
+        ds = json.loads((out / "ds_config.json").read_text())
+        assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+            plan.global_batch_size,
+            plan.micro_batch_size,
+            plan.gradient_accumulation_steps,
+        )
+    if d.engine == "fsdp":
+        assert yaml.safe_load((out / "fsdp.yaml").read_text())["batch"]["dp_size"] == plan.dp_size
+    for script in ("torchrun.sh", "slurm.sbatch"):
+        assert (out / "launch" / script).is_file()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_as_written(path, tmp_path):
+    """Loads and compiles for its own layout, and its header gives a launch command for itself."""
+    header = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    assert header, f"{path.name} needs a header comment with the launch command"
+    assert any(f"configs/{path.name}" in line and "llmft " in line for line in header), header
+
+    recipe = copy.deepcopy(loaded(path))
+    assert recipe.distributed.engine != "auto"
+    check_artefacts(recipe, tmp_path, compile_recipe(recipe, tmp_path))
+
+
+@pytest.mark.parametrize(
+    "path, dp",
+    [(p, dp) for p in CONFIGS for dp in dp_sizes(p)],
+    ids=lambda v: v.stem if isinstance(v, Path) else f"dp{v}",
+)
+def test_config_for_dp_size(path, dp, tmp_path):
+    raw = yaml.safe_load(path.read_text())["batch"]
+    g, m = raw["global_batch_size"], raw["micro_batch_size"]
+    if g % (m * dp):
+        with pytest.raises(RecipeError) as err:
+            for_dp(path, dp)
+        assert all(p.where.startswith("batch") for p in err.value.problems), err.value.render()
+        assert f"global_batch_size {g} is not divisible" in str(err.value)
+        pytest.skip(f"global {g} does not split into micro {m} x {dp} ranks (clean RecipeError checked)")
+
+    recipe = for_dp(path, dp)
+    assert batch_plan(recipe, dp).gradient_accumulation_steps == g // (m * dp)
+    check_artefacts(recipe, tmp_path, compile_recipe(recipe, tmp_path))

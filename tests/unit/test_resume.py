@@ -1,0 +1,145 @@
+"""Checkpoints sit on boundaries, resume is exact, a killed job loses nothing (SPEC items 4-6)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, checkpoint_weights, metrics, write_data, write_recipe
+
+# LoRA with dropout, shuffle and packing on; 40 records packed into ~12 rows of 64 tokens and a
+# global batch of 4 rows, so 8 steps cross at least two epoch boundaries.
+EXACT = dict(
+    peft__method="lora",
+    peft__dropout=0.1,
+    peft__r=4,
+    data__packing=True,
+    data__shuffle=True,
+    batch__global_batch_size=4,
+    batch__micro_batch_size=2,
+    train__max_steps=8,
+    checkpoint__every_steps=2,
+    checkpoint__keep_last=2,
+)
+
+
+def _cmd(recipe: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "llmft", "train", str(recipe), *overrides]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _reference(tmp_path: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    ref = tmp_path / "ref"
+    write_data(ref / "train.jsonl", n=40)
+    recipe = write_recipe(ref, **EXACT)
+    done = subprocess.run(_cmd(recipe), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return metrics(ref / "run"), checkpoint_weights(ref / "run/checkpoints/step-8")
+
+
+def _assert_same_run(run_dir: Path, ref_rows: list[dict], ref_weights: dict[str, torch.Tensor]) -> None:
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows]  # bit for bit
+    assert [r["grad_norm"] for r in rows] == [r["grad_norm"] for r in ref_rows]
+    weights = checkpoint_weights(run_dir / "checkpoints/step-8")
+    assert weights.keys() == ref_weights.keys()
+    for k in weights:
+        assert torch.equal(weights[k], ref_weights[k]), k
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics(run_dir)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for training progress")
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_is_bit_exact(tmp_path):
+    ref_rows, ref_weights = _reference(tmp_path)
+    run = tmp_path / "stopped"
+    write_data(run / "train.jsonl", n=40)
+    recipe = write_recipe(run, **EXACT)
+    proc = subprocess.Popen(_cmd(recipe), stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    _wait_for_step(run / "run", 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 75, err[-3000:]
+    assert "checkpoint written" in err
+    stopped_at = max(r["step"] for r in metrics(run / "run"))
+    assert stopped_at < 8
+    assert (run / "run/checkpoints" / f"step-{stopped_at}" / "COMPLETE").exists()  # on the boundary
+    done = subprocess.run(_cmd(recipe), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from {run / 'run/checkpoints'}/step-{stopped_at}" in done.stderr
+    _assert_same_run(run / "run", ref_rows, ref_weights)
+
+
+def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
+    run = tmp_path / "killed"
+    write_data(run / "train.jsonl", n=40)
+    recipe = write_recipe(run, **EXACT)
+    proc = subprocess.run(
+        _cmd(recipe),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=_env(LLMFT_FAULT_INJECT="kill_in_save:4"),
+    )
+    assert proc.returncode == -signal.SIGKILL
+    ckpts = run / "run/checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-2"
+    assert (ckpts / "step-2" / "COMPLETE").exists()
+    assert not (ckpts / "step-4").exists()  # never half-visible
+    assert (ckpts / ".tmp-step-4").exists()  # the interrupted write, ignored and replaced on resume
+    done = subprocess.run(_cmd(recipe), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from" in done.stderr and "step-2" in done.stderr
+    assert (ckpts / "latest").read_text().strip() == "step-8"
+    assert not (ckpts / ".tmp-step-4").exists()
+    # keep_last 2, plus the checkpoint this run resumed from (never pruned by the run that uses it)
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-")) == ["step-2", "step-6", "step-8"]
+
+
+@pytest.mark.slow
+def test_kill9_at_random_moment_then_resume_is_bit_exact(tmp_path):
+    ref_rows, ref_weights = _reference(tmp_path)
+    run = tmp_path / "kill9"
+    write_data(run / "train.jsonl", n=40)
+    recipe = write_recipe(run, **EXACT)
+    proc = subprocess.Popen(_cmd(recipe), stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    _wait_for_step(run / "run", 3, proc)
+    time.sleep(0.013 * (os.getpid() % 17))  # somewhere after step 3, maybe inside a save
+    proc.kill()
+    proc.wait()
+    done = subprocess.run(_cmd(recipe), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same_run(run / "run", ref_rows, ref_weights)
+
+
+def test_fresh_run_never_destroys_old_one(tmp_path):
+    recipe = write_recipe(tmp_path, train__max_steps=1)
+    ok = subprocess.run(_cmd(recipe), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    again = subprocess.run(
+        _cmd(recipe, "checkpoint.resume=never"), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300
+    )
+    assert again.returncode == 2
+    assert "checkpoint.resume: is never, but" in again.stderr and "run.overwrite=true" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert (tmp_path / "run/checkpoints/step-1/COMPLETE").exists()
