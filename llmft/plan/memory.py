@@ -1,0 +1,493 @@
+"""Memory per GPU of a recipe, before anything is loaded: ``llmft plan`` and ``micro_batch_size: auto``.
+
+Pure arithmetic on the model shape (``plan.shape``): no torch, no download. The
+estimate mirrors how llmft's engines hold a model (see ``engines/``):
+
+- single / DDP / FSDP: trainable weights are upcast to fp32 (so their gradients and
+  optimizer state are fp32 too) and autocast (or FSDP's MixedPrecisionPolicy) runs the
+  matmuls in ``model.dtype``; frozen weights stay in ``model.dtype``.
+- DeepSpeed: weights and gradients in ``model.dtype``, fp32 master weights beside the
+  optimizer state (the ZeRO paper's 2 + 2 + 12 bytes per parameter for bf16 + Adam).
+- QLoRA on one rank or DDP: PEFT's ``prepare_model_for_kbit_training`` upcasts the
+  unquantized weights (embedding, head, norms) to fp32; under FSDP they stay in
+  ``model.dtype`` so that all sharded parameters share one dtype.
+
+Every number is bytes on one GPU. Each component is exposed on its own so that
+tests (and users) can compare them against a measured peak. "GB" in recipe keys
+and output means GiB (2**30 bytes), the unit ``nvidia-smi`` and torch report in.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from llmft.errors import Problem, UserError
+from llmft.plan.batch import BatchPlan, divisors, sequences_from_tokens
+from llmft.plan.shape import ModelShape, model_shape
+from llmft.recipe.schema import Recipe
+
+GIB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# 4-bit NF4 packs two weights per byte; each block of 64 weights has an absmax constant:
+# fp32 (4 / 64 B/param), or with double quantization an 8-bit constant plus one fp32
+# constant per 256 blocks (1 / 64 + 4 / (64 * 256)). bitsandbytes' defaults (QLoRA paper, 2.1).
+NF4_BLOCK, NF4_BLOCK2 = 64, 256
+# LLM.int8: one byte per weight plus an fp32 scale per output row (negligible, ignored).
+INT8_BYTES = 1.0
+
+# Optimizer state per trainable parameter: AdamW m and v in fp32; bitsandbytes' 8-bit Adam
+# keeps both in 8 bits (block constants ignored); SGD keeps fp32 momentum when it has any.
+OPTIMIZER_BYTES = {"adamw": 8, "paged_adamw": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2}
+
+# CUDA context, cuBLAS / NCCL workspaces (not seen by torch's allocator but taken from the
+# card), and a margin for the caching allocator's fragmentation of everything else.
+CUDA_CONTEXT_BYTES = GIB // 2
+FRAGMENTATION = 0.05
+
+# LoRA "all-linear" on a Llama-style decoder, and each module's (in, out) features.
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each linear layer of one decoder layer."""
+    h, kv, i = shape.hidden_size, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    return {
+        "q_proj": (h, h),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (h, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+@dataclass(frozen=True)
+class Params:
+    """Parameter counts of the model as llmft would train it."""
+
+    linear: int  # decoder linears (what quantization applies to)
+    other: int  # embedding, LM head, norms: never quantized
+    layer: int  # one decoder layer (linears + its two norms)
+    adapters: int  # LoRA A/B (+ DoRA magnitudes): fp32
+    saved: int  # modules_to_save: a trainable fp32 copy beside the frozen original
+    adapted_inputs: int  # sum of in_features over adapted linears of one layer (activation cost)
+    largest_linear: int  # largest single weight matrix of a layer
+
+    @property
+    def base(self) -> int:
+        return self.linear + self.other
+
+
+def _targets(target_modules: str | list[str]) -> list[str]:
+    if target_modules == "all-linear":
+        return list(ALL_LINEAR)
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    # PEFT matches module names by suffix ("self_attn.q_proj" and "q_proj" both adapt q_proj).
+    return [m for m in ALL_LINEAR if any(n == m or n.endswith("." + m) for n in names)]
+
+
+def count_params(recipe: Recipe, shape: ModelShape) -> Params:
+    h, v, n_layers = shape.hidden_size, shape.vocab_size, shape.num_layers
+    linears = linear_shapes(shape)
+    per_layer_linear = sum(i * o for i, o in linears.values())
+    embed = v * h
+    head = 0 if shape.tie_word_embeddings else v * h
+    adapters = saved = adapted_inputs = 0
+    p = recipe.peft
+    if p.method != "none":
+        targets = _targets(p.target_modules)
+        adapters = n_layers * sum(p.r * (linears[t][0] + linears[t][1]) for t in targets)
+        if p.method == "dora":
+            adapters += n_layers * sum(linears[t][1] for t in targets)  # one magnitude per output feature
+        adapted_inputs = sum(linears[t][0] for t in targets)
+        for name in p.modules_to_save or ():
+            saved += {"lm_head": head or embed, "embed_tokens": embed}.get(name.rsplit(".", 1)[-1], h)
+    return Params(
+        linear=n_layers * per_layer_linear,
+        other=embed + head + (2 * n_layers + 1) * h,
+        layer=per_layer_linear + 2 * h,
+        adapters=adapters,
+        saved=saved,
+        adapted_inputs=adapted_inputs,
+        largest_linear=max(i * o for i, o in linears.values()),
+    )
+
+
+def quantized_bytes_per_param(bits: int, double_quant: bool) -> float:
+    if bits == 8:
+        return INT8_BYTES
+    constants = 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_BLOCK2) if double_quant else 4 / NF4_BLOCK
+    return 0.5 + constants
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, act_bytes: int, adapted_inputs: int, eager_seq: int) -> int:
+    """What one decoder layer saves for backward, per token (no recomputation).
+
+    A tally in the spirit of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+    Large Transformer Models", sec. 4.1: 34 * h bytes per token for a GPT layer in 16 bit),
+    redone for a Llama layer with SDPA (no s x s scores kept) and no dropout, a = act_bytes:
+
+    - 2 RMSNorms: HF computes them in fp32 (keeps the fp32 input, 4h) and keeps the cast
+      output and the weighted output (2 a h): (4 + 2a) h each;
+    - attention: q, k, v after RoPE (a (h + 2 kv)), the SDPA output and the o_proj input
+      (2 a h);
+    - SwiGLU MLP: gate output, silu(gate), up output, and their product (4 a i);
+    - LoRA: PEFT casts each adapted module's input to the adapter dtype and autocast casts it
+      back, a copy per adapted module: a * (sum of their in_features);
+    - eager attention only: the scores and the softmax (2 a * heads * seq).
+    """
+    h, kv, i = shape.hidden_size, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    norms = 2 * (4 + 2 * act_bytes) * h
+    attention = act_bytes * (h + 2 * kv) + 2 * act_bytes * h
+    mlp = 4 * act_bytes * i
+    lora = act_bytes * adapted_inputs
+    eager = 2 * act_bytes * shape.num_heads * eager_seq
+    return norms + attention + mlp + lora + eager
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one GPU, by component. ``total`` is what must fit."""
+
+    weights: int  # the base model's weights resident on this GPU (this rank's shard)
+    adapters: int  # LoRA / DoRA weights and modules_to_save copies (fp32)
+    gradients: int  # of the trainable parameters (+ DDP's bucket copies)
+    optimizer: int  # optimizer state
+    master_weights: int  # DeepSpeed's fp32 copy of 16-bit trainable weights
+    transient_weights: int  # gathered layers (FSDP / ZeRO-3), autocast copies, dequantized 4-bit matrices
+    activations: int  # saved for backward, for micro_batch_size x max_seq_len tokens
+    logits: int  # the LM head output and the fp32 loss over it
+    overhead: int  # CUDA context + allocator fragmentation
+    micro_batch_size: int
+    seq_len: int
+    dp_size: int
+    engine: str
+    notes: tuple[str, ...] = field(default=())
+
+    COMPONENTS: ClassVar[tuple[str, ...]] = (
+        "weights",
+        "adapters",
+        "gradients",
+        "optimizer",
+        "master_weights",
+        "transient_weights",
+        "activations",
+        "logits",
+        "overhead",
+    )
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.components())
+
+    def components(self) -> list[tuple[str, int]]:
+        return [(name, getattr(self, name)) for name in self.COMPONENTS]
+
+    def fits(self, gpu_memory_gb: float) -> bool:
+        return self.total <= gpu_memory_gb * GIB
+
+
+def _require_shape(recipe: Recipe) -> ModelShape:
+    shape = model_shape(recipe.model)
+    if shape is None:
+        raise UserError(
+            Problem(
+                "model.name_or_path",
+                f"the shape of {recipe.model.name_or_path!r} cannot be known without its config.json "
+                "(not a local directory, not in the Hugging Face cache, not a model llmft knows)",
+                "Download its config.json first (huggingface-cli download NAME config.json) or pass a local "
+                "model directory; where no estimate is possible, give batch.micro_batch_size a number, not auto.",
+            )
+        )
+    return shape
+
+
+def _engine(recipe: Recipe, dp_size: int) -> str:
+    from llmft.recipe.validate import resolve_engine
+
+    return resolve_engine(recipe, dp_size)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How many ways each kind of state is divided, and what lives off the GPU."""
+
+    weights: int = 1
+    gradients: int = 1
+    optimizer: int = 1
+    weights_on_gpu: bool = True
+    optimizer_on_gpu: bool = True
+    grads_on_gpu: bool = True
+
+
+def _layout(recipe: Recipe, engine: str, dp_size: int) -> _Layout:
+    d = recipe.distributed
+    if engine == "deepspeed":
+        s = d.zero_stage
+        return _Layout(
+            weights=dp_size if s >= 3 else 1,
+            gradients=dp_size if s >= 2 else 1,
+            optimizer=dp_size if s >= 1 else 1,
+            weights_on_gpu=d.offload_params == "none",
+            optimizer_on_gpu=d.offload_optimizer == "none",
+        )
+    if engine == "fsdp":
+        group = max(dp_size // d.hsdp_replicate, 1)  # HSDP shards within a replica group
+        # CPUOffloadPolicy keeps params, grads and optimizer state on the CPU (step runs there).
+        on_gpu = d.offload_params == "none"
+        return _Layout(group, group, group, on_gpu, on_gpu, on_gpu)
+    return _Layout()
+
+
+def estimate_memory(recipe: Recipe, dp_size: int, micro_batch_size: int | None = None) -> MemoryEstimate:
+    """Peak bytes per GPU for ``recipe`` on ``dp_size`` data-parallel ranks.
+
+    ``micro_batch_size`` overrides the recipe's (which may still be ``auto``).
+    """
+    micro = micro_batch_size if micro_batch_size is not None else recipe.batch.micro_batch_size
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        raise UserError(
+            Problem("batch.micro_batch_size", f"{micro!r} is not a number to estimate memory for", "Give a number.")
+        )
+    shape = _require_shape(recipe)
+    engine = _engine(recipe, dp_size)
+    params = count_params(recipe, shape)
+    a = DTYPE_BYTES[recipe.model.dtype]
+
+    states = _states(recipe, engine, params, a)
+    layout = _layout(recipe, engine, dp_size)
+    placed = {
+        "weights": _placed(states["weights"], layout.weights, layout.weights_on_gpu),
+        "adapters": _placed(states["adapters"], layout.weights, layout.weights_on_gpu),
+        "gradients": _placed(states["gradients"], layout.gradients, layout.grads_on_gpu),
+        "optimizer": _placed(states["optimizer"], layout.optimizer, layout.optimizer_on_gpu),
+        "master_weights": _placed(states["master_weights"], layout.optimizer, layout.optimizer_on_gpu),
+    }
+    tokens = micro * recipe.data.max_seq_len
+    placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])
+    placed["activations"] = _activations(recipe, shape, params, tokens, a)
+    # The head's output in the compute dtype, its fp32 copy for the loss, and the fp32
+    # log-softmax that cross-entropy keeps for backward.
+    placed["logits"] = tokens * shape.vocab_size * (a + 4 + 4)
+    placed["overhead"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * sum(placed.values())
+
+    notes = []
+    if recipe.optim.name.startswith("paged"):
+        notes.append("paged optimizer state is counted on the GPU; under pressure it pages to CPU RAM")
+    if not layout.optimizer_on_gpu or not layout.weights_on_gpu:
+        notes.append("offloaded state is in CPU RAM, not counted here")
+    return MemoryEstimate(
+        **{k: int(round(v)) for k, v in placed.items()},
+        micro_batch_size=micro,
+        seq_len=recipe.data.max_seq_len,
+        dp_size=dp_size,
+        engine=engine,
+        notes=tuple(notes),
+    )
+
+
+def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, float]:
+    """Weights, gradients and optimizer state of the whole model, before sharding or offload.
+
+    Trainable weights are fp32 (``upcast_trainable``), except under DeepSpeed, which keeps
+    them in the compute dtype beside an fp32 master copy.
+    """
+    m, peft = recipe.model, recipe.peft.method != "none"
+    if m.quantization is not None:
+        # prepare_model_for_kbit_training upcasts the unquantized weights, except for FSDP.
+        other_bytes = a if engine == "fsdp" else 4
+        weights = params.linear * quantized_bytes_per_param(m.quantization.bits, m.quantization.double_quant)
+        weights += params.other * other_bytes
+    elif peft:
+        weights = params.base * a  # frozen
+    else:
+        weights = params.base * (a if engine == "deepspeed" else 4)
+    trainable = params.adapters + params.saved if peft else params.base
+    gradients = trainable * (a if engine == "deepspeed" else 4)
+    if engine == "ddp":
+        gradients *= 2  # DDP's flat buckets are a second copy (gradient_as_bucket_view is off)
+    return {
+        "weights": weights,
+        "adapters": trainable * 4 if peft else 0,
+        "gradients": gradients,
+        "optimizer": trainable * _optimizer_bytes(recipe),
+        "master_weights": trainable * 4 if engine == "deepspeed" and a < 4 else 0,
+    }
+
+
+def _placed(nbytes: float, shards: int, on_gpu: bool) -> float:
+    return nbytes / shards if on_gpu else 0.0
+
+
+def _optimizer_bytes(recipe: Recipe) -> int:
+    o = recipe.optim
+    if o.name == "sgd":
+        return 4 if o.momentum > 0 else 0
+    return OPTIMIZER_BYTES[o.name]
+
+
+def _transient_weights(recipe: Recipe, engine: str, shape: ModelShape, params: Params, a: int, weights: float) -> float:
+    """Weights that exist only during forward/backward, beyond the resident ones."""
+    m, d = recipe.model, recipe.distributed
+    peft = recipe.peft.method != "none"
+    per_param = weights / max(params.base, 1)  # resident bytes per base param (quantized or not)
+    gather = per_param if m.quantization is not None else a  # what a gathered layer costs
+    out = 0.0
+    if engine == "fsdp" or (engine == "deepspeed" and d.zero_stage == 3):
+        # The current layer and the prefetched next one are unsharded; the root (embedding,
+        # head) stays gathered from forward to backward. FSDP without reshard keeps every layer.
+        keep_all = engine == "fsdp" and not d.reshard_after_forward
+        layers = shape.num_layers if keep_all else min(2, shape.num_layers)
+        out += (layers * params.layer + params.other) * gather
+    elif engine in ("single", "ddp") and not peft and a < 4:
+        out += params.base * a  # autocast's cached compute-dtype copy of every fp32 weight
+    if m.quantization is not None and m.quantization.bits == 4:
+        out += params.largest_linear * a  # one matrix dequantized for its matmul
+    if recipe.peft.method == "dora":
+        out += 2 * params.largest_linear * 4  # DoRA materialises W + BA to take its column norms
+    return out
+
+
+def _activations(recipe: Recipe, shape: ModelShape, params: Params, tokens: int, a: int) -> float:
+    """Saved activations for ``tokens`` tokens, with or without gradient checkpointing."""
+    seq = recipe.data.max_seq_len
+    eager_seq = seq if recipe.model.attn_implementation == "eager" else 0
+    per_layer = activation_bytes_per_token_layer(shape, a, params.adapted_inputs, eager_seq) * tokens
+    # Embedding output and final norm, outside the layers.
+    outside = (a + 4 + 2 * a) * shape.hidden_size * tokens
+    if recipe.model.gradient_checkpointing:
+        # Each layer keeps only its input; backward recomputes one layer at a time.
+        return shape.num_layers * a * shape.hidden_size * tokens + per_layer + outside
+    return shape.num_layers * per_layer + outside
+
+
+# --- picking the micro-batch --------------------------------------------------------------------
+
+
+def _global_batch(recipe: Recipe) -> int:
+    b = recipe.batch
+    if b.global_batch_tokens is not None and recipe.data.packing:
+        return sequences_from_tokens(b.global_batch_tokens, recipe.data.max_seq_len)
+    if isinstance(b.global_batch_size, int) and not isinstance(b.global_batch_size, bool):
+        return b.global_batch_size
+    raise UserError(
+        Problem(
+            "batch.global_batch_size",
+            "batch.micro_batch_size=auto picks the micro-batch that fits, which needs the global batch",
+            "Set batch.global_batch_size (sequences per optimizer step), or give micro_batch_size a number.",
+        )
+    )
+
+
+def pick_micro_batch(recipe: Recipe, dp_size: int, gpu_memory_gb: float) -> int:
+    """The largest micro-batch that fits in ``gpu_memory_gb`` GiB and divides the local batch.
+
+    Dividing ``global / dp_size`` keeps accumulation whole, so ``global = micro x accumulation
+    x dp`` holds exactly. Raises UserError when the global batch does not split over the ranks
+    or when even a micro-batch of 1 does not fit.
+    """
+    g = _global_batch(recipe)
+    if g % dp_size:
+        low = g // dp_size * dp_size
+        raise UserError(
+            Problem(
+                "batch.global_batch_size",
+                f"{g} sequences do not split evenly over {dp_size} data-parallel ranks, and llmft never rounds",
+                f"Choose a global batch in {{{', '.join(str(x) for x in (low, low + dp_size) if x > 0)}}} "
+                f"or a data-parallel size in {{{', '.join(map(str, divisors(g)))}}}.",
+            )
+        )
+    local = g // dp_size
+    for micro in sorted(divisors(local), reverse=True):
+        if estimate_memory(recipe, dp_size, micro).fits(gpu_memory_gb):
+            return micro
+    one = estimate_memory(recipe, dp_size, 1)
+    raise UserError(
+        Problem(
+            "batch.micro_batch_size",
+            f"even a micro-batch of 1 needs about {one.total / GIB:.1f} GiB per GPU, more than "
+            f"{gpu_memory_gb:g} GiB ({_largest(one)})",
+            "Turn on model.gradient_checkpointing, lower data.max_seq_len, use LoRA/QLoRA, shard with "
+            "distributed.engine=fsdp or deepspeed zero_stage=3 on more GPUs, or offload to CPU.",
+        )
+    )
+
+
+def _largest(est: MemoryEstimate) -> str:
+    top = sorted(est.components(), key=lambda c: -c[1])[:3]
+    return ", ".join(f"{name} {b / GIB:.1f}" for name, b in top)
+
+
+# --- llmft plan ---------------------------------------------------------------------------------
+
+
+def detected_gpu_memory_gb() -> float | None:
+    """Total memory of GPU 0 in GiB, when torch is installed and sees a GPU; else None."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / GIB
+
+
+def format_estimate(est: MemoryEstimate) -> str:
+    rows = [(name.replace("_", " "), b) for name, b in est.components()]
+    width = max(len(n) for n, _ in rows) + 2
+    lines = [f"{'component':<{width}}{'GiB':>8}"]
+    lines += [f"{n:<{width}}{b / GIB:>8.2f}" for n, b in rows]
+    lines.append(f"{'total':<{width}}{est.total / GIB:>8.2f}")
+    return "\n".join(lines)
+
+
+def plan_command(
+    recipe_path: str, overrides: list[str], nnodes: int | None = None, nproc_per_node: int | None = None
+) -> str:
+    """The text ``llmft plan`` prints: the per-GPU table, whether it fits, the micro-batch that would."""
+    from llmft.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, overrides, nnodes=nnodes, nproc_per_node=nproc_per_node)
+    dp = recipe.distributed.nnodes * recipe.distributed.nproc_per_node
+    est = estimate_memory(recipe, dp)
+    b = recipe.batch
+    plan = BatchPlan(b.global_batch_size, b.micro_batch_size, b.gradient_accumulation_steps, dp)
+    head = [
+        f"model {recipe.model.name_or_path or recipe.model.config.get('model_type')}: "
+        f"{_describe(recipe)}, engine {est.engine}"
+        + (f" (ZeRO-{recipe.distributed.zero_stage})" if est.engine == "deepspeed" else ""),
+        f"{plan.equation()}, {est.seq_len} tokens per sequence",
+        "",
+        format_estimate(est),
+        "",
+    ]
+    head += [f"note: {n}" for n in est.notes]
+    return "\n".join(head + _fit_lines(recipe, est, dp))
+
+
+def _describe(recipe: Recipe) -> str:
+    m, p = recipe.model, recipe.peft
+    what = "full fine-tune" if p.method == "none" else f"{p.method} r={p.r}"
+    quant = f", {m.quantization.bits}-bit base" if m.quantization is not None else ""
+    ckpt = ", gradient checkpointing" if m.gradient_checkpointing else ""
+    return f"{what}{quant}, {m.dtype}{ckpt}, optimizer {recipe.optim.name}"
+
+
+def _fit_lines(recipe: Recipe, est: MemoryEstimate, dp: int) -> list[str]:
+    gb, source = recipe.distributed.gpu_memory_gb, "distributed.gpu_memory_gb"
+    if gb is None:
+        gb, source = detected_gpu_memory_gb(), "detected GPU"
+    if gb is None:
+        return ["fits: unknown (no GPU here); set distributed.gpu_memory_gb=24 (GiB per GPU) to check"]
+    verdict = "yes" if est.fits(gb) else "NO"
+    lines = [f"fits in {gb:g} GiB ({source}): {verdict}, {(gb * GIB - est.total) / GIB:+.2f} GiB to spare"]
+    try:
+        best = pick_micro_batch(recipe, dp, gb)
+        lines.append(f"largest micro-batch that fits and divides the local batch: {best}")
+    except UserError as e:
+        lines.append(f"no micro-batch fits: {e.problems[0].what}")
+    return lines

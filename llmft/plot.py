@@ -1,0 +1,136 @@
+"""``llmft plot RUN_DIR``: train/eval loss, lr and eval metrics of a run, as one PNG.
+
+matplotlib is imported inside ``plot_run`` (with the Agg backend, so it works on a
+headless node); reading the metrics needs only the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from llmft.errors import Problem, UserError
+
+METRICS_FILE = "metrics.jsonl"
+# Keys of eval rows that are bookkeeping, not metrics to plot.
+_NOT_METRICS = {"split", "step", "loss", "time", "epoch", "tokens", "tokens_per_s", "num_samples", "num_tokens"}
+
+Series = dict[int, float]  # step -> value
+
+
+def read_metrics(path: Path) -> dict[str, list[dict]]:
+    """Rows by split, one per step, in step order. A step logged twice (a run killed after
+    logging it, then resumed) keeps its later row, as the metrics contract says."""
+    by_split: dict[str, dict[int, dict]] = {}
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            # A run killed mid-write leaves a torn last line; skip it rather than refuse to plot.
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise UserError(
+                Problem(
+                    f"{path}:{lineno}",
+                    "is not a metrics row (a JSON object with an integer step)",
+                    "Point llmft plot at a run directory written by llmft train.",
+                )
+            )
+        by_split.setdefault(str(row.get("split", "train")), {})[row["step"]] = row
+    return {split: [rows[s] for s in sorted(rows)] for split, rows in by_split.items()}
+
+
+def _series(rows: list[dict], key: str) -> Series:
+    out = {}
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[r["step"]] = float(v)
+    return out
+
+
+def _eval_metric_names(rows: list[dict]) -> list[str]:
+    names = {k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return sorted(names - _NOT_METRICS)
+
+
+def _metrics_path(run_dir: Path) -> Path:
+    if not run_dir.is_dir():
+        raise UserError(
+            Problem(str(run_dir), "run directory not found", "Pass the run.output_dir of a run (e.g. runs/quickstart).")
+        )
+    path = run_dir / METRICS_FILE
+    if not path.is_file() or path.stat().st_size == 0:
+        raise UserError(
+            Problem(
+                str(path),
+                "no metrics to plot",
+                "Train first (llmft train RECIPE); metrics.jsonl appears after the first logged step.",
+            )
+        )
+    return path
+
+
+def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """Write a PNG with one panel per kind of data present; return its path.
+
+    Panels: loss (train and eval), learning rate, then one per eval metric
+    (exact_match, perplexity, ...). Default ``out``: ``<run_dir>/metrics.png``.
+    """
+    run_dir = Path(run_dir)
+    splits = read_metrics(_metrics_path(run_dir))
+    train, evals = splits.get("train", []), splits.get("eval", [])
+
+    panels: list[tuple[str, dict[str, Series]]] = []
+    loss = {name: s for name, s in (("train", _series(train, "loss")), ("eval", _series(evals, "loss"))) if s}
+    if loss:
+        panels.append(("loss", loss))
+    if lr := _series(train, "lr"):
+        panels.append(("learning rate", {"lr": lr}))
+    for name in _eval_metric_names(evals):
+        panels.append((f"eval {name}", {name: _series(evals, name)}))
+    if not panels:
+        raise UserError(
+            Problem(
+                str(run_dir / METRICS_FILE),
+                "holds no loss, lr or eval metric values",
+                "Check that the run logged at least one step.",
+            )
+        )
+    out_path = Path(out) if out is not None else run_dir / "metrics.png"
+    _draw(panels, out_path, title=run_dir.name)
+    return out_path
+
+
+def _draw(panels: list[tuple[str, dict[str, Series]]], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a training node
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogFormatter
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), sharex=True, squeeze=False)
+    for ax, (name, series) in zip(axes[:, 0], panels, strict=True):
+        for label, points in series.items():
+            steps = sorted(points)
+            # A handful of eval points read better with markers; a dense train curve without.
+            ax.plot(steps, [points[s] for s in steps], label=label, marker="o" if len(steps) <= 50 else None)
+        ax.set_ylabel(name)
+        values = [v for points in series.values() for v in points.values()]
+        if min(values) > 0 and max(values) > 20 * min(values):
+            ax.set_yscale("log")  # a loss falling from 5 to 0.01 is flat on a linear axis
+            ax.yaxis.set_major_formatter(LogFormatter())  # "0.1", "40" rather than 10^-1, 4x10^1
+            ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend()
+    axes[-1, 0].set_xlabel("optimizer step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,212 @@
+import copy
+import functools
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmft.errors import UserError
+from llmft.plan.batch import divisors
+from llmft.plan.memory import (
+    GIB,
+    count_params,
+    estimate_memory,
+    pick_micro_batch,
+    plan_command,
+    quantized_bytes_per_param,
+)
+from llmft.plan.shape import model_shape
+from llmft.recipe import load_recipe
+
+# meta-llama/Llama-3.1-8B: its shape comes from plan.shape's table, nothing is downloaded.
+BASE = textwrap.dedent(
+    """\
+    model:
+      name_or_path: meta-llama/Llama-3.1-8B
+    data:
+      train: train.jsonl
+      max_seq_len: 2048
+    batch:
+      global_batch_size: 64
+      micro_batch_size: 1
+    train:
+      max_steps: 10
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("mem") / "recipe.yaml"
+    path.write_text(BASE)
+    return str(path)
+
+
+def load(path, *overrides, nproc=1):
+    return load_recipe(path, list(overrides), nnodes=1, nproc_per_node=nproc)
+
+
+QLORA = ("model.quantization={bits: 4}", "peft.method=lora", "model.gradient_checkpointing=true")
+
+
+def gib(nbytes: int) -> float:
+    return nbytes / GIB
+
+
+def test_qlora_8b_fits_a_consumer_gpu(base):
+    est = estimate_memory(load(base, *QLORA), dp_size=1)
+    assert 6 < gib(est.total) < 14, est.components()
+    # The frozen 4-bit base dominates the weights; embedding and head stay unquantized (fp32 after
+    # prepare_model_for_kbit_training): 1.05 B params x 4 B = 3.9 GiB.
+    shape = model_shape(load(base).model)
+    p = count_params(load(base, *QLORA), shape)
+    assert p.linear == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    assert est.weights == pytest.approx(p.linear * quantized_bytes_per_param(4, True) + p.other * 4, abs=1)
+    # LoRA r=16 on all 7 linears of 32 layers: 41.9 M fp32 params; grads 4 B, AdamW 8 B each.
+    assert p.adapters == 32 * 16 * (2 * 8192 + 2 * 5120 + 2 * (4096 + 14336) + (14336 + 4096))
+    assert est.adapters == p.adapters * 4 and est.gradients == p.adapters * 4 and est.optimizer == p.adapters * 8
+
+
+def test_full_finetune_8b_does_not_fit_one_gpu(base):
+    est = estimate_memory(load(base), dp_size=1)
+    assert gib(est.total) > 100
+    assert not est.fits(80)
+
+
+def test_zero3_divides_states_by_dp(base):
+    r = load(base, "distributed.engine=deepspeed", "distributed.zero_stage=3", nproc=8)
+    one, eight = estimate_memory(r, dp_size=1), estimate_memory(r, dp_size=8)
+    for name in ("weights", "gradients", "optimizer", "master_weights"):
+        assert getattr(eight, name) == pytest.approx(getattr(one, name) / 8, abs=1), name
+    # bf16 under DeepSpeed: 2 (weights) + 2 (grads) + 4 (master) + 8 (Adam) bytes per parameter.
+    n = model_shape(r.model).num_params
+    assert one.weights + one.gradients + one.master_weights + one.optimizer == pytest.approx(16 * n, abs=4)
+    assert one.activations == eight.activations and one.logits == eight.logits
+
+
+def test_zero_stages_shard_progressively(base):
+    totals = [
+        estimate_memory(load(base, "distributed.engine=deepspeed", f"distributed.zero_stage={s}", nproc=8), 8).total
+        for s in range(4)
+    ]
+    assert totals == sorted(totals, reverse=True) and totals[0] > 2 * totals[3]
+
+
+def test_fsdp_shards_and_gathers_layers(base):
+    r = load(base, "distributed.engine=fsdp", nproc=8)
+    est = estimate_memory(r, 8)
+    n = model_shape(r.model).num_params
+    assert est.weights == pytest.approx(4 * n / 8, abs=1)  # fp32 sharded, bf16 compute
+    assert est.transient_weights > 0  # two gathered layers + the root
+    kept = estimate_memory(load(base, "distributed.engine=fsdp", "distributed.reshard_after_forward=false", nproc=8), 8)
+    assert kept.transient_weights > 5 * est.transient_weights  # every layer stays gathered
+
+
+def test_offload_removes_state_from_gpu(base):
+    r = load(
+        base,
+        "distributed.engine=deepspeed",
+        "distributed.zero_stage=3",
+        "distributed.offload_optimizer=cpu",
+        "distributed.offload_params=cpu",
+        nproc=8,
+    )
+    est = estimate_memory(r, 8)
+    assert est.optimizer == est.master_weights == est.weights == 0
+    assert any("offloaded" in n for n in est.notes)
+
+
+def test_optimizer_choices(base):
+    def opt(*o):
+        return estimate_memory(load(base, *QLORA, *o), 1).optimizer
+
+    adamw = opt()
+    assert opt("optim.name=adamw_8bit") == adamw // 4
+    assert opt("optim.name=sgd") == 0
+    assert opt("optim.name=sgd", "optim.momentum=0.9") == adamw // 2
+
+
+def test_activations_scale_with_micro_batch_and_checkpointing(base):
+    r = load(base)
+    one, four = estimate_memory(r, 1, micro_batch_size=1), estimate_memory(r, 1, micro_batch_size=4)
+    assert four.activations == 4 * one.activations and four.logits == 4 * one.logits
+    assert four.weights == one.weights
+    ckpt = estimate_memory(load(base, "model.gradient_checkpointing=true"), 1)
+    assert ckpt.activations < one.activations / 10
+    # Logits: 2048 tokens x 128256 vocab x (2 bf16 + 4 fp32 copy + 4 fp32 log-softmax) bytes.
+    assert one.logits == 2048 * 128256 * 10
+
+
+def test_quantized_bytes():
+    assert quantized_bytes_per_param(4, False) == 0.5 + 4 / 64
+    assert 0.51 < quantized_bytes_per_param(4, True) < 0.52
+    assert quantized_bytes_per_param(8, True) == 1.0
+
+
+def test_unknown_model_shape_is_a_user_error(base):
+    r = load(base, "model.name_or_path=someone/unknown-model")
+    with pytest.raises(UserError, match="config.json"):
+        estimate_memory(r, 1)
+
+
+@functools.cache
+def _lora_1b(path: str):
+    return load(path, "model.name_or_path=meta-llama/Llama-3.2-1B", "peft.method=lora")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dp=st.integers(1, 16),
+    accumulation=st.integers(1, 64),
+    gpu_gb=st.floats(1, 200),
+)
+def test_pick_micro_batch_keeps_the_equation_exact(base, dp, accumulation, gpu_gb):
+    r = copy.deepcopy(_lora_1b(base))
+    global_batch = dp * accumulation
+    r.batch.global_batch_size, r.batch.micro_batch_size = global_batch, "auto"
+    try:
+        micro = pick_micro_batch(r, dp, gpu_gb)
+    except UserError as e:
+        assert "even a micro-batch of 1" in str(e)
+        assert not estimate_memory(r, dp, 1).fits(gpu_gb)
+        return
+    local = global_batch // dp
+    assert local % micro == 0 and micro * (local // micro) * dp == global_batch
+    assert estimate_memory(r, dp, micro).fits(gpu_gb)
+    bigger = [d for d in divisors(local) if d > micro]
+    assert all(not estimate_memory(r, dp, d).fits(gpu_gb) for d in bigger)
+
+
+def test_pick_micro_batch_errors(base):
+    r = load(base, *QLORA)
+    with pytest.raises(UserError, match="even a micro-batch of 1 needs about .* GiB"):
+        pick_micro_batch(r, 1, 4)
+    r.batch.global_batch_size = 10
+    with pytest.raises(UserError, match="10 sequences do not split evenly over 4 .* global batch in \\{8, 12\\}"):
+        pick_micro_batch(r, 4, 80)
+    r.batch.global_batch_size = "auto"
+    with pytest.raises(UserError, match="needs the global batch"):
+        pick_micro_batch(r, 1, 80)
+
+
+def test_plan_command_table(base):
+    text = plan_command(base, [*QLORA, "distributed.gpu_memory_gb=24"])
+    assert "weights" in text and "logits" in text and "total" in text
+    assert "fits in 24 GiB (distributed.gpu_memory_gb): yes" in text
+    assert "largest micro-batch that fits and divides the local batch:" in text
+    assert "micro 1 x accumulation 64 x data-parallel 1 = global 64" in text
+    assert "NO" in plan_command(base, ["distributed.gpu_memory_gb=24"])
+
+
+def test_plan_cli_imports_no_torch(base):
+    code = (
+        "import sys; from llmft.cli import main; "
+        f"rc = main(['plan', {base!r}, 'distributed.gpu_memory_gb=24']); "
+        "assert 'torch' not in sys.modules, 'plan imported torch'; sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "total" in proc.stdout

@@ -1,0 +1,64 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llmft.errors import UserError
+from llmft.plot import plot_run, read_metrics
+
+
+def write_metrics(run_dir, rows):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+ROWS = [
+    *({"split": "train", "step": s, "loss": 5.0 / s, "lr": 1e-3 * s / 4, "grad_norm": 1.0} for s in range(1, 5)),
+    {"split": "eval", "step": 2, "loss": 3.0, "perplexity": 20.1, "exact_match": 0.0},
+    # The run was killed after step 4 and resumed from the checkpoint at step 3: steps 4 and 5 are logged again.
+    {"split": "train", "step": 4, "loss": 0.9, "lr": 1e-3, "grad_norm": 1.0},
+    {"split": "train", "step": 5, "loss": 0.8, "lr": 1e-3, "grad_norm": 1.0},
+    {"split": "eval", "step": 4, "loss": 1.0, "perplexity": 2.7, "exact_match": 0.5},
+]
+
+
+def test_later_row_of_a_step_wins(tmp_path):
+    write_metrics(tmp_path, ROWS)
+    splits = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in splits["train"]] == [1, 2, 3, 4, 5]
+    assert splits["train"][3]["loss"] == 0.9
+    assert [r["exact_match"] for r in splits["eval"]] == [0.0, 0.5]
+
+
+def test_cli_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    write_metrics(run, ROWS)
+    proc = subprocess.run([sys.executable, "-m", "llmft", "plot", str(run)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    png = run / "metrics.png"
+    assert str(png) in proc.stdout
+
+    import matplotlib.image
+
+    img = matplotlib.image.imread(png)
+    height, width = img.shape[:2]
+    # Four panels (loss, lr, eval exact_match, eval perplexity) stacked: taller than wide.
+    assert width > 0 and height > width
+
+
+def test_train_only_and_custom_out(tmp_path):
+    pytest.importorskip("matplotlib")
+    write_metrics(tmp_path / "run", [{"split": "train", "step": 1, "loss": 2.0}])
+    out = plot_run(tmp_path / "run", tmp_path / "plots" / "p.png")
+    assert out == tmp_path / "plots" / "p.png" and out.stat().st_size > 0
+
+
+def test_missing_dir_and_empty_metrics(tmp_path):
+    with pytest.raises(UserError, match="run directory not found.*run.output_dir"):
+        plot_run(tmp_path / "nope")
+    with pytest.raises(UserError, match="no metrics to plot.*llmft train"):
+        plot_run(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "llmft", "plot", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and "metrics.jsonl" in proc.stderr
