@@ -46,6 +46,13 @@ def _int(name: str) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
+def _tasks_per_node() -> int | None:
+    """SLURM_TASKS_PER_NODE looks like "8(x2)" or "4,3": the first node's count."""
+    value = os.environ.get("SLURM_TASKS_PER_NODE", "")
+    head = value.split(",")[0].split("(")[0]
+    return int(head) if head.isdigit() else None
+
+
 def read_env() -> DistEnv:
     """torchrun and the deepspeed launcher set RANK/WORLD_SIZE/LOCAL_RANK; srun sets SLURM_*."""
     if _int("WORLD_SIZE") is not None and _int("RANK") is not None:
@@ -65,7 +72,7 @@ def read_env() -> DistEnv:
                 rank=_int("SLURM_PROCID") or 0,
                 world_size=world,
                 local_rank=_int("SLURM_LOCALID") or 0,
-                local_world_size=_int("SLURM_NTASKS_PER_NODE") or _int("SLURM_TASKS_PER_NODE") or world,
+                local_world_size=_int("SLURM_NTASKS_PER_NODE") or _tasks_per_node() or world,
                 launcher="srun",
             )
             # torch.distributed's env:// rendezvous reads these names.

@@ -89,7 +89,8 @@ def solve_batch(
                 "batch",
                 f"{' and '.join('batch.' + k for k in unknown)} are both auto; only one of the three batch keys can be solved",
                 "Give two of global_batch_size, micro_batch_size, gradient_accumulation_steps "
-                "(e.g. batch.global_batch_size=32 batch.micro_batch_size=2).",
+                "(e.g. batch.global_batch_size=32 batch.micro_batch_size=2), or set distributed.gpu_memory_gb "
+                "with micro_batch_size=auto to have the largest micro-batch that fits picked.",
             )
         )
     if not unknown:

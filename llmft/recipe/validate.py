@@ -7,10 +7,11 @@ All problems are collected and raised together. The batch keys come out solved
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
-from llmft.errors import Problem
-from llmft.plan.batch import BatchError, BatchPlan, resolve_for_world, sequences_from_tokens, solve_batch
+from llmft.errors import Problem, UserError
+from llmft.plan.batch import BatchPlan, resolve_for_world, sequences_from_tokens, solve_batch
 from llmft.recipe.schema import Recipe, iter_fields
 
 log = logging.getLogger("llmft")
@@ -143,11 +144,11 @@ def _combinations(r: Recipe, where, dp_size: int) -> list[Problem]:
                 "Use distributed.engine=ddp, fsdp or deepspeed (or auto).",
             )
         )
-    if d.offload_params != "none" and d.engine == "ddp":
+    if d.offload_params != "none" and d.engine in ("single", "ddp"):
         p.append(
             Problem(
                 where("distributed.offload_params"),
-                "DDP keeps full replicas and cannot offload parameters",
+                f"the {d.engine} engine keeps whole replicas and cannot offload parameters",
                 "Use distributed.engine=fsdp or deepspeed with zero_stage=3.",
             )
         )
@@ -237,6 +238,16 @@ def _combinations(r: Recipe, where, dp_size: int) -> list[Problem]:
                 "Set distributed.engine=fsdp, or distributed.hsdp_replicate=1.",
             )
         )
+    q = m.quantization
+    if q is not None and d.engine == "fsdp" and q.quant_storage not in (None, m.dtype):
+        p.append(
+            Problem(
+                where("model.quantization.quant_storage"),
+                f"{q.quant_storage} differs from model.dtype {m.dtype}: FSDP2 shards 4-bit weights only when they "
+                "are stored in the dtype of the other parameters",
+                f"Set model.quantization.quant_storage={m.dtype} or null (null picks it automatically).",
+            )
+        )
     if r.batch.global_batch_tokens is not None and not r.data.packing:
         p.append(
             Problem(
@@ -263,6 +274,29 @@ def resolve_engine(r: Recipe, dp_size: int) -> str:
     return "ddp"
 
 
+def _is_auto(value: Any) -> bool:
+    return value is None or value == "auto"
+
+
+def _planned_micro(r: Recipe, global_batch_size: int, dp_size: int) -> int | str:
+    """micro_batch_size=auto with accumulation auto: the largest micro-batch that fits the GPU
+    (distributed.gpu_memory_gb, or the detected device when torch is already loaded: compile never
+    imports it). Without a memory size it stays auto and the solver asks for a number."""
+    gpu_gb = r.distributed.gpu_memory_gb
+    if gpu_gb is None and "torch" in sys.modules:
+        from llmft.plan.memory import detected_gpu_memory_gb
+
+        gpu_gb = detected_gpu_memory_gb()
+    if gpu_gb is None:
+        return "auto"
+    from llmft.plan.memory import pick_micro_batch
+
+    r.batch.global_batch_size = global_batch_size
+    micro = pick_micro_batch(r, dp_size, gpu_gb)
+    log.info("batch.micro_batch_size=auto: %d is the largest that fits %.0f GiB per GPU", micro, gpu_gb)
+    return micro
+
+
 def _batch(r: Recipe, where, dp_size: int) -> list[Problem]:
     b = r.batch
     g = b.global_batch_size
@@ -280,7 +314,10 @@ def _batch(r: Recipe, where, dp_size: int) -> list[Problem]:
                 ]
             g = from_tokens
         compiled_dp = r.distributed.nnodes * r.distributed.nproc_per_node
-        values = (g, b.micro_batch_size, b.gradient_accumulation_steps)
+        micro = b.micro_batch_size
+        if _is_auto(micro) and _is_auto(b.gradient_accumulation_steps) and not _is_auto(g):
+            micro = _planned_micro(r, g, dp_size)
+        values = (g, micro, b.gradient_accumulation_steps)
         if all(isinstance(v, int) for v in values) and compiled_dp != dp_size:
             plan = solve_batch(*values, dp_size=compiled_dp)
             plan, note = resolve_for_world(plan, dp_size)
@@ -288,7 +325,7 @@ def _batch(r: Recipe, where, dp_size: int) -> list[Problem]:
                 log.warning(note)
         else:
             plan = solve_batch(*values, dp_size=dp_size)
-    except BatchError as e:
+    except UserError as e:
         return [
             Problem(where(pr.where) if pr.where.startswith("batch.") else pr.where, pr.what, pr.fix)
             for pr in e.problems

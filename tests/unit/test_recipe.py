@@ -115,3 +115,21 @@ def test_compiled_plan_resolved_for_new_world(recipe_file):
 
     r2 = validate(r, dp_size=4)
     assert (r2.batch.global_batch_size, r2.batch.micro_batch_size, r2.batch.gradient_accumulation_steps) == (16, 2, 2)
+
+
+def test_micro_batch_auto_picks_the_largest_that_fits(recipe_file):
+    from llmft.plan.memory import estimate_memory
+
+    r = load_recipe(recipe_file, ["batch.micro_batch_size=auto", "distributed.gpu_memory_gb=80"], nproc_per_node=2)
+    assert r.batch.micro_batch_size == 8  # the whole per-rank batch fits a tiny model
+    assert r.batch.micro_batch_size * r.batch.gradient_accumulation_steps * 2 == r.batch.global_batch_size == 16
+    # A budget between the estimates for micro 2 and micro 4 picks 2, and the equation stays exact.
+    base = load_recipe(recipe_file, nproc_per_node=2)
+    gb = (estimate_memory(base, 2, 2).total + estimate_memory(base, 2, 4).total) / 2 / 2**30
+    r = load_recipe(recipe_file, ["batch.micro_batch_size=auto", f"distributed.gpu_memory_gb={gb}"], nproc_per_node=2)
+    assert (r.batch.micro_batch_size, r.batch.gradient_accumulation_steps) == (2, 4)
+
+
+def test_micro_batch_auto_without_memory_size_asks_for_it(recipe_file):
+    msg = errors(recipe_file, ["batch.micro_batch_size=auto"])
+    assert "only one of the three batch keys can be solved" in msg and "distributed.gpu_memory_gb" in msg
