@@ -8,7 +8,12 @@ either the new complete checkpoint or the previous one as ``latest``, never a
 half-written folder under a ``step-N`` name.
 
 Non-tensor state is JSON; tensors are safetensors or ``torch.save`` files that
-are read back with ``weights_only=True``.
+are read back with ``weights_only=True`` (DeepSpeed's own files excepted: see
+``llmft.consolidate``).
+
+A DeepSpeed ZeRO 1-3 checkpoint resumed on another world size is converted once to
+DeepSpeed's universal format (``deepspeed_universal``; also ``python -m llmft.checkpoint
+universal CKPT``). docs/checkpoints.md describes the whole contract.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +39,7 @@ COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
 FAULT_ENV = "LLMFT_FAULT_INJECT"  # tests only: "kill_in_save:<step>" SIGKILLs this process mid-save
+UNIVERSAL_DIR = "deepspeed_universal"  # step-N/deepspeed_universal: a ZeRO checkpoint resharded for any dp size
 
 
 def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -197,3 +204,127 @@ class CheckpointManager:
 
     def existing(self) -> list[tuple[int, Path]]:
         return broadcast_object(step_dirs(self.run_dir) if self.env.is_main else None)
+
+
+# --- DeepSpeed universal checkpoints: ZeRO 1-3 state resharded for any data-parallel size ----------
+
+
+def deepspeed_dp_size(step_dir: Path) -> int | None:
+    """The data-parallel size a ZeRO 1-3 checkpoint is partitioned for (None: ZeRO-0 or no DeepSpeed state)."""
+    from llmft.engines.deepspeed import DS_DIR, TAG
+
+    pattern = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+    ranks = {
+        m.group(1) for f in (Path(step_dir) / DS_DIR / TAG).glob("*_optim_states.pt") if (m := pattern.search(f.name))
+    }
+    return len(ranks) or None
+
+
+def deepspeed_universal(step_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """Convert a ZeRO 1-3 checkpoint into DeepSpeed's universal format, in this process.
+
+    ZeRO partitions optimizer state (and, at stage 3, weights) by data-parallel rank, so
+    DeepSpeed refuses to load it on another world size. Its ``ds_to_universal`` rewrites the
+    partitions as one folder per parameter (fp32 weight, Adam moments), which an engine of any
+    size loads with ``"checkpoint": {"load_universal": true}``. Written to
+    ``step-N/deepspeed_universal/`` (or ``out``) by default, staged under a temporary name and
+    renamed, so a crash mid-conversion leaves nothing half-made; an existing conversion is
+    reused. The result is load_dir for ``engine.load_checkpoint(load_dir, tag="state")``.
+
+    On demand: ``python -m llmft.checkpoint universal CHECKPOINT``. A resume on another world
+    size calls it on rank 0 by itself (``DeepSpeedEngineAdapter.load``).
+    """
+    import argparse
+    import contextlib
+    import io
+
+    from llmft.engines.deepspeed import DS_DIR, TAG
+
+    step_dir = resolve_checkpoint(step_dir)
+    out = Path(out) if out is not None else step_dir / UNIVERSAL_DIR
+    if (out / TAG / "zero").is_dir():
+        return out
+    if deepspeed_dp_size(step_dir) is None:
+        raise UserError(
+            Problem(
+                str(step_dir),
+                "holds no DeepSpeed ZeRO 1-3 optimizer partitions, so there is nothing to convert "
+                "(ZeRO-0, FSDP and single-process checkpoints load on any world size as they are)",
+                "Pass a checkpoint written with distributed.engine=deepspeed and zero_stage 1-3.",
+            )
+        )
+    from deepspeed.checkpoint import ds_to_universal
+
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed conversion
+    tmp.mkdir(parents=True)
+    args = argparse.Namespace(
+        input_folder=str(step_dir / DS_DIR / TAG),
+        output_folder=str(tmp / TAG),  # ds_to_universal also writes latest_universal beside it, inside tmp
+        num_extract_workers=1,  # in this process: no worker pool to fork from a training process
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # checkpoints saved without UNIVERSAL_CHECKPOINT_INFO (older llmft)
+    )
+    chatter = io.StringIO()  # its prints and progress bars
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            ds_to_universal.main(args)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():  # converted meanwhile by someone else: theirs is as good
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    os.replace(tmp, out)
+    _fsync_dir(out.parent)
+    return out
+
+
+def universal_for_resume(step_dir: Path, env: DistEnv) -> Path:
+    """Rank 0 converts (or reuses) ``step-N/deepspeed_universal``; every rank waits and gets its path."""
+    error = None
+    if env.is_main:
+        try:
+            deepspeed_universal(step_dir)
+        except Exception as e:  # every rank must learn of it, not wait in a barrier forever
+            error = f"{type(e).__name__}: {e}"
+    error = broadcast_object(error)
+    if error is not None:
+        raise UserError(
+            Problem(
+                str(step_dir),
+                f"was written on another world size and could not be converted to DeepSpeed's universal "
+                f"checkpoint ({error})",
+                "Resume on the world size that wrote it, or convert it by hand with "
+                f"`python -m llmft.checkpoint universal {step_dir}` to see the full error.",
+            )
+        )
+    return step_dir / UNIVERSAL_DIR
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m llmft.checkpoint universal CHECKPOINT [--out DIR]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m llmft.checkpoint",
+        description="Checkpoint tools. universal: convert a DeepSpeed ZeRO 1-3 checkpoint to DeepSpeed's "
+        "universal format (what a resume on another world size loads; done automatically on resume).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("universal", help="convert a ZeRO 1-3 checkpoint to DeepSpeed's universal format")
+    p.add_argument("checkpoint", help="checkpoints/step-N, checkpoints/latest, or a run directory (its latest)")
+    p.add_argument("--out", default=None, help="output directory (default: <step-N>/deepspeed_universal)")
+    args = parser.parse_args(argv)
+    try:
+        print(deepspeed_universal(args.checkpoint, args.out))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

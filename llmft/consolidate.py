@@ -1,8 +1,16 @@
 """Turn any engine's checkpoint back into one ordinary (unsharded) model in one process.
 
 single / ddp: ``model/`` is a save_pretrained dir. fsdp: a DCP folder, read without a
-process group. deepspeed: ZeRO partitions, merged to fp32 by DeepSpeed's own
-``zero_to_fp32``. Export and the cross-engine tests use this.
+process group, resharded to one process by DCP. deepspeed: ZeRO partitions, merged to fp32
+by DeepSpeed's own ``zero_to_fp32``. Export and the cross-engine tests use this.
+
+DeepSpeed checkpoints are DeepSpeed's format: its ``*_model_states.pt`` and
+``*_optim_states.pt`` files are Python pickles that only ``torch.load(weights_only=False)``
+reads. They are the one exception to "nothing is unpickled" (SPEC 8): llmft never opens them
+itself, and lets DeepSpeed's own code read the files a DeepSpeed run wrote (here, the engine's
+``load_checkpoint`` on resume, and ``ds_to_universal`` for an elastic resume). Load DeepSpeed
+checkpoints only from runs you trust; every other engine's state is safetensors, DCP or
+``weights_only`` files.
 """
 
 from __future__ import annotations
@@ -84,12 +92,17 @@ def _load_dcp(model: torch.nn.Module, ckpt: Path) -> None:
 
 
 def _load_deepspeed(model: torch.nn.Module, ckpt: Path) -> None:
+    import contextlib
+    import io
+
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from llmft.engines.deepspeed import DS_DIR, TAG
 
     peft = hasattr(model, "peft_config")
-    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / DS_DIR), tag=TAG, exclude_frozen_parameters=peft)
+    # DeepSpeed unpickles its own files here (see the module docstring); its progress prints are muted.
+    with contextlib.redirect_stdout(io.StringIO()):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / DS_DIR), tag=TAG, exclude_frozen_parameters=peft)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, unexpected[:5]
     if not peft:

@@ -7,14 +7,22 @@ The model part of a (single-process) checkpoint ``checkpoints/step-N/``::
     tokenizer/      ``tokenizer.save_pretrained``
     recipe.yaml     the resolved recipe (how to rebuild the base model)
 
+Sharded engines write no ``model/``: an FSDP2 step dir holds ``dcp/``, a DeepSpeed one
+``deepspeed/``; export consolidates them first (``llmft.consolidate``).
+
 An adapter needs its base. A base named by ``model.name_or_path`` is found by that
 name. A base built from ``model.config`` exists only as random weights in memory, so
-the checkpoint code writes it once with ``save_base_model`` to
-``checkpoints/base_model/`` (beside the step dirs, so pruning never removes it). When
-it is missing, export rebuilds it from ``model.config`` and ``run.seed``: the same
-weights as long as torch and transformers are the versions that trained.
+``llmft train`` writes it once with ``save_base_model`` to ``checkpoints/base_model/``
+(beside the step dirs, so pruning never removes it), from rank 0's model right after the
+engine is built: single, DDP and DeepSpeed ZeRO 0-2, where rank 0 holds the whole model.
+Under FSDP2 and ZeRO-3 no rank holds it whole after sharding, and gathering it would
+materialise it on one rank (SPEC 7), so it is not saved; export then rebuilds it from
+``model.config`` and ``run.seed`` (every engine builds a fresh model from that seed), which
+gives the same weights as long as torch and transformers are the versions that trained,
+and logs a warning saying so.
 
-Weights are written as safetensors and read only from safetensors; nothing is unpickled.
+Weights are written as safetensors. llmft reads safetensors and DCP only; a DeepSpeed
+checkpoint is read by DeepSpeed's own code, the one exception (see ``llmft.consolidate``).
 """
 
 from __future__ import annotations

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 import torch
+from safetensors.torch import save_model
 
 from llmft.errors import Problem, UserError
 
@@ -47,9 +49,10 @@ def build_model(
     """The model to train: loaded or built, quantized if asked, PEFT-wrapped if asked.
 
     ``init_context`` (a context-manager factory from a sharding engine: meta-device init for
-    FSDP2, ``deepspeed.zero.Init`` for ZeRO-3) wraps the construction only; the model is then
-    left where that context put it. Without it (and for a quantized model, which must be
-    built from real weights) the model ends up on ``device``.
+    FSDP2) wraps the construction only; the model is then left where that context put it, and
+    a pretrained model is built from its config without its weights, which the engine loads
+    into its shards. Without it (and for a quantized model, which must be built from real
+    weights) the model ends up on ``device``.
     ``shard_quant_storage`` (FSDP): pack 4-bit weights in the compute dtype when
     ``quantization.quant_storage`` is null, so that every parameter the engine shards has one dtype.
     """
@@ -69,6 +72,8 @@ def build_model(
     with context() if context is not None else contextlib.nullcontext():
         if m.config is not None:
             model = _from_config(m, config, recipe.run.seed, dtype, quant, device)
+        elif context is not None:
+            model = _architecture(m, config, dtype)
         else:
             model = _from_pretrained(m, config, dtype, quant, device_map=device_map)
     if placed and quant is None:
@@ -82,6 +87,7 @@ def build_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GRADIENT_CHECKPOINTING_KWARGS)
     if recipe.peft.method != "none":
         model = apply_peft(model, recipe.peft)
+        init_adapters(model, recipe.run.seed)
     return model
 
 
@@ -274,7 +280,10 @@ def _quantize_fresh(
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory(prefix="llmft-quantize-") as tmp:
-        model.save_pretrained(tmp)
+        # Not save_pretrained: under torch.distributed it writes on rank 0 only, and every rank
+        # needs its own copy here.
+        model.config.save_pretrained(tmp)
+        save_model(model, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         del model
         # disable_mmap: the tensors must not outlive the files they would be mapped from
         quantized = AutoModelForCausalLM.from_pretrained(
@@ -318,6 +327,19 @@ def _from_pretrained(
         raise _not_found(m, name, e) from None
     except ValueError as e:
         raise _bad_pretrained(m, name, e) from None
+
+
+def _architecture(m: ModelConfig, config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
+    """A pretrained model's modules without its weights: ``from_pretrained`` refuses a meta-device
+    context, so the architecture comes from its config and the engine loads the weights."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code
+        )
+    except ImportError as e:
+        raise _attn_unavailable(m, e) from None
 
 
 def _attn_unavailable(m: ModelConfig, e: ImportError) -> UserError:
@@ -418,6 +440,45 @@ def apply_peft(model: PreTrainedModel, p: PeftConfig) -> torch.nn.Module:
                 f"Use all-linear, or names of this model's linear layers: {', '.join(names)}.",
             )
         ) from None
+
+
+def initial_adapter_weights(model: torch.nn.Module, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The initial LoRA weights of a PEFT model by parameter name: full size, fp32, on CPU.
+
+    PEFT's default init (A kaiming-uniform like ``nn.Linear``, B zeros; for embeddings A zeros,
+    B normal), drawn from ``run.seed`` in module order rather than from the global RNG, so that
+    a model built whole and one built on the meta device and sharded (FSDP2) start from the same
+    adapters, on every engine and world size. DoRA magnitudes are not here: they are the norms
+    of the base weights, which PEFT computes (or the sharding engine, once the weights are loaded).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    generator = torch.Generator().manual_seed(seed)
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for adapter, layer in module.lora_A.items():
+            a = torch.empty(layer.weight.shape)
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            yield f"{name}.lora_A.{adapter}.weight", a
+            for pname, p in module.lora_B[adapter].named_parameters():
+                yield f"{name}.lora_B.{adapter}.{pname}", torch.zeros(p.shape)
+        for adapter, a in module.lora_embedding_A.items():
+            yield f"{name}.lora_embedding_A.{adapter}", torch.zeros(a.shape)
+            b = module.lora_embedding_B[adapter]
+            yield f"{name}.lora_embedding_B.{adapter}", torch.empty(b.shape).normal_(generator=generator)
+
+
+def init_adapters(model: torch.nn.Module, seed: int) -> None:
+    """Give the adapters their seeded initial weights (see ``initial_adapter_weights``). Adapters
+    still on the meta device are left to the engine that materialises them."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in initial_adapter_weights(model, seed):
+            p = params[name]
+            if p.is_meta:
+                return
+            p.copy_(value)
 
 
 def _is_linear(module: torch.nn.Module) -> bool:

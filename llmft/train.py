@@ -19,7 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmft.checkpoint import CheckpointManager, latest_checkpoint, resolve_checkpoint, set_rng_state, step_dirs
+from llmft.checkpoint import (
+    CHECKPOINTS,
+    CheckpointManager,
+    latest_checkpoint,
+    resolve_checkpoint,
+    set_rng_state,
+    step_dirs,
+)
 from llmft.dist import DistEnv, barrier, init_distributed, read_env, shutdown
 from llmft.errors import Problem, UserError
 from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
@@ -30,8 +37,23 @@ from llmft.stop import STOPPED_EXIT_CODE, StopRequest
 
 log = logging.getLogger("llmft")
 
-# Settings a checkpoint must share with the recipe that resumes it (anything else is logged).
+# Settings a checkpoint must share with the recipe that resumes it: they decide the weights the
+# checkpoint's state belongs to and the data order its sample count indexes.
 RESUME_MUST_MATCH = ("model", "peft", "data", "run.seed")
+# ... except these, which change neither (a changed value is logged like any other change).
+RESUME_MAY_CHANGE = ("model.gradient_checkpointing", "data.num_workers", "data.prefetch_factor", "data.eval")
+# Changes that are expected on resume and not worth a warning: the world layout (the batch is
+# re-solved for it) and how this invocation resumes.
+RESUME_SILENT = (
+    "distributed.",
+    "batch.gradient_accumulation_steps",
+    "batch.micro_batch_size",
+    "checkpoint.resume",
+    "run.overwrite",
+)
+# Tests and debugging: a directory; each rank appends the dataset indices of every micro-batch it
+# takes to rank-<R>.jsonl there, which proves a resume neither skips nor repeats a sample.
+SAMPLE_LOG_ENV = "LLMFT_SAMPLE_LOG"
 
 
 def setup_logging(env: DistEnv) -> None:
@@ -70,14 +92,17 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def check_resume_compatible(ckpt: Path, recipe: Recipe) -> None:
-    """Refuse a checkpoint trained on another model, adapter or data; log deliberate changes."""
+    """Refuse a checkpoint trained on another model, adapter or data; log deliberate changes.
+
+    A deliberate change (``optim.lr``, ``train.max_steps``, the schedule, ...) takes effect from
+    the resumed step on; the world layout may change freely (elastic resume).
+    """
     from omegaconf import OmegaConf
 
     saved = _flatten(OmegaConf.to_container(OmegaConf.load(ckpt / "recipe.yaml"), resolve=True))
     now = _flatten(OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True))
-    ignore = ("data.num_workers", "data.prefetch_factor")
     diffs = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
-    fatal = {k: v for k, v in diffs.items() if k.startswith(RESUME_MUST_MATCH) and not k.startswith(ignore)}
+    fatal = {k: v for k, v in diffs.items() if k.startswith(RESUME_MUST_MATCH) and not k.startswith(RESUME_MAY_CHANGE)}
     if fatal:
         raise UserError(
             *[Problem(k, f"checkpoint has {a!r}, recipe has {b!r}") for k, (a, b) in fatal.items()],
@@ -85,8 +110,79 @@ def check_resume_compatible(ckpt: Path, recipe: Recipe) -> None:
             "(set checkpoint.resume=never with a new run.output_dir to start fresh, or restore these values)",
         )
     for k, (a, b) in diffs.items():
-        if not k.startswith(("distributed.", "batch.gradient_accumulation_steps", "batch.micro_batch_size")):
+        if not k.startswith(RESUME_SILENT):
             log.warning("resuming with a changed setting: %s %r -> %r", k, a, b)
+
+
+def resume_schedule(scheduler, saved_state: dict[str, Any], peak_lr: float) -> None:
+    """Continue the saved schedule position with this recipe's peak lr and length.
+
+    Loading the optimizer and scheduler state brings back the lr of the run that wrote the
+    checkpoint; re-deriving it from the current recipe makes a deliberate ``optim.lr`` or
+    ``train.max_steps`` change take effect at once, and is an exact no-op when nothing changed
+    (the same product ``base_lr * factor(step)`` the scheduler computes).
+    """
+    scheduler.load_state_dict(saved_state)
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [peak_lr] * len(groups)
+    for group, factor in zip(groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = peak_lr
+        group["lr"] = peak_lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in groups]  # what get_last_lr() reports
+
+
+def save_base_once(recipe: Recipe, engine, run_dir: Path, env: DistEnv, *, resuming: bool) -> None:
+    """``model.config`` + PEFT: write ``checkpoints/base_model`` once, from the model being trained.
+
+    The random base exists nowhere else; with it saved, exporting an adapter does not depend on
+    rebuilding it from ``run.seed`` with the same library versions. Only where rank 0 holds the
+    whole model (single, DDP, DeepSpeed ZeRO 0-2): under FSDP2 and ZeRO-3 each rank holds shards,
+    and gathering the base would put it whole on one rank, so export rebuilds it from
+    ``model.config`` and ``run.seed`` (the engines build fresh models from that seed) and says so.
+    """
+    if not env.is_main or recipe.model.config is None or recipe.peft.method == "none":
+        return
+    from llmft.export import BASE_DIR, save_base_model
+
+    target = run_dir / CHECKPOINTS / BASE_DIR
+    if resuming and (target / "config.json").is_file():  # written by the run this one resumes
+        return  # (a fresh start rewrites it: one left by an attempt without checkpoints may be stale)
+    from torch.distributed.tensor import DTensor
+
+    model = engine.unwrap()
+    if any(isinstance(p, DTensor) or hasattr(p, "ds_numel") for p in model.parameters()):
+        log.info("base model not saved (sharded by %s); export rebuilds it from model.config", engine.name)
+        if not resuming:
+            shutil.rmtree(target, ignore_errors=True)  # from an earlier attempt, maybe with another model
+        return
+    from llmft.engines.single import compute_dtype
+
+    with torch.random.fork_rng(devices=[]):  # saving must not shift the run's random stream
+        save_base_model(model, target, dtype=compute_dtype(recipe))
+
+
+class _SampleLog:
+    """A batch sampler that also appends each micro-batch's dataset indices to a file (``SAMPLE_LOG_ENV``)."""
+
+    def __init__(self, sampler, directory: str, env: DistEnv, first_step: int) -> None:
+        self.sampler = sampler
+        self.path = Path(directory) / f"rank-{env.rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.world_size = env.world_size
+        self.first_step = first_step
+
+    def __iter__(self):
+        accumulation = self.sampler.gradient_accumulation_steps
+        for i, indices in enumerate(self.sampler):
+            row = {
+                "step": self.first_step + i // accumulation + 1,
+                "micro_step": i % accumulation,
+                "world_size": self.world_size,
+                "indices": [int(j) for j in indices],
+            }
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            yield indices
 
 
 class Metrics:
@@ -208,6 +304,7 @@ def _train(recipe: Recipe, env: DistEnv) -> int:
         )
 
     engine = build_engine(recipe, env, plan, tokenizer, steps)
+    save_base_once(recipe, engine, run_dir, env, resuming=resume_from is not None)
     scheduler = build_scheduler(engine.optimizer, recipe.optim, steps)
     ckpt = CheckpointManager(run_dir, env, recipe.checkpoint.keep_last)
     state = LoopState()
@@ -236,6 +333,8 @@ def _train(recipe: Recipe, env: DistEnv) -> int:
         env.world_size,
         start_position=state.samples,
     )
+    if os.environ.get(SAMPLE_LOG_ENV):
+        sampler = _SampleLog(sampler, os.environ[SAMPLE_LOG_ENV], env, state.step)
     loader = make_loader(
         data.train, sampler, tokenizer.pad_token_id, recipe.data.num_workers, recipe.data.prefetch_factor
     )
@@ -243,7 +342,7 @@ def _train(recipe: Recipe, env: DistEnv) -> int:
 
     if resume_from is not None:
         engine.load(resume_from, load_optimizer=recipe.checkpoint.save_optimizer)
-        scheduler.load_state_dict(saved["scheduler"])
+        resume_schedule(scheduler, saved["scheduler"], scaled_lr(recipe.optim, plan.global_batch_size))
         if saved.get("_rng") is not None:
             set_rng_state(saved["_rng"])
 

@@ -47,6 +47,20 @@ class Engine(Protocol):
     def load(self, directory: Path, *, load_optimizer: bool) -> None: ...
 
 
+# Fresh models (model.config) up to this size are built whole on every rank with the seeded init and
+# then sharded, so their weights equal the single-process run's; larger ones and every pretrained model
+# are built already sharded (FSDP2: on the meta device, ZeRO-3: under zero.Init). SPEC item 7.
+WHOLE_INIT_MAX_PARAMS = 1_000_000_000
+
+
+def builds_whole(recipe: Recipe) -> bool:
+    """Whether a sharding engine may build this recipe's model whole on every rank before sharding it."""
+    from llmft.plan.shape import model_shape
+
+    shape = model_shape(recipe.model)
+    return recipe.model.config is not None and shape is not None and shape.num_params <= WHOLE_INIT_MAX_PARAMS
+
+
 def autocast_for(dtype: torch.dtype, device: torch.device) -> ContextManager:
     if dtype == torch.float32:
         return contextlib.nullcontext()

@@ -16,24 +16,14 @@ from typing import ContextManager
 import torch
 
 from llmft.dist import DistEnv
+from llmft.engines import builds_whole
 from llmft.engines.single import is_peft, prepare_model
 from llmft.optim import build_optimizer, scaled_lr
 from llmft.plan.batch import BatchPlan
 from llmft.recipe.schema import Recipe
 
 DS_DIR = "deepspeed"
-# Fresh models (model.config) up to this size are built whole on every rank with the seeded init
-# and partitioned by deepspeed.initialize, so their weights equal the single-process run's;
-# larger ones and every pretrained model are built under zero.Init, partitioned from the start.
-WHOLE_INIT_MAX_PARAMS = 1_000_000_000
 TAG = "state"
-
-
-def builds_whole(recipe: Recipe) -> bool:
-    from llmft.plan.shape import model_shape
-
-    shape = model_shape(recipe.model)
-    return recipe.model.config is not None and shape is not None and shape.num_params <= WHOLE_INIT_MAX_PARAMS
 
 
 class DeepSpeedEngineAdapter:
@@ -96,11 +86,25 @@ class DeepSpeedEngineAdapter:
         )
 
     def load(self, directory: Path, *, load_optimizer: bool) -> None:
-        path, _ = self.model.load_checkpoint(
-            str(directory / DS_DIR),
-            tag=TAG,
-            load_module_strict=not self.peft,
-            load_optimizer_states=load_optimizer,
-            load_lr_scheduler_states=False,
-        )
-        assert path is not None, f"DeepSpeed found no checkpoint in {directory / DS_DIR}"
+        from llmft.checkpoint import deepspeed_dp_size, universal_for_resume
+
+        # ZeRO 1-3 state is partitioned per data-parallel rank; on another world size DeepSpeed
+        # only loads its universal format, converted here on first use (rank 0, others wait).
+        saved_dp = deepspeed_dp_size(directory)
+        elastic = saved_dp is not None and saved_dp != self.env.world_size
+        load_dir = universal_for_resume(directory, self.env) if elastic else directory / DS_DIR
+        # The same switch as `"checkpoint": {"load_universal": true}` in the config: the engine
+        # reads it at load time (DeepSpeedEngine.load_universal_checkpoint()), and only this load
+        # needs it, so it is set here rather than in the config every run starts with.
+        self.model._config.load_universal_checkpoint = elastic
+        try:
+            path, _ = self.model.load_checkpoint(
+                str(load_dir),
+                tag=TAG,
+                load_module_strict=not self.peft,
+                load_optimizer_states=load_optimizer,
+                load_lr_scheduler_states=False,
+            )
+        finally:
+            self.model._config.load_universal_checkpoint = False
+        assert path is not None, f"DeepSpeed found no checkpoint in {load_dir}"

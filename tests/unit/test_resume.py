@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, checkpoint_weights, metrics, write_data, write_recipe
+from helpers import ROOT, checkpoint_weights, metrics, train_inproc, write_data, write_recipe
+
+from llmft.errors import UserError
 
 # LoRA with dropout, shuffle and packing on; 40 records packed into ~12 rows of 64 tokens and a
 # global batch of 4 rows, so 8 steps cross at least two epoch boundaries.
@@ -143,3 +145,100 @@ def test_fresh_run_never_destroys_old_one(tmp_path):
     assert "checkpoint.resume: is never, but" in again.stderr and "run.overwrite=true" in again.stderr
     assert "Traceback" not in again.stderr
     assert (tmp_path / "run/checkpoints/step-1/COMPLETE").exists()
+
+
+# --- what a resume may change (SPEC 5: same model, adapter and data; deliberate changes logged) -----
+
+
+def _checkpoint_of(tmp_path: Path, **sections) -> Path:
+    """A step dir holding only the resolved recipe: all check_resume_compatible reads."""
+    from llmft.recipe import load_recipe, to_yaml
+
+    step = tmp_path / "ckpt" / "step-2"
+    step.mkdir(parents=True)
+    (step / "recipe.yaml").write_text(to_yaml(load_recipe(write_recipe(tmp_path, **sections))))
+    return step
+
+
+def _recipe_with(tmp_path: Path, *overrides: str, **sections):
+    from llmft.recipe import load_recipe
+
+    return load_recipe(write_recipe(tmp_path, **sections), list(overrides))
+
+
+@pytest.fixture
+def llmft_log():
+    """Records of the llmft logger (which does not propagate once `llmft train` set it up)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("llmft")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def test_resume_refuses_another_model_adapter_or_data_and_lists_every_difference(tmp_path, llmft_log):
+    from llmft.train import check_resume_compatible
+
+    ckpt = _checkpoint_of(tmp_path)
+    recipe = _recipe_with(
+        tmp_path, "model.config.hidden_size=128", "peft.method=lora", "data.max_seq_len=32", "run.seed=1"
+    )
+    with pytest.raises(UserError) as err:
+        check_resume_compatible(ckpt, recipe)
+    message = str(err.value)
+    assert message.startswith(f"cannot resume from {ckpt}: the model, adapter or data settings differ")
+    assert "checkpoint.resume=never with a new run.output_dir" in message
+    for line in (
+        "model.config.hidden_size: checkpoint has 64, recipe has 128",
+        "peft.method: checkpoint has 'none', recipe has 'lora'",
+        "data.max_seq_len: checkpoint has 64, recipe has 32",
+        "run.seed: checkpoint has 0, recipe has 1",
+    ):
+        assert f"  - {line}" in message, message
+    assert message.count("\n  - ") == 4, message  # nothing else (e.g. the unchanged keys) is listed
+
+
+@pytest.mark.parametrize(
+    "override,logged",
+    [("optim.lr=5e-4", "optim.lr 0.001 -> 0.0005"), ("train.max_steps=6", "train.max_steps 2 -> 6")],
+)
+def test_resume_allows_and_logs_a_deliberate_change(tmp_path, llmft_log, override, logged):
+    from llmft.train import check_resume_compatible
+
+    ckpt = _checkpoint_of(tmp_path)
+    # the world layout (accumulation re-solved) and the resume setting itself change silently
+    recipe = _recipe_with(tmp_path, override, "batch.micro_batch_size=2", f"checkpoint.resume={ckpt}")
+    check_resume_compatible(ckpt, recipe)
+    messages = [r.getMessage() for r in llmft_log]
+    assert messages == [f"resuming with a changed setting: {logged}"]
+
+
+def test_resume_with_a_new_lr_and_length_applies_them(tmp_path):
+    """LoRA on a model.config base: the base is saved once; a resume takes the new lr and max_steps."""
+    from safetensors.torch import load_file
+
+    from llmft.model import load_base_model
+    from llmft.recipe import load_recipe
+
+    recipe = write_recipe(tmp_path, peft__method="lora", peft__r=4, optim__scheduler="constant")
+    assert train_inproc(recipe) == 0
+    base_dir = tmp_path / "run/checkpoints/base_model"
+    saved = load_file(base_dir / "model.safetensors")
+    seeded = load_base_model(load_recipe(recipe)).state_dict()
+    assert saved.keys() <= seeded.keys()
+    assert all(torch.equal(saved[k], seeded[k]) for k in saved)  # the base the adapter was trained on
+    stamp = (base_dir / "model.safetensors").stat().st_mtime_ns
+
+    assert train_inproc(recipe, "optim.lr=5e-4", "train.max_steps=4") == 0
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["lr"] for r in rows] == [1e-3, 1e-3, 5e-4, 5e-4]
+    assert (tmp_path / "run/checkpoints/step-4/COMPLETE").exists()
+    assert (base_dir / "model.safetensors").stat().st_mtime_ns == stamp  # a resume does not rewrite it
+
+    with pytest.raises(UserError, match=r"peft.r: checkpoint has 4, recipe has 8"):
+        train_inproc(recipe, "peft.r=8", "train.max_steps=6")

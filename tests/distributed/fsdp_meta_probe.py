@@ -1,0 +1,147 @@
+"""Run under torchrun: FSDP2 engines built on the meta device, compared with the model built whole.
+
+``fsdp_meta_probe.py WORKDIR [VARIANT ...]``: for each variant (WORKDIR/NAME/recipe.yaml plus
+overrides, see VARIANTS) build the FSDP engine and, on every rank, the same model whole on CPU;
+compare every parameter (gathered) and buffer, and the logits of one batch. Then ``llmft train``
+WORKDIR/pretrained/recipe.yaml with FSDP (2 steps, metrics in WORKDIR/fsdp). Throughout,
+``fully_shard`` and ``from_pretrained`` are watched: on the meta path every tensor must still be on
+the meta device when the model is sharded, and no pretrained model may be loaded whole.
+Prints one JSON line on rank 0: ``FSDP_META {...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import llmft.engines
+from llmft.engines import fsdp as fsdp_engine
+from llmft.train import train
+
+LORA = ["peft.method=lora", "peft.r=4"]
+VARIANTS = {
+    "full": ("pretrained", []),
+    "lora": ("pretrained", LORA),
+    "dora_bf16": ("pretrained", ["peft.method=dora", "peft.r=4", "model.dtype=bf16"]),
+    "lora_save_head": ("pretrained", [*LORA, "peft.modules_to_save=[lm_head]"]),
+    # tied embeddings, an odd vocabulary (uneven shards), bf16 weights in several files + index
+    "tied_sharded": ("tied", LORA),
+    "fresh_big": ("fresh", LORA),  # a tiny model.config model, treated as if above the threshold
+}
+WATCH: dict[str, list] = {"fully_shard_devices": [], "from_pretrained": []}
+
+
+def _watch() -> None:
+    original = fsdp_engine.fully_shard
+
+    def fully_shard(module, **kwargs):
+        tensors = [*module.parameters(), *module.buffers()]
+        WATCH["fully_shard_devices"].append(sorted({t.device.type for t in tensors}))
+        return original(module, **kwargs)
+
+    fsdp_engine.fully_shard = fully_shard
+    from_pretrained = AutoModelForCausalLM.from_pretrained.__func__
+
+    def watched(cls, *args, **kwargs):
+        WATCH["from_pretrained"].append(str(args[0]) if args else "")
+        return from_pretrained(cls, *args, **kwargs)
+
+    AutoModelForCausalLM.from_pretrained = classmethod(watched)
+
+
+def _compare(recipe_path: str, overrides: list[str], env) -> dict:
+    from llmft.engines.single import prepare_model
+    from llmft.recipe import load_recipe
+    from llmft.recipe.validate import batch_plan
+    from llmft.tokenizer import load_tokenizer
+
+    recipe = load_recipe(recipe_path, overrides, world_size=env.world_size)
+    plan = batch_plan(recipe, env.world_size)
+    tokenizer = load_tokenizer(recipe.model)
+    WATCH["fully_shard_devices"].clear()
+    WATCH["from_pretrained"].clear()
+    rng_before = torch.random.get_rng_state()
+    engine = fsdp_engine.FSDPEngine(recipe, env, plan, tokenizer, 2)
+    rng_after = torch.random.get_rng_state()
+    out: dict = {
+        "meta_at_fully_shard": all(devs == ["meta"] for devs in WATCH["fully_shard_devices"]),
+        "num_fully_shard": len(WATCH["fully_shard_devices"]),
+        "from_pretrained_calls": len(WATCH["from_pretrained"]),
+    }
+    local = sum(p.to_local().numel() for p in engine.model.parameters())
+    total = sum(p.numel() for p in engine.model.parameters())
+    out["local_fraction"] = local / total
+    torch.random.set_rng_state(rng_before)  # the reference starts from the same global RNG
+    reference = prepare_model(recipe, tokenizer, torch.device("cpu"))
+    # both builds move the global RNG (data order, dropout) alike
+    out["same_rng_after"] = bool(torch.equal(rng_after, torch.random.get_rng_state()))
+    ref_params = dict(reference.named_parameters())
+    diffs, shards_differ = {}, True
+    for name, p in engine.model.named_parameters():
+        full = p.full_tensor()
+        assert full.dtype == ref_params[name].dtype, (name, full.dtype, ref_params[name].dtype)
+        diffs[name] = (full.float() - ref_params[name].float()).abs().max().item()
+        half = full.shape[0] // 2
+        if full.dim() == 2 and full.std() > 0 and torch.equal(full[:half], full[half : 2 * half]):
+            shards_differ = False  # every rank drew the same numbers for its rows
+    ref_buffers = dict(reference.named_buffers())
+    out["buffer_diff"] = max(
+        [(b.float() - ref_buffers[n].float()).abs().max().item() for n, b in engine.model.named_buffers()] or [0.0]
+    )
+    out["param_diff"] = max(diffs.values())
+    out["worst_param"] = max(diffs, key=diffs.get)
+    out["adapter_diff"] = max([d for n, d in diffs.items() if "lora_" in n] or [0.0])
+    out["shards_differ"] = shards_differ
+    if recipe.model.config is not None:  # a fresh model: its own seeded init, the same on a rebuild
+        again = fsdp_engine.FSDPEngine(recipe, env, plan, tokenizer, 2).model.named_parameters()
+        params = dict(engine.model.named_parameters())
+        out["rebuild_diff"] = max((p.full_tensor() - params[n].full_tensor()).abs().max().item() for n, p in again)
+        matrices = [p.full_tensor() for n, p in params.items() if p.dim() == 2 and "lora_" not in n]
+        out["matrix_std"] = [min(m.std().item() for m in matrices), max(m.std().item() for m in matrices)]
+    ids = torch.arange(24).view(2, 12) * 7 % 250
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits.float()
+        ref_logits = reference(input_ids=ids).logits.float()
+    out["logits_finite"] = bool(logits.isfinite().all())
+    out["logits_diff"] = (logits - ref_logits).abs().max().item()
+    return out
+
+
+def main() -> None:
+    from llmft.dist import init_distributed, read_env
+
+    workdir, *variants = sys.argv[1:]
+    _watch()
+    env = read_env()
+    init_distributed(env, "auto", 5, force=True)
+    report: dict = {}
+    for variant in variants:
+        recipe, overrides = VARIANTS[variant]
+        saved = llmft.engines.WHOLE_INIT_MAX_PARAMS
+        if variant == "fresh_big":
+            llmft.engines.WHOLE_INIT_MAX_PARAMS = 0
+        try:
+            report[variant] = _compare(os.path.join(workdir, recipe, "recipe.yaml"), overrides, env)
+        finally:
+            llmft.engines.WHOLE_INIT_MAX_PARAMS = saved
+    WATCH["fully_shard_devices"].clear()
+    WATCH["from_pretrained"].clear()
+    code = train(
+        os.path.join(workdir, "pretrained", "recipe.yaml"),
+        ["distributed.engine=fsdp", "batch.micro_batch_size=2", f"run.output_dir={workdir}/fsdp"],
+    )  # shuts the process group down
+    report["train"] = {
+        "code": code,
+        "meta_at_fully_shard": all(devs == ["meta"] for devs in WATCH["fully_shard_devices"]),
+        "from_pretrained_calls": len(WATCH["from_pretrained"]),
+    }
+    if env.rank == 0:
+        print("FSDP_META " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Stop signals reach every rank, and a 2-rank run resumes on 1 rank as if never stopped (SPEC 4-5).
+
+A 2-rank run is stopped by SIGTERM and resumed by a plain single process with the same
+global batch (accumulation re-solved from 2 to 4). Against the uninterrupted 2-rank run:
+the same losses and weights to 1e-5, and, per optimizer step, the same samples (recorded by
+every rank through ``LLMFT_SAMPLE_LOG``), so nothing is skipped or repeated.
+
+FSDP2 reshards through DCP; DeepSpeed ZeRO-2 through its universal checkpoint, converted
+on the fly. The FSDP case sends SIGTERM to ONE rank only: the loop's all-reduced stop flag
+must stop both after the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, free_port, metrics, torchrun, write_data, write_recipe
+
+from llmft.checkpoint import deepspeed_universal
+from llmft.consolidate import load_checkpoint_model, trainable_state
+from llmft.errors import UserError
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 12  # 8 steps per epoch: the resumed part crosses into the second, reshuffled epoch
+NUM_SAMPLES = 64
+GLOBAL_BATCH = 8
+TOLERANCE = 1e-5
+
+FSDP = {"distributed__engine": "fsdp"}
+ZERO2 = {"distributed__engine": "deepspeed", "distributed__zero_stage": 2}
+
+
+def _recipe(root: Path, engine: dict) -> Path:
+    write_data(root / "train.jsonl", n=NUM_SAMPLES)
+    return write_recipe(
+        root,
+        batch__global_batch_size=GLOBAL_BATCH,
+        batch__micro_batch_size=2,  # accumulation 2 on 2 ranks, 4 on 1 rank
+        train__max_steps=STEPS,
+        checkpoint__every_steps=None,  # the only mid-run checkpoint is the one the stop writes
+        **engine,
+    )
+
+
+def _samples(log_dir: Path) -> dict[int, Counter]:
+    """step -> multiset of the dataset indices all ranks took in that step."""
+    per_step: dict[int, Counter] = {}
+    for f in sorted(log_dir.glob("rank-*.jsonl")):
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            per_step.setdefault(row["step"], Counter()).update(row["indices"])
+    return per_step
+
+
+def _rank_pids(launcher_pid: int, nproc: int, timeout: float = 120) -> dict[int, int]:
+    """rank -> pid of torchrun's worker processes (its children), from /proc."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                if ppid != launcher_pid:
+                    continue
+                environ = (stat.parent / "environ").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
+            if rank is not None:
+                found[rank] = int(stat.parent.name)
+        if len(found) == nproc:
+            return found
+        time.sleep(0.1)
+    raise AssertionError("torchrun's workers did not show up")
+
+
+def _launch(recipe: Path, sample_log: Path) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        # torchrun stops the other workers once one exits non-zero; a slow monitor lets every
+        # rank finish its own exit (all of them exit 75 after the same final barrier anyway).
+        "--monitor-interval=3",
+        "-m",
+        "llmft",
+        "train",
+        str(recipe),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMFT_SAMPLE_LOG": str(sample_log)}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics(run_dir)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early: {proc.communicate()[1][-4000:]}")
+        time.sleep(0.02)
+    raise AssertionError("timed out waiting for training progress")
+
+
+def _reference(root: Path, engine: dict) -> dict:
+    recipe = _recipe(root, engine)
+    done = torchrun(["train", str(recipe)], env={"LLMFT_SAMPLE_LOG": str(root / "samples")})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {"run": root / "run", "samples": _samples(root / "samples")}
+
+
+def _stopped(root: Path, engine: dict, *, one_rank: bool) -> dict:
+    """2 ranks, stopped by SIGTERM after step 2: to rank 1 alone, or to torchrun (which forwards it)."""
+    recipe = _recipe(root, engine)
+    proc = _launch(recipe, root / "samples-2ranks")
+    pids = _rank_pids(proc.pid, 2)
+    _wait_for_step(root / "run", 2, proc)
+    os.kill(pids[1] if one_rank else proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    return {"root": root, "recipe": recipe, "run": root / "run", "stderr": err, "returncode": proc.returncode}
+
+
+def _resume_on_one_rank(stopped: dict) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMFT_SAMPLE_LOG": str(stopped["root"] / "samples-1rank")}
+    cmd = [sys.executable, "-m", "llmft", "train", str(stopped["recipe"])]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def _stop_step(run_dir: Path) -> int:
+    return int((run_dir / "checkpoints/latest").read_text().strip().removeprefix("step-"))
+
+
+def _assert_resume_matches(stopped: dict, reference: dict) -> None:
+    run, stop = stopped["run"], stopped["stop_step"]
+    # losses: steps 1..stop from 2 ranks, the rest from 1 rank
+    rows, ref_rows = metrics(run), metrics(reference["run"])
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for row, ref in zip(rows, ref_rows, strict=True):
+        assert row["tokens"] == ref["tokens"], row["step"]
+        assert abs(row["loss"] - ref["loss"]) < TOLERANCE, (row["step"], row["loss"], ref["loss"])
+    # weights
+    got = trainable_state(load_checkpoint_model(run)[0])
+    want = trainable_state(load_checkpoint_model(reference["run"])[0])
+    assert got.keys() == want.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=TOLERANCE, msg=name)
+    # samples: what 2 ranks took up to the stop, then what 1 rank took, step by step
+    before, after = _samples(stopped["root"] / "samples-2ranks"), _samples(stopped["root"] / "samples-1rank")
+    assert sorted(before) == list(range(1, stop + 1))  # nothing taken past the checkpoint
+    assert sorted(after) == list(range(stop + 1, STEPS + 1))
+    assert {**before, **after} == reference["samples"]
+    assert all(sum(c.values()) == GLOBAL_BATCH for c in reference["samples"].values())
+    first_epoch = sum((reference["samples"][s] for s in range(1, 9)), Counter())
+    assert first_epoch == Counter(range(NUM_SAMPLES))  # each sample exactly once per epoch
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory):
+    return _reference(tmp_path_factory.mktemp("fsdp-reference"), FSDP)
+
+
+@pytest.fixture(scope="module")
+def fsdp_stopped(tmp_path_factory):
+    stopped = _stopped(tmp_path_factory.mktemp("fsdp-stopped"), FSDP, one_rank=True)
+    stopped["stop_step"] = _stop_step(stopped["run"])
+    return stopped
+
+
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(fsdp_stopped):
+    err, stop = fsdp_stopped["stderr"], fsdp_stopped["stop_step"]
+    assert 2 <= stop < STEPS, err[-4000:]
+    # rank 1 got the signal, rank 0 learned it from the all-reduced flag; both stopped after step `stop`
+    assert f"[llmft rank 1] stopped by SIGTERM after step {stop}; checkpoint written" in err, err[-4000:]
+    assert f"[llmft rank 0] stopped by a signal on another rank after step {stop}; checkpoint written" in err
+    assert "exitcode  : 75" in err or fsdp_stopped["returncode"] == 75, err[-4000:]  # torchrun reports 75
+    assert "exitcode  : -" not in err  # no rank was killed by a signal
+    run = fsdp_stopped["run"]
+    assert (run / f"checkpoints/step-{stop}/COMPLETE").exists()
+    assert json.loads((run / f"checkpoints/step-{stop}/trainer_state.json").read_text())["world_size"] == 2
+    assert max(r["step"] for r in metrics(run)) == stop
+
+
+def test_universal_conversion_refuses_a_checkpoint_without_zero_partitions(fsdp_stopped):
+    with pytest.raises(UserError, match=r"holds no DeepSpeed ZeRO 1-3 optimizer partitions"):
+        deepspeed_universal(fsdp_stopped["run"])
+    assert not list((fsdp_stopped["run"] / "checkpoints").glob("*/deepspeed_universal"))
+
+
+def test_fsdp_two_ranks_stopped_resume_on_one_rank(fsdp_reference, fsdp_stopped):
+    done = _resume_on_one_rank(fsdp_stopped)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "elastic resume: checkpoint written by 2 process(es), now 1" in done.stderr
+    assert "micro 2 x accumulation 4 x data-parallel 1 = global 8" in done.stderr
+    _assert_resume_matches(fsdp_stopped, fsdp_reference)
+
+
+@pytest.mark.slow
+def test_zero2_two_ranks_stopped_resume_on_one_rank_via_universal_checkpoint(tmp_path):
+    reference = _reference(tmp_path / "reference", ZERO2)
+    stopped = _stopped(tmp_path / "stopped", ZERO2, one_rank=False)  # SIGTERM to torchrun, as SLURM does
+    stopped["stop_step"] = stop = _stop_step(stopped["run"])
+    assert 2 <= stop < STEPS, stopped["stderr"][-4000:]
+    assert stopped["stderr"].count(f"stopped by SIGTERM after step {stop}; checkpoint written") == 2
+    step_dir = stopped["run"] / f"checkpoints/step-{stop}"
+    assert not (step_dir / "deepspeed_universal").exists()
+    done = _resume_on_one_rank(stopped)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "elastic resume: checkpoint written by 2 process(es), now 1" in done.stderr
+    assert (step_dir / "deepspeed_universal/state/zero").is_dir()  # converted on the fly, kept for reuse
+    assert not list(step_dir.glob(".tmp-*"))
+    _assert_resume_matches(stopped, reference)
+
+    # the same conversion on demand, elsewhere
+    out = tmp_path / "universal"
+    cmd = [sys.executable, "-m", "llmft.checkpoint", "universal", str(step_dir), "--out", str(out)]
+    by_hand = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert by_hand.returncode == 0, by_hand.stderr[-4000:]
+    assert by_hand.stdout.strip().endswith(str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["latest_universal", "state"]
+    assert {p.name for p in (out / "state/zero").iterdir()} == {
+        p.name for p in (step_dir / "deepspeed_universal/state/zero").iterdir()
+    }

@@ -1,0 +1,89 @@
+"""`llmft export` of sharded checkpoints: ZeRO-3 and FSDP2, full fine-tune and LoRA.
+
+Two ranks train 2 steps; `llmft export RUN --out D` (and `--merge-lora` for LoRA) writes a
+Hugging Face directory that `from_pretrained` (and `PeftModel.from_pretrained` for the
+adapter) loads with the logits of the consolidated checkpoint
+(`llmft.consolidate.load_checkpoint_model`). Neither engine holds the whole model on one
+rank, so a model.config base is not saved by training: export rebuilds it from the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, torchrun, write_recipe
+from transformers import AutoModelForCausalLM
+
+from llmft.consolidate import load_checkpoint_model
+from llmft.tokenizer import byte_tokenizer
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ENGINES = {
+    "zero3": ["distributed.engine=deepspeed", "distributed.zero_stage=3", "batch.micro_batch_size=2"],
+    "fsdp": ["distributed.engine=fsdp", "batch.micro_batch_size=2"],
+}
+LORA = ["peft.method=lora", "peft.r=4", "peft.alpha=8"]
+TEXT = ["<|user|>\nreverse abc<|end|><|assistant|>\ncba", "<|user|>\nreverse xyz<|end|><|assistant|>\nzyx"]
+
+
+def _export(run_dir: Path, out: Path, *flags: str) -> Path:
+    cmd = [sys.executable, "-m", "llmft", "export", str(run_dir), "--out", str(out), *flags]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    names = {p.name for p in out.iterdir()}
+    assert "tokenizer.json" in names and not any(n.endswith((".bin", ".pt", ".pth")) for n in names), names
+    return out
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    return model(input_ids=ids).logits.float()
+
+
+def _same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_export_round_trip(tmp_path, engine, lora):
+    recipe = write_recipe(tmp_path)
+    done = torchrun(["train", str(recipe), "train.max_steps=2", *ENGINES[engine], *(LORA if lora else [])])
+    assert done.returncode == 0, done.stderr[-4000:]
+    run = tmp_path / "run"
+    assert not (run / "checkpoints/base_model").exists()  # sharded: the base is rebuilt at export
+
+    consolidated, *_ = load_checkpoint_model(run)
+    ids = byte_tokenizer()(TEXT, return_tensors="pt")["input_ids"]
+    want = _logits(consolidated, ids)
+
+    if not lora:
+        model = AutoModelForCausalLM.from_pretrained(_export(run, tmp_path / "full"), attn_implementation="eager")
+        assert model.dtype == torch.float32
+        _same_logits(_logits(model, ids), want)
+        return
+
+    from peft import PeftModel
+
+    with torch.no_grad(), consolidated.disable_adapter():
+        assert (_logits(consolidated, ids) - want).abs().max() > 1e-3  # the adapter trained: a real check
+    adapter = _export(run, tmp_path / "adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    base_dir = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base_dir == str((adapter / "base_model").resolve())
+    base = AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager")
+    _same_logits(_logits(PeftModel.from_pretrained(base, adapter), ids), want)
+
+    merged = _export(run, tmp_path / "merged", "--merge-lora")
+    assert not (merged / "adapter_config.json").exists()
+    _same_logits(_logits(AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager"), ids), want)

@@ -1,0 +1,196 @@
+"""FSDP2 builds big models sharded (SPEC item 7): a pretrained model is built on the meta device,
+sharded, and loaded shard by shard from its safetensors files, and it is the same model, to the
+bit, as the one every other engine builds whole.
+
+One torchrun launch (tests/distributed/fsdp_meta_probe.py) checks, on 2 ranks: every tensor is
+still on the meta device when ``fully_shard`` runs and ``from_pretrained`` is never called;
+each rank holds about half the parameters; every gathered parameter, every buffer and the logits
+equal the whole-model build (full fine-tune, LoRA, DoRA in bf16, LoRA + modules_to_save, tied
+embeddings with uneven shards from several weight files); a fresh model above the size threshold
+gets a seeded init that differs between shards; and 2 training steps give the single-process losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, TINY_LLAMA, free_port, metrics, torchrun, train_inproc, write_recipe
+
+pytestmark = pytest.mark.distributed
+
+VARIANTS = ["full", "lora", "dora_bf16", "lora_save_head", "tied_sharded", "fresh_big"]
+
+
+def save_tiny_pretrained(out: Path, seed: int, dtype: torch.dtype = torch.float32, **config) -> Path:
+    """A tiny llama saved as a HF model dir, with the byte tokenizer beside it.
+
+    Every weight (norms included) is perturbed, so that a weight left at its init would show.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmft.tokenizer import byte_tokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY_LLAMA, **config}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    shard = {"max_shard_size": "40KB"} if dtype != torch.float32 else {}
+    model.to(dtype).save_pretrained(out, **shard)
+    byte_tokenizer().save_pretrained(out)
+    return out
+
+
+def _model(path: Path) -> dict:
+    return {"name_or_path": str(path), "dtype": "fp32", "attn_implementation": "eager"}
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    """The one launch: builds, compares and trains on 2 ranks. Returns (workdir, report)."""
+    work = tmp_path_factory.mktemp("fsdp_meta")
+    plain = save_tiny_pretrained(work / "hf_plain", seed=1)
+    tied = save_tiny_pretrained(
+        work / "hf_tied", seed=2, dtype=torch.bfloat16, vocab_size=323, tie_word_embeddings=True
+    )
+    assert (tied / "model.safetensors.index.json").exists()
+    write_recipe(work / "pretrained", model=_model(plain))
+    write_recipe(work / "tied", model=_model(tied))
+    write_recipe(work / "fresh")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(ROOT / "tests/distributed/fsdp_meta_probe.py"),
+        str(work),
+        *VARIANTS,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-6000:]
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("FSDP_META "))
+    return work, json.loads(line.split(" ", 1)[1])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_meta_build_never_holds_the_whole_model(probe, variant):
+    r = probe[1][variant]
+    assert r["meta_at_fully_shard"] and r["num_fully_shard"] == 3  # 2 decoder layers + the root
+    assert r["from_pretrained_calls"] == 0
+    assert 0.45 < r["local_fraction"] < 0.55  # this rank's half of every tensor, no more
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "fresh_big"])
+def test_sharded_load_is_the_whole_model(probe, variant):
+    r = probe[1][variant]
+    assert r["param_diff"] == 0.0, r["worst_param"]  # bit for bit, in the dtype each one is kept in
+    assert r["buffer_diff"] == 0.0  # rotary inv_freq recomputed
+    if not variant.endswith("bf16"):  # in bf16, FSDP's mixed precision computes otherwise than the plain model
+        assert r["logits_diff"] < 1e-6
+    assert r["same_rng_after"]  # data order and dropout see the same global RNG as a whole build
+
+
+def test_fresh_big_model_gets_a_seeded_sharded_init(probe):
+    r = probe[1]["fresh_big"]
+    assert r["rebuild_diff"] == 0.0  # deterministic by run.seed
+    assert r["shards_differ"]  # each rank's rows come from one full-size draw, not a per-rank copy
+    assert all(0.015 < s < 0.025 for s in r["matrix_std"])  # _init_weights: normal(0, initializer_range=0.02)
+    assert r["buffer_diff"] == 0.0 and r["adapter_diff"] == 0.0 and r["logits_finite"]
+    assert r["param_diff"] > 0  # documented: not the single-process init
+
+
+def test_two_fsdp_steps_match_single_process(probe, tmp_path):
+    work, report = probe
+    assert report["train"] == {"code": 0, "meta_at_fully_shard": True, "from_pretrained_calls": 0}
+    single = train_inproc(
+        work / "pretrained" / "recipe.yaml", "distributed.engine=single", f"run.output_dir={tmp_path / 'single'}"
+    )
+    assert single == 0
+    ref, got = metrics(tmp_path / "single"), metrics(work / "fsdp")
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in ref]
+    assert abs(got[0]["loss"] - ref[0]["loss"]) < 1e-5
+    assert abs(got[1]["loss"] - ref[1]["loss"]) < 1e-4
+
+
+@pytest.mark.slow
+def test_two_fsdp_lora_steps_match_single_process(tmp_path):
+    """Adapters drawn from run.seed, not the global RNG: after one update the engines still agree."""
+    hf = save_tiny_pretrained(tmp_path / "hf", seed=4)
+    recipe = write_recipe(tmp_path, model=_model(hf), peft={"method": "lora", "r": 4})
+    done = torchrun(["train", str(recipe), "distributed.engine=fsdp", "batch.micro_batch_size=2"])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert train_inproc(recipe, "distributed.engine=single", f"run.output_dir={tmp_path / 'single'}") == 0
+    ref, got = metrics(tmp_path / "single"), metrics(tmp_path / "run")
+    assert abs(got[0]["loss"] - ref[0]["loss"]) < 1e-5
+    assert abs(got[0]["grad_norm"] - ref[0]["grad_norm"]) < 1e-4  # the adapters' gradients depend on A
+    assert abs(got[1]["loss"] - ref[1]["loss"]) < 1e-4
+
+
+# --- in-process: names and user errors of the sharded load (no launch) --------------------------
+
+
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight"),
+        (
+            "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+        ),
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", None),
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector.default.weight", None),
+        ("base_model.model.lm_head.modules_to_save.default.weight", "lm_head.weight"),
+        ("base_model.model.lm_head.original_module.weight", "lm_head.weight"),
+    ],
+)
+def test_base_key(name, key):
+    from llmft.engines.fsdp import base_key
+
+    assert base_key(name) == key
+
+
+def _meta_slots(recipe_path: Path):
+    from llmft.engines.fsdp import ParamSlots
+    from llmft.model import build_model
+    from llmft.recipe import load_recipe
+
+    recipe = load_recipe(str(recipe_path), [])
+    model = build_model(recipe, None, init_context=lambda: torch.device("meta"))
+    assert all(p.is_meta for p in model.parameters())
+    return recipe, ParamSlots(model)
+
+
+def test_weights_the_model_lacks_are_a_user_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from llmft.engines.fsdp import SafetensorsWeights
+    from llmft.errors import UserError
+
+    hf = save_tiny_pretrained(tmp_path / "hf", seed=3)
+    state = load_file(hf / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, hf / "model.safetensors", metadata={"format": "pt"})
+    recipe, slots = _meta_slots(write_recipe(tmp_path, model=_model(hf)))
+    with pytest.raises(UserError) as e:
+        SafetensorsWeights.of(recipe, slots)
+    assert "model.name_or_path" in str(e.value) and "model.layers.1.mlp.up_proj.weight" in str(e.value)
+
+
+def test_weights_without_safetensors_are_a_user_error(tmp_path):
+    from llmft.engines.fsdp import SafetensorsWeights
+    from llmft.errors import UserError
+
+    hf = save_tiny_pretrained(tmp_path / "hf", seed=3)
+    (hf / "model.safetensors").rename(hf / "weights.bin")
+    recipe, slots = _meta_slots(write_recipe(tmp_path, model=_model(hf)))
+    with pytest.raises(UserError, match="no model.safetensors or model.safetensors.index.json"):
+        SafetensorsWeights.of(recipe, slots)
