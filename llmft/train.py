@@ -249,9 +249,13 @@ def train(recipe_path: str, overrides: list[str]) -> int:
         recipe.distributed.timeout_minutes,
         force=recipe.distributed.engine in ("fsdp", "deepspeed"),
     )
+    # Installed before anything slow: a stop request during model loading is honoured after the
+    # first step (checkpoint, exit 75) instead of killing the process with nothing to requeue.
+    stop = StopRequest(recipe.distributed.stop_signal).install()
     try:
-        return _train(recipe, env)
+        return _train(recipe, env, stop)
     finally:
+        stop.uninstall()
         shutdown()
 
 
@@ -273,7 +277,7 @@ def _banner(recipe: Recipe, plan: BatchPlan, env: DistEnv, steps: int, engine, d
     return "\n".join(lines)
 
 
-def _train(recipe: Recipe, env: DistEnv) -> int:
+def _train(recipe: Recipe, env: DistEnv, stop: StopRequest) -> int:
     from llmft.data import GlobalOrder, MicroBatchSampler, build_data, make_loader
     from llmft.engines import build_engine
     from llmft.evaluate import Evaluator
@@ -402,14 +406,12 @@ def _train(recipe: Recipe, env: DistEnv) -> int:
         eval_every=recipe.train.eval_every_steps,
         checkpoint_every=recipe.checkpoint.every_steps,
     )
-    stop = StopRequest(recipe.distributed.stop_signal).install()
     try:
         if state.step >= steps:
             log.info("nothing to do: the checkpoint is at step %d of %d", state.step, steps)
         else:
             state = train_loop(engine, scheduler, batches, plan, env, loop_cfg, state, hooks, stop)
     finally:
-        stop.uninstall()
         if progress:
             progress.close()
     if loop_cfg.stopped:
