@@ -14,8 +14,8 @@ from pathlib import Path
 from llmft.errors import Problem, UserError
 
 METRICS_FILE = "metrics.jsonl"
-# Keys of eval rows that are bookkeeping, not metrics to plot.
-_NOT_METRICS = {"split", "step", "loss", "time", "epoch", "tokens", "tokens_per_s", "num_samples", "num_tokens"}
+# Keys of eval rows that are bookkeeping (counts, timings), not metrics to plot; loss has its own panel.
+_NOT_METRICS = {"split", "step", "loss", "tokens", "generated", "samples", "epoch", "time_s", "step_time_s"}
 
 Series = dict[int, float]  # step -> value
 
@@ -75,25 +75,29 @@ def _metrics_path(run_dir: Path) -> Path:
     return path
 
 
-def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
-    """Write a PNG with one panel per kind of data present; return its path.
-
-    Panels: loss (train and eval), learning rate, then one per eval metric
-    (exact_match, perplexity, ...). Default ``out``: ``<run_dir>/metrics.png``.
-    """
-    run_dir = Path(run_dir)
-    splits = read_metrics(_metrics_path(run_dir))
+def panels(splits: dict[str, list[dict]]) -> list[tuple[str, dict[str, Series]]]:
+    """(title, {label: series}) for each panel that has data: loss (train and eval), learning
+    rate, then one per eval metric (exact_match, perplexity, ...)."""
     train, evals = splits.get("train", []), splits.get("eval", [])
-
-    panels: list[tuple[str, dict[str, Series]]] = []
+    out: list[tuple[str, dict[str, Series]]] = []
     loss = {name: s for name, s in (("train", _series(train, "loss")), ("eval", _series(evals, "loss"))) if s}
     if loss:
-        panels.append(("loss", loss))
+        out.append(("loss", loss))
     if lr := _series(train, "lr"):
-        panels.append(("learning rate", {"lr": lr}))
+        out.append(("learning rate", {"lr": lr}))
     for name in _eval_metric_names(evals):
-        panels.append((f"eval {name}", {name: _series(evals, name)}))
-    if not panels:
+        out.append((f"eval {name}", {name: _series(evals, name)}))
+    return out
+
+
+def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """Write a PNG with one panel per kind of data in ``<run_dir>/metrics.jsonl``; return its path.
+
+    Default ``out``: ``<run_dir>/metrics.png``.
+    """
+    run_dir = Path(run_dir)
+    found = panels(read_metrics(_metrics_path(run_dir)))
+    if not found:
         raise UserError(
             Problem(
                 str(run_dir / METRICS_FILE),
@@ -102,7 +106,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
             )
         )
     out_path = Path(out) if out is not None else run_dir / "metrics.png"
-    _draw(panels, out_path, title=run_dir.name)
+    _draw(found, out_path, title=run_dir.name)
     return out_path
 
 
@@ -121,8 +125,10 @@ def _draw(panels: list[tuple[str, dict[str, Series]]], out: Path, title: str) ->
             ax.plot(steps, [points[s] for s in steps], label=label, marker="o" if len(steps) <= 50 else None)
         ax.set_ylabel(name)
         values = [v for points in series.values() for v in points.values()]
-        if min(values) > 0 and max(values) > 20 * min(values):
-            ax.set_yscale("log")  # a loss falling from 5 to 0.01 is flat on a linear axis
+        # A loss falling from 5 to 0.01 is flat on a linear axis; the lr is read linearly (and
+        # a cosine to 0 would stretch a log axis over decades of nothing).
+        if name != "learning rate" and min(values) > 0 and max(values) > 20 * min(values):
+            ax.set_yscale("log")
             ax.yaxis.set_major_formatter(LogFormatter())  # "0.1", "40" rather than 10^-1, 4x10^1
             ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
         ax.grid(alpha=0.3)

@@ -2,7 +2,7 @@
 
 A synthetic task that a ~0.4M-parameter byte-level Llama (configs/quickstart.yaml)
 learns on two CPU cores in a couple of minutes, so that the quickstart shows a
-falling loss and an exact-match accuracy that climbs from 0 to 0.9 or more:
+falling loss and an exact-match accuracy that climbs from 0 (to ~0.6 in 600 steps):
 
     {"prompt": "reverse: cabd\\n", "completion": "dbac"}
 

@@ -74,20 +74,22 @@ def train_inproc(recipe: Path, *overrides: str) -> int:
     return train(str(recipe), list(overrides))
 
 
-def torchrun(
-    args: list[str], nproc: int = 2, timeout: int = 300, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    cmd = [
+def torchrun_cmd(nproc: int = 2) -> list[str]:
+    """``torchrun`` on one machine, rendezvous pinned to loopback on a free port."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
-        "-m",
-        "llmft",
-        *args,
     ]
+
+
+def torchrun(
+    args: list[str], nproc: int = 2, timeout: int = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    cmd = [*torchrun_cmd(nproc), "-m", "llmft", *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, free_port, metrics, torchrun, write_data, write_recipe
+from helpers import ROOT, metrics, torchrun, torchrun_cmd, write_data, write_recipe
 
 from llmft.checkpoint import deepspeed_universal
 from llmft.consolidate import load_checkpoint_model, trainable_state
@@ -86,12 +86,7 @@ def _rank_pids(launcher_pid: int, nproc: int, timeout: float = 120) -> dict[int,
 
 def _launch(recipe: Path, sample_log: Path) -> subprocess.Popen:
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
+        *torchrun_cmd(),
         # torchrun stops the other workers once one exits non-zero; a slow monitor lets every
         # rank finish its own exit (all of them exit 75 after the same final barrier anyway).
         "--monitor-interval=3",

@@ -58,18 +58,12 @@ def test_one_gradient_reduction_per_optimizer_step(tmp_path, engine):
     import json
     import os
     import subprocess
-    import sys
 
-    from helpers import ROOT, free_port
+    from helpers import ROOT, torchrun_cmd
 
     recipe = write_recipe(tmp_path)
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
+        *torchrun_cmd(),
         str(ROOT / "tests/distributed/collectives_probe.py"),
         str(recipe),
         engine,

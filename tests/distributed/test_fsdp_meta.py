@@ -15,12 +15,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY_LLAMA, free_port, metrics, torchrun, train_inproc, write_recipe
+from helpers import ROOT, TINY_LLAMA, metrics, torchrun, torchrun_cmd, train_inproc, write_recipe
 
 pytestmark = pytest.mark.distributed
 
@@ -64,12 +63,7 @@ def probe(tmp_path_factory):
     write_recipe(work / "tied", model=_model(tied))
     write_recipe(work / "fresh")
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
+        *torchrun_cmd(),
         str(ROOT / "tests/distributed/fsdp_meta_probe.py"),
         str(work),
         *VARIANTS,

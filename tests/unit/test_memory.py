@@ -210,3 +210,13 @@ def test_plan_cli_imports_no_torch(base):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "total" in proc.stdout
+
+
+def test_plan_solves_micro_batch_auto(base):
+    """micro_batch_size=auto (accumulation auto) is solved at load to what pick_micro_batch picks."""
+    overrides = [*QLORA, "batch.micro_batch_size=auto", "distributed.gpu_memory_gb=24"]
+    r = load(base, *overrides)
+    b = r.batch
+    assert b.micro_batch_size * b.gradient_accumulation_steps == 64
+    assert b.micro_batch_size == pick_micro_batch(r, 1, 24) > 1
+    assert f"micro {b.micro_batch_size} x accumulation {b.gradient_accumulation_steps}" in plan_command(base, overrides)

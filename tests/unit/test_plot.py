@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from llmft.errors import UserError
-from llmft.plot import plot_run, read_metrics
+from llmft.plot import panels, plot_run, read_metrics
 
 
 def write_metrics(run_dir, rows):
@@ -15,7 +15,7 @@ def write_metrics(run_dir, rows):
 
 ROWS = [
     *({"split": "train", "step": s, "loss": 5.0 / s, "lr": 1e-3 * s / 4, "grad_norm": 1.0} for s in range(1, 5)),
-    {"split": "eval", "step": 2, "loss": 3.0, "perplexity": 20.1, "exact_match": 0.0},
+    {"split": "eval", "step": 2, "loss": 3.0, "perplexity": 20.1, "tokens": 90, "exact_match": 0.0, "generated": 8},
     # The run was killed after step 4 and resumed from the checkpoint at step 3: steps 4 and 5 are logged again.
     {"split": "train", "step": 4, "loss": 0.9, "lr": 1e-3, "grad_norm": 1.0},
     {"split": "train", "step": 5, "loss": 0.8, "lr": 1e-3, "grad_norm": 1.0},
@@ -29,6 +29,10 @@ def test_later_row_of_a_step_wins(tmp_path):
     assert [r["step"] for r in splits["train"]] == [1, 2, 3, 4, 5]
     assert splits["train"][3]["loss"] == 0.9
     assert [r["exact_match"] for r in splits["eval"]] == [0.0, 0.5]
+    # Counts (tokens, generated) are not metrics: no panel for them.
+    shown = panels(splits)
+    assert [title for title, _ in shown] == ["loss", "learning rate", "eval exact_match", "eval perplexity"]
+    assert shown[0][1]["train"][4] == 0.9 and set(shown[0][1]) == {"train", "eval"}
 
 
 def test_cli_writes_a_png(tmp_path):
