@@ -269,10 +269,10 @@ def estimate_memory(recipe: Recipe, dp_size: int, micro_batch_size: int | None =
     }
     tokens = micro * recipe.data.max_seq_len
     placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])
-    placed["activations"] = _activations(recipe, shape, params, tokens, a)
     # The head's output in the compute dtype, its fp32 copy for the loss, and the fp32
     # log-softmax that cross-entropy keeps for backward.
     placed["logits"] = tokens * shape.vocab_size * (a + 4 + 4)
+    placed["activations"] = _activations(recipe, shape, params, tokens, a, placed["logits"])
     placed["overhead"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * sum(placed.values())
 
     notes = []
@@ -352,8 +352,12 @@ def _transient_weights(recipe: Recipe, engine: str, shape: ModelShape, params: P
     return out
 
 
-def _activations(recipe: Recipe, shape: ModelShape, params: Params, tokens: int, a: int) -> float:
-    """Saved activations for ``tokens`` tokens, with or without gradient checkpointing."""
+def _activations(recipe: Recipe, shape: ModelShape, params: Params, tokens: int, a: int, logits: float) -> float:
+    """Saved activations for ``tokens`` tokens, with or without gradient checkpointing.
+
+    With checkpointing the logits are freed (the head's backward runs first) before any layer is
+    recomputed, so the peak holds the larger of one recomputed layer and the logits, not both:
+    only the part of the recomputed layer above the logits is counted here."""
     seq = recipe.data.max_seq_len
     eager_seq = seq if recipe.model.attn_implementation == "eager" else 0
     per_layer = activation_bytes_per_token_layer(shape, a, params.adapted_inputs, eager_seq) * tokens
@@ -361,7 +365,7 @@ def _activations(recipe: Recipe, shape: ModelShape, params: Params, tokens: int,
     outside = (a + 4 + 2 * a) * shape.hidden_size * tokens
     if recipe.model.gradient_checkpointing:
         # Each layer keeps only its input; backward recomputes one layer at a time.
-        return shape.num_layers * a * shape.hidden_size * tokens + per_layer + outside
+        return shape.num_layers * a * shape.hidden_size * tokens + max(per_layer - logits, 0) + outside
     return shape.num_layers * per_layer + outside
 
 
