@@ -20,7 +20,7 @@ same run, and one reduction-set per optimizer step is not possible at accumulati
 ``no_sync``, FSDP2 always ``set_requires_gradient_sync(True)``, DeepSpeed
 ``set_gradient_accumulation_boundary(True)``): what a loop that forgets the switch does.
 
-    python bench/collectives.py                      # ddp, fsdp, zero1, zero2 (~4 min)
+    python bench/collectives.py                      # ddp, fsdp, zero1, zero2 (~10 min at load 8)
     python bench/collectives.py --engines ddp zero3
 """
 
@@ -31,7 +31,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -90,7 +89,7 @@ def worker(recipe: str, engine: str, skip: bool, steps: int) -> None:
     from llmft import train as llmft_train
 
     phase = {"now": "other", "boundary": False}
-    events: list[dict] = []  # one per collective: phase, micro-step, op, elements
+    events: list[dict] = []  # one per collective: phase, op, elements
 
     for name in REDUCTIONS | GATHERS:
         original = getattr(dist, name, None)
@@ -218,7 +217,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="llmft-bench-collectives-"))
+    tmp = common.scratch_dir("llmft-bench-collectives-")
     import random
 
     rng = random.Random(0)

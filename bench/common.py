@@ -68,6 +68,17 @@ def machine() -> str:
     )
 
 
+def scratch_dir(prefix: str) -> Path:
+    """A temporary directory for data, recipes and runs, removed when the bench exits."""
+    import atexit
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def write_text_records(path: Path, lengths: Iterable[int], seed: int = 0) -> Path:
     """``{"text": ...}`` records of lowercase words, ``n`` bytes each (the byte tokenizer adds bos
     and eos, so a record of ``n`` bytes is ``n + 2`` tokens)."""

@@ -19,7 +19,7 @@ median ``step_time_s`` of the run's later steps relative to the largest micro-ba
 same engine; the micro-batch sizes of one engine run at the same time, so they share the
 machine's load alike (each process's peak RSS is its own).
 
-    python bench/memory.py                        # single, ddp, fsdp, zero2 (~5 min)
+    python bench/memory.py                        # single, ddp, fsdp, zero2 (~10 min at load 7)
     python bench/memory.py --engines single zero3 --micro 1 2 4 8
 """
 
@@ -30,7 +30,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import common
@@ -173,7 +172,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="llmft-bench-memory-"))
+    tmp = common.scratch_dir("llmft-bench-memory-")
     # Every record fills max_seq_len: the activations of a micro-batch are exactly micro x seq tokens.
     data = common.write_text_records(tmp / "train.jsonl", [args.seq - 2] * 256)
     recipe = common.base_recipe(

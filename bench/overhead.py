@@ -14,7 +14,7 @@ ratio; the table shows the median over the pairs after ``--warmup``, in wall tim
 time of this process (which other processes' load disturbs much less), and llmft's own
 ``tokens_per_s`` from metrics.jsonl.
 
-    python bench/overhead.py                 # ~3 min on 2 shared cores
+    python bench/overhead.py                 # ~2 min on 2 shared cores
     python bench/overhead.py --profile       # + cProfile of the steady steps of each side
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -205,7 +204,7 @@ def main() -> None:
     common.one_thread()
     common.quiet_llmft()
 
-    tmp = Path(tempfile.mkdtemp(prefix="llmft-bench-overhead-"))
+    tmp = common.scratch_dir("llmft-bench-overhead-")
     # bos + (seq - 2) bytes + eos = seq tokens: no padding anywhere.
     data = common.write_text_records(tmp / "train.jsonl", [args.seq - 2] * 512)
     global_batch = args.micro * args.accumulation

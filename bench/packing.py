@@ -10,7 +10,7 @@ Records are ``{"text": ...}`` with lognormal lengths (median ~90 tokens, a tail 
 2. Trained (target) tokens/s from ``llmft train`` with packing off and on, alternating runs in
    this one process, each run's first steps dropped.
 
-    python bench/packing.py          # ~3 min on 2 shared cores
+    python bench/packing.py          # ~2 min on 2 shared cores
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import gc
 import math
 import random
-import tempfile
 from pathlib import Path
 
 import common
@@ -110,7 +109,7 @@ def main() -> None:
     common.one_thread()
     common.quiet_llmft()
 
-    tmp = Path(tempfile.mkdtemp(prefix="llmft-bench-packing-"))
+    tmp = common.scratch_dir("llmft-bench-packing-")
     lengths = lognormal_lengths(args.records, 0, args.median, args.sigma)
     data = common.write_text_records(tmp / "train.jsonl", lengths)
     g = args.micro * args.accumulation

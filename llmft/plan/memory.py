@@ -263,7 +263,13 @@ def estimate_memory(recipe: Recipe, dp_size: int, micro_batch_size: int | None =
     placed = {
         "weights": _placed(states["weights"], layout.weights, layout.weights_on_gpu),
         "adapters": _placed(states["adapters"], layout.weights, layout.weights_on_gpu),
-        "gradients": _placed(states["gradients"], layout.gradients, layout.grads_on_gpu),
+        # FSDP2 with gradient sync off keeps each micro-step's gradients unsharded until the
+        # boundary reduce-scatter, so with accumulation they are not divided by the shards.
+        "gradients": _placed(
+            states["gradients"],
+            1 if engine == "fsdp" and _accumulates(recipe) else layout.gradients,
+            layout.grads_on_gpu,
+        ),
         "optimizer": _placed(states["optimizer"], layout.optimizer, layout.optimizer_on_gpu),
         "master_weights": _placed(states["master_weights"], layout.optimizer, layout.optimizer_on_gpu),
     }
@@ -288,6 +294,11 @@ def estimate_memory(recipe: Recipe, dp_size: int, micro_batch_size: int | None =
         engine=engine,
         notes=tuple(notes),
     )
+
+
+def _accumulates(recipe: Recipe) -> bool:
+    acc = recipe.batch.gradient_accumulation_steps
+    return isinstance(acc, int) and acc > 1
 
 
 def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, float]:

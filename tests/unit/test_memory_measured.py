@@ -18,11 +18,10 @@ engines allocate, not a re-derivation of the formulas.
   their softmax, and only the softmax is kept: measured -12 %; sdpa -5 %) and under-count by at
   most 10 % (backward temporaries it does not itemise). The band still fails if a component is
   dropped (the logits alone are over a quarter of the total) or counted twice.
-- Under gradient checkpointing the estimate adds one recomputed layer to the logits, but the
-  two are never alive together (the logits are freed before the first layer is recomputed):
-  measured -40 % on this model. That case is an expected failure (strict, so it turns red when
-  ``plan/memory.py`` takes the larger of the two instead of their sum), and the estimate is
-  checked to stay an upper bound there.
+- Under gradient checkpointing one recomputed layer and the logits are never alive together
+  (the head's backward frees the logits before any layer is recomputed), so the estimate counts
+  the larger of the two, not their sum (the sum was 40 % over on this model; now -3 %). The same
+  band applies, and the estimate is checked to stay an upper bound there.
 """
 
 from __future__ import annotations
