@@ -510,3 +510,31 @@ def test_compile_imports_no_torch_and_starts_fast(recipe_path, tmp_path):
 def test_compile_time_refusals(changes, dp, message, base):
     with pytest.raises(RecipeError, match=message):
         variant(base, dp, **changes)
+
+
+def test_overrides_may_follow_options(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    from llmft.recipe import load_recipe
+
+    out = tmp_path / "c"
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmft",
+        "compile",
+        "configs/tiny-cpu.yaml",
+        "--nproc-per-node",
+        "2",
+        "--out",
+        str(out),
+        "batch.global_batch_size=16",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert load_recipe(out).batch.global_batch_size == 16
+    bad = subprocess.run([*cmd[:5], "--bogus"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr
