@@ -202,9 +202,6 @@ class CheckpointManager:
         state["_rng"] = torch.load(rng_file, weights_only=True) if rng_file.exists() else None
         return state
 
-    def existing(self) -> list[tuple[int, Path]]:
-        return broadcast_object(step_dirs(self.run_dir) if self.env.is_main else None)
-
 
 # --- DeepSpeed universal checkpoints: ZeRO 1-3 state resharded for any data-parallel size ----------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -30,6 +30,7 @@ class LoopState:
     step: int = 0  # optimizer steps done
     samples: int = 0  # position in the global sample order (samples consumed by all ranks)
     tokens: int = 0  # target tokens trained on
+    stopped: str | None = None  # what stopped the run early (a signal name), if anything
 
 
 @dataclass
@@ -50,7 +51,6 @@ class LoopConfig:
     log_every: int = 1
     eval_every: int | None = None
     checkpoint_every: int | None = None
-    stopped: str | None = field(default=None)
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -135,6 +135,6 @@ def train_loop(
         if stopping or last or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
             hooks.checkpoint(state)
         if stopping:
-            cfg.stopped = stop.requested or "a signal on another rank"
+            state.stopped = stop.requested or "a signal on another rank"
             break
     return state

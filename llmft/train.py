@@ -414,10 +414,10 @@ def _train(recipe: Recipe, env: DistEnv, stop: StopRequest) -> int:
     finally:
         if progress:
             progress.close()
-    if loop_cfg.stopped:
+    if state.stopped:
         log.warning(
             "stopped by %s after step %d; checkpoint written. Run the same command to resume.",
-            loop_cfg.stopped,
+            state.stopped,
             state.step,
         )
         metrics.close()

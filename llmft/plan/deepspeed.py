@@ -21,23 +21,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmft.plan.batch import BatchPlan
 from llmft.plan.shape import ModelShape
 from llmft.recipe.schema import Recipe
+from llmft.recipe.validate import batch_plan
 
 # Used for the bucket sizes when the model's hidden size cannot be known without a
 # download: the sizes HF's "auto" gives for a 7-8B model, a sensible middle ground.
 FALLBACK_HIDDEN_SIZE = 4096
 # DeepSpeed prints every N steps; llmft logs itself, so effectively never.
 STEPS_PER_PRINT = 1_000_000_000
-
-
-def _plan(recipe: Recipe) -> BatchPlan:
-    """The recipe's batch as a plan; ``BatchPlan`` asserts the equation holds."""
-    b, d = recipe.batch, recipe.distributed
-    return BatchPlan(
-        b.global_batch_size, b.micro_batch_size, b.gradient_accumulation_steps, d.nnodes * d.nproc_per_node
-    )
 
 
 def _offload(device: str, recipe: Recipe) -> dict[str, Any]:
@@ -99,7 +91,7 @@ def precision(dtype: str) -> dict[str, Any]:
 
 def deepspeed_config(recipe: Recipe, shape: ModelShape | None = None) -> dict[str, Any]:
     """The complete DeepSpeed config of a validated recipe (batch keys concrete for its dp size)."""
-    plan = _plan(recipe)
+    plan = batch_plan(recipe)  # BatchPlan asserts the equation holds
     max_norm = recipe.optim.max_grad_norm
     return {
         "train_batch_size": plan.global_batch_size,

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from llmft.errors import Problem, UserError
-from llmft.plan.batch import BatchPlan, divisors, sequences_from_tokens
+from llmft.plan.batch import divisors, sequences_from_tokens
 from llmft.plan.shape import ModelShape, model_shape
 from llmft.recipe.schema import Recipe
+from llmft.recipe.validate import batch_plan
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -469,8 +470,7 @@ def plan_command(
     recipe = load_recipe(recipe_path, overrides, nnodes=nnodes, nproc_per_node=nproc_per_node)
     dp = recipe.distributed.nnodes * recipe.distributed.nproc_per_node
     est = estimate_memory(recipe, dp)
-    b = recipe.batch
-    plan = BatchPlan(b.global_batch_size, b.micro_batch_size, b.gradient_accumulation_steps, dp)
+    plan = batch_plan(recipe, dp)
     head = [
         f"model {recipe.model.name_or_path or recipe.model.config.get('model_type')}: "
         f"{_describe(recipe)}, engine {est.engine}"

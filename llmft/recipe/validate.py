@@ -336,9 +336,11 @@ def _batch(r: Recipe, where, dp_size: int) -> list[Problem]:
     return []
 
 
-def batch_plan(r: Recipe, dp_size: int) -> BatchPlan:
-    """The plan of a validated recipe (all three keys concrete)."""
+def batch_plan(r: Recipe, dp_size: int | None = None) -> BatchPlan:
+    """The plan of a validated recipe (all three keys concrete); dp_size defaults to its layout."""
     b = r.batch
+    if dp_size is None:
+        dp_size = r.distributed.nnodes * r.distributed.nproc_per_node
     return BatchPlan(b.global_batch_size, b.micro_batch_size, b.gradient_accumulation_steps, dp_size)
 
 
