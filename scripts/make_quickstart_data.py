@@ -1,8 +1,8 @@
 """Write the quickstart data set: data/quickstart/{train,eval}.jsonl.
 
 A synthetic task that a ~0.4M-parameter byte-level Llama (configs/quickstart.yaml)
-learns on two CPU cores in a couple of minutes, so that the quickstart shows a
-falling loss and an exact-match accuracy that climbs from 0 (to ~0.6 in 600 steps):
+learns on two CPU cores in under a minute, so that the quickstart shows a
+falling loss and an exact-match accuracy that climbs from 0 to 1.0 (by step ~750 of 1000):
 
     {"prompt": "reverse: cabd\\n", "completion": "dbac"}
 
