@@ -401,6 +401,7 @@ def _prepare_kbit(model: PreTrainedModel, gradient_checkpointing: bool, *, upcas
     embeddings, head) to fp32 for stability. Sharding engines need one dtype across the
     parameters they flatten, so for them only the freezing and checkpointing are done.
     """
+    keep_4bit_layout(model)
     if upcast_unquantized:
         from peft import prepare_model_for_kbit_training
 
@@ -413,6 +414,21 @@ def _prepare_kbit(model: PreTrainedModel, gradient_checkpointing: bool, *, upcas
     model.requires_grad_(False)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GRADIENT_CHECKPOINTING_KWARGS)
+
+
+def keep_4bit_layout(model: torch.nn.Module) -> None:
+    """Keep every 4-bit weight in the layout that training differentiates through.
+
+    On a CPU with AVX512-BF16, bitsandbytes (>= 0.48) repacks a Linear4bit's weight in place
+    the first time the layer runs in eval mode without grad, which is what evaluation does,
+    and from then on computes that layer with ``gemv_4bit``: an inference kernel with no
+    autograd and a bf16 accumulation. Training after the first eval would then lose the
+    gradient through every quantized layer (the adapters of earlier layers get none through
+    the base path) and evaluate with other numerics than it trains with.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def apply_peft(model: PreTrainedModel, p: PeftConfig) -> torch.nn.Module:

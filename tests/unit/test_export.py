@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from llmft.errors import UserError
 from llmft.export import BASE_DIR, export, export_model_dir, save_base_model, save_model_dir
-from llmft.model import build_model, load_base_model
+from llmft.model import build_model, keep_4bit_layout, load_base_model
 from llmft.recipe import load_recipe, to_yaml
 from llmft.tokenizer import byte_tokenizer
 
@@ -139,6 +139,7 @@ def test_adapter_export_reproduces_the_trained_model(qlora_run, ids):
     base = AutoModelForCausalLM.from_pretrained(
         config["base_model_name_or_path"], quantization_config=quant, dtype=torch.float32
     )
+    keep_4bit_layout(base)  # on AVX512-BF16 CPUs bnb would evaluate with its bf16 inference kernel
     reloaded = PeftModel.from_pretrained(base, out)
     torch.testing.assert_close(logits(reloaded, ids), logits(qlora_run["model"], ids), rtol=1e-4, atol=1e-4)
 

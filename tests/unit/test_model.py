@@ -147,6 +147,38 @@ def test_qlora_from_config_on_cpu(tmp_path, tok):
     assert q_proj.base_layer.weight.grad is None
 
 
+def test_qlora_gradients_are_the_same_after_an_eval(tmp_path, tok):
+    """Evaluation (eval mode, no grad) must not change the 4-bit layers training runs through.
+
+    bitsandbytes repacks a 4-bit weight for an inference-only kernel on its first eval forward
+    on AVX512-BF16 CPUs; after that the base layers passed no gradient to earlier adapters.
+    """
+    recipe = make_recipe(tmp_path, peft__method="lora", model__quantization={"bits": 4})
+    model = build_model(recipe, tok)
+    ids = batch(tok)
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    packed = q_proj.base_layer.weight.detach().clone()
+
+    def grads() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    before = grads()
+    model.eval()
+    with torch.no_grad():
+        eval_loss = model(input_ids=ids, labels=ids).loss
+    model.train()
+    after = grads()
+    assert torch.equal(q_proj.base_layer.weight, packed)
+    assert before.keys() == after.keys()
+    for name, grad in before.items():
+        torch.testing.assert_close(after[name], grad, rtol=0, atol=0, msg=name)
+    model.zero_grad(set_to_none=True)
+    train_loss = model(input_ids=ids, labels=ids).loss  # dropout is 0: eval and train agree
+    torch.testing.assert_close(eval_loss, train_loss, rtol=0, atol=0)
+
+
 def test_sharded_qlora_stores_packed_weights_in_the_compute_dtype(tmp_path, tok):
     recipe = make_recipe(tmp_path, peft__method="lora", model__dtype="bf16", model__quantization={"bits": 4})
     model = build_model(recipe, tok, shard_quant_storage=True)
