@@ -97,6 +97,8 @@ class DeepSpeedEngineAdapter:
         # reads it at load time (DeepSpeedEngine.load_universal_checkpoint()), and only this load
         # needs it, so it is set here rather than in the config every run starts with.
         self.model._config.load_universal_checkpoint = elastic
+        optimizer = self.model.optimizer.optimizer  # the torch optimizer inside ZeRO's wrapper
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         try:
             path, _ = self.model.load_checkpoint(
                 str(load_dir),
@@ -108,3 +110,25 @@ class DeepSpeedEngineAdapter:
         finally:
             self.model._config.load_universal_checkpoint = False
         assert path is not None, f"DeepSpeed found no checkpoint in {load_dir}"
+        if elastic and load_optimizer and self.model.zero_optimization_stage() == 3:
+            _repair_zero3_universal_load(optimizer, groups)
+
+
+def _repair_zero3_universal_load(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
+    """Undo two slips of DeepSpeed's ZeRO-3 universal load (0.19, ``stage3.py``
+    ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``; stages 1-2 load per group).
+
+    - Every param group gets the same ``step`` tensor, which each group's Adam update then
+      advances in place: with decay and no-decay groups the bias correction counts two
+      steps per step from the first step after the resume.
+    - Every param group gets group 0's hyperparameters: the decay group's weight decay
+      lands on norms and biases.
+
+    ``groups`` are the hyperparameters the recipe built the optimizer with; the learning
+    rate is the one loaded (one schedule drives every group).
+    """
+    for group, built in zip(optimizer.param_groups, groups, strict=True):
+        group.update({k: v for k, v in built.items() if k != "lr"})
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()

@@ -1,13 +1,14 @@
-"""Stop signals reach every rank, and a 2-rank run resumes on 1 rank as if never stopped (SPEC 4-5).
+"""Stop signals reach every rank, and a run resumes on another world size as if never stopped (SPEC 4-5).
 
 A 2-rank run is stopped by SIGTERM and resumed by a plain single process with the same
-global batch (accumulation re-solved from 2 to 4). Against the uninterrupted 2-rank run:
-the same losses and weights to 1e-5, and, per optimizer step, the same samples (recorded by
-every rank through ``LLMFT_SAMPLE_LOG``), so nothing is skipped or repeated.
+global batch (accumulation re-solved from 2 to 4), or a single process is stopped and
+resumed on 2 ranks (4 to 2). Against the uninterrupted 2-rank run: the same losses and
+weights to 1e-5, and, per optimizer step, the same samples (recorded by every rank through
+``LLMFT_SAMPLE_LOG``), so nothing is skipped or repeated.
 
-FSDP2 reshards through DCP; DeepSpeed ZeRO-2 through its universal checkpoint, converted
-on the fly. The FSDP case sends SIGTERM to ONE rank only: the loop's all-reduced stop flag
-must stop both after the same step.
+FSDP2 reshards through DCP; DeepSpeed ZeRO 1-3 through their universal checkpoint,
+converted on the fly. The FSDP case sends SIGTERM to ONE rank only: the loop's all-reduced
+stop flag must stop both after the same step.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ GLOBAL_BATCH = 8
 TOLERANCE = 1e-5
 
 FSDP = {"distributed__engine": "fsdp"}
+ZERO1 = {"distributed__engine": "deepspeed", "distributed__zero_stage": 1}
 ZERO2 = {"distributed__engine": "deepspeed", "distributed__zero_stage": 2}
+ZERO3 = {"distributed__engine": "deepspeed", "distributed__zero_stage": 3}
 
 
 def _recipe(root: Path, engine: dict) -> Path:
@@ -48,6 +51,7 @@ def _recipe(root: Path, engine: dict) -> Path:
         batch__micro_batch_size=2,  # accumulation 2 on 2 ranks, 4 on 1 rank
         train__max_steps=STEPS,
         checkpoint__every_steps=None,  # the only mid-run checkpoint is the one the stop writes
+        optim__weight_decay=0.1,  # decay and no-decay param groups, each to be restored as built
         **engine,
     )
 
@@ -84,9 +88,13 @@ def _rank_pids(launcher_pid: int, nproc: int, timeout: float = 120) -> dict[int,
     raise AssertionError("torchrun's workers did not show up")
 
 
-def _launch(recipe: Path, sample_log: Path) -> subprocess.Popen:
+def _launch(recipe: Path, sample_log: Path, nproc: int = 2) -> subprocess.Popen:
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "llmft", "train", str(recipe)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMFT_SAMPLE_LOG": str(sample_log)}
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     cmd = [
-        *torchrun_cmd(),
+        *torchrun_cmd(nproc),
         # torchrun stops the other workers once one exits non-zero; a slow monitor lets every
         # rank finish its own exit (all of them exit 75 after the same final barrier anyway).
         "--monitor-interval=3",
@@ -117,21 +125,34 @@ def _reference(root: Path, engine: dict) -> dict:
     return {"run": root / "run", "samples": _samples(root / "samples")}
 
 
-def _stopped(root: Path, engine: dict, *, one_rank: bool) -> dict:
-    """2 ranks, stopped by SIGTERM after step 2: to rank 1 alone, or to torchrun (which forwards it)."""
+def _stopped(root: Path, engine: dict, *, one_rank: bool = False, nproc: int = 2) -> dict:
+    """``nproc`` ranks stopped by SIGTERM after step 2: to rank 1 alone, or to the launcher
+    (torchrun forwards it to every rank; a single process is its own launcher)."""
     recipe = _recipe(root, engine)
-    proc = _launch(recipe, root / "samples-2ranks")
-    pids = _rank_pids(proc.pid, 2)
+    proc = _launch(recipe, root / "samples-before", nproc)
+    pids = _rank_pids(proc.pid, nproc) if nproc > 1 else {0: proc.pid}
     _wait_for_step(root / "run", 2, proc)
     os.kill(pids[1] if one_rank else proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
-    return {"root": root, "recipe": recipe, "run": root / "run", "stderr": err, "returncode": proc.returncode}
+    run = root / "run"
+    return {
+        "root": root,
+        "recipe": recipe,
+        "run": run,
+        "stderr": err,
+        "returncode": proc.returncode,
+        "stop_step": _stop_step(run) if (run / "checkpoints/latest").exists() else None,
+    }
 
 
-def _resume_on_one_rank(stopped: dict) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMFT_SAMPLE_LOG": str(stopped["root"] / "samples-1rank")}
+def _resume(stopped: dict, nproc: int) -> subprocess.CompletedProcess:
+    env = {"LLMFT_SAMPLE_LOG": str(stopped["root"] / "samples-after")}
+    if nproc > 1:
+        return torchrun(["train", str(stopped["recipe"])], nproc=nproc, env=env)
     cmd = [sys.executable, "-m", "llmft", "train", str(stopped["recipe"])]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, cwd=ROOT, timeout=300
+    )
 
 
 def _stop_step(run_dir: Path) -> int:
@@ -140,7 +161,7 @@ def _stop_step(run_dir: Path) -> int:
 
 def _assert_resume_matches(stopped: dict, reference: dict) -> None:
     run, stop = stopped["run"], stopped["stop_step"]
-    # losses: steps 1..stop from 2 ranks, the rest from 1 rank
+    # losses: steps 1..stop from the first world size, the rest from the second
     rows, ref_rows = metrics(run), metrics(reference["run"])
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for row, ref in zip(rows, ref_rows, strict=True):
@@ -152,8 +173,8 @@ def _assert_resume_matches(stopped: dict, reference: dict) -> None:
     assert got.keys() == want.keys()
     for name in got:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=TOLERANCE, msg=name)
-    # samples: what 2 ranks took up to the stop, then what 1 rank took, step by step
-    before, after = _samples(stopped["root"] / "samples-2ranks"), _samples(stopped["root"] / "samples-1rank")
+    # samples: what the first world took up to the stop, then what the second took, step by step
+    before, after = _samples(stopped["root"] / "samples-before"), _samples(stopped["root"] / "samples-after")
     assert sorted(before) == list(range(1, stop + 1))  # nothing taken past the checkpoint
     assert sorted(after) == list(range(stop + 1, STEPS + 1))
     assert {**before, **after} == reference["samples"]
@@ -169,9 +190,7 @@ def fsdp_reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fsdp_stopped(tmp_path_factory):
-    stopped = _stopped(tmp_path_factory.mktemp("fsdp-stopped"), FSDP, one_rank=True)
-    stopped["stop_step"] = _stop_step(stopped["run"])
-    return stopped
+    return _stopped(tmp_path_factory.mktemp("fsdp-stopped"), FSDP, one_rank=True)
 
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(fsdp_stopped):
@@ -195,7 +214,7 @@ def test_universal_conversion_refuses_a_checkpoint_without_zero_partitions(fsdp_
 
 
 def test_fsdp_two_ranks_stopped_resume_on_one_rank(fsdp_reference, fsdp_stopped):
-    done = _resume_on_one_rank(fsdp_stopped)
+    done = _resume(fsdp_stopped, nproc=1)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "elastic resume: checkpoint written by 2 process(es), now 1" in done.stderr
     assert "micro 2 x accumulation 4 x data-parallel 1 = global 8" in done.stderr
@@ -203,15 +222,16 @@ def test_fsdp_two_ranks_stopped_resume_on_one_rank(fsdp_reference, fsdp_stopped)
 
 
 @pytest.mark.slow
-def test_zero2_two_ranks_stopped_resume_on_one_rank_via_universal_checkpoint(tmp_path):
-    reference = _reference(tmp_path / "reference", ZERO2)
-    stopped = _stopped(tmp_path / "stopped", ZERO2, one_rank=False)  # SIGTERM to torchrun, as SLURM does
-    stopped["stop_step"] = stop = _stop_step(stopped["run"])
-    assert 2 <= stop < STEPS, stopped["stderr"][-4000:]
+@pytest.mark.parametrize("engine", [ZERO1, ZERO2, ZERO3], ids=["zero1", "zero2", "zero3"])
+def test_zero_two_ranks_stopped_resume_on_one_rank_via_universal_checkpoint(tmp_path, engine):
+    reference = _reference(tmp_path / "reference", engine)
+    stopped = _stopped(tmp_path / "stopped", engine)  # SIGTERM to torchrun, as SLURM does
+    stop = stopped["stop_step"]
+    assert stop is not None and 2 <= stop < STEPS, stopped["stderr"][-4000:]
     assert stopped["stderr"].count(f"stopped by SIGTERM after step {stop}; checkpoint written") == 2
     step_dir = stopped["run"] / f"checkpoints/step-{stop}"
     assert not (step_dir / "deepspeed_universal").exists()
-    done = _resume_on_one_rank(stopped)
+    done = _resume(stopped, nproc=1)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "elastic resume: checkpoint written by 2 process(es), now 1" in done.stderr
     assert (step_dir / "deepspeed_universal/state/zero").is_dir()  # converted on the fly, kept for reuse
@@ -228,3 +248,20 @@ def test_zero2_two_ranks_stopped_resume_on_one_rank_via_universal_checkpoint(tmp
     assert {p.name for p in (out / "state/zero").iterdir()} == {
         p.name for p in (step_dir / "deepspeed_universal/state/zero").iterdir()
     }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [FSDP, ZERO3], ids=["fsdp", "zero3"])
+def test_one_rank_stopped_resumes_on_two_ranks(tmp_path, engine):
+    """Growing: a single process is stopped and 2 ranks resume it (accumulation 4 -> 2)."""
+    reference = _reference(tmp_path / "reference", engine)
+    stopped = _stopped(tmp_path / "stopped", engine, nproc=1)
+    stop = stopped["stop_step"]
+    assert stop is not None and 2 <= stop < STEPS, stopped["stderr"][-4000:]
+    assert stopped["returncode"] == 75, stopped["stderr"][-4000:]
+    assert f"stopped by SIGTERM after step {stop}; checkpoint written" in stopped["stderr"]
+    done = _resume(stopped, nproc=2)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "elastic resume: checkpoint written by 1 process(es), now 2" in done.stderr
+    assert "micro 2 x accumulation 2 x data-parallel 2 = global 8" in done.stderr
+    _assert_resume_matches(stopped, reference)
