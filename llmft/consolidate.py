@@ -1,8 +1,9 @@
 """Turn any engine's checkpoint back into one ordinary (unsharded) model in one process.
 
 single / ddp: ``model/`` is a save_pretrained dir. fsdp: a DCP folder, read without a
-process group, resharded to one process by DCP. deepspeed: ZeRO partitions, merged to fp32
-by DeepSpeed's own ``zero_to_fp32``. Export and the cross-engine tests use this.
+process group, resharded to one process by DCP. deepspeed: ZeRO 1-3 partitions, merged to
+fp32 by DeepSpeed's own ``zero_to_fp32``; ZeRO-0's whole module state, read with
+``weights_only``. Export and the cross-engine tests use this.
 
 DeepSpeed checkpoints are DeepSpeed's format: its ``*_model_states.pt`` and
 ``*_optim_states.pt`` files are Python pickles that only ``torch.load(weights_only=False)``
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from llmft.checkpoint import STATE_FILE, resolve_checkpoint
+from llmft.checkpoint import STATE_FILE, deepspeed_dp_size, resolve_checkpoint
 from llmft.recipe import Recipe, load_recipe
 
 
@@ -101,9 +102,17 @@ def _load_deepspeed(model: torch.nn.Module, ckpt: Path) -> None:
     from llmft.engines.single import check_loaded_keys
 
     peft = hasattr(model, "peft_config")
-    # DeepSpeed unpickles its own files here (see the module docstring); its progress prints are muted.
-    with contextlib.redirect_stdout(io.StringIO()):
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / DS_DIR), tag=TAG, exclude_frozen_parameters=peft)
+    if deepspeed_dp_size(ckpt) is None:
+        # ZeRO-0 keeps nothing partitioned: the module's whole state dict is in the model-states
+        # file, which holds only tensors and plain Python values.
+        model_states = ckpt / DS_DIR / TAG / "mp_rank_00_model_states.pt"
+        state = torch.load(model_states, map_location="cpu", weights_only=True)["module"]
+    else:
+        # DeepSpeed unpickles its own files here (see the module docstring); its progress prints are muted.
+        with contextlib.redirect_stdout(io.StringIO()):
+            state = get_fp32_state_dict_from_zero_checkpoint(
+                str(ckpt / DS_DIR), tag=TAG, exclude_frozen_parameters=peft
+            )
     missing, unexpected = model.load_state_dict(state, strict=False)
     if peft:  # only the adapter was saved: the frozen base is the rebuilt one
         assert not unexpected, unexpected[:5]

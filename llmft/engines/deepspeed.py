@@ -97,8 +97,10 @@ class DeepSpeedEngineAdapter:
         # reads it at load time (DeepSpeedEngine.load_universal_checkpoint()), and only this load
         # needs it, so it is set here rather than in the config every run starts with.
         self.model._config.load_universal_checkpoint = elastic
-        optimizer = self.model.optimizer.optimizer  # the torch optimizer inside ZeRO's wrapper
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        repair = elastic and load_optimizer and self.model.zero_optimization_stage() == 3
+        if repair:
+            optimizer = self.model.optimizer.optimizer  # the torch optimizer inside ZeRO-3's wrapper
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         try:
             path, _ = self.model.load_checkpoint(
                 str(load_dir),
@@ -110,7 +112,7 @@ class DeepSpeedEngineAdapter:
         finally:
             self.model._config.load_universal_checkpoint = False
         assert path is not None, f"DeepSpeed found no checkpoint in {load_dir}"
-        if elastic and load_optimizer and self.model.zero_optimization_stage() == 3:
+        if repair:
             _repair_zero3_universal_load(optimizer, groups)
 
 

@@ -37,10 +37,11 @@ NUM_SAMPLES = 64
 GLOBAL_BATCH = 8
 TOLERANCE = 1e-5
 
-FSDP = {"distributed__engine": "fsdp"}
-ZERO1 = {"distributed__engine": "deepspeed", "distributed__zero_stage": 1}
-ZERO2 = {"distributed__engine": "deepspeed", "distributed__zero_stage": 2}
-ZERO3 = {"distributed__engine": "deepspeed", "distributed__zero_stage": 3}
+ENGINES = {
+    "ddp": {"distributed__engine": "ddp"},
+    "fsdp": {"distributed__engine": "fsdp"},
+    **{f"zero{n}": {"distributed__engine": "deepspeed", "distributed__zero_stage": n} for n in range(4)},
+}
 
 
 def _recipe(root: Path, engine: dict) -> Path:
@@ -184,13 +185,21 @@ def _assert_resume_matches(stopped: dict, reference: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def fsdp_reference(tmp_path_factory):
-    return _reference(tmp_path_factory.mktemp("fsdp-reference"), FSDP)
+def references(tmp_path_factory):
+    """engine name -> its uninterrupted 2-rank run, made once for every test that compares with it."""
+    made: dict[str, dict] = {}
+
+    def reference(name: str) -> dict:
+        if name not in made:
+            made[name] = _reference(tmp_path_factory.mktemp(f"{name}-reference"), ENGINES[name])
+        return made[name]
+
+    return reference
 
 
 @pytest.fixture(scope="module")
 def fsdp_stopped(tmp_path_factory):
-    return _stopped(tmp_path_factory.mktemp("fsdp-stopped"), FSDP, one_rank=True)
+    return _stopped(tmp_path_factory.mktemp("fsdp-stopped"), ENGINES["fsdp"], one_rank=True)
 
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(fsdp_stopped):
@@ -213,19 +222,19 @@ def test_universal_conversion_refuses_a_checkpoint_without_zero_partitions(fsdp_
     assert not list((fsdp_stopped["run"] / "checkpoints").glob("*/deepspeed_universal"))
 
 
-def test_fsdp_two_ranks_stopped_resume_on_one_rank(fsdp_reference, fsdp_stopped):
+def test_fsdp_two_ranks_stopped_resume_on_one_rank(references, fsdp_stopped):
     done = _resume(fsdp_stopped, nproc=1)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "elastic resume: checkpoint written by 2 process(es), now 1" in done.stderr
     assert "micro 2 x accumulation 4 x data-parallel 1 = global 8" in done.stderr
-    _assert_resume_matches(fsdp_stopped, fsdp_reference)
+    _assert_resume_matches(fsdp_stopped, references("fsdp"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", [ZERO1, ZERO2, ZERO3], ids=["zero1", "zero2", "zero3"])
-def test_zero_two_ranks_stopped_resume_on_one_rank_via_universal_checkpoint(tmp_path, engine):
-    reference = _reference(tmp_path / "reference", engine)
-    stopped = _stopped(tmp_path / "stopped", engine)  # SIGTERM to torchrun, as SLURM does
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
+def test_zero_two_ranks_stopped_resume_on_one_rank_via_universal_checkpoint(references, tmp_path, name):
+    reference = references(name)
+    stopped = _stopped(tmp_path / "stopped", ENGINES[name])  # SIGTERM to torchrun, as SLURM does
     stop = stopped["stop_step"]
     assert stop is not None and 2 <= stop < STEPS, stopped["stderr"][-4000:]
     assert stopped["stderr"].count(f"stopped by SIGTERM after step {stop}; checkpoint written") == 2
@@ -251,11 +260,11 @@ def test_zero_two_ranks_stopped_resume_on_one_rank_via_universal_checkpoint(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", [FSDP, ZERO3], ids=["fsdp", "zero3"])
-def test_one_rank_stopped_resumes_on_two_ranks(tmp_path, engine):
+@pytest.mark.parametrize("name", ["fsdp", "zero3"])
+def test_one_rank_stopped_resumes_on_two_ranks(references, tmp_path, name):
     """Growing: a single process is stopped and 2 ranks resume it (accumulation 4 -> 2)."""
-    reference = _reference(tmp_path / "reference", engine)
-    stopped = _stopped(tmp_path / "stopped", engine, nproc=1)
+    reference = references(name)
+    stopped = _stopped(tmp_path / "stopped", ENGINES[name], nproc=1)
     stop = stopped["stop_step"]
     assert stop is not None and 2 <= stop < STEPS, stopped["stderr"][-4000:]
     assert stopped["returncode"] == 75, stopped["stderr"][-4000:]
@@ -264,4 +273,20 @@ def test_one_rank_stopped_resumes_on_two_ranks(tmp_path, engine):
     assert done.returncode == 0, done.stderr[-4000:]
     assert "elastic resume: checkpoint written by 1 process(es), now 2" in done.stderr
     assert "micro 2 x accumulation 2 x data-parallel 2 = global 8" in done.stderr
+    _assert_resume_matches(stopped, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero0", "zero2", "zero3"])
+def test_two_ranks_stopped_resume_on_two_ranks(references, tmp_path, name):
+    """The same world size: each engine's own checkpoint format, loaded as written (SPEC 5)."""
+    reference = references(name)
+    stopped = _stopped(tmp_path / "stopped", ENGINES[name])
+    stop = stopped["stop_step"]
+    assert stop is not None and 2 <= stop < STEPS, stopped["stderr"][-4000:]
+    done = _resume(stopped, nproc=2)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"(step {stop}, {stop * GLOBAL_BATCH} samples consumed)" in done.stderr, done.stderr[-4000:]
+    assert "elastic resume" not in done.stderr
+    assert not (stopped["run"] / f"checkpoints/step-{stop}/deepspeed_universal").exists()
     _assert_resume_matches(stopped, reference)

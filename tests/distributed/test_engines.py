@@ -33,6 +33,8 @@ def single_sgd(tmp_path_factory):
 ENGINES = [
     ("ddp", ["distributed.engine=ddp", "batch.micro_batch_size=2"]),
     ("fsdp", ["distributed.engine=fsdp", "batch.micro_batch_size=2"]),
+    ("zero0", ["distributed.engine=deepspeed", "distributed.zero_stage=0", "batch.micro_batch_size=2"]),
+    ("zero1", ["distributed.engine=deepspeed", "distributed.zero_stage=1", "batch.micro_batch_size=2"]),
     ("zero2", ["distributed.engine=deepspeed", "distributed.zero_stage=2", "batch.micro_batch_size=2"]),
     ("zero3", ["distributed.engine=deepspeed", "distributed.zero_stage=3", "batch.micro_batch_size=1"]),
 ]
