@@ -38,7 +38,8 @@ LATEST = "latest"
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
-FAULT_ENV = "LLMFT_FAULT_INJECT"  # tests only: "kill_in_save:<step>" SIGKILLs this process mid-save
+# tests only: "kill_in_save:<step>[:<rank>]" SIGKILLs this process (or only that rank) mid-save
+FAULT_ENV = "LLMFT_FAULT_INJECT"
 UNIVERSAL_DIR = "deepspeed_universal"  # step-N/deepspeed_universal: a ZeRO checkpoint resharded for any dp size
 
 
@@ -136,9 +137,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _maybe_fault(step: int) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if spec == f"kill_in_save:{step}":
+def _maybe_fault(step: int, rank: int) -> None:
+    kind, _, where = os.environ.get(FAULT_ENV, "").partition(":")
+    at, _, only_rank = where.partition(":")
+    if kind == "kill_in_save" and at == str(step) and only_rank in ("", str(rank)):
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
@@ -171,7 +173,7 @@ class CheckpointManager:
             (tmp / "recipe.yaml").write_text(recipe_yaml)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / "tokenizer")
-        _maybe_fault(step)
+        _maybe_fault(step, self.env.rank)
         barrier()
         if self.env.is_main:
             _atomic_write(tmp / COMPLETE, json.dumps({"step": step}))

@@ -44,16 +44,19 @@ ENGINES = {
 }
 
 
-def _recipe(root: Path, engine: dict) -> Path:
+def _recipe(root: Path, engine: dict, **keys) -> Path:
     write_data(root / "train.jsonl", n=NUM_SAMPLES)
     return write_recipe(
         root,
-        batch__global_batch_size=GLOBAL_BATCH,
-        batch__micro_batch_size=2,  # accumulation 2 on 2 ranks, 4 on 1 rank
-        train__max_steps=STEPS,
-        checkpoint__every_steps=None,  # the only mid-run checkpoint is the one the stop writes
-        optim__weight_decay=0.1,  # decay and no-decay param groups, each to be restored as built
-        **engine,
+        **{
+            "batch__global_batch_size": GLOBAL_BATCH,
+            "batch__micro_batch_size": 2,  # accumulation 2 on 2 ranks, 4 on 1 rank
+            "train__max_steps": STEPS,
+            "checkpoint__every_steps": None,  # the only mid-run checkpoint is the one the stop writes
+            "optim__weight_decay": 0.1,  # decay and no-decay param groups, each to be restored as built
+            **engine,
+            **keys,
+        },
     )
 
 
@@ -290,3 +293,43 @@ def test_two_ranks_stopped_resume_on_two_ranks(references, tmp_path, name):
     assert "elastic resume" not in done.stderr
     assert not (stopped["run"] / f"checkpoints/step-{stop}/deepspeed_universal").exists()
     _assert_resume_matches(stopped, reference)
+
+
+@pytest.mark.slow
+def test_one_rank_killed_mid_save_leaves_the_previous_checkpoint(references, tmp_path):
+    """SPEC 6 on 2 ranks: rank 1 is SIGKILLed while writing step 4's FSDP2 checkpoint (rank 0
+    waits in the barrier before the COMPLETE marker) and torchrun tears the job down. step-2
+    stays the latest, complete checkpoint; a 2-rank resume from it ends as the uninterrupted run."""
+    recipe = _recipe(tmp_path, ENGINES["fsdp"], checkpoint__every_steps=2, checkpoint__keep_last=2)
+    killed = torchrun(
+        ["train", str(recipe)],
+        env={"LLMFT_FAULT_INJECT": "kill_in_save:4:1", "LLMFT_SAMPLE_LOG": str(tmp_path / "samples-before")},
+    )
+    assert killed.returncode != 0
+    assert "Signals.SIGKILL" in killed.stderr or "exitcode  : -9" in killed.stderr, killed.stderr[-4000:]
+    ckpts = tmp_path / "run/checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-2"
+    assert (ckpts / "step-2/COMPLETE").exists()
+    assert not (ckpts / "step-4").exists()  # never half-visible
+    assert (ckpts / ".tmp-step-4").is_dir()  # the interrupted write, replaced when step 4 is saved again
+
+    done = _resume({"root": tmp_path, "recipe": recipe}, nproc=2)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"(step 2, {2 * GLOBAL_BATCH} samples consumed)" in done.stderr, done.stderr[-4000:]
+    assert not (ckpts / ".tmp-step-4").exists()
+    reference = references("fsdp")
+    rows, ref_rows = metrics(tmp_path / "run"), metrics(reference["run"])  # a re-run step's later row counts
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for row, ref in zip(rows, ref_rows, strict=True):
+        assert abs(row["loss"] - ref["loss"]) < TOLERANCE, (row["step"], row["loss"], ref["loss"])
+    got = trainable_state(load_checkpoint_model(tmp_path / "run")[0])
+    want = trainable_state(load_checkpoint_model(reference["run"])[0])
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=TOLERANCE, msg=name)
+    # steps 3-4 ran twice, with the same samples; from step 3 on the resumed run took the reference's
+    after = _samples(tmp_path / "samples-after")
+    assert sorted(after) == list(range(3, STEPS + 1))
+    assert after == {s: c for s, c in reference["samples"].items() if s >= 3}
+    assert {s: c for s, c in _samples(tmp_path / "samples-before").items() if s <= 4} == {
+        s: reference["samples"][s] for s in range(1, 5)
+    }
