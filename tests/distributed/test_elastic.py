@@ -41,6 +41,14 @@ ENGINES = {
     "ddp": {"distributed__engine": "ddp"},
     "fsdp": {"distributed__engine": "fsdp"},
     **{f"zero{n}": {"distributed__engine": "deepspeed", "distributed__zero_stage": n} for n in range(4)},
+    # the checkpoint leaves the frozen base out (exclude_frozen_parameters): another universal path
+    "zero3-lora": {
+        "distributed__engine": "deepspeed",
+        "distributed__zero_stage": 3,
+        "peft__method": "lora",
+        "peft__r": 4,
+        "peft__alpha": 8,
+    },
 }
 
 
@@ -234,7 +242,7 @@ def test_fsdp_two_ranks_stopped_resume_on_one_rank(references, fsdp_stopped):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3-lora"])
 def test_zero_two_ranks_stopped_resume_on_one_rank_via_universal_checkpoint(references, tmp_path, name):
     reference = references(name)
     stopped = _stopped(tmp_path / "stopped", ENGINES[name])  # SIGTERM to torchrun, as SLURM does
