@@ -1,10 +1,11 @@
-"""Stop signals reach every rank, and a run resumes on another world size as if never stopped (SPEC 4-5).
+"""Multi-rank stop, resume and kill (SPEC 4-6), on the same or another world size.
 
-A 2-rank run is stopped by SIGTERM and resumed by a plain single process with the same
-global batch (accumulation re-solved from 2 to 4), or a single process is stopped and
-resumed on 2 ranks (4 to 2). Against the uninterrupted 2-rank run: the same losses and
-weights to 1e-5, and, per optimizer step, the same samples (recorded by every rank through
-``LLMFT_SAMPLE_LOG``), so nothing is skipped or repeated.
+A 2-rank run is stopped by SIGTERM and resumed on 2 ranks (each engine's own checkpoint
+format), by a plain single process with the same global batch (accumulation re-solved from
+2 to 4), or a single process is stopped and resumed on 2 ranks (4 to 2). Against the
+uninterrupted 2-rank run: the same losses and weights to 1e-5, and, per optimizer step, the
+same samples (recorded by every rank through ``LLMFT_SAMPLE_LOG``), so nothing is skipped or
+repeated. One rank SIGKILLed in the middle of a save leaves the previous checkpoint.
 
 FSDP2 reshards through DCP; DeepSpeed ZeRO 1-3 through their universal checkpoint,
 converted on the fly. The FSDP case sends SIGTERM to ONE rank only: the loop's all-reduced
