@@ -29,8 +29,15 @@ def checkpoint_engine(ckpt: Path) -> str:
     return json.loads((ckpt / STATE_FILE).read_text())["engine"]
 
 
-def load_checkpoint_model(path: str | Path) -> tuple[torch.nn.Module, object, Recipe, Path]:
-    """(model in fp32 on CPU with the checkpoint's weights, tokenizer, recipe, checkpoint dir)."""
+def load_checkpoint_model(
+    path: str | Path, *, adapter_only: bool = False
+) -> tuple[torch.nn.Module, object, Recipe, Path]:
+    """(model in fp32 on CPU with the checkpoint's weights, tokenizer, recipe, checkpoint dir).
+
+    ``adapter_only`` (for a PEFT run): the frozen base stays on the meta device and only the
+    adapter gets memory, which is all a sharded PEFT checkpoint holds and all an adapter
+    export needs (a 70B base would otherwise take 280 GB of RAM in fp32 to write a few MB).
+    """
     from llmft.engines.single import MODEL_DIR, load_model_weights
     from llmft.model import build_model
     from llmft.tokenizer import load_tokenizer
@@ -54,8 +61,12 @@ def load_checkpoint_model(path: str | Path) -> tuple[torch.nn.Module, object, Re
     recipe.model.gradient_checkpointing = False
     tok_dir = ckpt / "tokenizer"
     tokenizer = load_tokenizer(recipe.model) if not tok_dir.is_dir() else _load_tok(tok_dir)
-    model = build_model(recipe, tokenizer, device="cpu")
     engine = checkpoint_engine(ckpt)
+    if adapter_only and recipe.peft.method != "none" and engine in ("fsdp", "deepspeed"):
+        model = build_model(recipe, tokenizer, init_context=lambda: torch.device("meta"))
+        _materialize_trainable(model)
+    else:
+        model = build_model(recipe, tokenizer, device="cpu")
     if engine in ("single", "ddp"):
         load_model_weights(model, ckpt / MODEL_DIR)
     elif engine == "fsdp":
@@ -65,6 +76,15 @@ def load_checkpoint_model(path: str | Path) -> tuple[torch.nn.Module, object, Re
     else:  # pragma: no cover
         raise AssertionError(engine)
     return model, tokenizer, recipe, ckpt
+
+
+def _materialize_trainable(model: torch.nn.Module) -> None:
+    """Give the trainable (adapter) parameters of a meta-built model fp32 CPU memory; the
+    checkpoint load fills them."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.requires_grad and p.is_meta:
+                module.register_parameter(name, torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32)))
 
 
 def _load_tok(path: Path):
@@ -116,6 +136,8 @@ def _load_deepspeed(model: torch.nn.Module, ckpt: Path) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     if peft:  # only the adapter was saved: the frozen base is the rebuilt one
         assert not unexpected, unexpected[:5]
+        unloaded = sorted(_trainable_names(model) & set(missing))
+        assert not unloaded, f"{ckpt} lacks adapter weights {unloaded[:5]}"
     else:
         check_loaded_keys(model, missing, unexpected)
 

@@ -252,7 +252,7 @@ def _checkpoint_model_dir(step_dir: Path, scratch: Path) -> Path:
     if (step_dir / STATE_FILE).is_file() and any((step_dir / d).is_dir() for d in (DCP_DIR, DS_DIR)):
         from llmft.consolidate import load_checkpoint_model
 
-        model = load_checkpoint_model(step_dir)[0]
+        model = load_checkpoint_model(step_dir, adapter_only=True)[0]
         model.save_pretrained(scratch / MODEL_DIR, safe_serialization=True)
         return scratch / MODEL_DIR
     found = ", ".join(sorted(p.name for p in step_dir.iterdir())) if step_dir.is_dir() else "nothing"

@@ -20,7 +20,7 @@ import torch
 from helpers import ROOT, torchrun, write_recipe
 from transformers import AutoModelForCausalLM
 
-from llmft.consolidate import load_checkpoint_model
+from llmft.consolidate import load_checkpoint_model, trainable_state
 from llmft.tokenizer import byte_tokenizer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -77,6 +77,13 @@ def test_export_round_trip(tmp_path, engine, lora):
 
     with torch.no_grad(), consolidated.disable_adapter():
         assert (_logits(consolidated, ids) - want).abs().max() > 1e-3  # the adapter trained: a real check
+    # what the adapter export loads: the adapter alone, the frozen base never given memory
+    adapter_only, *_ = load_checkpoint_model(run, adapter_only=True)
+    assert all(p.is_meta for p in adapter_only.parameters() if not p.requires_grad)
+    got, expected = trainable_state(adapter_only), trainable_state(consolidated)
+    assert got.keys() == expected.keys() and got
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
     adapter = _export(run, tmp_path / "adapter")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
     base_dir = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
