@@ -101,10 +101,15 @@ def _rank_pids(launcher_pid: int, nproc: int, timeout: float = 120) -> dict[int,
     raise AssertionError("torchrun's workers did not show up")
 
 
+def _one_process(recipe: Path, sample_log: Path) -> tuple[list[str], dict]:
+    """``llmft train`` as a plain process: its command line and environment."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMFT_SAMPLE_LOG": str(sample_log)}
+    return [sys.executable, "-m", "llmft", "train", str(recipe)], env
+
+
 def _launch(recipe: Path, sample_log: Path, nproc: int = 2) -> subprocess.Popen:
     if nproc == 1:
-        cmd = [sys.executable, "-m", "llmft", "train", str(recipe)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMFT_SAMPLE_LOG": str(sample_log)}
+        cmd, env = _one_process(recipe, sample_log)
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     cmd = [
         *torchrun_cmd(nproc),
@@ -159,33 +164,35 @@ def _stopped(root: Path, engine: dict, *, one_rank: bool = False, nproc: int = 2
 
 
 def _resume(stopped: dict, nproc: int) -> subprocess.CompletedProcess:
-    env = {"LLMFT_SAMPLE_LOG": str(stopped["root"] / "samples-after")}
+    sample_log = stopped["root"] / "samples-after"
     if nproc > 1:
-        return torchrun(["train", str(stopped["recipe"])], nproc=nproc, env=env)
-    cmd = [sys.executable, "-m", "llmft", "train", str(stopped["recipe"])]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, cwd=ROOT, timeout=300
-    )
+        return torchrun(["train", str(stopped["recipe"])], nproc=nproc, env={"LLMFT_SAMPLE_LOG": str(sample_log)})
+    cmd, env = _one_process(stopped["recipe"], sample_log)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
 
 
 def _stop_step(run_dir: Path) -> int:
     return int((run_dir / "checkpoints/latest").read_text().strip().removeprefix("step-"))
 
 
-def _assert_resume_matches(stopped: dict, reference: dict) -> None:
-    run, stop = stopped["run"], stopped["stop_step"]
-    # losses: steps 1..stop from the first world size, the rest from the second
+def _assert_same_run(run: Path, reference: dict) -> None:
+    """Every step's tokens and loss (a re-run step's later row counts), and the final weights."""
     rows, ref_rows = metrics(run), metrics(reference["run"])
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for row, ref in zip(rows, ref_rows, strict=True):
         assert row["tokens"] == ref["tokens"], row["step"]
         assert abs(row["loss"] - ref["loss"]) < TOLERANCE, (row["step"], row["loss"], ref["loss"])
-    # weights
     got = trainable_state(load_checkpoint_model(run)[0])
     want = trainable_state(load_checkpoint_model(reference["run"])[0])
     assert got.keys() == want.keys()
     for name in got:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=TOLERANCE, msg=name)
+
+
+def _assert_resume_matches(stopped: dict, reference: dict) -> None:
+    # losses: steps 1..stop from the first world size, the rest from the second; weights
+    _assert_same_run(stopped["run"], reference)
+    stop = stopped["stop_step"]
     # samples: what the first world took up to the stop, then what the second took, step by step
     before, after = _samples(stopped["root"] / "samples-before"), _samples(stopped["root"] / "samples-after")
     assert sorted(before) == list(range(1, stop + 1))  # nothing taken past the checkpoint
@@ -327,14 +334,7 @@ def test_one_rank_killed_mid_save_leaves_the_previous_checkpoint(references, tmp
     assert f"(step 2, {2 * GLOBAL_BATCH} samples consumed)" in done.stderr, done.stderr[-4000:]
     assert not (ckpts / ".tmp-step-4").exists()
     reference = references("fsdp")
-    rows, ref_rows = metrics(tmp_path / "run"), metrics(reference["run"])  # a re-run step's later row counts
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    for row, ref in zip(rows, ref_rows, strict=True):
-        assert abs(row["loss"] - ref["loss"]) < TOLERANCE, (row["step"], row["loss"], ref["loss"])
-    got = trainable_state(load_checkpoint_model(tmp_path / "run")[0])
-    want = trainable_state(load_checkpoint_model(reference["run"])[0])
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=TOLERANCE, msg=name)
+    _assert_same_run(tmp_path / "run", reference)
     # steps 3-4 ran twice, with the same samples; from step 3 on the resumed run took the reference's
     after = _samples(tmp_path / "samples-after")
     assert sorted(after) == list(range(3, STEPS + 1))
