@@ -30,6 +30,7 @@ from llmft.checkpoint import (
 from llmft.dist import DistEnv, barrier, init_distributed, read_env, shutdown
 from llmft.errors import Problem, UserError
 from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
+from llmft.metrics import Metrics
 from llmft.plan.batch import BatchPlan
 from llmft.recipe import Recipe, load_recipe, to_yaml
 from llmft.recipe.validate import batch_plan
@@ -183,36 +184,6 @@ class _SampleLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             yield indices
-
-
-class Metrics:
-    """metrics.jsonl (rank 0, appended, flushed per row) and optional TensorBoard events."""
-
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
-        self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
-        self.tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
-                self.tb = None
-
-    def write(self, row: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "step" and v is not None:
-                    self.tb.add_scalar(f"{row['split']}/{k}", v, row["step"])
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
 
 
 def prepare_run_dir(recipe: Recipe, env: DistEnv) -> Path | None:
