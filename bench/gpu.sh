@@ -119,7 +119,7 @@ done
 import json, statistics, sys
 from pathlib import Path
 from llmft.plan.memory import CUDA_CONTEXT_BYTES, GIB, estimate_memory
-from llmft.recipe import load_recipe
+from llmft.plan.resolve import load_plan
 
 out, warmup, seq, cases = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 import torch
@@ -139,7 +139,6 @@ for name in cases:
     mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
     mfu = f"{statistics.median(mfus):.1%}" if mfus else "n/a (GPU not in llmft/flops.py)"
     peak = max(r.get("peak_mem_gb") or 0.0 for r in steady)
-    recipe = load_recipe(str(run / "recipe.yaml"), [], world_size=1)
-    est = estimate_memory(recipe, 1)
+    est = estimate_memory(load_plan(str(run / "recipe.yaml"), [], world_size=1))
     print(f"| {name} | {tps:,.0f} | {mfu} | {peak:.1f} | {(est.total - CUDA_CONTEXT_BYTES) / GIB:.1f} | {len(rows)} |")
 EOF

@@ -71,13 +71,15 @@ def worker(recipe: str, overrides: list[str]) -> None:
     import llmft.engines.single  # noqa: F401
     import llmft.model  # noqa: F401
     from llmft import loop as llmft_loop
+    from llmft import metrics as llmft_metrics
+    from llmft import run as llmft_run
     from llmft import train as llmft_train
 
     if any("deepspeed" in o for o in overrides):
         import llmft.engines.deepspeed  # noqa: F401
 
     out: dict = {"cpu": []}
-    original_build, original_loop = llmft.engines.build_engine, llmft_train.train_loop
+    original_build, original_loop = llmft.engines.build_engine, llmft_run.train_loop
 
     def build_engine(*args, **kwargs):
         out["rss_before_engine"] = _status("VmRSS")
@@ -90,7 +92,7 @@ def worker(recipe: str, overrides: list[str]) -> None:
         out["peak"] = _status("VmHWM")
         return state
 
-    original_write = llmft_train.Metrics.write
+    original_write = llmft_metrics.Metrics.write
 
     def write(self, row):
         original_write(self, row)
@@ -98,9 +100,9 @@ def worker(recipe: str, overrides: list[str]) -> None:
             out["cpu"].append(time.process_time())
 
     llmft.engines.build_engine = build_engine
-    llmft_train.train_loop = train_loop
+    llmft_run.train_loop = train_loop
     llmft_loop.train_loop = train_loop
-    llmft_train.Metrics.write = write
+    llmft_metrics.Metrics.write = write
     assert llmft_train.train(recipe, overrides) == 0
     if int(os.environ.get("RANK", "0")) == 0:
         print("MEMORY " + json.dumps(out), flush=True)
@@ -152,11 +154,11 @@ def _free_port() -> int:
 
 def estimate(recipe: Path, engine: str, micro: int):
     from llmft.plan.memory import CUDA_CONTEXT_BYTES, estimate_memory
-    from llmft.recipe import load_recipe
+    from llmft.plan.resolve import load_plan
 
     nproc, overrides = ENGINES[engine]
-    r = load_recipe(str(recipe), [*overrides, f"batch.micro_batch_size={micro}"], world_size=nproc)
-    est = estimate_memory(r, nproc, micro)
+    plan = load_plan(str(recipe), [*overrides, f"batch.micro_batch_size={micro}"], world_size=nproc)
+    est = estimate_memory(plan)
     return est.total - CUDA_CONTEXT_BYTES, est.activations + est.logits
 
 

@@ -73,12 +73,13 @@ def plain_steps(data: Path, seq: int, micro: int, accumulation: int) -> Iterator
 
 def side_by_side(recipe: Path, plain: Iterator[int], steps: int, warmup: int) -> dict:
     """One ``llmft train`` run with a plain-loop step after each of its steps; per-pair rates."""
+    from llmft import metrics as llmft_metrics
     from llmft import train as llmft_train
 
     next(plain)  # the plain model's first step (allocation of grads and Adam state) before timing
     marks: dict[str, list] = {"llmft": [], "plain": []}  # (wall, cpu, tokens) per step
     last_end = [None]
-    original = llmft_train.Metrics.write
+    original = llmft_metrics.Metrics.write
 
     def write(self, row):
         original(self, row)
@@ -92,11 +93,11 @@ def side_by_side(recipe: Path, plain: Iterator[int], steps: int, warmup: int) ->
         last_end[0] = _now()
         marks["plain"].append((last_end[0][0] - start[0], last_end[0][1] - start[1], n))
 
-    llmft_train.Metrics.write = write
+    llmft_metrics.Metrics.write = write
     try:
         assert llmft_train.train(str(recipe), []) == 0
     finally:
-        llmft_train.Metrics.write = original
+        llmft_metrics.Metrics.write = original
     rows = common.train_rows(recipe.parent / "run")
     # llmft's step k (k >= 2) is marks["llmft"][k-2]; it follows plain step k-1 (marks["plain"][k-2]).
     pairs = list(zip(marks["llmft"], marks["plain"], strict=False))[warmup:]
@@ -123,10 +124,11 @@ def profile_llmft(recipe: Path, steps: int, warmup: int, top: int) -> None:
     """cProfile of llmft's steady steps (set-up and the first steps left out)."""
     import cProfile
 
+    from llmft import metrics as llmft_metrics
     from llmft import train as llmft_train
 
     prof = cProfile.Profile(time.process_time)  # CPU time: the load of other processes does not count
-    original = llmft_train.Metrics.write
+    original = llmft_metrics.Metrics.write
     seen = [0]
 
     def write(self, row):
@@ -136,12 +138,12 @@ def profile_llmft(recipe: Path, steps: int, warmup: int, top: int) -> None:
         if warmup <= seen[0] < steps:
             prof.enable()
 
-    llmft_train.Metrics.write = write
+    llmft_metrics.Metrics.write = write
     try:
         assert llmft_train.train(str(recipe), []) == 0
     finally:
         prof.disable()
-        llmft_train.Metrics.write = original
+        llmft_metrics.Metrics.write = original
     _print_profile(prof, "llmft train", top)
 
 

@@ -37,7 +37,7 @@ def fractions(recipe_path: Path, packing: bool, micro: int) -> dict[str, float]:
     from llmft.recipe import load_recipe
     from llmft.tokenizer import load_tokenizer
 
-    recipe = load_recipe(str(recipe_path), [f"data.packing={str(packing).lower()}"], world_size=1)
+    recipe = load_recipe(str(recipe_path), [f"data.packing={str(packing).lower()}"])
     tok = load_tokenizer(recipe.model)
     data = build_data(recipe, tok)
     ds = data.train
@@ -71,21 +71,22 @@ def train_rate(recipe_path: Path, packing: bool, warmup: int) -> dict[str, float
     process, between metrics rows) over the steady steps of one ``llmft train`` run."""
     import time
 
+    from llmft import metrics as llmft_metrics
     from llmft import train as llmft_train
 
     cpu: list[float] = []
-    original = llmft_train.Metrics.write
+    original = llmft_metrics.Metrics.write
 
     def write(self, row):
         original(self, row)
         if row.get("split") == "train":
             cpu.append(time.process_time())
 
-    llmft_train.Metrics.write = write
+    llmft_metrics.Metrics.write = write
     try:
         assert llmft_train.train(str(recipe_path), [f"data.packing={str(packing).lower()}"]) == 0
     finally:
-        llmft_train.Metrics.write = original
+        llmft_metrics.Metrics.write = original
     rows = common.train_rows(recipe_path.parent / "run")
     tokens = sum(r["tokens"] for r in rows[warmup:])
     return {

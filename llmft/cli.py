@@ -40,11 +40,11 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from llmft.plan.compile import compile_recipe
-    from llmft.recipe import load_recipe
+    from llmft.plan.resolve import load_plan
 
-    recipe = load_recipe(args.recipe, args.overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
-    out = Path(args.out) if args.out else Path(recipe.run.output_dir) / "compiled"
-    print(compile_recipe(recipe, out))
+    plan = load_plan(args.recipe, args.overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
+    out = Path(args.out) if args.out else Path(plan.recipe.run.output_dir) / "compiled"
+    print(compile_recipe(plan, out))
     return 0
 
 
@@ -70,7 +70,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from llmft.plan.memory import plan_command
+    from llmft.plan.report import plan_command
 
     print(plan_command(args.recipe, args.overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node))
     return 0

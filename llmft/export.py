@@ -16,7 +16,7 @@ name. A base built from ``model.config`` exists only as random weights in memory
 (beside the step dirs, so pruning never removes it), from rank 0's model right after the
 engine is built: single, DDP and DeepSpeed ZeRO 0-2, where rank 0 holds the whole model.
 Under FSDP2 and ZeRO-3 no rank holds it whole after sharding, and gathering it would
-materialise it on one rank (SPEC 7), so it is not saved; export then rebuilds it from
+materialise it on one rank (docs/design.md, G6), so it is not saved; export then rebuilds it from
 ``model.config`` and ``run.seed`` (every engine builds a fresh model from that seed), which
 gives the same weights as long as torch and transformers are the versions that trained,
 and logs a warning saying so.
@@ -39,7 +39,20 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from llmft.checkpoint.layout import (
+    ADAPTER_CONFIG,
+    BASE_DIR,
+    DCP_DIR,
+    DS_DIR,
+    EXPORTS,
+    MODEL_DIR,
+    RECIPE_FILE,
+    STATE_FILE,
+    TOKENIZER_DIR,
+    resolve_checkpoint,
+)
 from llmft.errors import Problem, UserError
+from llmft.model import base_key
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -47,25 +60,6 @@ if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
 
 log = logging.getLogger("llmft")
-
-MODEL_DIR = "model"
-TOKENIZER_DIR = "tokenizer"
-RECIPE_FILE = "recipe.yaml"
-BASE_DIR = "base_model"
-ADAPTER_CONFIG = "adapter_config.json"
-EXPORTS = "exported"
-
-# Names PEFT inserts into parameter paths: wrappers around the original module, and
-# the adapter's own weights (which are not part of the base).
-_PEFT_WRAPPERS = {"base_layer", "original_module"}
-_PEFT_ONLY = {
-    "lora_A",
-    "lora_B",
-    "lora_embedding_A",
-    "lora_embedding_B",
-    "lora_magnitude_vector",
-    "modules_to_save",
-}
 
 
 # --- checkpoint time ----------------------------------------------------------------------------
@@ -116,19 +110,13 @@ def base_state_dict(base: torch.nn.Module, dtype: torch.dtype) -> dict[str, torc
             (n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set
         ]
         for name, tensor in [*module.named_parameters(recurse=False), *persistent]:
-            key = _base_key(f"{module_name}.{name}" if module_name else name)
+            # the frozen base: adapter weights and trained modules_to_save copies are not part of it
+            key = base_key(f"{module_name}.{name}" if module_name else name, trained_copies=False)
             if key is None or id(tensor) in seen:
                 continue
             seen.add(id(tensor))
             state[key] = _dequantized(tensor).to("cpu", dtype).contiguous()
     return state
-
-
-def _base_key(name: str) -> str | None:
-    parts = name.split(".")
-    if _PEFT_ONLY.intersection(parts):
-        return None
-    return ".".join(p for p in parts if p not in _PEFT_WRAPPERS)
 
 
 def _dequantized(t: torch.Tensor) -> torch.Tensor:
@@ -184,8 +172,6 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike | None = None, 
 
     Default ``out``: ``<run>/exported/step-N`` (``step-N-merged`` with ``merge_lora``).
     """
-    from llmft.checkpoint import resolve_checkpoint
-
     step_dir = resolve_checkpoint(checkpoint)
     if out is None:
         out = step_dir.parent.parent / EXPORTS / (step_dir.name + ("-merged" if merge_lora else ""))
@@ -245,10 +231,6 @@ def _checkpoint_model_dir(step_dir: Path, scratch: Path) -> Path:
     model_dir = step_dir / MODEL_DIR
     if (model_dir / ADAPTER_CONFIG).is_file() or (model_dir / "config.json").is_file():
         return model_dir
-    from llmft.checkpoint import STATE_FILE
-    from llmft.engines.deepspeed import DS_DIR
-    from llmft.engines.fsdp import DCP_DIR
-
     if (step_dir / STATE_FILE).is_file() and any((step_dir / d).is_dir() for d in (DCP_DIR, DS_DIR)):
         from llmft.consolidate import load_checkpoint_model
 

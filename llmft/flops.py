@@ -39,18 +39,6 @@ PEAK_BF16_TFLOPS: dict[str, float] = {
 }
 
 
-def _matmul_params(shape: ModelShape) -> int:
-    """N: weights that take part in a matmul per token: every decoder linear plus the LM head.
-
-    The input embedding is a lookup (no FLOPs) and norms are negligible, so both are left out;
-    the head is a matmul even when it shares its weight with the embedding.
-    """
-    h, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
-    attn = 2 * h * h + 2 * h * kv  # q and o are h x h; k and v are h x kv (GQA)
-    mlp = 3 * h * shape.intermediate_size  # gate, up, down (SwiGLU)
-    return shape.num_layers * (attn + mlp) + shape.vocab_size * h
-
-
 def flops_per_token(shape: ModelShape, seq_len: int, *, peft: bool, adapter_params: int = 0) -> float:
     """Model FLOPs to train on one token (forward + backward), as MFU counts them.
 
@@ -59,7 +47,7 @@ def flops_per_token(shape: ModelShape, seq_len: int, *, peft: bool, adapter_para
 
         6 * N  +  12 * L * h * T
 
-    where N = ``_matmul_params`` (decoder linears + LM head, no embedding), L layers, h
+    where N = ``ModelShape.matmul_params`` (decoder linears + LM head, no embedding), L layers, h
     hidden size, T = ``seq_len`` (the attended context: max_seq_len, or the mean record
     length when not packing). A matmul with N weights costs 2N per token forward and 4N
     backward (input gradient 2N + weight gradient 2N). Attention scores (QK^T) and the
@@ -81,7 +69,7 @@ def flops_per_token(shape: ModelShape, seq_len: int, *, peft: bool, adapter_para
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    n = _matmul_params(shape)
+    n = shape.matmul_params
     attention = 12 * shape.num_layers * shape.hidden_size * seq_len
     if peft:
         return float(4 * n + attention + 6 * adapter_params)

@@ -53,6 +53,14 @@ class LoopConfig:
     checkpoint_every: int | None = None
 
 
+def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor | None) -> torch.Tensor:
+    """The loss of one micro-batch: the sum of its token losses divided by ``num_items`` (the target
+    tokens of the whole global batch), so that summed gradients equal the big batch's. With
+    ``num_items`` None: transformers' own token mean over this batch (references in verify)."""
+    extra = {"num_items_in_batch": num_items} if num_items is not None else {}
+    return model(**batch, use_cache=False, **extra).loss
+
+
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -87,7 +95,7 @@ def train_loop(
             mb = _to_device(mb, device)
             with engine.micro_step(boundary):
                 with engine.autocast():
-                    loss = model(**mb, num_items_in_batch=num_items, use_cache=False).loss
+                    loss = micro_loss(model, mb, num_items)
                 engine.backward(loss * engine.grad_scale)
             loss_sum += loss.detach().double()
 

@@ -27,6 +27,7 @@ from llmft.errors import Problem, UserError
 if TYPE_CHECKING:
     from transformers import BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
 
+    from llmft.plan.resolve import RunPlan
     from llmft.recipe.schema import ModelConfig, PeftConfig, QuantizationConfig, Recipe
 
 log = logging.getLogger("llmft")
@@ -44,7 +45,8 @@ def build_model(
     *,
     device: str | torch.device = "cpu",
     init_context: Callable[[], ContextManager] | None = None,
-    shard_quant_storage: bool = False,
+    quant_storage: str | None = None,
+    upcast_unquantized: bool = True,
 ) -> torch.nn.Module:
     """The model to train: loaded or built, quantized if asked, PEFT-wrapped if asked.
 
@@ -53,12 +55,13 @@ def build_model(
     a pretrained model is built from its config without its weights, which the engine loads
     into its shards. Without it (and for a quantized model, which must be built from real
     weights) the model ends up on ``device``.
-    ``shard_quant_storage`` (FSDP): pack 4-bit weights in the compute dtype when
-    ``quantization.quant_storage`` is null, so that every parameter the engine shards has one dtype.
+    ``quant_storage``: the storage dtype of packed 4-bit weights the run plan decided (FSDP2 needs
+    the compute dtype, so that every parameter it shards has one dtype); None: the recipe's, or uint8.
+    ``upcast_unquantized``: QLoRA's fp32 norms/embeddings/head (PEFT's k-bit preparation); off for FSDP2.
     """
     m = recipe.model
     dtype = DTYPES[m.dtype]
-    quant = quantization_config(m.quantization, dtype, shard_quant_storage=shard_quant_storage)
+    quant = quantization_config(m.quantization, dtype, storage=quant_storage)
     config = model_config(m)
     check_vocab(config, tokenizer, m)
 
@@ -82,13 +85,44 @@ def build_model(
     warn_batchnorm(model)
     model.config.use_cache = False  # the KV cache is for generation; training only pays its memory
     if quant is not None:
-        _prepare_kbit(model, m.gradient_checkpointing, upcast_unquantized=not shard_quant_storage)
+        _prepare_kbit(model, m.gradient_checkpointing, upcast_unquantized=upcast_unquantized)
     elif m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GRADIENT_CHECKPOINTING_KWARGS)
     if recipe.peft.method != "none":
         model = apply_peft(model, recipe.peft)
         init_adapters(model, recipe.run.seed)
     return model
+
+
+def prepare_model(plan: RunPlan, tokenizer: Any, device: torch.device, **kwargs: Any) -> torch.nn.Module:
+    """The model of a run as the engines train it: built per the plan's decisions, trainable weights
+    in fp32 (``upcast_trainable``), on ``device`` unless quantized (bitsandbytes placed it)."""
+    model = build_model(
+        plan.recipe,
+        tokenizer,
+        device=str(device),
+        quant_storage=plan.quant_storage,
+        upcast_unquantized=plan.upcast_unquantized,
+        **kwargs,
+    )
+    upcast_trainable(model)
+    return model.to(device) if plan.recipe.model.quantization is None else model
+
+
+def compute_dtype(recipe: Recipe) -> torch.dtype:
+    return DTYPES[recipe.model.dtype]
+
+
+def upcast_trainable(model: torch.nn.Module) -> None:
+    """Mixed precision: trainable weights (and so their grads and optimizer state) live in fp32,
+    frozen weights stay in the compute dtype; autocast runs the matmuls in the compute dtype."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
 
 
 def load_base_model(recipe: Recipe, *, dtype: torch.dtype | None = None) -> PreTrainedModel:
@@ -111,7 +145,7 @@ def _deepspeed_zero3() -> bool:
 
 
 def quantization_config(
-    q: QuantizationConfig | None, compute_dtype: torch.dtype, *, shard_quant_storage: bool = False
+    q: QuantizationConfig | None, compute_dtype: torch.dtype, *, storage: str | None = None
 ) -> BitsAndBytesConfig | None:
     """``model.quantization`` as transformers' ``BitsAndBytesConfig`` (None when off)."""
     if q is None:
@@ -120,18 +154,15 @@ def quantization_config(
 
     if q.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
-    if q.quant_storage is not None:
-        storage = STORAGE_DTYPES[q.quant_storage]
-    else:
-        # Sharding engines flatten parameters of one dtype; packed uint8 next to bf16 norms
-        # would not shard, so the packed bytes are stored viewed as the compute dtype.
-        storage = compute_dtype if shard_quant_storage else torch.uint8
+    # Sharding engines flatten parameters of one dtype; packed uint8 next to bf16 norms would not
+    # shard, so the plan stores the packed bytes viewed as the compute dtype there.
+    storage = storage or q.quant_storage or "uint8"
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=q.quant_type,
         bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=compute_dtype,
-        bnb_4bit_quant_storage=storage,
+        bnb_4bit_quant_storage=STORAGE_DTYPES[storage],
     )
 
 
@@ -456,6 +487,35 @@ def apply_peft(model: PreTrainedModel, p: PeftConfig) -> torch.nn.Module:
                 f"Use all-linear, or names of this model's linear layers: {', '.join(names)}.",
             )
         ) from None
+
+
+# Parameters that exist only in a PEFT model (the adapter's own weights), and the wrapper levels
+# PEFT inserts into the path of the module it adapts.
+ADAPTER_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"})
+PEFT_WRAPPERS = frozenset({"base_layer", "original_module"})
+
+
+def base_key(name: str, *, trained_copies: bool = True) -> str | None:
+    """The name a parameter of a (PEFT-wrapped) model has in its base model's checkpoint.
+
+    ``base_model.model.`` and PEFT's wrapper levels (``base_layer``, ``original_module``) are
+    dropped. None for an adapter weight. A ``modules_to_save.<adapter>`` copy maps to the weight
+    it was copied from (it starts as that weight), or to None with ``trained_copies=False``
+    (the frozen base is the ``original_module``, not the trained copy).
+    """
+    parts = name.removeprefix("base_model.model.").split(".")
+    if ADAPTER_PARTS.intersection(parts) or (not trained_copies and "modules_to_save" in parts):
+        return None
+    kept: list[str] = []
+    skip_next = False
+    for part in parts:
+        if skip_next:
+            skip_next = False
+        elif part == "modules_to_save":
+            skip_next = True  # the adapter name follows
+        elif part not in PEFT_WRAPPERS:
+            kept.append(part)
+    return ".".join(kept)
 
 
 def initial_adapter_weights(model: torch.nn.Module, seed: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -45,8 +45,9 @@ from dataclasses import dataclass, field
 import torch
 
 from llmft.errors import Problem, UserError
+from llmft.loop import micro_loss
 from llmft.plan.batch import BatchPlan, divisors
-from llmft.recipe.schema import Recipe
+from llmft.plan.resolve import RunPlan
 
 WORST_SHOWN = 5  # tensors listed in the table besides the global row
 
@@ -101,12 +102,12 @@ def verify(
     return 1
 
 
-def load_for_verify(recipe_path: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """The recipe on its own layout (its dp is emulated), in fp32 unless ``model.dtype`` is overridden."""
-    from llmft.recipe import load_recipe
+def load_for_verify(recipe_path: str, overrides: list[str] | tuple[str, ...] = ()) -> RunPlan:
+    """The run on its own layout (its dp is emulated), in fp32 unless ``model.dtype`` is overridden."""
+    from llmft.plan.resolve import load_plan
 
     # Later overrides win, so a user's model.dtype=bf16 replaces this default.
-    return load_recipe(recipe_path, ["model.dtype=fp32", *overrides])
+    return load_plan(recipe_path, ["model.dtype=fp32", *overrides])
 
 
 def split_for_samples(plan: BatchPlan, samples: int | None) -> BatchPlan:
@@ -127,19 +128,17 @@ def split_for_samples(plan: BatchPlan, samples: int | None) -> BatchPlan:
     return BatchPlan(samples, plan.micro_batch_size, samples // unit, plan.dp_size)
 
 
-def check_gradients(recipe: Recipe, *, samples: int | None = None) -> VerifyResult:
+def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult:
     """Build the model once, compute the three gradients of the first global batch, compare them."""
     from llmft.data import GlobalOrder, build_data
     from llmft.dist import DistEnv
     from llmft.engines import autocast_for
-    from llmft.engines.single import compute_dtype, prepare_model
-    from llmft.model import describe
-    from llmft.recipe.validate import batch_plan
+    from llmft.model import compute_dtype, describe, prepare_model
+    from llmft.run import seed_everything
     from llmft.tokenizer import load_tokenizer
-    from llmft.train import seed_everything
 
-    n = recipe.distributed.nnodes * recipe.distributed.nproc_per_node
-    configured = batch_plan(recipe, n)
+    recipe = run.recipe
+    configured = run.batch
     plan = split_for_samples(configured, samples)
     seed_everything(recipe.run.seed)
     tokenizer = load_tokenizer(recipe.model)
@@ -148,7 +147,7 @@ def check_gradients(recipe: Recipe, *, samples: int | None = None) -> VerifyResu
     ranks, big = _first_step(data.train, order, plan, tokenizer.pad_token_id)
 
     device = DistEnv().device
-    model = prepare_model(recipe, tokenizer, device)
+    model = prepare_model(run.on_one_process(), tokenizer, device)  # the ranks are emulated in this process
     _switch_off_dropout(model)
     dtype = compute_dtype(recipe)
 
@@ -235,7 +234,7 @@ def _big_batch_grads(model, batch, device, autocast, plan: BatchPlan) -> tuple[G
     model.zero_grad(set_to_none=True)
     try:
         with autocast():
-            loss = model(**_to(batch, device), use_cache=False).loss  # transformers' token mean
+            loss = micro_loss(model, _to(batch, device), None)  # transformers' token mean
         loss.backward()
     except torch.OutOfMemoryError:
         model.zero_grad(set_to_none=True)
@@ -266,9 +265,9 @@ def _accumulated_grads(model, ranks, num_targets: int, device, autocast, *, naiv
         for mb in micro_batches:
             with autocast():
                 if naive:
-                    loss = model(**_to(mb, device), use_cache=False).loss / per_step
-                else:  # exactly loop.py's micro loss
-                    loss = model(**_to(mb, device), num_items_in_batch=num_items, use_cache=False).loss
+                    loss = micro_loss(model, _to(mb, device), None) / per_step
+                else:  # exactly the loop's micro loss
+                    loss = micro_loss(model, _to(mb, device), num_items)
             loss.backward()
             loss_sum += float(loss.detach())
         rank_grads = _take_grads(model)

@@ -86,10 +86,22 @@ def torchrun_cmd(nproc: int = 2) -> list[str]:
     ]
 
 
+# ``llmft`` with the tests' instrumentation hooks (sample log, fault injection): tests/instrumented.py.
+INSTRUMENTED = str(ROOT / "tests" / "instrumented.py")
+
+
+def llmft_entry(env: dict | None = None) -> list[str]:
+    """How a subprocess runs llmft: ``-m llmft``, or the instrumented entry when ``env`` asks for
+    instrumentation (LLMFT_SAMPLE_LOG / LLMFT_FAULT_INJECT, read by tests/instrumented.py only)."""
+    if env and ({"LLMFT_SAMPLE_LOG", "LLMFT_FAULT_INJECT"} & set(env)):
+        return [INSTRUMENTED]
+    return ["-m", "llmft"]
+
+
 def torchrun(
     args: list[str], nproc: int = 2, timeout: int = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    cmd = [*torchrun_cmd(nproc), "-m", "llmft", *args]
+    cmd = [*torchrun_cmd(nproc), *llmft_entry(env), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
 

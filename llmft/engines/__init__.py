@@ -7,19 +7,25 @@ big-batch gradient. Engines that average instead of sum (DDP and FSDP mean over
 ranks, DeepSpeed over ranks and, unless told otherwise, micro-steps) declare
 ``grad_scale``; the loop multiplies the loss by it before ``backward``. That is
 the one place where the engine's own averaging is undone.
+
+Each engine owns its checkpoint format: ``save`` / ``load`` in a run, and an offline
+``read_checkpoint`` (one process, no process group) that export and consolidation use.
+The names of the files are in ``llmft.checkpoint.layout``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 
 from llmft.dist import DistEnv
-from llmft.plan.batch import BatchPlan
-from llmft.recipe.schema import Recipe
+from llmft.plan.resolve import RunPlan
+
+# Builds the run's optimizer over a prepared (wrapped, sharded) model: one place, llmft.optim.
+OptimizerFactory = Callable[[torch.nn.Module], Any]
 
 
 class Engine(Protocol):
@@ -47,42 +53,46 @@ class Engine(Protocol):
     def load(self, directory: Path, *, load_optimizer: bool) -> None: ...
 
 
-# Fresh models (model.config) up to this size are built whole on every rank with the seeded init and
-# then sharded, so their weights equal the single-process run's; larger ones and every pretrained model
-# are built already sharded (FSDP2: on the meta device, ZeRO-3: under zero.Init). SPEC item 7.
-WHOLE_INIT_MAX_PARAMS = 1_000_000_000
-
-
-def builds_whole(recipe: Recipe) -> bool:
-    """Whether a sharding engine may build this recipe's model whole on every rank before sharding it."""
-    from llmft.plan.shape import model_shape
-
-    shape = model_shape(recipe.model)
-    return recipe.model.config is not None and shape is not None and shape.num_params <= WHOLE_INIT_MAX_PARAMS
-
-
 def autocast_for(dtype: torch.dtype, device: torch.device) -> ContextManager:
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def build_engine(recipe: Recipe, env: DistEnv, plan: BatchPlan, tokenizer, total_steps: int) -> Engine:
-    name = recipe.distributed.engine
+def build_engine(plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> Engine:
+    name = plan.engine
     if name == "single":
         from llmft.engines.single import SingleEngine
 
-        return SingleEngine(recipe, env, plan, tokenizer, total_steps)
+        return SingleEngine(plan, env, tokenizer, make_optimizer)
     if name == "ddp":
         from llmft.engines.ddp import DDPEngine
 
-        return DDPEngine(recipe, env, plan, tokenizer, total_steps)
+        return DDPEngine(plan, env, tokenizer, make_optimizer)
     if name == "fsdp":
         from llmft.engines.fsdp import FSDPEngine
 
-        return FSDPEngine(recipe, env, plan, tokenizer, total_steps)
+        return FSDPEngine(plan, env, tokenizer, make_optimizer)
     if name == "deepspeed":
         from llmft.engines.deepspeed import DeepSpeedEngineAdapter
 
-        return DeepSpeedEngineAdapter(recipe, env, plan, tokenizer, total_steps)
+        return DeepSpeedEngineAdapter(plan, env, tokenizer, make_optimizer)
     raise AssertionError(f"unresolved engine {name!r}")
+
+
+def read_checkpoint(engine: str, model: torch.nn.Module, step_dir: Path) -> None:
+    """Load the weights a checkpoint of ``engine`` holds into ``model`` (built whole, or with only
+    its trainable part materialised for an adapter), in one process without a process group."""
+    if engine in ("single", "ddp"):
+        from llmft.engines.base import read_plain
+
+        return read_plain(model, step_dir)
+    if engine == "fsdp":
+        from llmft.engines.fsdp import read_dcp
+
+        return read_dcp(model, step_dir)
+    if engine == "deepspeed":
+        from llmft.engines.deepspeed import read_deepspeed
+
+        return read_deepspeed(model, step_dir)
+    raise AssertionError(f"unknown engine {engine!r} in a checkpoint")

@@ -5,35 +5,47 @@ told not to divide by accumulation steps (``scale_wrt_gas=False``) and the mean
 over ranks is undone by ``grad_scale``. Clipping happens inside DeepSpeed's step
 (``gradient_clipping`` in the config). ZeRO-3 models are built under
 ``zero.Init`` (via ``HfDeepSpeedConfig``) so no rank materialises the whole model.
+
+The checkpoint format is DeepSpeed's own (``deepspeed/state/``). A ZeRO 1-3 checkpoint
+resumed on another world size is converted once to DeepSpeed's universal format
+(``deepspeed_universal/``; also ``python -m llmft.checkpoint universal CKPT``).
+
+DeepSpeed's ``*_model_states.pt`` and ``*_optim_states.pt`` files are Python pickles that only
+``torch.load(weights_only=False)`` reads. They are the one exception to "nothing is unpickled"
+(docs/design.md): llmft never opens them itself, and lets DeepSpeed's own code read the files a
+DeepSpeed run wrote (the engine's ``load_checkpoint`` on resume, ``ds_to_universal`` for an
+elastic resume, ``zero_to_fp32`` for export). Load DeepSpeed checkpoints only from runs you trust.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import shutil
 from pathlib import Path
-from typing import ContextManager
+from typing import Any, ContextManager
 
 import torch
 
-from llmft.dist import DistEnv
-from llmft.engines import builds_whole
-from llmft.engines.single import is_peft, prepare_model
-from llmft.optim import build_optimizer, scaled_lr
-from llmft.plan.batch import BatchPlan
-from llmft.recipe.schema import Recipe
-
-DS_DIR = "deepspeed"
-TAG = "state"
+from llmft.checkpoint.layout import DS_DIR, UNIVERSAL_DIR, resolve_checkpoint
+from llmft.checkpoint.layout import DS_TAG as TAG
+from llmft.checkpoint.manager import fsync_dir
+from llmft.dist import DistEnv, broadcast_object
+from llmft.engines import OptimizerFactory
+from llmft.engines.base import check_loaded_keys, trainable_names
+from llmft.errors import Problem, UserError
+from llmft.model import is_peft, prepare_model
+from llmft.plan.resolve import RunPlan
 
 
 class DeepSpeedEngineAdapter:
     name = "deepspeed"
 
-    def __init__(self, recipe: Recipe, env: DistEnv, plan: BatchPlan, tokenizer, total_steps: int) -> None:
+    def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
         import deepspeed
 
         from llmft.plan.deepspeed import deepspeed_config
-        from llmft.plan.shape import model_shape
 
         self.env = env
         # DeepSpeed's comm layer wraps the process group train.py created; its config checks
@@ -41,15 +53,15 @@ class DeepSpeedEngineAdapter:
         deepspeed.init_distributed(
             dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=False
         )
-        self.config = deepspeed_config(recipe, model_shape(recipe.model))
+        self.config = deepspeed_config(plan)
         self._hf_ds = None
-        if recipe.distributed.zero_stage == 3 and not builds_whole(recipe):
+        if plan.zero_init:
             from transformers.integrations import HfDeepSpeedConfig
 
             self._hf_ds = HfDeepSpeedConfig(self.config)  # must stay alive while the model is built
-        model = prepare_model(recipe, tokenizer, env.device)
+        model = prepare_model(plan, tokenizer, env.device)
         self.peft = is_peft(model)
-        self.optimizer = build_optimizer(model, recipe.optim, scaled_lr(recipe.optim, plan.global_batch_size))
+        self.optimizer = make_optimizer(model)
         self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config)
         # DeepSpeed averages gradients over data-parallel ranks.
         self.grad_scale = float(env.world_size)
@@ -86,8 +98,6 @@ class DeepSpeedEngineAdapter:
         )
 
     def load(self, directory: Path, *, load_optimizer: bool) -> None:
-        from llmft.checkpoint import deepspeed_dp_size, universal_for_resume
-
         # ZeRO 1-3 state is partitioned per data-parallel rank; on another world size DeepSpeed
         # only loads its universal format, converted here on first use (rank 0, others wait).
         saved_dp = deepspeed_dp_size(directory)
@@ -134,3 +144,123 @@ def _repair_zero3_universal_load(optimizer: torch.optim.Optimizer, groups: list[
     for state in optimizer.state.values():
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
+
+
+# --- DeepSpeed universal checkpoints: ZeRO 1-3 state resharded for any data-parallel size ----------
+
+
+def deepspeed_dp_size(step_dir: Path) -> int | None:
+    """The data-parallel size a ZeRO 1-3 checkpoint is partitioned for (None: ZeRO-0 or no DeepSpeed state)."""
+    pattern = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+    ranks = {
+        m.group(1) for f in (Path(step_dir) / DS_DIR / TAG).glob("*_optim_states.pt") if (m := pattern.search(f.name))
+    }
+    return len(ranks) or None
+
+
+def deepspeed_universal(step_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """Convert a ZeRO 1-3 checkpoint into DeepSpeed's universal format, in this process.
+
+    ZeRO partitions optimizer state (and, at stage 3, weights) by data-parallel rank, so
+    DeepSpeed refuses to load it on another world size. Its ``ds_to_universal`` rewrites the
+    partitions as one folder per parameter (fp32 weight, Adam moments), which an engine of any
+    size loads with ``"checkpoint": {"load_universal": true}``. Written to
+    ``step-N/deepspeed_universal/`` (or ``out``) by default, staged under a temporary name and
+    renamed, so a crash mid-conversion leaves nothing half-made; an existing conversion is
+    reused. The result is load_dir for ``engine.load_checkpoint(load_dir, tag="state")``.
+
+    On demand: ``python -m llmft.checkpoint universal CHECKPOINT``. A resume on another world
+    size calls it on rank 0 by itself (``DeepSpeedEngineAdapter.load``).
+    """
+    import argparse
+    import io
+
+    step_dir = resolve_checkpoint(step_dir)
+    out = Path(out) if out is not None else step_dir / UNIVERSAL_DIR
+    if (out / TAG / "zero").is_dir():
+        return out
+    if deepspeed_dp_size(step_dir) is None:
+        raise UserError(
+            Problem(
+                str(step_dir),
+                "holds no DeepSpeed ZeRO 1-3 optimizer partitions, so there is nothing to convert "
+                "(ZeRO-0, FSDP and single-process checkpoints load on any world size as they are)",
+                "Pass a checkpoint written with distributed.engine=deepspeed and zero_stage 1-3.",
+            )
+        )
+    from deepspeed.checkpoint import ds_to_universal
+
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed conversion
+    tmp.mkdir(parents=True)
+    args = argparse.Namespace(
+        input_folder=str(step_dir / DS_DIR / TAG),
+        output_folder=str(tmp / TAG),  # ds_to_universal also writes latest_universal beside it, inside tmp
+        num_extract_workers=1,  # in this process: no worker pool to fork from a training process
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # checkpoints saved without UNIVERSAL_CHECKPOINT_INFO (older llmft)
+    )
+    chatter = io.StringIO()  # its prints and progress bars
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            ds_to_universal.main(args)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():  # converted meanwhile by someone else: theirs is as good
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+    return out
+
+
+def universal_for_resume(step_dir: Path, env: DistEnv) -> Path:
+    """Rank 0 converts (or reuses) ``step-N/deepspeed_universal``; every rank waits and gets its path."""
+    error = None
+    if env.is_main:
+        try:
+            deepspeed_universal(step_dir)
+        except Exception as e:  # every rank must learn of it, not wait in a barrier forever
+            error = f"{type(e).__name__}: {e}"
+    error = broadcast_object(error)
+    if error is not None:
+        raise UserError(
+            Problem(
+                str(step_dir),
+                f"was written on another world size and could not be converted to DeepSpeed's universal "
+                f"checkpoint ({error})",
+                "Resume on the world size that wrote it, or convert it by hand with "
+                f"`python -m llmft.checkpoint universal {step_dir}` to see the full error.",
+            )
+        )
+    return step_dir / UNIVERSAL_DIR
+
+
+def read_deepspeed(model: torch.nn.Module, step_dir: Path) -> None:
+    """The model part of a DeepSpeed checkpoint into an unsharded model, in one process: ZeRO 1-3
+    partitions merged to fp32 by DeepSpeed's own ``zero_to_fp32``; ZeRO-0's whole module state
+    (tensors and plain values only) read with ``weights_only``."""
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    peft = is_peft(model)
+    if deepspeed_dp_size(step_dir) is None:
+        model_states = Path(step_dir) / DS_DIR / TAG / "mp_rank_00_model_states.pt"
+        state = torch.load(model_states, map_location="cpu", weights_only=True)["module"]
+    else:
+        # DeepSpeed unpickles its own files here (see the module docstring); its progress prints are muted.
+        with contextlib.redirect_stdout(io.StringIO()):
+            state = get_fp32_state_dict_from_zero_checkpoint(
+                str(Path(step_dir) / DS_DIR), tag=TAG, exclude_frozen_parameters=peft
+            )
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if peft:  # only the adapter was saved: the frozen base is the rebuilt one
+        assert not unexpected, unexpected[:5]
+        unloaded = sorted(trainable_names(model) & set(missing))
+        assert not unloaded, f"{step_dir} lacks adapter weights {unloaded[:5]}"
+    else:
+        check_loaded_keys(model, missing, unexpected)

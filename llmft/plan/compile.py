@@ -1,4 +1,4 @@
-"""``llmft compile``: one validated recipe -> every artefact an engine or launcher reads.
+"""``llmft compile``: one resolved run plan -> every artefact an engine or launcher reads.
 
 Everything is derived from the same solved batch, so the numbers in
 ``recipe.yaml``, ``ds_config.json``, ``fsdp.yaml`` and the launch scripts
@@ -15,14 +15,12 @@ from pathlib import Path
 import yaml
 
 from llmft.plan import launch
-from llmft.plan.batch import BatchPlan
 from llmft.plan.deepspeed import deepspeed_config
 from llmft.plan.fsdp import accelerate_config, fsdp_plan
-from llmft.plan.shape import model_shape
+from llmft.plan.resolve import RunPlan, plan_summary
 from llmft.recipe.load import RECIPE_FILE, to_yaml
-from llmft.recipe.schema import Recipe
-from llmft.recipe.validate import batch_plan
 
+PLAN_FILE = "plan.yaml"
 DS_CONFIG = "ds_config.json"
 FSDP_PLAN = "fsdp.yaml"
 ACCELERATE_CONFIG = "accelerate.yaml"
@@ -39,21 +37,21 @@ def _yaml(data: dict) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
-def _tokens_line(recipe: Recipe, plan: BatchPlan) -> str:
+def _tokens_line(plan: RunPlan) -> str:
     """Packed rows are always max_seq_len long; unpacked ones only up to it."""
-    tokens = plan.global_batch_size * recipe.data.max_seq_len
-    bound = "" if recipe.data.packing else "up to "
-    how = "packed" if recipe.data.packing else "padded"
+    data, global_batch = plan.recipe.data, plan.batch.global_batch_size
+    tokens = global_batch * data.max_seq_len
+    bound = "" if data.packing else "up to "
+    how = "packed" if data.packing else "padded"
     return (
-        f"tokens per optimizer step: {bound}{tokens:,} "
-        f"(global {plan.global_batch_size} x max_seq_len {recipe.data.max_seq_len}, {how})"
+        f"tokens per optimizer step: {bound}{tokens:,} (global {global_batch} x max_seq_len {data.max_seq_len}, {how})"
     )
 
 
-def _engine_line(recipe: Recipe) -> str:
-    d = recipe.distributed
-    line = f"engine: {d.engine}"
-    if d.engine == "deepspeed":
+def _engine_line(plan: RunPlan) -> str:
+    d = plan.recipe.distributed
+    line = f"engine: {plan.engine}"
+    if plan.engine == "deepspeed":
         line += f", ZeRO stage {d.zero_stage}"
         offload = [
             f"{what} -> {where}"
@@ -62,57 +60,56 @@ def _engine_line(recipe: Recipe) -> str:
         ]
         if offload:
             line += f" (offload {', '.join(offload)})"
-    elif d.engine == "fsdp":
-        line += (
-            f" (FSDP2, mesh {d.hsdp_replicate} replica(s) x {d.nnodes * d.nproc_per_node // d.hsdp_replicate} shard(s))"
-        )
+    elif plan.engine == "fsdp":
+        line += f" (FSDP2, mesh {d.hsdp_replicate} replica(s) x {plan.dp_size // d.hsdp_replicate} shard(s))"
     return line
 
 
-def _launch_hint(recipe: Recipe, out: Path) -> str:
-    d = recipe.distributed
-    if d.nnodes * d.nproc_per_node == 1:
+def _launch_hint(plan: RunPlan, out: Path) -> str:
+    if plan.world.size == 1:
         return f"run: llmft train {out}"
-    if d.nnodes > 1:
+    if plan.world.nnodes > 1:
         return f"run: sbatch {out / 'launch/slurm.sbatch'}   (or {out / 'launch/torchrun.sh'} on every node)"
-    script = "deepspeed.sh" if d.engine == "deepspeed" else "torchrun.sh"
+    script = "deepspeed.sh" if plan.engine == "deepspeed" else "torchrun.sh"
     return f"run: bash {out / 'launch' / script}"
 
 
-def _job_name(recipe: Recipe) -> str:
+def _job_name(recipe) -> str:
     """A name that is safe unquoted in #SBATCH lines and as torchrun's rendezvous id."""
     name = recipe.run.name or Path(recipe.run.output_dir).name
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "llmft"
 
 
-def _engine_files(recipe: Recipe, head: list[str]) -> dict[str, str]:
+def _engine_files(plan: RunPlan, head: list[str]) -> dict[str, str]:
     """The engine's own configs: ds_config.json, or the FSDP2 plan and accelerate config."""
-    d = recipe.distributed
-    if d.engine == "deepspeed":
+    if plan.engine == "deepspeed":
         # JSON has no comments: the equation is in recipe.yaml and in the batch keys themselves.
-        return {DS_CONFIG: json.dumps(deepspeed_config(recipe, model_shape(recipe.model)), indent=2) + "\n"}
-    if d.engine != "fsdp":
+        return {DS_CONFIG: json.dumps(deepspeed_config(plan), indent=2) + "\n"}
+    if plan.engine != "fsdp":
         return {}
-    plan = fsdp_plan(recipe)
+    sharding = fsdp_plan(plan)
     how = [f"accelerate launch --config_file {ACCELERATE_CONFIG} -m llmft train <this directory>"]
-    if d.nnodes > 1:
+    if plan.world.nnodes > 1:
         how.append("On each node add --machine_rank <0..num_machines-1> --main_process_ip <host of node 0>.")
     return {
         FSDP_PLAN: _header([*head, "The FSDP2 plan llmft applies at run time (recomputed from recipe.yaml)."])
-        + _yaml(plan),
-        ACCELERATE_CONFIG: _header([*head, *how]) + _yaml(accelerate_config(recipe, plan)),
+        + _yaml(sharding),
+        ACCELERATE_CONFIG: _header([*head, *how]) + _yaml(accelerate_config(plan, sharding)),
     }
 
 
-def compile_recipe(recipe: Recipe, out: Path) -> str:
-    """Write the compiled directory for a validated recipe; return the summary to print."""
+def compile_recipe(plan: RunPlan, out: Path) -> str:
+    """Write the compiled directory of a resolved run; return the summary to print."""
+    recipe = plan.recipe
     d = recipe.distributed
     out = Path(out)
-    plan = batch_plan(recipe, d.nnodes * d.nproc_per_node)
-    head = [f"Written by `llmft compile`: {plan.equation()}."]
+    head = [f"Written by `llmft compile`: {plan.batch.equation()}."]
     files = {
-        RECIPE_FILE: _header([*head, "Fully resolved; `llmft train` accepts this directory."]) + to_yaml(recipe),
-        **_engine_files(recipe, head),
+        RECIPE_FILE: _header([*head, "Fully resolved; `llmft train` accepts this directory."])
+        + to_yaml(plan.resolved_recipe()),
+        PLAN_FILE: _header([*head, "Every decision llmft took about this run (llmft.plan.resolve); for reading."])
+        + _yaml(plan_summary(plan)),
+        **_engine_files(plan, head),
     }
 
     out.mkdir(parents=True, exist_ok=True)
@@ -123,22 +120,23 @@ def compile_recipe(recipe: Recipe, out: Path) -> str:
         (out / name).write_text(text)
         written.append(out / name)
     layout = launch.Layout(
-        nnodes=d.nnodes,
-        nproc_per_node=d.nproc_per_node,
+        nnodes=plan.world.nnodes,
+        nproc_per_node=plan.world.nproc_per_node,
         master_port=d.master_port,
         stop_signal=d.stop_signal,
         job_name=_job_name(recipe),
-        header="\n".join([*head, f"Engine: {d.engine}. Recipe: ../{RECIPE_FILE}."]),
+        header="\n".join([*head, f"Engine: {plan.engine}. Recipe: ../{RECIPE_FILE}."]),
     )
-    written += launch.write(out / "launch", launch.render(layout, d.engine))
+    written += launch.write(out / "launch", launch.render(layout, plan.engine))
 
     return "\n".join(
         [
-            f"batch: {plan.equation()}",
-            _tokens_line(recipe, plan),
-            _engine_line(recipe),
+            f"batch: {plan.batch.equation()}",
+            _tokens_line(plan),
+            _engine_line(plan),
+            *(f"note: {n}" for n in plan.notes),
             f"wrote {out}/:",
             *(f"  {p.relative_to(out)}" for p in written),
-            _launch_hint(recipe, out),
+            _launch_hint(plan, out),
         ]
     )

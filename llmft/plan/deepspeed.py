@@ -1,8 +1,8 @@
 """The DeepSpeed config of a validated recipe: concrete numbers only, never ``"auto"``.
 
 The same function writes ``ds_config.json`` at compile time and builds the dict
-the DeepSpeed engine passes to ``deepspeed.initialize`` at run time (with the
-live recipe, whose batch was re-solved for the real world size), so the file a
+the DeepSpeed engine passes to ``deepspeed.initialize`` at run time (from the
+run's plan, whose batch was re-solved for the real world size), so the file a
 user reads is the config that runs. It is pure: no torch, no deepspeed, no I/O.
 
 What is deliberately absent:
@@ -19,11 +19,13 @@ What is deliberately absent:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llmft.plan.shape import ModelShape
+from llmft.plan.shape import ModelShape, model_shape
 from llmft.recipe.schema import Recipe
-from llmft.recipe.validate import batch_plan
+
+if TYPE_CHECKING:
+    from llmft.plan.resolve import RunPlan
 
 # Used for the bucket sizes when the model's hidden size cannot be known without a
 # download: the sizes HF's "auto" gives for a 7-8B model, a sensible middle ground.
@@ -89,14 +91,15 @@ def precision(dtype: str) -> dict[str, Any]:
     return {"bf16": {"enabled": dtype == "bf16"}, "fp16": fp16}
 
 
-def deepspeed_config(recipe: Recipe, shape: ModelShape | None = None) -> dict[str, Any]:
-    """The complete DeepSpeed config of a validated recipe (batch keys concrete for its dp size)."""
-    plan = batch_plan(recipe)  # BatchPlan asserts the equation holds
+def deepspeed_config(plan: RunPlan) -> dict[str, Any]:
+    """The complete DeepSpeed config of a resolved run (its batch solved for its world size)."""
+    recipe, batch = plan.recipe, plan.batch  # BatchPlan asserts the equation holds
+    shape = model_shape(recipe.model)
     max_norm = recipe.optim.max_grad_norm
     return {
-        "train_batch_size": plan.global_batch_size,
-        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "train_batch_size": batch.global_batch_size,
+        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
+        "gradient_accumulation_steps": batch.gradient_accumulation_steps,
         "gradient_clipping": float(max_norm) if max_norm is not None else 0.0,
         "zero_optimization": zero_optimization(recipe, shape),
         **precision(recipe.model.dtype),

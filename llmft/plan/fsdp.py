@@ -1,9 +1,10 @@
-"""The FSDP2 plan of a validated recipe, and the matching ``accelerate launch`` config.
+"""The FSDP2 plan of a resolved run, and the matching ``accelerate launch`` config.
 
-``fsdp_plan`` is what llmft's FSDP engine applies at run time (and what
-``fsdp.yaml`` shows): ``fully_shard`` on every decoder layer, then on the root;
-the decoder layer classes are read at run time from the model's
-``_no_split_modules``, so the plan needs no model import here.
+``fsdp_plan`` is what llmft's FSDP engine applies at run time (``engines/fsdp.py`` reads
+its mesh, mixed precision, offload and resharding from it) and what ``fsdp.yaml`` shows:
+``fully_shard`` on every decoder layer, then on the root; the decoder layer classes are
+read at run time from the model's ``_no_split_modules``, so the plan needs no model
+import here.
 
 ``accelerate_config`` is for people who launch with ``accelerate launch``
 (``accelerate launch --config_file accelerate.yaml -m llmft train DIR``): the
@@ -13,19 +14,21 @@ no torch, no accelerate, no I/O.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llmft.recipe.schema import Recipe
+if TYPE_CHECKING:
+    from llmft.plan.resolve import RunPlan
 
 # accelerate names "no mixed precision" differently from our fp32.
 ACCELERATE_MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
-def fsdp_plan(recipe: Recipe) -> dict[str, Any]:
+def fsdp_plan(plan: RunPlan) -> dict[str, Any]:
     """The FSDP2 plan: what to shard, mixed precision, offload, the device mesh and the batch."""
-    d, b = recipe.distributed, recipe.batch
-    dp_size = d.nnodes * d.nproc_per_node
-    assert dp_size % d.hsdp_replicate == 0, "validate() checks hsdp_replicate divides dp_size"
+    recipe, b = plan.recipe, plan.batch
+    d = recipe.distributed
+    dp_size = plan.dp_size
+    assert dp_size % d.hsdp_replicate == 0, "resolve() checks hsdp_replicate divides dp_size"
     return {
         "version": 2,
         # Order matters: layers first so each gets its own all-gather; the root then
@@ -46,14 +49,14 @@ def fsdp_plan(recipe: Recipe) -> dict[str, Any]:
     }
 
 
-def accelerate_config(recipe: Recipe, plan: dict[str, Any]) -> dict[str, Any]:
+def accelerate_config(run: RunPlan, plan: dict[str, Any]) -> dict[str, Any]:
     """An ``accelerate launch`` config (FSDP2) with the same layout and sharding as ``plan``.
 
     No ``fsdp_transformer_layer_cls_to_wrap``: accelerate then wraps the model's
     ``_no_split_modules``, the same classes llmft's plan resolves. Multi-node
     users pass ``--machine_rank`` and ``--main_process_ip`` on each node.
     """
-    d = recipe.distributed
+    d = run.recipe.distributed
     fsdp_config: dict[str, Any] = {
         "fsdp_version": 2,
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
@@ -67,10 +70,10 @@ def accelerate_config(recipe: Recipe, plan: dict[str, Any]) -> dict[str, Any]:
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",
-        "mixed_precision": ACCELERATE_MIXED_PRECISION[recipe.model.dtype],
+        "mixed_precision": ACCELERATE_MIXED_PRECISION[run.dtype],
         "use_cpu": False,
         "debug": False,
-        "num_machines": d.nnodes,
+        "num_machines": run.world.nnodes,
         "num_processes": plan["batch"]["dp_size"],
         "machine_rank": 0,
         "main_process_port": d.master_port,

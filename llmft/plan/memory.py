@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from llmft.errors import Problem, UserError
-from llmft.plan.batch import divisors, sequences_from_tokens
-from llmft.plan.shape import ModelShape, model_shape
+from llmft.plan.batch import divisors
+from llmft.plan.shape import ModelShape, linear_shapes, model_shape
 from llmft.recipe.schema import Recipe
-from llmft.recipe.validate import batch_plan
+
+if TYPE_CHECKING:
+    from llmft.plan.resolve import RunPlan
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -50,20 +52,6 @@ FRAGMENTATION = 0.05
 
 # LoRA "all-linear" on a Llama-style decoder, and each module's (in, out) features.
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each linear layer of one decoder layer."""
-    h, kv, i = shape.hidden_size, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
-    return {
-        "q_proj": (h, h),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (h, h),
-        "gate_proj": (h, i),
-        "up_proj": (h, i),
-        "down_proj": (i, h),
-    }
 
 
 @dataclass(frozen=True)
@@ -92,11 +80,11 @@ def _targets(target_modules: str | list[str]) -> list[str]:
 
 
 def count_params(recipe: Recipe, shape: ModelShape) -> Params:
-    h, v, n_layers = shape.hidden_size, shape.vocab_size, shape.num_layers
+    h, n_layers = shape.hidden_size, shape.num_layers
     linears = linear_shapes(shape)
-    per_layer_linear = sum(i * o for i, o in linears.values())
-    embed = v * h
-    head = 0 if shape.tie_word_embeddings else v * h
+    per_layer_linear = shape.layer_linear_params
+    embed = shape.vocab_size * h
+    head = shape.embedding_params - embed
     adapters = saved = adapted_inputs = 0
     p = recipe.peft
     if p.method != "none":
@@ -207,12 +195,6 @@ def _require_shape(recipe: Recipe) -> ModelShape:
     return shape
 
 
-def _engine(recipe: Recipe, dp_size: int) -> str:
-    from llmft.recipe.validate import resolve_engine
-
-    return resolve_engine(recipe, dp_size)
-
-
 @dataclass(frozen=True)
 class _Layout:
     """How many ways each kind of state is divided, and what lives off the GPU."""
@@ -244,18 +226,19 @@ def _layout(recipe: Recipe, engine: str, dp_size: int) -> _Layout:
     return _Layout()
 
 
-def estimate_memory(recipe: Recipe, dp_size: int, micro_batch_size: int | None = None) -> MemoryEstimate:
-    """Peak bytes per GPU for ``recipe`` on ``dp_size`` data-parallel ranks.
+def estimate_memory(plan: RunPlan, micro_batch_size: int | None = None) -> MemoryEstimate:
+    """Peak bytes per GPU of a resolved run (``micro_batch_size`` overrides the plan's)."""
+    micro = micro_batch_size if micro_batch_size is not None else plan.batch.micro_batch_size
+    return estimate(plan.recipe, plan.engine, plan.dp_size, micro, plan.batch.gradient_accumulation_steps)
 
-    ``micro_batch_size`` overrides the recipe's (which may still be ``auto``).
-    """
-    micro = micro_batch_size if micro_batch_size is not None else recipe.batch.micro_batch_size
+
+def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation: int) -> MemoryEstimate:
+    """Peak bytes per GPU for ``recipe`` on ``engine`` with ``dp_size`` data-parallel ranks."""
     if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
         raise UserError(
             Problem("batch.micro_batch_size", f"{micro!r} is not a number to estimate memory for", "Give a number.")
         )
     shape = _require_shape(recipe)
-    engine = _engine(recipe, dp_size)
     params = count_params(recipe, shape)
     a = DTYPE_BYTES[recipe.model.dtype]
 
@@ -268,7 +251,7 @@ def estimate_memory(recipe: Recipe, dp_size: int, micro_batch_size: int | None =
         # boundary reduce-scatter, so with accumulation they are not divided by the shards.
         "gradients": _placed(
             states["gradients"],
-            1 if engine == "fsdp" and _accumulates(recipe) else layout.gradients,
+            1 if engine == "fsdp" and accumulation > 1 else layout.gradients,
             layout.grads_on_gpu,
         ),
         "optimizer": _placed(states["optimizer"], layout.optimizer, layout.optimizer_on_gpu),
@@ -295,11 +278,6 @@ def estimate_memory(recipe: Recipe, dp_size: int, micro_batch_size: int | None =
         engine=engine,
         notes=tuple(notes),
     )
-
-
-def _accumulates(recipe: Recipe) -> bool:
-    acc = recipe.batch.gradient_accumulation_steps
-    return isinstance(acc, int) and acc > 1
 
 
 def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, float]:
@@ -384,29 +362,14 @@ def _activations(recipe: Recipe, shape: ModelShape, params: Params, tokens: int,
 # --- picking the micro-batch --------------------------------------------------------------------
 
 
-def _global_batch(recipe: Recipe) -> int:
-    b = recipe.batch
-    if b.global_batch_tokens is not None and recipe.data.packing:
-        return sequences_from_tokens(b.global_batch_tokens, recipe.data.max_seq_len)
-    if isinstance(b.global_batch_size, int) and not isinstance(b.global_batch_size, bool):
-        return b.global_batch_size
-    raise UserError(
-        Problem(
-            "batch.global_batch_size",
-            "batch.micro_batch_size=auto picks the micro-batch that fits, which needs the global batch",
-            "Set batch.global_batch_size (sequences per optimizer step), or give micro_batch_size a number.",
-        )
-    )
-
-
-def pick_micro_batch(recipe: Recipe, dp_size: int, gpu_memory_gb: float) -> int:
+def pick_micro_batch(recipe: Recipe, engine: str, global_batch_size: int, dp_size: int, gpu_memory_gb: float) -> int:
     """The largest micro-batch that fits in ``gpu_memory_gb`` GiB and divides the local batch.
 
     Dividing ``global / dp_size`` keeps accumulation whole, so ``global = micro x accumulation
     x dp`` holds exactly. Raises UserError when the global batch does not split over the ranks
     or when even a micro-batch of 1 does not fit.
     """
-    g = _global_batch(recipe)
+    g = global_batch_size
     if g % dp_size:
         low = g // dp_size * dp_size
         raise UserError(
@@ -419,9 +382,9 @@ def pick_micro_batch(recipe: Recipe, dp_size: int, gpu_memory_gb: float) -> int:
         )
     local = g // dp_size
     for micro in sorted(divisors(local), reverse=True):
-        if estimate_memory(recipe, dp_size, micro).fits(gpu_memory_gb):
+        if estimate(recipe, engine, dp_size, micro, local // micro).fits(gpu_memory_gb):
             return micro
-    one = estimate_memory(recipe, dp_size, 1)
+    one = estimate(recipe, engine, dp_size, 1, local)
     raise UserError(
         Problem(
             "batch.micro_batch_size",
@@ -459,50 +422,3 @@ def format_estimate(est: MemoryEstimate) -> str:
     lines += [f"{n:<{width}}{b / GIB:>8.2f}" for n, b in rows]
     lines.append(f"{'total':<{width}}{est.total / GIB:>8.2f}")
     return "\n".join(lines)
-
-
-def plan_command(
-    recipe_path: str, overrides: list[str], nnodes: int | None = None, nproc_per_node: int | None = None
-) -> str:
-    """The text ``llmft plan`` prints: the per-GPU table, whether it fits, the micro-batch that would."""
-    from llmft.recipe import load_recipe
-
-    recipe = load_recipe(recipe_path, overrides, nnodes=nnodes, nproc_per_node=nproc_per_node)
-    dp = recipe.distributed.nnodes * recipe.distributed.nproc_per_node
-    est = estimate_memory(recipe, dp)
-    plan = batch_plan(recipe, dp)
-    head = [
-        f"model {recipe.model.name_or_path or recipe.model.config.get('model_type')}: "
-        f"{_describe(recipe)}, engine {est.engine}"
-        + (f" (ZeRO-{recipe.distributed.zero_stage})" if est.engine == "deepspeed" else ""),
-        f"{plan.equation()}, {est.seq_len} tokens per sequence",
-        "",
-        format_estimate(est),
-        "",
-    ]
-    head += [f"note: {n}" for n in est.notes]
-    return "\n".join(head + _fit_lines(recipe, est, dp))
-
-
-def _describe(recipe: Recipe) -> str:
-    m, p = recipe.model, recipe.peft
-    what = "full fine-tune" if p.method == "none" else f"{p.method} r={p.r}"
-    quant = f", {m.quantization.bits}-bit base" if m.quantization is not None else ""
-    ckpt = ", gradient checkpointing" if m.gradient_checkpointing else ""
-    return f"{what}{quant}, {m.dtype}{ckpt}, optimizer {recipe.optim.name}"
-
-
-def _fit_lines(recipe: Recipe, est: MemoryEstimate, dp: int) -> list[str]:
-    gb, source = recipe.distributed.gpu_memory_gb, "distributed.gpu_memory_gb"
-    if gb is None:
-        gb, source = detected_gpu_memory_gb(), "detected GPU"
-    if gb is None:
-        return ["fits: unknown (no GPU here); set distributed.gpu_memory_gb=24 (GiB per GPU) to check"]
-    verdict = "yes" if est.fits(gb) else "NO"
-    lines = [f"fits in {gb:g} GiB ({source}): {verdict}, {(gb * GIB - est.total) / GIB:+.2f} GiB to spare"]
-    try:
-        best = pick_micro_batch(recipe, dp, gb)
-        lines.append(f"largest micro-batch that fits and divides the local batch: {best}")
-    except UserError as e:
-        lines.append(f"no micro-batch fits: {e.problems[0].what}")
-    return lines

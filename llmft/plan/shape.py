@@ -87,14 +87,27 @@ class ModelShape:
         return self.hidden_size // self.num_heads
 
     @property
+    def layer_linear_params(self) -> int:
+        """Weights of the linear layers of one decoder layer (``linear_shapes``)."""
+        return sum(i * o for i, o in linear_shapes(self).values())
+
+    @property
+    def embedding_params(self) -> int:
+        """The input embedding, plus the LM head unless it is tied to it."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    @property
     def num_params(self) -> int:
-        """Parameters of a Llama-style decoder (attention with GQA, SwiGLU MLP, RMSNorm)."""
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attn = h * h * 2 + h * kv * 2  # q, o, k, v
-        mlp = 3 * h * self.intermediate_size
-        layer = attn + mlp + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        """Parameters of a Llama-style decoder: layers (linears + two RMSNorms), embedding
+        (+ untied head), final norm."""
+        h = self.hidden_size
+        return self.num_layers * (self.layer_linear_params + 2 * h) + self.embedding_params + h
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights that take part in a matmul per token: every decoder linear plus the LM head
+        (a matmul even when tied). The embedding is a lookup and norms are negligible."""
+        return self.num_layers * self.layer_linear_params + self.vocab_size * self.hidden_size
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
@@ -109,6 +122,21 @@ class ModelShape:
             vocab_size=int(cfg.get("vocab_size", 32000)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
+
+
+def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each linear layer of one Llama-style decoder layer:
+    attention with grouped-query k/v, SwiGLU MLP. The one place this arithmetic lives."""
+    h, kv, i = shape.hidden_size, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    return {
+        "q_proj": (h, h),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (h, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
 
 
 def _hub_cache_config(repo_id: str) -> Path | None:

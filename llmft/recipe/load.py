@@ -12,7 +12,7 @@ import functools
 import os
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -189,10 +189,29 @@ def load_recipe(
     *,
     nnodes: int | None = None,
     nproc_per_node: int | None = None,
-    world_size: int | None = None,
 ) -> Recipe:
-    """Load, merge, resolve and validate. Raises ``RecipeError`` listing every problem."""
-    from llmft.recipe.validate import validate
+    """Load, merge, resolve interpolations and check. Raises ``RecipeError`` listing every problem.
+
+    The result is the user's intent, unchanged by any decision (``auto`` stays ``auto``);
+    ``llmft.plan.resolve`` turns it into a ``RunPlan``. ``nnodes`` / ``nproc_per_node`` are the
+    command line's layout options, applied like overrides.
+    """
+    recipe, problems = load_unchecked(path, overrides, nnodes=nnodes, nproc_per_node=nproc_per_node)
+    if problems:
+        raise RecipeError(*problems, title=f"the recipe has {len(problems)} problem(s)")
+    return recipe
+
+
+def load_unchecked(
+    path: str | os.PathLike | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    nnodes: int | None = None,
+    nproc_per_node: int | None = None,
+) -> tuple[Recipe, list[Problem]]:
+    """The recipe and the problems of its values (keys and types must be right: those raise here),
+    so that a caller can add the problems it finds itself and report them all at once."""
+    from llmft.recipe.validate import check_combinations, check_values
 
     file_sources, over_sources, sources = _Sources(), _Sources(), _Sources()
     schema = OmegaConf.structured(Recipe)
@@ -210,8 +229,10 @@ def load_recipe(
     cfg = OmegaConf.merge(schema, file_cfg, over_cfg)
     if nnodes is not None:
         cfg.distributed.nnodes = nnodes
+        sources.where["distributed.nnodes"] = "--nnodes"
     if nproc_per_node is not None:
         cfg.distributed.nproc_per_node = nproc_per_node
+        sources.where["distributed.nproc_per_node"] = "--nproc-per-node"
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
@@ -224,7 +245,17 @@ def load_recipe(
             )
         ) from None
     recipe: Recipe = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    return validate(recipe, sources, dp_size=world_size)
+    recipe._provenance = sources  # type: ignore[attr-defined]  # not a recipe key: where each key was set
+    problems = check_values(recipe, sources.of)
+    if problems:  # combinations of out-of-range values say nothing more
+        raise RecipeError(*problems, title=f"the recipe has {len(problems)} problem(s)")
+    return recipe, check_combinations(recipe, sources.of)
+
+
+def provenance(recipe: Recipe) -> Callable[[str], str]:
+    """``key -> "file:line: key"`` (or the override that set it) for messages about ``recipe``."""
+    sources = getattr(recipe, "_provenance", None)
+    return sources.of if sources is not None else (lambda key: key)
 
 
 def to_container(recipe: Recipe) -> dict:

@@ -18,7 +18,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-import llmft.engines
+import llmft.plan.resolve
 from llmft.engines import fsdp as fsdp_engine
 from llmft.train import train
 
@@ -54,18 +54,22 @@ def _watch() -> None:
 
 
 def _compare(recipe_path: str, overrides: list[str], env) -> dict:
-    from llmft.engines.single import prepare_model
-    from llmft.recipe import load_recipe
-    from llmft.recipe.validate import batch_plan
+    from llmft.model import prepare_model
+    from llmft.optim import build_optimizer
+    from llmft.plan.resolve import load_plan
     from llmft.tokenizer import load_tokenizer
 
-    recipe = load_recipe(recipe_path, overrides, world_size=env.world_size)
-    plan = batch_plan(recipe, env.world_size)
+    plan = load_plan(recipe_path, ["distributed.engine=fsdp", *overrides], world_size=env.world_size)
+    recipe = plan.recipe
     tokenizer = load_tokenizer(recipe.model)
+
+    def optimizer(model):
+        return build_optimizer(model, recipe.optim, recipe.optim.lr)
+
     WATCH["fully_shard_devices"].clear()
     WATCH["from_pretrained"].clear()
     rng_before = torch.random.get_rng_state()
-    engine = fsdp_engine.FSDPEngine(recipe, env, plan, tokenizer, 2)
+    engine = fsdp_engine.FSDPEngine(plan, env, tokenizer, optimizer)
     rng_after = torch.random.get_rng_state()
     out: dict = {
         "meta_at_fully_shard": all(devs == ["meta"] for devs in WATCH["fully_shard_devices"]),
@@ -76,7 +80,7 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     total = sum(p.numel() for p in engine.model.parameters())
     out["local_fraction"] = local / total
     torch.random.set_rng_state(rng_before)  # the reference starts from the same global RNG
-    reference = prepare_model(recipe, tokenizer, torch.device("cpu"))
+    reference = prepare_model(plan.on_one_process(), tokenizer, torch.device("cpu"))
     # both builds move the global RNG (data order, dropout) alike
     out["same_rng_after"] = bool(torch.equal(rng_after, torch.random.get_rng_state()))
     ref_params = dict(reference.named_parameters())
@@ -97,7 +101,7 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     out["adapter_diff"] = max([d for n, d in diffs.items() if "lora_" in n] or [0.0])
     out["shards_differ"] = shards_differ
     if recipe.model.config is not None:  # a fresh model: its own seeded init, the same on a rebuild
-        again = fsdp_engine.FSDPEngine(recipe, env, plan, tokenizer, 2).model.named_parameters()
+        again = fsdp_engine.FSDPEngine(plan, env, tokenizer, optimizer).model.named_parameters()
         params = dict(engine.model.named_parameters())
         out["rebuild_diff"] = max((p.full_tensor() - params[n].full_tensor()).abs().max().item() for n, p in again)
         matrices = [p.full_tensor() for n, p in params.items() if p.dim() == 2 and "lora_" not in n]
@@ -121,13 +125,13 @@ def main() -> None:
     report: dict = {}
     for variant in variants:
         recipe, overrides = VARIANTS[variant]
-        saved = llmft.engines.WHOLE_INIT_MAX_PARAMS
+        saved = llmft.plan.resolve.WHOLE_INIT_MAX_PARAMS
         if variant == "fresh_big":
-            llmft.engines.WHOLE_INIT_MAX_PARAMS = 0
+            llmft.plan.resolve.WHOLE_INIT_MAX_PARAMS = 0
         try:
             report[variant] = _compare(os.path.join(workdir, recipe, "recipe.yaml"), overrides, env)
         finally:
-            llmft.engines.WHOLE_INIT_MAX_PARAMS = saved
+            llmft.plan.resolve.WHOLE_INIT_MAX_PARAMS = saved
     WATCH["fully_shard_devices"].clear()
     WATCH["from_pretrained"].clear()
     code = train(

@@ -1,4 +1,4 @@
-"""Multi-rank stop, resume and kill (SPEC 4-6), on the same or another world size.
+"""Multi-rank stop, resume and kill (docs/design.md, G3-G5), on the same or another world size.
 
 A 2-rank run is stopped by SIGTERM and resumed on 2 ranks (each engine's own checkpoint
 format), by a plain single process with the same global batch (accumulation re-solved from
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, metrics, torchrun, torchrun_cmd, write_data, write_recipe
+from helpers import INSTRUMENTED, ROOT, metrics, torchrun, torchrun_cmd, write_data, write_recipe
 
-from llmft.checkpoint import deepspeed_universal
 from llmft.consolidate import load_checkpoint_model, trainable_state
+from llmft.engines.deepspeed import deepspeed_universal
 from llmft.errors import UserError
 
 pytestmark = pytest.mark.distributed
@@ -104,7 +104,7 @@ def _rank_pids(launcher_pid: int, nproc: int, timeout: float = 120) -> dict[int,
 def _one_process(recipe: Path, sample_log: Path) -> tuple[list[str], dict]:
     """``llmft train`` as a plain process: its command line and environment."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMFT_SAMPLE_LOG": str(sample_log)}
-    return [sys.executable, "-m", "llmft", "train", str(recipe)], env
+    return [sys.executable, INSTRUMENTED, "train", str(recipe)], env
 
 
 def _launch(recipe: Path, sample_log: Path, nproc: int = 2) -> subprocess.Popen:
@@ -116,8 +116,7 @@ def _launch(recipe: Path, sample_log: Path, nproc: int = 2) -> subprocess.Popen:
         # torchrun stops the other workers once one exits non-zero; a slow monitor lets every
         # rank finish its own exit (all of them exit 75 after the same final barrier anyway).
         "--monitor-interval=3",
-        "-m",
-        "llmft",
+        INSTRUMENTED,
         "train",
         str(recipe),
     ]
@@ -298,7 +297,7 @@ def test_one_rank_stopped_resumes_on_two_ranks(references, tmp_path, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "zero0", "zero2", "zero3"])
 def test_two_ranks_stopped_resume_on_two_ranks(references, tmp_path, name):
-    """The same world size: each engine's own checkpoint format, loaded as written (SPEC 5)."""
+    """The same world size: each engine's own checkpoint format, loaded as written (G4)."""
     reference = references(name)
     stopped = _stopped(tmp_path / "stopped", ENGINES[name])
     stop = stopped["stop_step"]
@@ -313,7 +312,7 @@ def test_two_ranks_stopped_resume_on_two_ranks(references, tmp_path, name):
 
 @pytest.mark.slow
 def test_one_rank_killed_mid_save_leaves_the_previous_checkpoint(references, tmp_path):
-    """SPEC 6 on 2 ranks: rank 1 is SIGKILLed while writing step 4's FSDP2 checkpoint (rank 0
+    """G5 on 2 ranks: rank 1 is SIGKILLed while writing step 4's FSDP2 checkpoint (rank 0
     waits in the barrier before the COMPLETE marker) and torchrun tears the job down. step-2
     stays the latest, complete checkpoint; a 2-rank resume from it ends as the uninterrupted run."""
     recipe = _recipe(tmp_path, ENGINES["fsdp"], checkpoint__every_steps=2, checkpoint__keep_last=2)

@@ -1,6 +1,6 @@
 """The same recipe on every engine: 2 processes on gloo under torchrun, against one process.
 
-SPEC item 2 (accumulation is the big batch, on every engine) and item 3 (one gradient
+docs/design.md G1 (accumulation is the big batch, on every engine) and G2 (one gradient
 reduction per optimizer step).
 """
 

@@ -1,4 +1,4 @@
-"""FSDP2 builds big models sharded (SPEC item 7): a pretrained model is built on the meta device,
+"""FSDP2 builds big models sharded (docs/design.md, G6): a pretrained model is built on the meta device,
 sharded, and loaded shard by shard from its safetensors files, and it is the same model, to the
 bit, as the one every other engine builds whole.
 
@@ -147,13 +147,22 @@ def test_two_fsdp_lora_steps_match_single_process(tmp_path):
     ],
 )
 def test_base_key(name, key):
-    from llmft.engines.fsdp import base_key
+    from llmft.model import base_key
 
     assert base_key(name) == key
 
 
+def test_base_key_of_the_frozen_base():
+    """Export's view: a trained modules_to_save copy is not part of the frozen base; the original is."""
+    from llmft.model import base_key
+
+    assert base_key("lm_head.modules_to_save.default.weight", trained_copies=False) is None
+    assert base_key("lm_head.original_module.weight", trained_copies=False) == "lm_head.weight"
+    assert base_key("model.layers.0.mlp.up_proj.lora_B.default.weight", trained_copies=False) is None
+
+
 def _meta_slots(recipe_path: Path):
-    from llmft.engines.fsdp import ParamSlots
+    from llmft.engines.meta_init import ParamSlots
     from llmft.model import build_model
     from llmft.recipe import load_recipe
 
@@ -166,7 +175,7 @@ def _meta_slots(recipe_path: Path):
 def test_weights_the_model_lacks_are_a_user_error(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from llmft.engines.fsdp import SafetensorsWeights
+    from llmft.engines.meta_init import SafetensorsWeights
     from llmft.errors import UserError
 
     hf = save_tiny_pretrained(tmp_path / "hf", seed=3)
@@ -180,7 +189,7 @@ def test_weights_the_model_lacks_are_a_user_error(tmp_path):
 
 
 def test_weights_without_safetensors_are_a_user_error(tmp_path):
-    from llmft.engines.fsdp import SafetensorsWeights
+    from llmft.engines.meta_init import SafetensorsWeights
     from llmft.errors import UserError
 
     hf = save_tiny_pretrained(tmp_path / "hf", seed=3)

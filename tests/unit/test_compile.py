@@ -21,12 +21,12 @@ import pytest
 import yaml
 
 from llmft.plan.compile import compile_recipe
-from llmft.plan.deepspeed import FALLBACK_HIDDEN_SIZE, deepspeed_config
+from llmft.plan.deepspeed import FALLBACK_HIDDEN_SIZE, deepspeed_config, zero_optimization
 from llmft.plan.fsdp import accelerate_config, fsdp_plan
+from llmft.plan.resolve import resolve
 from llmft.plan.shape import ModelShape, model_shape
 from llmft.recipe import RecipeError, load_recipe, to_container
 from llmft.recipe.schema import QuantizationConfig
-from llmft.recipe.validate import batch_plan, validate
 
 RECIPE = textwrap.dedent(
     """\
@@ -71,14 +71,14 @@ def recipe_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def base(recipe_path):
-    """RECIPE loaded once: load_recipe costs ~0.3 s (OmegaConf), re-validating a copy ~4 ms."""
+    """RECIPE loaded once: load_recipe costs ~0.3 s (OmegaConf), resolving a copy ~4 ms."""
     return load_recipe(recipe_path)
 
 
 def variant(base, dp: int, **changes):
-    """A copy of ``base`` changed by ``section__key=value`` arguments, validated for ``dp`` ranks."""
+    """The plan of a copy of ``base`` changed by ``section__key=value`` arguments, for ``dp`` ranks."""
     recipe = copy.deepcopy(base)
-    recipe.batch.gradient_accumulation_steps = "auto"  # re-solved for dp, as load_recipe would
+    recipe.batch.gradient_accumulation_steps = "auto"  # re-solved for dp, as a fresh load would
     recipe.distributed.nnodes, recipe.distributed.nproc_per_node = 1, dp
     for key, value in changes.items():
         *parents, name = key.split("__")
@@ -86,7 +86,7 @@ def variant(base, dp: int, **changes):
         for part in parents:
             obj = getattr(obj, part)
         setattr(obj, name, value)
-    return validate(recipe)
+    return resolve(recipe)
 
 
 def ds_recipe(base, stage: int, opt: str, par: str, dtype: str, dp: int, **changes):
@@ -157,11 +157,11 @@ def ds_parse(monkeypatch):
 @pytest.mark.parametrize("case", DS_CASES, ids=case_id)
 def test_deepspeed_accepts_every_ds_config(case, base, ds_parse):
     stage, opt, par, dtype, dp = case
-    recipe = ds_recipe(base, *case)
-    config = deepspeed_config(recipe, model_shape(recipe.model))
+    run = ds_recipe(base, *case)
+    config = deepspeed_config(run)
     parsed = ds_parse(config, dp)
 
-    plan = batch_plan(recipe, dp)
+    plan = run.batch
     assert parsed.world_size == dp
     assert parsed.train_batch_size == plan.global_batch_size == 32
     assert parsed.train_micro_batch_size_per_gpu == plan.micro_batch_size == 2
@@ -174,7 +174,7 @@ def test_deepspeed_accepts_every_ds_config(case, base, ds_parse):
     assert (zero.offload_optimizer.device if zero.offload_optimizer else "none") == opt
     assert (zero.offload_param.device if zero.offload_param else "none") == par
     if "nvme" in (opt, par):
-        assert zero.offload_optimizer.nvme_path.as_posix() == recipe.distributed.nvme_path
+        assert zero.offload_optimizer.nvme_path.as_posix() == run.recipe.distributed.nvme_path
     assert parsed.zero_force_ds_cpu_optimizer is False
     assert parsed.zero_allow_untested_optimizer is True
     assert "auto" not in json.dumps(config)
@@ -183,16 +183,16 @@ def test_deepspeed_accepts_every_ds_config(case, base, ds_parse):
 
 def test_deepspeed_rejects_our_config_for_another_dp_size(base, ds_parse):
     """The check above is real: the same JSON under a different world size fails DeepSpeed's own assertion."""
-    recipe = ds_recipe(base, 2, "none", "none", "bf16", 2)
+    run = ds_recipe(base, 2, "none", "none", "bf16", 2)
     with pytest.raises(AssertionError, match="train_batch_size is not equal"):
-        ds_parse(deepspeed_config(recipe, None), 4)
+        ds_parse(deepspeed_config(run), 4)
 
 
 def test_runtime_config_follows_the_real_world_size(base, tmp_path, ds_parse):
     """Compiled for 2 ranks, run on 8: the live recipe is re-solved and its config agrees with 8."""
     compile_recipe(ds_recipe(base, 3, "cpu", "cpu", "bf16", 2), tmp_path)
-    live = validate(load_recipe(tmp_path), dp_size=8)
-    parsed = ds_parse(deepspeed_config(live, model_shape(live.model)), 8)
+    live = resolve(load_recipe(tmp_path), 8)
+    parsed = ds_parse(deepspeed_config(live), 8)
     assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == (
         32,
         2,
@@ -201,30 +201,31 @@ def test_runtime_config_follows_the_real_world_size(base, tmp_path, ds_parse):
 
 
 def test_bucket_sizes_follow_hidden_size(base):
-    recipe = ds_recipe(base, 3, "none", "none", "bf16", 1)
-    zero = deepspeed_config(recipe, ModelShape.from_config({"hidden_size": 64}))["zero_optimization"]
+    run = ds_recipe(base, 3, "none", "none", "bf16", 1)
+    assert deepspeed_config(run)["zero_optimization"] == zero_optimization(run.recipe, model_shape(run.recipe.model))
+    zero = zero_optimization(run.recipe, ModelShape.from_config({"hidden_size": 64}))
     assert zero["reduce_bucket_size"] == 64 * 64
     assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
     assert zero["stage3_param_persistence_threshold"] == 10 * 64
     assert zero["stage3_gather_16bit_weights_on_model_save"] is False
 
-    fallback = deepspeed_config(recipe, None)["zero_optimization"]
+    fallback = zero_optimization(run.recipe, None)
     assert fallback["reduce_bucket_size"] == FALLBACK_HIDDEN_SIZE**2
     assert all(isinstance(v, int) for v in walk(fallback))  # bools are ints too; no strings, no "auto"
 
 
 def test_known_hub_model_sizes_buckets_without_download(base):
-    recipe = ds_recipe(
+    run = ds_recipe(
         base, 2, "none", "none", "bf16", 1, model__config=None, model__name_or_path="meta-llama/Llama-3.1-70B"
     )
-    assert deepspeed_config(recipe, model_shape(recipe.model))["zero_optimization"]["reduce_bucket_size"] == 8192**2
+    assert deepspeed_config(run)["zero_optimization"]["reduce_bucket_size"] == 8192**2
 
 
 def test_gradient_clipping_off_is_zero(base):
-    recipe = ds_recipe(base, 1, "none", "none", "bf16", 1, optim__max_grad_norm=None)
-    assert deepspeed_config(recipe, None)["gradient_clipping"] == 0.0
-    recipe = ds_recipe(base, 1, "none", "none", "bf16", 1, optim__max_grad_norm=0.5)
-    assert deepspeed_config(recipe, None)["gradient_clipping"] == 0.5
+    run = ds_recipe(base, 1, "none", "none", "bf16", 1, optim__max_grad_norm=None)
+    assert deepspeed_config(run)["gradient_clipping"] == 0.0
+    run = ds_recipe(base, 1, "none", "none", "bf16", 1, optim__max_grad_norm=0.5)
+    assert deepspeed_config(run)["gradient_clipping"] == 0.5
 
 
 # --- HF Trainer's view of the same JSON ------------------------------------------------------
@@ -257,9 +258,10 @@ def hf_check(tmp_path_factory):
             report_to="none",
         )
 
-    def check(recipe, config: dict, dp: int) -> list[str]:
+    def check(run, config: dict, dp: int) -> list[str]:
+        recipe = run.recipe
         max_norm = recipe.optim.max_grad_norm
-        b = recipe.batch
+        b = run.batch
         args = training_args(
             b.micro_batch_size,
             b.gradient_accumulation_steps,
@@ -285,15 +287,15 @@ def hf_check(tmp_path_factory):
 def test_hf_trainer_sees_no_mismatch(base, hf_check):
     cases = [c for c in DS_CASES if c[4] != 1 or c[0] in (0, 3)]  # every stage, offload, dtype; dp 2 and 8
     for case in cases:
-        recipe = ds_recipe(base, *case)
-        assert hf_check(recipe, deepspeed_config(recipe, model_shape(recipe.model)), case[4]) == [], case
+        run = ds_recipe(base, *case)
+        assert hf_check(run, deepspeed_config(run), case[4]) == [], case
 
 
 def test_hf_trainer_catches_a_wrong_batch(base, hf_check):
     """The HF check is real: a config for dp 2 judged at dp 4 is a mismatch."""
-    recipe = ds_recipe(base, 2, "none", "none", "bf16", 2)
+    run = ds_recipe(base, 2, "none", "none", "bf16", 2)
     with pytest.raises(ValueError, match="train_batch_size"):
-        hf_check(recipe, deepspeed_config(recipe, None), 4)
+        hf_check(run, deepspeed_config(run), 4)
 
 
 # --- FSDP2 and accelerate ----------------------------------------------------------------------
@@ -311,8 +313,8 @@ def fsdp_recipe(base, dp: int, **changes):
 
 
 def test_fsdp_plan_follows_recipe(base):
-    recipe = fsdp_recipe(base, 8, **FSDP_CASES[1][0], distributed__reduce_dtype="bf16")
-    plan = fsdp_plan(recipe)
+    run = fsdp_recipe(base, 8, **FSDP_CASES[1][0], distributed__reduce_dtype="bf16")
+    plan = fsdp_plan(run)
     assert plan["version"] == 2 and plan["shard"] == ["decoder_layers", "root"]
     assert plan["mixed_precision"] == {"param_dtype": "bf16", "reduce_dtype": "bf16"}
     assert plan["cpu_offload"] is True and plan["activation_checkpointing"] is True
@@ -337,15 +339,15 @@ def test_accelerate_loads_and_launches_our_config(changes, dp, base, tmp_path, m
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    recipe = fsdp_recipe(base, dp, **changes)
-    compile_recipe(recipe, tmp_path)
+    run = fsdp_recipe(base, dp, **changes)
+    compile_recipe(run, tmp_path)
     path = tmp_path / "accelerate.yaml"
     loaded = load_config_from_file(str(path))
     assert isinstance(loaded, ClusterConfig)
     assert loaded.distributed_type.value == "FSDP"
     assert (loaded.num_processes, loaded.num_machines, loaded.machine_rank) == (dp, 1, 0)
-    assert loaded.main_process_port == recipe.distributed.master_port and loaded.use_cpu is False
-    assert loaded.mixed_precision == {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[recipe.model.dtype]
+    assert loaded.main_process_port == run.recipe.distributed.master_port and loaded.use_cpu is False
+    assert loaded.mixed_precision == {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[run.recipe.model.dtype]
 
     parser = launch_command_parser()
     known = {action.dest for action in parser._actions}
@@ -359,7 +361,7 @@ def test_accelerate_loads_and_launches_our_config(changes, dp, base, tmp_path, m
         if key.startswith("FSDP_"):
             monkeypatch.setenv(key, value)
     plugin = FullyShardedDataParallelPlugin()
-    plan = fsdp_plan(recipe)
+    plan = fsdp_plan(run)
     assert plugin.fsdp_version == 2
     assert plugin.reshard_after_forward is plan["reshard_after_forward"]
     assert plugin.activation_checkpointing is plan["activation_checkpointing"]
@@ -382,8 +384,10 @@ def test_compile_writes_the_engine_files(base, tmp_path):
         "launch/hostfile",
         "launch/slurm.sbatch",
         "launch/torchrun.sh",
+        "plan.yaml",
         "recipe.yaml",
     ]
+    assert yaml.safe_load((ds / "plan.yaml").read_text())["model_init"] == "whole"  # a tiny fresh model
     assert "micro 2 x accumulation 8 x data-parallel 2 = global 32" in summary
     assert "tokens per optimizer step: up to 2,048" in summary
     assert "ZeRO stage 3" in summary
@@ -392,15 +396,22 @@ def test_compile_writes_the_engine_files(base, tmp_path):
     # Recompiling the same directory for FSDP leaves no stale DeepSpeed files behind.
     summary = compile_recipe(fsdp_recipe(base, 2, data__packing=True), ds)
     names = sorted(str(p.relative_to(ds)) for p in ds.rglob("*") if p.is_file())
-    assert names == ["accelerate.yaml", "fsdp.yaml", "launch/slurm.sbatch", "launch/torchrun.sh", "recipe.yaml"]
+    assert names == [
+        "accelerate.yaml",
+        "fsdp.yaml",
+        "launch/slurm.sbatch",
+        "launch/torchrun.sh",
+        "plan.yaml",
+        "recipe.yaml",
+    ]
     assert "tokens per optimizer step: 2,048" in summary and "ZeRO" not in summary
     assert yaml.safe_load((ds / "fsdp.yaml").read_text())["batch"]["dp_size"] == 2
 
 
 def test_no_auto_anywhere_in_compiled_files(base, tmp_path):
-    recipe = ds_recipe(base, 2, "cpu", "none", "fp16", 8, distributed__engine="auto")
-    assert recipe.distributed.engine == "deepspeed"  # auto resolves before anything is written
-    compile_recipe(recipe, tmp_path)
+    run = ds_recipe(base, 2, "cpu", "none", "fp16", 8, distributed__engine="auto")
+    assert run.engine == "deepspeed"  # auto resolves before anything is written
+    compile_recipe(run, tmp_path)
     ds = json.loads((tmp_path / "ds_config.json").read_text())
     assert "auto" not in (tmp_path / "ds_config.json").read_text()
     assert "auto" not in set(walk(ds))
@@ -410,15 +421,13 @@ def test_no_auto_anywhere_in_compiled_files(base, tmp_path):
 
 @pytest.mark.parametrize("engine", ["deepspeed", "fsdp"])
 def test_recipe_yaml_reloads_to_the_same_plan(engine, recipe_path, tmp_path):
-    recipe = load_recipe(recipe_path, [f"distributed.engine={engine}"], nnodes=2, nproc_per_node=4)
-    compile_recipe(recipe, tmp_path)
-    again = load_recipe(tmp_path)
-    assert batch_plan(again, 8) == batch_plan(recipe, 8)
-    assert to_container(again) == to_container(recipe)
+    run = resolve(load_recipe(recipe_path, [f"distributed.engine={engine}"], nnodes=2, nproc_per_node=4))
+    compile_recipe(run, tmp_path)
+    again = resolve(load_recipe(tmp_path))
+    assert again.batch == run.batch and again.engine == run.engine and again.world == run.world
+    assert to_container(again.recipe) == to_container(run.resolved_recipe())
     if engine == "deepspeed":
-        assert json.loads((tmp_path / "ds_config.json").read_text()) == deepspeed_config(
-            again, model_shape(again.model)
-        )
+        assert json.loads((tmp_path / "ds_config.json").read_text()) == deepspeed_config(again)
     if engine == "fsdp":
         assert accelerate_config(again, fsdp_plan(again)) == yaml.safe_load((tmp_path / "accelerate.yaml").read_text())
 

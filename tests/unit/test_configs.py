@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from llmft.plan.compile import compile_recipe
+from llmft.plan.resolve import resolve
 from llmft.recipe import RecipeError, load_recipe
-from llmft.recipe.validate import batch_plan, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -31,20 +31,16 @@ def dp_sizes(path: Path) -> tuple[int, ...]:
 
 @functools.cache
 def loaded(path: Path):
-    """load_recipe costs ~0.3 s (OmegaConf); each config is loaded once and re-validated per dp size."""
+    """load_recipe costs ~0.3 s (OmegaConf); each config is loaded once and resolved per dp size."""
     return load_recipe(path)
 
 
 def for_dp(path: Path, dp: int):
     """What ``llmft compile PATH --nnodes 1 --nproc-per-node DP`` validates: the file's own batch
     and engine choices (``auto`` where it leaves them out), solved for ``dp`` ranks."""
-    raw = yaml.safe_load(path.read_text())
     recipe = copy.deepcopy(loaded(path))
-    for key in ("global_batch_size", "micro_batch_size", "gradient_accumulation_steps"):
-        setattr(recipe.batch, key, raw["batch"].get(key, "auto"))
-    recipe.distributed.engine = raw.get("distributed", {}).get("engine", "auto")
     recipe.distributed.nnodes, recipe.distributed.nproc_per_node = 1, dp
-    return validate(recipe)
+    return resolve(recipe)
 
 
 def test_configs_exist():
@@ -58,10 +54,9 @@ def test_configs_exist():
     } <= names
 
 
-def check_artefacts(recipe, out: Path, summary: str) -> None:
+def check_artefacts(run, out: Path, summary: str) -> None:
     """The batch equation is the same in the summary, the written recipe and the engine config."""
-    d = recipe.distributed
-    plan = batch_plan(recipe, d.nnodes * d.nproc_per_node)
+    plan = run.batch
     assert plan.equation() in summary
     written = yaml.safe_load((out / "recipe.yaml").read_text())["batch"]
     assert (written["global_batch_size"], written["micro_batch_size"], written["gradient_accumulation_steps"]) == (
@@ -69,14 +64,14 @@ def check_artefacts(recipe, out: Path, summary: str) -> None:
         plan.micro_batch_size,
         plan.gradient_accumulation_steps,
     )
-    if d.engine == "deepspeed":
+    if run.engine == "deepspeed":
         ds = json.loads((out / "ds_config.json").read_text())
         assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
             plan.global_batch_size,
             plan.micro_batch_size,
             plan.gradient_accumulation_steps,
         )
-    if d.engine == "fsdp":
+    if run.engine == "fsdp":
         assert yaml.safe_load((out / "fsdp.yaml").read_text())["batch"]["dp_size"] == plan.dp_size
     for script in ("torchrun.sh", "slurm.sbatch"):
         assert (out / "launch" / script).is_file()
@@ -93,9 +88,9 @@ def test_config_as_written(path, tmp_path):
     assert header, f"{path.name} needs a header comment with the launch command"
     assert any(f"configs/{path.name}" in line and "llmft " in line for line in header), header
 
-    recipe = copy.deepcopy(loaded(path))
-    assert recipe.distributed.engine != "auto"
-    check_artefacts(recipe, tmp_path, compile_recipe(recipe, tmp_path))
+    run = resolve(loaded(path))
+    assert run.engine in ("single", "ddp", "fsdp", "deepspeed")
+    check_artefacts(run, tmp_path, compile_recipe(run, tmp_path))
 
 
 @pytest.mark.parametrize(
@@ -113,6 +108,6 @@ def test_config_for_dp_size(path, dp, tmp_path):
         assert f"global_batch_size {g} is not divisible" in str(err.value)
         pytest.skip(f"global {g} does not split into micro {m} x {dp} ranks (clean RecipeError checked)")
 
-    recipe = for_dp(path, dp)
-    assert batch_plan(recipe, dp).gradient_accumulation_steps == g // (m * dp)
-    check_artefacts(recipe, tmp_path, compile_recipe(recipe, tmp_path))
+    run = for_dp(path, dp)
+    assert run.batch.gradient_accumulation_steps == g // (m * dp)
+    check_artefacts(run, tmp_path, compile_recipe(run, tmp_path))

@@ -1,4 +1,4 @@
-"""docs/recipe.md is generated from the schema and covers every key the SPEC makes contract."""
+"""docs/recipe.md is generated from the schema and covers every key of the public contract."""
 
 from __future__ import annotations
 

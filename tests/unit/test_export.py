@@ -14,6 +14,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+from llmft.checkpoint.layout import TrainerState
 from llmft.errors import UserError
 from llmft.export import BASE_DIR, export, export_model_dir, save_base_model, save_model_dir
 from llmft.model import build_model, keep_4bit_layout, load_base_model
@@ -216,7 +217,8 @@ def test_sharded_fsdp_checkpoint_is_consolidated(lora_run, ids, tmp_path):
     model = lora_run["model"]
     trainable = {n: p.detach().float() for n, p in model.named_parameters() if p.requires_grad}
     dcp.save({"model": trainable}, checkpoint_id=str(step_dir / "dcp"), no_dist=True)
-    (step_dir / "trainer_state.json").write_text(json.dumps({"engine": "fsdp"}))
+    state = TrainerState(step=5, samples=40, tokens=0, epoch=1.0, world_size=2, engine="fsdp", batch={}, scheduler={})
+    (step_dir / "trainer_state.json").write_text(state.to_json())
 
     out = export_model_dir(step_dir, tmp_path / "adapter", merge_lora=False)
     assert not list(tmp_path.glob(".llmft-consolidated-*"))

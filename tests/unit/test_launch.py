@@ -15,6 +15,7 @@ import pytest
 
 from llmft.plan import launch
 from llmft.plan.compile import compile_recipe
+from llmft.plan.resolve import resolve
 from llmft.recipe import load_recipe
 from llmft.stop import STOPPED_EXIT_CODE
 
@@ -60,7 +61,7 @@ def compiled(tmp_path_factory) -> Path:
     """A DeepSpeed recipe compiled for 2 nodes x 4 GPUs."""
     root = tmp_path_factory.mktemp("compiled")
     (root / "recipe.yaml").write_text(RECIPE)
-    compile_recipe(load_recipe(root / "recipe.yaml", nnodes=2, nproc_per_node=4), root / "out")
+    compile_recipe(resolve(load_recipe(root / "recipe.yaml", nnodes=2, nproc_per_node=4)), root / "out")
     return root / "out"
 
 
@@ -258,5 +259,5 @@ def test_generic_scripts_take_the_target_as_first_argument(stubs, tmp_path):
 def test_compile_writes_launch_scripts_where_they_apply(tmp_path):
     (tmp_path / "recipe.yaml").write_text(RECIPE)
     recipe = load_recipe(tmp_path / "recipe.yaml", ["distributed.engine=fsdp"], nproc_per_node=2)
-    compile_recipe(recipe, tmp_path / "out")
+    compile_recipe(resolve(recipe), tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out" / "launch").iterdir()) == ["slurm.sbatch", "torchrun.sh"]

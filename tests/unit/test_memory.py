@@ -1,4 +1,3 @@
-import copy
 import functools
 import subprocess
 import sys
@@ -10,16 +9,11 @@ from hypothesis import strategies as st
 
 from llmft.errors import UserError
 from llmft.plan.batch import divisors
-from llmft.plan.memory import (
-    GIB,
-    count_params,
-    estimate_memory,
-    pick_micro_batch,
-    plan_command,
-    quantized_bytes_per_param,
-)
+from llmft.plan.memory import GIB, count_params, estimate, pick_micro_batch, quantized_bytes_per_param
+from llmft.plan.report import plan_command
+from llmft.plan.resolve import load_plan, resolve_engine
 from llmft.plan.shape import model_shape
-from llmft.recipe import load_recipe
+from llmft.recipe import RecipeError
 
 # meta-llama/Llama-3.1-8B: its shape comes from plan.shape's table, nothing is downloaded.
 BASE = textwrap.dedent(
@@ -46,7 +40,13 @@ def base(tmp_path_factory) -> str:
 
 
 def load(path, *overrides, nproc=1):
-    return load_recipe(path, list(overrides), nnodes=1, nproc_per_node=nproc)
+    return load_plan(path, list(overrides), nnodes=1, nproc_per_node=nproc)
+
+
+def estimate_on(plan, dp_size=None, micro_batch_size=None):
+    """The plan's estimate, optionally as if on ``dp_size`` ranks or with another micro-batch."""
+    micro = micro_batch_size or plan.batch.micro_batch_size
+    return estimate(plan.recipe, plan.engine, dp_size or plan.dp_size, micro, plan.batch.gradient_accumulation_steps)
 
 
 QLORA = ("model.quantization={bits: 4}", "peft.method=lora", "model.gradient_checkpointing=true")
@@ -57,12 +57,12 @@ def gib(nbytes: int) -> float:
 
 
 def test_qlora_8b_fits_a_consumer_gpu(base):
-    est = estimate_memory(load(base, *QLORA), dp_size=1)
+    est = estimate_on(load(base, *QLORA), dp_size=1)
     assert 6 < gib(est.total) < 14, est.components()
     # The frozen 4-bit base dominates the weights; embedding and head stay unquantized (fp32 after
     # prepare_model_for_kbit_training): 1.05 B params x 4 B = 3.9 GiB.
-    shape = model_shape(load(base).model)
-    p = count_params(load(base, *QLORA), shape)
+    shape = model_shape(load(base).recipe.model)
+    p = count_params(load(base, *QLORA).recipe, shape)
     assert p.linear == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
     assert est.weights == pytest.approx(p.linear * quantized_bytes_per_param(4, True) + p.other * 4, abs=1)
     # LoRA r=16 on all 7 linears of 32 layers: 41.9 M fp32 params; grads 4 B, AdamW 8 B each.
@@ -71,25 +71,25 @@ def test_qlora_8b_fits_a_consumer_gpu(base):
 
 
 def test_full_finetune_8b_does_not_fit_one_gpu(base):
-    est = estimate_memory(load(base), dp_size=1)
+    est = estimate_on(load(base), dp_size=1)
     assert gib(est.total) > 100
     assert not est.fits(80)
 
 
 def test_zero3_divides_states_by_dp(base):
     r = load(base, "distributed.engine=deepspeed", "distributed.zero_stage=3", nproc=8)
-    one, eight = estimate_memory(r, dp_size=1), estimate_memory(r, dp_size=8)
+    one, eight = estimate_on(r, dp_size=1), estimate_on(r, dp_size=8)
     for name in ("weights", "gradients", "optimizer", "master_weights"):
         assert getattr(eight, name) == pytest.approx(getattr(one, name) / 8, abs=1), name
     # bf16 under DeepSpeed: 2 (weights) + 2 (grads) + 4 (master) + 8 (Adam) bytes per parameter.
-    n = model_shape(r.model).num_params
+    n = model_shape(r.recipe.model).num_params
     assert one.weights + one.gradients + one.master_weights + one.optimizer == pytest.approx(16 * n, abs=4)
     assert one.activations == eight.activations and one.logits == eight.logits
 
 
 def test_zero_stages_shard_progressively(base):
     totals = [
-        estimate_memory(load(base, "distributed.engine=deepspeed", f"distributed.zero_stage={s}", nproc=8), 8).total
+        estimate_on(load(base, "distributed.engine=deepspeed", f"distributed.zero_stage={s}", nproc=8), 8).total
         for s in range(4)
     ]
     assert totals == sorted(totals, reverse=True) and totals[0] > 2 * totals[3]
@@ -97,11 +97,11 @@ def test_zero_stages_shard_progressively(base):
 
 def test_fsdp_shards_and_gathers_layers(base):
     r = load(base, "distributed.engine=fsdp", nproc=8)
-    est = estimate_memory(r, 8)
-    n = model_shape(r.model).num_params
+    est = estimate_on(r, 8)
+    n = model_shape(r.recipe.model).num_params
     assert est.weights == pytest.approx(4 * n / 8, abs=1)  # fp32 sharded, bf16 compute
     assert est.transient_weights > 0  # two gathered layers + the root
-    kept = estimate_memory(load(base, "distributed.engine=fsdp", "distributed.reshard_after_forward=false", nproc=8), 8)
+    kept = estimate_on(load(base, "distributed.engine=fsdp", "distributed.reshard_after_forward=false", nproc=8), 8)
     assert kept.transient_weights > 5 * est.transient_weights  # every layer stays gathered
 
 
@@ -114,14 +114,14 @@ def test_offload_removes_state_from_gpu(base):
         "distributed.offload_params=cpu",
         nproc=8,
     )
-    est = estimate_memory(r, 8)
+    est = estimate_on(r, 8)
     assert est.optimizer == est.master_weights == est.weights == 0
     assert any("offloaded" in n for n in est.notes)
 
 
 def test_optimizer_choices(base):
     def opt(*o):
-        return estimate_memory(load(base, *QLORA, *o), 1).optimizer
+        return estimate_on(load(base, *QLORA, *o), 1).optimizer
 
     adamw = opt()
     assert opt("optim.name=adamw_8bit") == adamw // 4
@@ -131,10 +131,10 @@ def test_optimizer_choices(base):
 
 def test_activations_scale_with_micro_batch_and_checkpointing(base):
     r = load(base)
-    one, four = estimate_memory(r, 1, micro_batch_size=1), estimate_memory(r, 1, micro_batch_size=4)
+    one, four = estimate_on(r, 1, micro_batch_size=1), estimate_on(r, 1, micro_batch_size=4)
     assert four.activations == 4 * one.activations and four.logits == 4 * one.logits
     assert four.weights == one.weights
-    ckpt = estimate_memory(load(base, "model.gradient_checkpointing=true"), 1)
+    ckpt = estimate_on(load(base, "model.gradient_checkpointing=true"), 1)
     assert ckpt.activations < one.activations / 10
     # Logits: 2048 tokens x 128256 vocab x (2 bf16 + 4 fp32 copy + 4 fp32 log-softmax) bytes.
     assert one.logits == 2048 * 128256 * 10
@@ -149,7 +149,9 @@ def test_quantized_bytes():
 def test_unknown_model_shape_is_a_user_error(base):
     r = load(base, "model.name_or_path=someone/unknown-model")
     with pytest.raises(UserError, match="config.json"):
-        estimate_memory(r, 1)
+        estimate_on(r, 1)
+    with pytest.raises(UserError, match="config.json"):
+        plan_command(base, ["model.name_or_path=someone/unknown-model"])
 
 
 @functools.cache
@@ -164,32 +166,33 @@ def _lora_1b(path: str):
     gpu_gb=st.floats(1, 200),
 )
 def test_pick_micro_batch_keeps_the_equation_exact(base, dp, accumulation, gpu_gb):
-    r = copy.deepcopy(_lora_1b(base))
+    r = _lora_1b(base).recipe
+    engine = resolve_engine(r, dp)
     global_batch = dp * accumulation
-    r.batch.global_batch_size, r.batch.micro_batch_size = global_batch, "auto"
+    local = global_batch // dp
     try:
-        micro = pick_micro_batch(r, dp, gpu_gb)
+        micro = pick_micro_batch(r, engine, global_batch, dp, gpu_gb)
     except UserError as e:
         assert "even a micro-batch of 1" in str(e)
-        assert not estimate_memory(r, dp, 1).fits(gpu_gb)
+        assert not estimate(r, engine, dp, 1, local).fits(gpu_gb)
         return
-    local = global_batch // dp
     assert local % micro == 0 and micro * (local // micro) * dp == global_batch
-    assert estimate_memory(r, dp, micro).fits(gpu_gb)
+    assert estimate(r, engine, dp, micro, local // micro).fits(gpu_gb)
     bigger = [d for d in divisors(local) if d > micro]
-    assert all(not estimate_memory(r, dp, d).fits(gpu_gb) for d in bigger)
+    assert all(not estimate(r, engine, dp, d, local // d).fits(gpu_gb) for d in bigger)
 
 
 def test_pick_micro_batch_errors(base):
-    r = load(base, *QLORA)
+    r = load(base, *QLORA).recipe
     with pytest.raises(UserError, match="even a micro-batch of 1 needs about .* GiB"):
-        pick_micro_batch(r, 1, 4)
-    r.batch.global_batch_size = 10
+        pick_micro_batch(r, "single", 64, 1, 4)
     with pytest.raises(UserError, match="10 sequences do not split evenly over 4 .* global batch in \\{8, 12\\}"):
-        pick_micro_batch(r, 4, 80)
-    r.batch.global_batch_size = "auto"
-    with pytest.raises(UserError, match="needs the global batch"):
-        pick_micro_batch(r, 1, 80)
+        pick_micro_batch(r, "ddp", 10, 4, 80)
+    # micro auto needs the global batch: with both auto the solver asks for numbers
+    with pytest.raises(RecipeError, match="are both auto"):
+        load(
+            base, *QLORA, "batch.global_batch_size=auto", "batch.micro_batch_size=auto", "distributed.gpu_memory_gb=80"
+        )
 
 
 def test_plan_command_table(base):
@@ -217,6 +220,7 @@ def test_plan_solves_micro_batch_auto(base):
     overrides = [*QLORA, "batch.micro_batch_size=auto", "distributed.gpu_memory_gb=24"]
     r = load(base, *overrides)
     b = r.batch
+    assert r.recipe.batch.micro_batch_size == "auto"  # the recipe is intent: never changed
     assert b.micro_batch_size * b.gradient_accumulation_steps == 64
-    assert b.micro_batch_size == pick_micro_batch(r, 1, 24) > 1
+    assert b.micro_batch_size == pick_micro_batch(r.recipe, r.engine, 64, 1, 24) > 1
     assert f"micro {b.micro_batch_size} x accumulation {b.gradient_accumulation_steps}" in plan_command(base, overrides)

@@ -35,9 +35,9 @@ from torch.utils._pytree import tree_leaves
 
 from llmft.dist import DistEnv
 from llmft.engines.single import SingleEngine
+from llmft.optim import build_optimizer
 from llmft.plan.memory import estimate_memory
-from llmft.recipe import load_recipe
-from llmft.recipe.validate import batch_plan
+from llmft.plan.resolve import load_plan
 from llmft.tokenizer import load_tokenizer
 
 OVER_COUNT, UNDER_COUNT = 0.25, 0.10  # measured / estimate must lie in [1 - OVER_COUNT, 1 + UNDER_COUNT]
@@ -77,12 +77,18 @@ def nbytes(tensors) -> int:
 def build(tmp_path, *overrides: str):
     micro = 4
     path = write_recipe(tmp_path, batch__micro_batch_size=micro, batch__global_batch_size=micro)
-    recipe = load_recipe(str(path), list(overrides), world_size=1)
-    engine = SingleEngine(recipe, DistEnv(), batch_plan(recipe, 1), load_tokenizer(recipe.model), total_steps=1)
+    plan = load_plan(str(path), list(overrides), world_size=1)
+    recipe = plan.recipe
+    engine = SingleEngine(
+        plan,
+        DistEnv(),
+        load_tokenizer(recipe.model),
+        lambda model: build_optimizer(model, recipe.optim, recipe.optim.lr),
+    )
     seq = recipe.data.max_seq_len
     ids = torch.randint(0, 256, (micro, seq), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
-    return recipe, engine, batch, estimate_memory(recipe, 1, micro)
+    return recipe, engine, batch, estimate_memory(plan, micro)
 
 
 def micro_step(engine, batch) -> None:

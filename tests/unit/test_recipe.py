@@ -2,6 +2,7 @@ import textwrap
 
 import pytest
 
+from llmft.plan.resolve import load_plan
 from llmft.recipe import RecipeError, load_recipe, to_yaml
 
 TINY = textwrap.dedent(
@@ -34,19 +35,30 @@ def recipe_file(tmp_path):
 
 
 def errors(path, overrides=(), **kw) -> str:
+    """Every problem, the recipe's own and the plan's (engine, batch), as `llmft` reports them."""
     with pytest.raises(RecipeError) as e:
-        load_recipe(path, list(overrides), **kw)
+        load_plan(path, list(overrides), **kw)
     return str(e.value)
 
 
 def test_loads_and_solves(recipe_file):
-    r = load_recipe(recipe_file, nproc_per_node=2)
-    assert (r.batch.global_batch_size, r.batch.micro_batch_size, r.batch.gradient_accumulation_steps) == (16, 2, 4)
-    assert r.optim.lr == 1e-4  # YAML 1.1 would read "1e-4" as a string
-    assert r.distributed.engine == "fsdp"  # auto, full fine-tune on 2 ranks
-    text = to_yaml(r)
+    plan = load_plan(recipe_file, nproc_per_node=2)
+    b = plan.batch
+    assert (b.global_batch_size, b.micro_batch_size, b.gradient_accumulation_steps) == (16, 2, 4)
+    assert plan.recipe.optim.lr == 1e-4  # YAML 1.1 would read "1e-4" as a string
+    assert plan.engine == "fsdp"  # auto, full fine-tune on 2 ranks
+    # the recipe stays the user's intent; the resolved copy is what recipe.yaml files hold
+    assert plan.recipe.distributed.engine == "auto" and plan.recipe.batch.gradient_accumulation_steps == "auto"
+    text = to_yaml(plan.resolved_recipe())
     assert "${" not in text
     assert "auto" not in text.split("batch:")[1].split("optim:")[0]
+    assert plan.resolved_recipe().distributed.engine == "fsdp"
+
+
+def test_intent_and_plan_problems_reported_together(recipe_file):
+    msg = errors(recipe_file, ["model.quantization.bits=4", "distributed.engine=single"], nproc_per_node=2)
+    assert "2 problem(s)" in msg
+    assert "quantized weights cannot be fully fine-tuned" in msg and "single cannot run on 2 processes" in msg
 
 
 def test_overrides_and_interpolation(recipe_file):
@@ -108,25 +120,27 @@ def test_quantized_full_finetune_refused(recipe_file):
     assert "quantized weights cannot be fully fine-tuned" in errors(recipe_file, ["model.quantization.bits=4"])
 
 
-def test_compiled_plan_resolved_for_new_world(recipe_file):
-    r = load_recipe(recipe_file, nproc_per_node=2)
+def test_compiled_plan_resolved_for_new_world(recipe_file, tmp_path):
+    compiled = tmp_path / "compiled.yaml"
+    compiled.write_text(to_yaml(load_plan(recipe_file, nproc_per_node=2).resolved_recipe()))
     # A fully concrete (compiled) plan launched on 4 ranks keeps global and micro.
-    from llmft.recipe.validate import validate
-
-    r2 = validate(r, dp_size=4)
-    assert (r2.batch.global_batch_size, r2.batch.micro_batch_size, r2.batch.gradient_accumulation_steps) == (16, 2, 2)
+    plan = load_plan(compiled, world_size=4)
+    b = plan.batch
+    assert (b.global_batch_size, b.micro_batch_size, b.gradient_accumulation_steps, b.dp_size) == (16, 2, 2, 4)
+    assert plan.notes == ("world size 4 differs from the compiled 2: re-solved to " + b.equation(),)
 
 
 def test_micro_batch_auto_picks_the_largest_that_fits(recipe_file):
-    from llmft.plan.memory import estimate_memory
+    from llmft.plan.memory import estimate
 
-    r = load_recipe(recipe_file, ["batch.micro_batch_size=auto", "distributed.gpu_memory_gb=80"], nproc_per_node=2)
+    r = load_plan(recipe_file, ["batch.micro_batch_size=auto", "distributed.gpu_memory_gb=80"], nproc_per_node=2)
     assert r.batch.micro_batch_size == 8  # the whole per-rank batch fits a tiny model
     assert r.batch.micro_batch_size * r.batch.gradient_accumulation_steps * 2 == r.batch.global_batch_size == 16
     # A budget between the estimates for micro 2 and micro 4 picks 2, and the equation stays exact.
-    base = load_recipe(recipe_file, nproc_per_node=2)
-    gb = (estimate_memory(base, 2, 2).total + estimate_memory(base, 2, 4).total) / 2 / 2**30
-    r = load_recipe(recipe_file, ["batch.micro_batch_size=auto", f"distributed.gpu_memory_gb={gb}"], nproc_per_node=2)
+    base = load_plan(recipe_file, nproc_per_node=2)
+    micro2, micro4 = (estimate(base.recipe, base.engine, 2, m, 8 // m).total for m in (2, 4))
+    gb = (micro2 + micro4) / 2 / 2**30
+    r = load_plan(recipe_file, ["batch.micro_batch_size=auto", f"distributed.gpu_memory_gb={gb}"], nproc_per_node=2)
     assert (r.batch.micro_batch_size, r.batch.gradient_accumulation_steps) == (2, 4)
 
 

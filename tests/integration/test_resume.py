@@ -1,4 +1,4 @@
-"""Checkpoints sit on boundaries, resume is exact, a killed job loses nothing (SPEC items 4-6)."""
+"""Checkpoints sit on boundaries, resume is exact, a killed job loses nothing (docs/design.md, G3-G5)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, checkpoint_weights, metrics, train_inproc, write_data, write_recipe
+from helpers import INSTRUMENTED, ROOT, checkpoint_weights, metrics, train_inproc, write_data, write_recipe
 
 from llmft.errors import UserError
 
@@ -32,7 +32,7 @@ EXACT = dict(
 
 
 def _cmd(recipe: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "llmft", "train", str(recipe), *overrides]
+    return [sys.executable, INSTRUMENTED, "train", str(recipe), *overrides]  # LLMFT_FAULT_INJECT, below
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -147,23 +147,23 @@ def test_fresh_run_never_destroys_old_one(tmp_path):
     assert (tmp_path / "run/checkpoints/step-1/COMPLETE").exists()
 
 
-# --- what a resume may change (SPEC 5: same model, adapter and data; deliberate changes logged) -----
+# --- what a resume may change (G4: same model, adapter and data; deliberate changes logged) -----
 
 
 def _checkpoint_of(tmp_path: Path, **sections) -> Path:
     """A step dir holding only the resolved recipe: all check_resume_compatible reads."""
-    from llmft.recipe import load_recipe, to_yaml
-
     step = tmp_path / "ckpt" / "step-2"
     step.mkdir(parents=True)
-    (step / "recipe.yaml").write_text(to_yaml(load_recipe(write_recipe(tmp_path, **sections))))
+    (step / "recipe.yaml").write_text(_recipe_with(tmp_path, **sections))
     return step
 
 
-def _recipe_with(tmp_path: Path, *overrides: str, **sections):
-    from llmft.recipe import load_recipe
+def _recipe_with(tmp_path: Path, *overrides: str, **sections) -> str:
+    """The resolved recipe of a run (what it writes as recipe.yaml)."""
+    from llmft.plan.resolve import load_plan
+    from llmft.recipe import to_yaml
 
-    return load_recipe(write_recipe(tmp_path, **sections), list(overrides))
+    return to_yaml(load_plan(write_recipe(tmp_path, **sections), list(overrides)).resolved_recipe())
 
 
 @pytest.fixture
@@ -181,7 +181,7 @@ def llmft_log():
 
 
 def test_resume_refuses_another_model_adapter_or_data_and_lists_every_difference(tmp_path, llmft_log):
-    from llmft.train import check_resume_compatible
+    from llmft.run import check_resume_compatible
 
     ckpt = _checkpoint_of(tmp_path)
     recipe = _recipe_with(
@@ -207,7 +207,7 @@ def test_resume_refuses_another_model_adapter_or_data_and_lists_every_difference
     [("optim.lr=5e-4", "optim.lr 0.001 -> 0.0005"), ("train.max_steps=6", "train.max_steps 2 -> 6")],
 )
 def test_resume_allows_and_logs_a_deliberate_change(tmp_path, llmft_log, override, logged):
-    from llmft.train import check_resume_compatible
+    from llmft.run import check_resume_compatible
 
     ckpt = _checkpoint_of(tmp_path)
     # the world layout (accumulation re-solved) and the resume setting itself change silently

@@ -1,4 +1,4 @@
-"""Accumulation is the big batch (SPEC item 2) on one process.
+"""Accumulation is the big batch (docs/design.md, G1) on one process.
 
 After one SGD step (lr 1, no clipping) on the same global batch of 8 variable-length records,
 every split micro x accumulation gives the same weights; per-micro-batch mean averaging does not.

@@ -1,0 +1,167 @@
+"""Every name in a run directory's ``checkpoints/``, the trainer state, and how a checkpoint is found.
+
+::
+
+    <run.output_dir>/
+      recipe.yaml                 the resolved recipe of the run
+      metrics.jsonl
+      checkpoints/
+        latest                    a file holding the name of the newest complete step dir
+        base_model/               model.config + PEFT: the random base, written once (export needs it)
+        step-<N>/                 complete (COMPLETE marker) or absent; written as .tmp-step-<N>
+          COMPLETE                JSON {"step": N}, written last
+          trainer_state.json      TrainerState
+          recipe.yaml             the resolved recipe that wrote it
+          tokenizer/              tokenizer.save_pretrained
+          rng/rank-<R>.pt         RNG state of each rank (torch.load weights_only)
+          model/                  single / DDP: save_pretrained (PEFT adapter dir or full model dir)
+          optimizer.pt            single / DDP: optimizer state dict (weights_only)
+          dcp/                    FSDP2: torch.distributed.checkpoint of model (+ optimizer)
+          deepspeed/state/        DeepSpeed ZeRO 0-3: DeepSpeed's own files
+          deepspeed_universal/    ZeRO 1-3 converted for another world size (made on demand)
+
+Each engine owns the format of its part (``engines/``); the names are here. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from llmft.errors import Problem, UserError
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+COMPLETE = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+RECIPE_FILE = "recipe.yaml"
+TOKENIZER_DIR = "tokenizer"
+RNG_DIR = "rng"
+BASE_DIR = "base_model"  # beside the step dirs, so pruning never removes it
+EXPORTS = "exported"  # <run>/exported/step-N: llmft export's default output
+# single / DDP
+MODEL_DIR = "model"
+OPTIMIZER_FILE = "optimizer.pt"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# FSDP2
+DCP_DIR = "dcp"
+# DeepSpeed: deepspeed/<tag>/...; universal conversions in deepspeed_universal/<tag>/
+DS_DIR = "deepspeed"
+DS_TAG = "state"
+UNIVERSAL_DIR = "deepspeed_universal"
+
+STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def tmp_name(step: int) -> str:
+    """Where step ``step`` is written before it is complete."""
+    return f".tmp-{step_name(step)}"
+
+
+def rng_file(step_dir: Path, rank: int) -> Path:
+    return Path(step_dir) / RNG_DIR / f"rank-{rank}.pt"
+
+
+@dataclass
+class TrainerState:
+    """Where training stands at a checkpoint: written to ``trainer_state.json`` and read back here only."""
+
+    step: int  # optimizer steps done
+    samples: int  # position in the global sample order
+    tokens: int  # target tokens trained on
+    epoch: float
+    world_size: int  # processes that wrote the checkpoint
+    engine: str
+    batch: dict[str, int]  # global_batch_size, micro_batch_size, gradient_accumulation_steps, dp_size
+    scheduler: dict[str, Any]  # the LR scheduler's state_dict
+    versions: dict[str, str] = field(default_factory=dict)  # llmft, torch, transformers, ...
+    trackers: dict[str, Any] = field(default_factory=dict)  # experiment trackers' run ids
+    data: dict[str, Any] = field(default_factory=dict)  # data-side position (streaming sources)
+    extra: dict[str, Any] = field(default_factory=dict)  # keys of a newer llmft, kept as they were
+
+    def to_json(self) -> str:
+        state = asdict(self)
+        extra = state.pop("extra")
+        return json.dumps({**extra, **state}, indent=1)
+
+    @classmethod
+    def read(cls, step_dir: Path) -> TrainerState:
+        path = Path(step_dir) / STATE_FILE
+        try:
+            raw = json.loads(path.read_text())
+            known = {f.name for f in fields(cls)} - {"extra"}
+            return cls(
+                **{k: v for k, v in raw.items() if k in known}, extra={k: v for k, v in raw.items() if k not in known}
+            )
+        except (OSError, ValueError, TypeError) as e:
+            raise UserError(
+                Problem(
+                    str(path),
+                    f"cannot be read as llmft trainer state ({type(e).__name__}: {e})",
+                    "Pass a checkpoints/step-N directory written by llmft train, or an older complete checkpoint.",
+                )
+            ) from None
+
+
+# --- finding checkpoints ------------------------------------------------------------------------
+
+
+def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = STEP_RE.match(d.name)
+        if m and d.is_dir() and (d / COMPLETE).exists():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = Path(run_dir) / CHECKPOINTS
+    pointer = root / LATEST
+    if pointer.is_file() and not pointer.is_symlink():
+        target = root / pointer.read_text().strip()
+        if (target / COMPLETE).exists():
+            return target
+    dirs = step_dirs(run_dir)
+    return dirs[-1][1] if dirs else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A ``step-N`` dir, ``checkpoints/latest``, ``checkpoints/``, or a run dir (its latest)."""
+    p = Path(path)
+    if p.name == LATEST and p.is_file():
+        p = p.parent / p.read_text().strip()
+    if (p / COMPLETE).exists():
+        return p
+    if p.is_dir() and STEP_RE.match(p.name):
+        raise UserError(
+            Problem(
+                str(p),
+                "is an incomplete checkpoint (no COMPLETE marker: its save was interrupted)",
+                "Use an older checkpoint, or the run dir to pick its newest complete one.",
+            )
+        )
+    for run in (p, p.parent):
+        found = latest_checkpoint(run) if (run / CHECKPOINTS).is_dir() else None
+        if found is not None:
+            return found
+    raise UserError(
+        Problem(
+            str(p),
+            "no complete checkpoint found here",
+            "Pass a checkpoints/step-N directory, checkpoints/latest, or a run directory that has checkpoints.",
+        )
+    )

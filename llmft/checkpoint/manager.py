@@ -1,0 +1,153 @@
+"""Writing checkpoints on accumulation boundaries: atomic step folders, ``latest``, retention, RNG.
+
+A checkpoint is written into ``checkpoints/.tmp-step-N`` by every rank, then,
+after a barrier, rank 0 writes the ``COMPLETE`` marker and renames the folder to
+``step-N`` (an atomic rename on one filesystem), then points ``latest`` at it
+with another atomic rename. A process killed at any moment therefore leaves
+either the new complete checkpoint or the previous one as ``latest``, never a
+half-written folder under a ``step-N`` name.
+
+The engine writes the model and optimizer part in its own format (``engines/``);
+this module writes everything else. Non-tensor state is JSON; RNG states are
+``torch.save`` files read back with ``weights_only=True``. docs/checkpoints.md
+describes the whole contract.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from llmft.checkpoint.layout import (
+    CHECKPOINTS,
+    COMPLETE,
+    LATEST,
+    RECIPE_FILE,
+    STATE_FILE,
+    TOKENIZER_DIR,
+    TrainerState,
+    rng_file,
+    step_dirs,
+    step_name,
+    tmp_name,
+)
+from llmft.dist import DistEnv, barrier
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class SaveHooks:
+    """Test instrumentation: ``before_commit(step, rank)`` runs when this rank has written its part
+    of step ``step`` and before the checkpoint is committed (a test kills the process there)."""
+
+    before_commit: Callable[[int, int], None] = lambda step, rank: None
+
+
+class CheckpointManager:
+    """Owns ``checkpoints/``: atomic step folders, ``latest``, retention."""
+
+    def __init__(self, run_dir: Path, env: DistEnv, keep_last: int | None, hooks: SaveHooks | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / CHECKPOINTS
+        self.env = env
+        self.keep_last = keep_last
+        self.hooks = hooks or SaveHooks()
+        self.protected: Path | None = None  # the checkpoint we resumed from is never pruned mid-run
+
+    def save(self, state: TrainerState, engine, *, recipe_yaml: str, tokenizer, save_optimizer: bool) -> Path:
+        step = state.step
+        final = self.root / step_name(step)
+        tmp = self.root / tmp_name(step)
+        if self.env.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a killed save
+            tmp.mkdir()
+        barrier()
+        engine.save(tmp, save_optimizer=save_optimizer)
+        rng = rng_file(tmp, self.env.rank)
+        rng.parent.mkdir(exist_ok=True)
+        torch.save(rng_state(), rng)
+        if self.env.is_main:
+            (tmp / STATE_FILE).write_text(state.to_json())
+            (tmp / RECIPE_FILE).write_text(recipe_yaml)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
+        self.hooks.before_commit(step, self.env.rank)
+        barrier()
+        if self.env.is_main:
+            atomic_write(tmp / COMPLETE, json.dumps({"step": step}))
+            if final.exists():  # re-running a step after resuming from an older checkpoint
+                trash = self.root / f".trash-{step_name(step)}"
+                shutil.rmtree(trash, ignore_errors=True)
+                os.replace(final, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            os.replace(tmp, final)
+            fsync_dir(self.root)
+            atomic_write(self.root / LATEST, final.name)
+            self.prune()
+        barrier()
+        return final
+
+    def prune(self) -> None:
+        if self.keep_last is None:
+            return
+        dirs = step_dirs(self.run_dir)
+        for _, d in dirs[: max(len(dirs) - self.keep_last, 0)]:
+            if self.protected is not None and d.resolve() == self.protected.resolve():
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+
+    def load_rng(self, step_dir: Path) -> dict[str, Any] | None:
+        """This rank's RNG state in ``step_dir`` (None when that rank did not exist then)."""
+        path = rng_file(step_dir, self.env.rank)
+        return torch.load(path, weights_only=True) if path.exists() else None

@@ -1,0 +1,123 @@
+"""What single, DDP and FSDP2 share: fp16 loss scaling, backward, clip + step, and the plain
+(unsharded) checkpoint format single and DDP write."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, ContextManager
+
+import torch
+
+from llmft.checkpoint.layout import ADAPTER_WEIGHTS, MODEL_DIR, OPTIMIZER_FILE
+from llmft.dist import DistEnv
+from llmft.engines import autocast_for
+from llmft.model import compute_dtype, is_peft
+from llmft.plan.resolve import RunPlan
+
+
+class LocalEngine:
+    """An engine whose optimizer is a plain torch optimizer stepped in this process.
+
+    Subclasses set ``model`` and ``optimizer`` and, where the engine averages over ranks,
+    ``grad_scale``; they override ``micro_step`` / ``autocast`` where they differ.
+    """
+
+    name = "local"
+    grad_scale = 1.0
+    model: torch.nn.Module
+    optimizer: Any
+
+    def __init__(self, plan: RunPlan, env: DistEnv) -> None:
+        self.env = env
+        self.device = env.device
+        self.dtype = compute_dtype(plan.recipe)
+        self.peft = plan.peft
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None
+
+    def micro_step(self, boundary: bool) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def autocast(self) -> ContextManager:
+        return autocast_for(self.dtype, self.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, max_grad_norm: float | None) -> float:
+        return clip_and_step(self.unwrap(), self.optimizer, self.scaler, max_grad_norm)
+
+    def unwrap(self) -> torch.nn.Module:
+        return self.model
+
+
+def clip_and_step(model: torch.nn.Module, optimizer, scaler, max_grad_norm: float | None) -> float:
+    """fp16: unscale once, before clipping. The norm is measured even when clipping is off."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else float("inf"))
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+        norm = norm.full_tensor()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+# --- the plain format: model/ (save_pretrained) + optimizer.pt ---------------------------------
+
+
+def save_plain(model: torch.nn.Module, optimizer, directory: Path, *, save_optimizer: bool) -> None:
+    """save_pretrained (PEFT adapter dir, or full HF model dir) + optimizer state; rank 0 only."""
+    model.save_pretrained(directory / MODEL_DIR, safe_serialization=True)
+    if save_optimizer:
+        torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+
+
+def load_plain(
+    model: torch.nn.Module, optimizer, directory: Path, device: torch.device, *, load_optimizer: bool
+) -> None:
+    read_plain(model, directory)
+    if load_optimizer:
+        state = torch.load(directory / OPTIMIZER_FILE, map_location=device, weights_only=True)
+        optimizer.load_state_dict(state)
+
+
+def read_plain(model: torch.nn.Module, step_dir: Path) -> None:
+    """Inverse of save_pretrained into an already built model, without touching the base weights."""
+    from safetensors.torch import load_file
+
+    model_dir = Path(step_dir) / MODEL_DIR
+    if is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(model_dir / ADAPTER_WEIGHTS))
+        unexpected = getattr(result, "unexpected_keys", [])
+        assert not unexpected, f"adapter checkpoint has unexpected keys: {unexpected[:5]}"
+        return
+    index = model_dir / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(model_dir / name))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    check_loaded_keys(model, missing, unexpected)
+
+
+def check_loaded_keys(model: torch.nn.Module, missing: list[str], unexpected: list[str]) -> None:
+    """After a non-strict load of a whole model: no stray names, and only weights tied to another
+    one (which save_pretrained and zero_to_fp32 drop) may be absent."""
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    assert not unexpected, f"checkpoint has unexpected keys: {unexpected[:5]}"
+    assert set(missing) <= tied or all("lm_head" in k for k in missing), f"checkpoint misses {missing[:5]}"
+
+
+def trainable_names(model: torch.nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}

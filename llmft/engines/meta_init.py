@@ -1,0 +1,347 @@
+"""Build a big model sharded: on the meta device, then each rank materialises only its shards (FSDP2).
+
+Every pretrained model (``model.name_or_path``) and every fresh ``model.config`` model above
+``WHOLE_INIT_MAX_PARAMS`` (``RunPlan.meta_init``) is built on the meta device, PEFT adapters
+included, sharded by ``fully_shard`` while still empty, and only then materialised
+(``to_empty``) as this rank's shards:
+
+- pretrained weights are read from the model's safetensors files, one tensor at a time and only
+  the rows this rank keeps (``safe_open(...).get_slice``), so a rank never holds more than its
+  shards plus one slice; each tensor goes through the dtype the model was built in before the
+  trainable ones are upcast, exactly like ``from_pretrained`` + ``upcast_trainable``;
+- buffers the checkpoint does not hold (rotary ``inv_freq``) are recomputed by the model's own
+  ``_init_weights``, which is what ``from_pretrained`` does for them too;
+- LoRA weights get llmft's seeded init (``llmft.model.initial_adapter_weights``) and DoRA
+  magnitudes the row norms of the loaded weights, as PEFT computes them.
+
+The result is the same model, to the bit, as building it whole (tests/distributed/test_fsdp_meta.py).
+
+A fresh model above the threshold is initialised one module at a time: its weights are drawn
+full size by the model's ``_init_weights`` from ``run.seed`` (on the engine's device), this rank's
+rows are kept, the rest dropped. That is deterministic and the same on any world size, but it is
+not the single-process init (which draws in another order); a LoRA run on such a base can be
+resumed by FSDP on any world size, but an export that rebuilds the base elsewhere would not match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+from typing import Any, ContextManager, Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from llmft.errors import Problem, UserError
+from llmft.model import base_key, is_peft
+from llmft.recipe.schema import Recipe
+
+# --- the parameters of a model built on the meta device -----------------------------------------
+
+
+class ParamSlots:
+    """Each parameter of a meta-built model once (tied weights are one), by owner and base-model key.
+
+    Recorded before ``fully_shard``, which keeps the names but swaps the parameter objects, and
+    before trainable weights are upcast: ``dtype`` is what the model was built in, the dtype
+    ``from_pretrained`` would have loaded the weight in.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.peft = is_peft(model)
+        self.base = model.get_base_model() if self.peft else model
+        self.dtype: dict[str, torch.dtype] = {}  # first name of each parameter -> build dtype
+        self.owners: dict[str, list[tuple[torch.nn.Module, str]]] = {}  # first name -> (module, attr) holding it
+        first: dict[int, str] = {}
+        for module_name, module in model.named_modules():
+            for attr, p in module._parameters.items():
+                if p is None:
+                    continue
+                name = f"{module_name}.{attr}" if module_name else attr
+                name = first.setdefault(id(p), name)
+                self.dtype.setdefault(name, p.dtype)
+                self.owners.setdefault(name, []).append((module, attr))
+        self.keys = {name: base_key(name) for name in self.owners}  # None: an adapter weight
+
+    def param(self, name: str) -> torch.nn.Parameter:
+        module, attr = self.owners[name][0]
+        return module._parameters[attr]
+
+    def by_key(self) -> dict[str, list[str]]:
+        """Base-model key -> the parameters loaded from it (two for a ``modules_to_save`` copy)."""
+        out: dict[str, list[str]] = {}
+        for name, key in self.keys.items():
+            if key is not None:
+                out.setdefault(key, []).append(name)
+        return out
+
+
+def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's piece of a (sharded) parameter, and where that piece sits in the full tensor."""
+    if not isinstance(param, DTensor):
+        return param.data, tuple(slice(0, n) for n in param.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = param.to_local()
+    assert tuple(local.shape) == tuple(shape), f"local shard {tuple(local.shape)} != expected {tuple(shape)}"
+    return local, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+# --- pretrained weights, read shard by shard ----------------------------------------------------
+
+
+class SafetensorsWeights:
+    """The safetensors files of a pretrained model; each rank reads only the rows it keeps."""
+
+    def __init__(self, directory: Path, files: dict[str, str], keys: dict[str, str]) -> None:
+        self.directory = directory
+        self.files = files  # checkpoint key -> file name
+        self.keys = keys  # base-model key -> checkpoint key
+        self._open: dict[str, Any] = {}
+
+    @classmethod
+    def of(cls, recipe: Recipe, slots: ParamSlots) -> SafetensorsWeights:
+        directory = _weights_dir(recipe)
+        files = _weight_map(directory)
+        prefix = getattr(slots.base, "base_model_prefix", "") or ""
+        ignore = [re.compile(p) for p in (getattr(slots.base, "_keys_to_ignore_on_load_missing", None) or [])]
+        keys: dict[str, str] = {}
+        missing: list[str] = []
+        for key in slots.by_key():
+            # A checkpoint of the bare base model (LlamaModel) names its weights without the prefix.
+            candidates = (key, key.removeprefix(f"{prefix}."), f"{prefix}.{key}") if prefix else (key,)
+            found = next((c for c in candidates if c in files), None)
+            if found is not None:
+                keys[key] = found
+            elif not any(p.search(key) for p in ignore):
+                missing.append(key)
+        if missing:
+            raise UserError(
+                Problem(
+                    "model.name_or_path",
+                    f"the safetensors files in {directory} have no weight for {len(missing)} parameter(s) of the "
+                    f"model ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})",
+                    "FSDP loads pretrained weights shard by shard under the names the model uses; a checkpoint "
+                    "that needs transformers' key conversion cannot be loaded this way. Save it once with "
+                    "save_pretrained from this transformers version, or use distributed.engine=deepspeed.",
+                )
+            )
+        return cls(directory, files, keys)
+
+    def read(self, key: str, index: tuple[slice, ...], shape: torch.Size) -> torch.Tensor:
+        """Rows ``index`` of the weight of base-model ``key`` (the full tensor is never read)."""
+        from safetensors import safe_open
+
+        ckpt_key = self.keys[key]
+        file = self.files[ckpt_key]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.directory / file), framework="pt", device="cpu")
+        stored = self._open[file].get_slice(ckpt_key)
+        if tuple(stored.get_shape()) != tuple(shape):
+            raise UserError(
+                Problem(
+                    "model.name_or_path",
+                    f"{ckpt_key} in {self.directory / file} has shape {tuple(stored.get_shape())}, "
+                    f"the model built from its config.json expects {tuple(shape)}",
+                    "Check that config.json and the weight files belong to the same model.",
+                )
+            )
+        return stored[index] if index else self._open[file].get_tensor(ckpt_key)
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def _weights_dir(recipe: Recipe) -> Path:
+    from llmft.model import resolve_name
+
+    m = recipe.model
+    name = resolve_name(m.name_or_path)
+    if Path(name).is_dir():
+        return Path(name)
+    from huggingface_hub import snapshot_download
+
+    try:  # the files from_pretrained would read (not e.g. a consolidated.safetensors beside them)
+        patterns = ["model*.safetensors", "model.safetensors.index.json"]
+        return Path(snapshot_download(name, revision=m.revision, allow_patterns=patterns))
+    except Exception as e:  # hub errors are many types; the message names what went wrong
+        raise UserError(
+            Problem(
+                "model.name_or_path",
+                f"cannot get the weight files of '{name}': {str(e).strip().splitlines()[0] if str(e) else e!r}",
+                f"Download the model once with network access (`hf download {name}`), or point "
+                "model.name_or_path at a local model directory.",
+            )
+        ) from None
+
+
+def _weight_map(directory: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = directory / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), single.name)
+    raise UserError(
+        Problem(
+            "model.name_or_path",
+            f"{directory} has no model.safetensors or model.safetensors.index.json",
+            "FSDP reads pretrained weights shard by shard from safetensors files only: load the model "
+            "once and save_pretrained it (safetensors is the default), then point model.name_or_path there.",
+        )
+    )
+
+
+# --- materialising a meta-built, already sharded model ------------------------------------------
+
+
+def materialize(
+    model: torch.nn.Module,
+    slots: ParamSlots,
+    weights: SafetensorsWeights | None,
+    *,
+    seed: int,
+    device: torch.device,
+    shards_on: torch.device,
+) -> None:
+    """Allocate this rank's shards on ``shards_on`` (the CPU when offloaded) and the buffers on
+    ``device``, and fill them: from ``weights`` for a pretrained model, from the seeded
+    ``_init_weights`` for a fresh one."""
+    model.to_empty(device=shards_on)
+    if shards_on != device:  # as fully_shard does for a model built whole: buffers live where compute runs
+        for module in model.modules():
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = torch.empty_like(b, device=device)
+    written: set[str] = set()
+    with torch.no_grad():
+        _init_buffers(model, slots, device)
+        if weights is not None:
+            for key, names in slots.by_key().items():
+                for name in names:
+                    local, index = local_shard(slots.param(name))
+                    local.copy_(weights.read(key, index, slots.param(name).shape).to(slots.dtype[name]))
+                    written.add(name)
+            weights.close()
+        else:
+            written |= _init_fresh(model, slots, seed, device)
+        if slots.peft:
+            written |= _init_adapters(model, slots, seed)
+    left = sorted(set(slots.owners) - written)  # to_empty left them holding whatever memory held
+    if left:
+        raise _not_meta_buildable(slots, ", ".join(left[:3]) + (", ..." if len(left) > 3 else ""))
+
+
+@contextlib.contextmanager
+def _full_size(module: torch.nn.Module, slots: ParamSlots, prefix: str, device: torch.device) -> Iterator[dict]:
+    """Swap a module's own (sharded) parameters for full-size temporaries while ``_init_weights``
+    runs on it; its shards are left alone. Yields the temporaries by attribute name."""
+    saved = {attr: p for attr, p in module._parameters.items() if p is not None}
+    full = {}
+    for attr, p in saved.items():
+        dtype = slots.dtype.get(f"{prefix}{attr}", p.dtype)
+        full[attr] = torch.nn.Parameter(torch.full(p.shape, float("nan"), dtype=dtype, device=device))
+    module._parameters.update(full)
+    try:
+        yield full
+    finally:
+        module._parameters.update(saved)
+
+
+def _init_buffers(model: torch.nn.Module, slots: ParamSlots, device: torch.device) -> None:
+    """Recompute buffers (rotary ``inv_freq``...) as ``from_pretrained`` does: ``_init_weights``."""
+    for module_name, module in model.named_modules():
+        buffers = {n: b for n, b in module._buffers.items() if b is not None}
+        if not buffers:
+            continue
+        for b in buffers.values():
+            if b.is_floating_point():
+                b.fill_(float("nan"))
+        with _full_size(module, slots, f"{module_name}." if module_name else "", device):
+            slots.base._init_weights(module)
+        unset = [n for n, b in module._buffers.items() if b is not None and b.is_floating_point() and b.isnan().any()]
+        if unset:
+            raise _not_meta_buildable(slots, f"buffer(s) {', '.join(unset)} of {module_name or 'the model'}")
+
+
+def _not_meta_buildable(slots: ParamSlots, what: str) -> UserError:
+    return UserError(
+        Problem(
+            "distributed.engine",
+            f"fsdp builds this model on the meta device, but {type(slots.base).__name__}._init_weights does not "
+            f"initialise {what}",
+            "Use distributed.engine=deepspeed (ZeRO-3 builds big models under zero.Init instead).",
+        )
+    )
+
+
+def _rng_fork(device: torch.device) -> ContextManager:
+    if device.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device], device_type=device.type)
+
+
+def _init_fresh(model: torch.nn.Module, slots: ParamSlots, seed: int, device: torch.device) -> set[str]:
+    """A fresh model: each module's weights drawn full size by ``_init_weights``, from ``seed`` in
+    module order, then cut to this rank's rows; a ``modules_to_save`` copy gets its original's."""
+    by_key = slots.by_key()
+    done: set[str] = set()
+    written: set[str] = set()
+    with _rng_fork(device):
+        torch.manual_seed(seed)
+        for module_name, module in model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            own = {
+                attr: slots.keys.get(f"{prefix}{attr}")
+                for attr, p in module._parameters.items()
+                if p is not None and f"{prefix}{attr}" in slots.keys
+            }
+            todo = {attr: key for attr, key in own.items() if key is not None and key not in done}
+            if not todo:
+                continue
+            with _full_size(module, slots, prefix, device) as full:
+                slots.base._init_weights(module)
+            for attr, key in todo.items():
+                if full[attr].isnan().any():
+                    raise _not_meta_buildable(slots, key)
+                for name in by_key[key]:
+                    local, index = local_shard(slots.param(name))
+                    local.copy_(full[attr][index])
+                    written.add(name)
+                done.add(key)
+    return written
+
+
+def _init_adapters(model: torch.nn.Module, slots: ParamSlots, seed: int) -> set[str]:
+    """LoRA weights as ``llmft.model.init_adapters`` gives a model built whole; DoRA magnitudes as
+    PEFT computes them from the base weight (B is zero, so they are its row norms)."""
+    from peft.tuners.lora import LoraLayer
+
+    from llmft.model import initial_adapter_weights
+
+    written: set[str] = set()
+    for name, value in initial_adapter_weights(model, seed):
+        local, index = local_shard(slots.param(name))
+        local.copy_(value[index].to(slots.dtype[name]))
+        written.add(name)
+    for module_name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for adapter, dora in module.lora_magnitude_vector.items():
+            if dora.fan_in_fan_out:  # rows of the norm would be columns of the stored weight
+                raise _not_meta_buildable(slots, f"DoRA magnitudes of the transposed (Conv1D) layer {module_name}")
+            weight, rows = local_shard(module.get_base_layer().weight)
+            magnitude, magnitude_rows = local_shard(dora.weight)
+            assert rows[0] == magnitude_rows[0], "a weight's rows and their norms are sharded alike"
+            norm = dora.get_weight_norm(weight, torch.zeros_like(weight), module.scaling[adapter])
+            name = f"{module_name}.lora_magnitude_vector.{adapter}.weight"
+            magnitude.copy_(norm.to(slots.dtype[name]))
+            written.add(name)
+    return written

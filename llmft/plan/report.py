@@ -1,0 +1,57 @@
+"""``llmft plan``: the memory table of a resolved run, whether it fits, and the micro-batch that would."""
+
+from __future__ import annotations
+
+from llmft.errors import UserError
+from llmft.plan.memory import (
+    GIB,
+    MemoryEstimate,
+    detected_gpu_memory_gb,
+    estimate_memory,
+    format_estimate,
+    pick_micro_batch,
+)
+from llmft.plan.resolve import RunPlan, describe_engine, load_plan
+
+
+def plan_command(
+    recipe_path: str, overrides: list[str], nnodes: int | None = None, nproc_per_node: int | None = None
+) -> str:
+    """The text ``llmft plan`` prints."""
+    plan = load_plan(recipe_path, overrides, nnodes=nnodes, nproc_per_node=nproc_per_node)
+    recipe = plan.recipe
+    est = estimate_memory(plan)
+    head = [
+        f"model {recipe.model.name_or_path or recipe.model.config.get('model_type')}: "
+        f"{_describe(plan)}, engine {describe_engine(plan)}",
+        f"{plan.batch.equation()}, {est.seq_len} tokens per sequence",
+        "",
+        format_estimate(est),
+        "",
+    ]
+    head += [f"note: {n}" for n in est.notes]
+    return "\n".join(head + _fit_lines(plan, est))
+
+
+def _describe(plan: RunPlan) -> str:
+    m, p = plan.recipe.model, plan.recipe.peft
+    what = "full fine-tune" if p.method == "none" else f"{p.method} r={p.r}"
+    quant = f", {m.quantization.bits}-bit base" if m.quantization is not None else ""
+    ckpt = ", gradient checkpointing" if m.gradient_checkpointing else ""
+    return f"{what}{quant}, {m.dtype}{ckpt}, optimizer {plan.recipe.optim.name}"
+
+
+def _fit_lines(plan: RunPlan, est: MemoryEstimate) -> list[str]:
+    gb, source = plan.recipe.distributed.gpu_memory_gb, "distributed.gpu_memory_gb"
+    if gb is None:
+        gb, source = detected_gpu_memory_gb(), "detected GPU"
+    if gb is None:
+        return ["fits: unknown (no GPU here); set distributed.gpu_memory_gb=24 (GiB per GPU) to check"]
+    verdict = "yes" if est.fits(gb) else "NO"
+    lines = [f"fits in {gb:g} GiB ({source}): {verdict}, {(gb * GIB - est.total) / GIB:+.2f} GiB to spare"]
+    try:
+        best = pick_micro_batch(plan.recipe, plan.engine, plan.batch.global_batch_size, plan.dp_size, gb)
+        lines.append(f"largest micro-batch that fits and divides the local batch: {best}")
+    except UserError as e:
+        lines.append(f"no micro-batch fits: {e.problems[0].what}")
+    return lines
