@@ -271,8 +271,16 @@ def _planned_micro(recipe: Recipe, engine: str, global_batch_size: int, dp_size:
 
 def engine_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str], str]) -> list[Problem]:
     """What this engine cannot do with this recipe on ``dp_size`` processes."""
+    return (
+        _layout_problems(r, engine, dp_size, where)
+        + _offload_problems(r, engine, where)
+        + _quantization_problems(r, engine, dp_size, where)
+    )
+
+
+def _layout_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str], str]) -> list[Problem]:
     p: list[Problem] = []
-    d, m = r.distributed, r.model
+    d = r.distributed
     if engine == "single" and dp_size > 1:
         p.append(
             Problem(
@@ -281,6 +289,28 @@ def engine_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str],
                 "Use distributed.engine=ddp, fsdp or deepspeed (or auto).",
             )
         )
+    if dp_size % d.hsdp_replicate:
+        p.append(
+            Problem(
+                where("distributed.hsdp_replicate"),
+                f"{d.hsdp_replicate} does not divide data-parallel size {dp_size}",
+                f"Choose a divisor of {dp_size}.",
+            )
+        )
+    if d.hsdp_replicate > 1 and engine != "fsdp":
+        p.append(
+            Problem(
+                where("distributed.hsdp_replicate"),
+                f"HSDP replica groups are an FSDP2 setting; engine is {engine}, which would ignore it",
+                "Set distributed.engine=fsdp, or distributed.hsdp_replicate=1.",
+            )
+        )
+    return p
+
+
+def _offload_problems(r: Recipe, engine: str, where: Callable[[str], str]) -> list[Problem]:
+    p: list[Problem] = []
+    d = r.distributed
     if d.offload_params != "none" and engine in ("single", "ddp"):
         p.append(
             Problem(
@@ -313,35 +343,6 @@ def engine_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str],
                 "Set distributed.engine=deepspeed, or offload_optimizer=none (FSDP: use offload_params=cpu).",
             )
         )
-    if dp_size % d.hsdp_replicate:
-        p.append(
-            Problem(
-                where("distributed.hsdp_replicate"),
-                f"{d.hsdp_replicate} does not divide data-parallel size {dp_size}",
-                f"Choose a divisor of {dp_size}.",
-            )
-        )
-    # FSDP2 turns every param into a DTensor even on one rank, which drops the int8 weights' scales.
-    if (
-        m.quantization is not None
-        and m.quantization.bits == 8
-        and (engine == "fsdp" or (engine == "deepspeed" and dp_size > 1))
-    ):
-        p.append(
-            Problem(
-                where("model.quantization.bits"),
-                f"8-bit weights cannot be sharded by {engine}",
-                "Use bits: 4 (its storage dtype can be sharded) or distributed.engine=ddp.",
-            )
-        )
-    if m.quantization is not None and engine == "deepspeed" and d.zero_stage == 3:
-        p.append(
-            Problem(
-                where("model.quantization"),
-                "QLoRA under DeepSpeed ZeRO-3 is not supported by llmft",
-                "Use distributed.engine=fsdp for sharded QLoRA, or zero_stage 0-2.",
-            )
-        )
     if (r.optim.name.startswith("paged") or r.optim.name.endswith("8bit")) and engine == "deepspeed":
         if d.offload_optimizer != "none":
             p.append(
@@ -367,12 +368,31 @@ def engine_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str],
                 "Set distributed.zero_stage=3, or offload_optimizer=cpu.",
             )
         )
-    if d.hsdp_replicate > 1 and engine != "fsdp":
+    return p
+
+
+def _quantization_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str], str]) -> list[Problem]:
+    p: list[Problem] = []
+    d, m = r.distributed, r.model
+    # FSDP2 turns every param into a DTensor even on one rank, which drops the int8 weights' scales.
+    if (
+        m.quantization is not None
+        and m.quantization.bits == 8
+        and (engine == "fsdp" or (engine == "deepspeed" and dp_size > 1))
+    ):
         p.append(
             Problem(
-                where("distributed.hsdp_replicate"),
-                f"HSDP replica groups are an FSDP2 setting; engine is {engine}, which would ignore it",
-                "Set distributed.engine=fsdp, or distributed.hsdp_replicate=1.",
+                where("model.quantization.bits"),
+                f"8-bit weights cannot be sharded by {engine}",
+                "Use bits: 4 (its storage dtype can be sharded) or distributed.engine=ddp.",
+            )
+        )
+    if m.quantization is not None and engine == "deepspeed" and d.zero_stage == 3:
+        p.append(
+            Problem(
+                where("model.quantization"),
+                "QLoRA under DeepSpeed ZeRO-3 is not supported by llmft",
+                "Use distributed.engine=fsdp for sharded QLoRA, or zero_stage 0-2.",
             )
         )
     q = m.quantization

@@ -139,3 +139,17 @@ def test_compile_imports_no_torch(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_functions_fit_on_a_screen_or_two():
+    """docs/design.md: no function in llmft/ over 100 lines (the training loop reads top to bottom
+    in one), and the path llmft train takes (train.py, run.py) none over 60."""
+    too_long = []
+    for path in PACKAGE.rglob("*.py"):
+        limit = 60 if path.name in ("train.py", "run.py") else 100
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    assert not too_long, too_long
