@@ -377,10 +377,16 @@ def _log_source(key: str, meta: dict, built: bool) -> None:
     log.info(
         "%s: %s; cache %s %s",
         key,
-        ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v:.1%}" for k, v in stats.items()),
+        ", ".join(f"{k} {stats[k]:,}" if isinstance(stats[k], int) else f"{k} {stats[k]:.1%}" for k in _STAT_ORDER if k in stats),
         how,
         meta["entry"],
     )
+
+
+_STAT_ORDER = (
+    "records", "skipped", "truncated", "dropped_no_targets", "examples", "tokens", "target_tokens", "rows",
+    "packing_efficiency",
+)  # fmt: skip
 
 
 def _warn_shortened(key: str, total: int, truncated: int, dropped: int, max_seq_len: int) -> None:
