@@ -377,7 +377,11 @@ def _log_source(key: str, meta: dict, built: bool) -> None:
     log.info(
         "%s: %s; cache %s %s",
         key,
-        ", ".join(f"{k} {stats[k]:,}" if isinstance(stats[k], int) else f"{k} {stats[k]:.1%}" for k in _STAT_ORDER if k in stats),
+        ", ".join(
+            f"{k} {stats[k]:,}" if isinstance(stats[k], int) else f"{k} {stats[k]:.1%}"
+            for k in _STAT_ORDER
+            if k in stats
+        ),
         how,
         meta["entry"],
     )

@@ -45,7 +45,9 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
         total += f"; {st['mixture_rows']:,} rows per epoch after weights"
     lines.append(total)
     if "eval" in st:
-        lines.append(f"eval: {st['eval']['rows']:,} rows, {st['eval']['tokens']:,} tokens, {st['eval']['prompts']} prompts")
+        lines.append(
+            f"eval: {st['eval']['rows']:,} rows, {st['eval']['tokens']:,} tokens, {st['eval']['prompts']} prompts"
+        )
     return "\n".join(lines)
 
 

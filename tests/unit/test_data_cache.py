@@ -47,7 +47,9 @@ def test_second_build_reuses_the_entry_and_is_memory_mapped(tmp_path, data):
     assert [e["built"] for e in first.entries] == [True] and [e["built"] for e in second.entries] == [False]
     assert rows(first.train) == rows(second.train) and first.stats == second.stats
     assert not second.train._input_ids.flags.owndata  # a view of the memory map, not a copy
-    assert sorted(os.listdir(tmp_path / "cache")) == [os.path.basename(first.entries[0]["entry"]) + s for s in ("", ".lock")]
+    assert sorted(os.listdir(tmp_path / "cache")) == [
+        os.path.basename(first.entries[0]["entry"]) + s for s in ("", ".lock")
+    ]
 
 
 @pytest.mark.parametrize(
@@ -112,10 +114,14 @@ def test_token_dataset_round_trips_through_arrow(tmp_path):
     ds = TokenDataset(rows_in)
     ds.write(tmp_path / "r.arrow")
     back = TokenDataset.open(tmp_path / "r.arrow")
-    assert rows(back) == rows(ds) == [
-        {"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "position_ids": None},
-        {"input_ids": [4], "labels": [4], "position_ids": None},
-    ]
+    assert (
+        rows(back)
+        == rows(ds)
+        == [
+            {"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "position_ids": None},
+            {"input_ids": [4], "labels": [4], "position_ids": None},
+        ]
+    )
     import pickle
 
     assert rows(pickle.loads(pickle.dumps(back))) == rows(ds)  # workers re-open the map
@@ -160,7 +166,10 @@ def test_glob_csv_and_fields(tmp_path):
             "data.train[0].wieght: is not a source setting. Did you mean 'weight'? A source takes path, weight, "
             "split, name, revision, train_on, fields.",
         ),
-        ({"path": "x.jsonl", "weight": 0}, "data.train[0].weight: must be a number > 0, got 0. Use e.g. 2 (twice per epoch) or 0.5."),
+        (
+            {"path": "x.jsonl", "weight": 0},
+            "data.train[0].weight: must be a number > 0, got 0. Use e.g. 2 (twice per epoch) or 0.5.",
+        ),
         (
             {"path": "x.jsonl", "fields": {"promt": "q"}},
             "data.train[0].fields.promt: is not a record field. Did you mean 'prompt'? Map one of text, prompt, "

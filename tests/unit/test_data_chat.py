@@ -128,7 +128,10 @@ def test_multimodal_content_is_refused_with_the_part(tmp_path, content, why):
         return
     with pytest.raises(UserError) as e:
         build_data(r, byte_tokenizer())
-    assert str(e.value) == f"{path}:1: {why}. Fix or remove the record, or set data.on_bad_record=skip to skip malformed records."
+    assert (
+        str(e.value)
+        == f"{path}:1: {why}. Fix or remove the record, or set data.on_bad_record=skip to skip malformed records."
+    )
 
 
 def test_text_parts_are_joined(tmp_path):
@@ -140,7 +143,9 @@ def test_text_parts_are_joined(tmp_path):
 
 def test_chat_template_builtin_and_file(tmp_path):
     path = tmp_path / "c.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}))
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    )
     r = Recipe()
     r.data.train, r.data.chat_template = str(path), "chatml"
     tok = byte_tokenizer()
