@@ -18,6 +18,8 @@ EXAMPLES = {
     "train": "llmft train configs/quickstart.yaml\n"
     "  torchrun --nproc_per_node 2 -m llmft train configs/tiny-cpu.yaml distributed.engine=fsdp\n"
     "  llmft train compiled/            # a directory written by llmft compile",
+    "prepare": "llmft prepare configs/quickstart.yaml\n"
+    "  llmft prepare recipe.yaml data.cache_dir=/shared/llmft-cache data.num_proc=32   # then train on GPUs",
     "export": "llmft export runs/quickstart --out exported/\n"
     "  llmft export runs/qlora/checkpoints/step-100 --merge-lora --out merged/",
     "plot": "llmft plot runs/quickstart            # writes runs/quickstart/metrics.png",
@@ -52,6 +54,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llmft.train import train
 
     return train(args.recipe, args.overrides)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from llmft.data.prepare import prepare
+
+    print(prepare(args.recipe, args.overrides))
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -116,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default: <run.output_dir>/compiled)")
 
     p = add("train", "train (one process, torchrun, the deepspeed launcher or srun)", cmd_train)
+    _recipe_args(p)
+
+    p = add("prepare", "tokenize and pack the recipe's data into the cache ahead of training", cmd_prepare)
     _recipe_args(p)
 
     p = add("export", "write a Hugging Face model or PEFT adapter directory from a checkpoint", cmd_export)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from llmft.recipe.schema import ModelConfig
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
-ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>")
 SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)  # ids 256, 257, ... in this order
 BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
@@ -27,19 +27,71 @@ BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 # turns, so the tokens of an assistant turn are exactly its content plus eos: the
 # model learns to stop with eos, the same token that ends text and completion
 # records. {% generation %} lets transformers' return_assistant_tokens_mask work.
+# Tool results are a "tool" turn; an assistant's tool calls follow its content as JSON.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
-    "<|assistant|>\n{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
+    "<|assistant|>\n{% generation %}{{ message['content'] or '' }}"
+    "{% if message['tool_calls'] %}{{ message['tool_calls'] | tojson }}{% endif %}"
+    "{{ eos_token }}{% endgeneration %}"
     "{% elif message['role'] in ['system', 'user'] %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>"
+    "{% elif message['role'] in ['tool', 'function'] %}"
+    "<|tool|>\n{{ message['content'] }}<|end|>"
     "{% else %}"
     "{{ raise_exception('unknown role ' ~ message['role']) }}"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+# Templates ``data.chat_template`` may name instead of a file. Each renders prefixes of a
+# conversation as prefixes (what assistant-only masking needs) and tool turns.
+BUILTIN_TEMPLATES = {
+    "llmft": CHAT_TEMPLATE,
+    "chatml": (
+        "{% for message in messages %}"
+        "<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+        "{% for call in message['tool_calls'] or [] %}<tool_call>\n{{ call | tojson }}\n</tool_call>{% endfor %}"
+        "<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    "llama3": (
+        "{{ bos_token }}"
+        "{% for message in messages %}"
+        "{% set role = 'ipython' if message['role'] in ['tool', 'function'] else message['role'] %}"
+        "<|start_header_id|>{{ role }}<|end_header_id|>\n\n{{ (message['content'] or '') | trim }}"
+        "{% for call in message['tool_calls'] or [] %}{{ call | tojson }}{% endfor %}"
+        "<|eot_id|>"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    ),
+}
+
+
+def use_chat_template(tokenizer: PreTrainedTokenizerBase, value: str | None) -> None:
+    """Apply ``data.chat_template`` (a file, or a name in ``BUILTIN_TEMPLATES``) to ``tokenizer``; None keeps its own."""
+    if value is None:
+        return
+    path = Path(value).expanduser()
+    if path.is_file():
+        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    elif value in BUILTIN_TEMPLATES:
+        tokenizer.chat_template = BUILTIN_TEMPLATES[value]
+    else:
+        import difflib
+
+        close = difflib.get_close_matches(value, BUILTIN_TEMPLATES, n=1)
+        hint = f"Did you mean '{close[0]}'? " if close else ""
+        raise UserError(
+            Problem(
+                "data.chat_template",
+                f"'{value}' is neither a file nor a built-in template ({', '.join(BUILTIN_TEMPLATES)})",
+                f"{hint}Give the path of a Jinja template file, or one of the built-in names.",
+            )
+        )
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models on a 2-core machine: one thread per process is several times faster than
 # oversubscribing (and every torchrun child inherits it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The tokenized-data cache of this test session (llmft.data.cache), never the user's ~/.cache.
+_DATA_CACHE = tempfile.mkdtemp(prefix="llmft-test-cache-")
+os.environ.setdefault("LLMFT_CACHE", _DATA_CACHE)
 
 
 def _has_cuda() -> bool:
@@ -32,6 +37,10 @@ def pytest_configure(config):
         torch.set_num_threads(1)
     except ImportError:
         pass
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_DATA_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

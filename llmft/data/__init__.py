@@ -1,15 +1,18 @@
 """Training data: read records, format and mask them, pack, and order them resumably.
 
-- ``read``: files, directories and save_to_disk dirs -> raw JSON values with locations
+- ``sources``: ``data.train`` / ``data.eval`` as a list of sources (path or hub id, weight, split, ...)
+- ``read``: files, directories, globs, save_to_disk dirs and hub ids -> ``datasets`` tables with locations
 - ``records``: the three record shapes and their validation
-- ``encode``: records -> token ids and labels (which tokens are targets)
+- ``encode``: records -> token ids and labels (which tokens are targets), chat masking in linear time
 - ``pack``: several examples per row, attention kept apart by position ids
-- ``dataset``: ``build_data``, the pipeline from recipe keys to ``TokenDataset`` s
+- ``cache``: the tokenized-data cache: keys, the build lock, entries
+- ``dataset``: ``build_data``, the pipeline from recipe keys to memory-mapped ``TokenDataset`` s
+- ``prepare``: ``llmft prepare``
 - ``sampler``: ``GlobalOrder`` and ``MicroBatchSampler``, resumable from one position
 - ``loader``: ``collate``, ``count_targets``, ``make_loader``
 """
 
-from llmft.data.dataset import DataBundle, TokenDataset, build_data
+from llmft.data.dataset import DataBundle, MixedDataset, TokenDataset, build_data
 from llmft.data.encode import IGNORE_INDEX
 from llmft.data.loader import collate, count_targets, make_loader
 from llmft.data.sampler import GlobalOrder, MicroBatchSampler
@@ -19,6 +22,7 @@ __all__ = [
     "DataBundle",
     "GlobalOrder",
     "MicroBatchSampler",
+    "MixedDataset",
     "TokenDataset",
     "build_data",
     "collate",

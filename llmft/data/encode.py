@@ -8,15 +8,25 @@ non-target. ``labels[0]`` is therefore never a prediction target.
 - prompt/completion: ``tokenizer(prompt)`` (with the tokenizer's own special
   tokens, e.g. bos) followed by ``tokenizer(completion)`` and eos. With
   ``train_on: completion`` only the completion and eos are targets.
-- messages: the tokenizer's chat template, tokenized as one string (so the
-  tokens are exactly those inference sees). With ``train_on: completion`` the
-  targets are the tokens the template emits for each assistant message, found
-  by rendering prefixes of the conversation: the characters between
-  ``render(messages[:i], add_generation_prompt=True)`` and
-  ``render(messages[:i + 1])`` are assistant message ``i``; tokens overlapping
-  those characters (by offset mapping) are targets. This works for any
-  template that renders prefixes consistently, with or without
+- messages: the chat template, tokenized as one string (so the tokens are
+  exactly those inference sees). With ``train_on: completion`` the targets are
+  the tokens the template emits for each assistant message. By definition
+  these are the characters between ``render(messages[:i],
+  add_generation_prompt=True)`` and ``render(messages[:i + 1])`` for assistant
+  message ``i``; tokens overlapping them (by offset mapping) are targets. This
+  works for any template that renders prefixes consistently, with or without
   ``{% generation %}`` markers.
+
+Rendering those prefixes for every assistant turn costs the square of the
+number of turns, so it is done once per *template layout* instead: a probe
+conversation with the same roles and marker contents is rendered prefix by
+prefix, which gives the literal text around each message and where each
+assistant span starts and ends relative to its content. A real conversation is
+then rendered once; when it equals the probe's literals with the real contents
+put in (the template did not depend on the contents), its spans follow from
+the layout in linear time. Otherwise (contents the template rewrites, such as
+``| trim`` of surrounding whitespace, or tool calls it serialises) that one
+conversation falls back to the prefix renders: the same masks, only slower.
 """
 
 from __future__ import annotations
@@ -24,19 +34,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmft.data.records import BadRecord, Chat, PromptCompletion, Record, Text
+import numpy as np
+
+from llmft.data.records import BadRecord, Chat, Message, PromptCompletion, Record, Text
 from llmft.errors import Problem, UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100
+# Private-use code points: no template emits them, and trim/strip filters leave them alone.
+_OPEN, _CLOSE = "\U000f0000", "\U000f0001"
 
 
 @dataclass
 class Example:
     input_ids: list[int]
     labels: list[int]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A template's rendering of one role sequence: literal text around each content, and assistant spans."""
+
+    literals: tuple[str, ...]  # len(messages) + 1 pieces: before message 0, between, after the last
+    spans: tuple[tuple[int, int, int], ...]  # (message index, chars before its content, chars after it)
 
 
 class Encoder:
@@ -46,18 +68,40 @@ class Encoder:
         self.tokenizer = tokenizer
         self.train_on = train_on
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self._layouts: dict[tuple, _Layout | None] = {}
+        self.prefix_renders = 0  # conversations that needed the quadratic fallback (for tests and stats)
 
     def encode(self, record: Record) -> Example:
-        if isinstance(record, Text):
-            ids = self._with_eos(self._ids(record.text, special=True))
-            return Example(ids, list(ids))
-        if isinstance(record, PromptCompletion):
-            prompt = self._ids(record.prompt, special=True)
-            completion = self._with_eos(self._ids(record.completion, special=False))
+        (out,) = self.encode_batch([record])
+        if isinstance(out, BadRecord):
+            raise out
+        return out
+
+    def encode_batch(self, records: list[Record]) -> list[Example | BadRecord]:
+        """Each record's example, or the ``BadRecord`` that says why it cannot be used.
+
+        Records of one kind are tokenized in one call (the fast tokenizer's batch path).
+        """
+        out: list[Example | BadRecord | None] = [None] * len(records)
+        texts = [i for i, r in enumerate(records) if isinstance(r, Text)]
+        pcs = [i for i, r in enumerate(records) if isinstance(r, PromptCompletion)]
+        chats = [i for i, r in enumerate(records) if isinstance(r, Chat)]
+        if texts:
+            for i, ids in zip(texts, self._ids_batch([records[i].text for i in texts], special=True), strict=True):
+                ids = self._with_eos(ids)
+                out[i] = Example(ids, list(ids))
+        if pcs:
+            prompts = self._ids_batch([records[i].prompt for i in pcs], special=True)
+            completions = self._ids_batch([records[i].completion for i in pcs], special=False)
             masked = self.train_on == "completion"
-            labels = ([IGNORE_INDEX] * len(prompt) if masked else prompt) + completion
-            return Example(prompt + completion, labels)
-        return self._encode_chat(record)
+            for i, prompt, completion in zip(pcs, prompts, completions, strict=True):
+                completion = self._with_eos(completion)
+                labels = ([IGNORE_INDEX] * len(prompt) if masked else prompt) + completion
+                out[i] = Example(prompt + completion, labels)
+        if chats:
+            for i, ex in zip(chats, self._encode_chats([records[i] for i in chats]), strict=True):
+                out[i] = ex
+        return out  # type: ignore[return-value]
 
     def eval_prompt(self, record: Record) -> tuple[list[int], str] | None:
         """(prompt ids, reference text) for generation eval; None for text records."""
@@ -65,7 +109,7 @@ class Encoder:
             return self._ids(record.prompt, special=True), record.completion
         if isinstance(record, Chat):
             last = max((i for i, m in enumerate(record.messages) if m.role == "assistant"), default=None)
-            if last is None:
+            if last is None or record.messages[last].content is None:
                 return None
             prompt = self._render(record, last, generation_prompt=True)
             return self._ids(prompt, special=False), record.messages[last].content
@@ -78,23 +122,49 @@ class Encoder:
     def _ids(self, text: str, special: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
-    def _encode_chat(self, chat: Chat) -> Example:
-        self._check_chat_support()
-        full = self._render(chat, None, generation_prompt=False)
-        if self.train_on == "all":
-            ids = self._ids(full, special=False)  # the template writes its own bos
-            return Example(ids, list(ids))
-        spans = self._assistant_spans(chat, full)
-        if not spans:
-            raise BadRecord("has no assistant message, so nothing to train on (data.train_on=completion)")
-        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        labels = [
-            token if any(lo < end and hi > start for start, end in spans) else IGNORE_INDEX
-            for token, (lo, hi) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
-        ]
-        return Example(list(enc["input_ids"]), labels)
+    def _ids_batch(self, texts: list[str], special: bool) -> list[list[int]]:
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
 
-    def _assistant_spans(self, chat: Chat, full: str) -> list[tuple[int, int]]:
+    # --- chat ---------------------------------------------------------------
+
+    def _encode_chats(self, chats: list[Chat]) -> list[Example | BadRecord]:
+        self._check_chat_support()
+        out: list[Example | BadRecord | None] = [None] * len(chats)
+        fulls: dict[int, tuple[str, list[tuple[int, int]]]] = {}
+        for k, chat in enumerate(chats):
+            try:
+                full = self._render(chat, None, generation_prompt=False)
+                spans = [] if self.train_on == "all" else self.assistant_spans(chat, full)
+                if self.train_on != "all" and not spans:
+                    raise BadRecord("has no assistant message, so nothing to train on (data.train_on=completion)")
+                fulls[k] = (full, spans)
+            except BadRecord as e:
+                out[k] = e
+        order = list(fulls)
+        if not order:
+            return out  # type: ignore[return-value]
+        texts = [fulls[k][0] for k in order]
+        if self.train_on == "all":
+            for k, ids in zip(order, self._ids_batch(texts, special=False), strict=True):  # the template writes bos
+                out[k] = Example(ids, list(ids))
+            return out  # type: ignore[return-value]
+        enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        for k, ids, offsets in zip(order, enc["input_ids"], enc["offset_mapping"], strict=True):
+            out[k] = Example(list(ids), _mask_labels(list(ids), offsets, fulls[k][1]))
+        return out  # type: ignore[return-value]
+
+    def assistant_spans(self, chat: Chat, full: str) -> list[tuple[int, int]]:
+        """Character spans of the assistant turns in ``full`` (the rendered conversation)."""
+        layout = self._layout_for(chat)
+        if layout is not None:
+            spans = _spans_from_layout(layout, chat, full)
+            if spans is not None:
+                return spans
+        self.prefix_renders += 1
+        return self._prefix_spans(chat, full)
+
+    def _prefix_spans(self, chat: Chat, full: str) -> list[tuple[int, int]]:
+        """The definition: two prefix renders per assistant message (quadratic in turns)."""
         spans = []
         for i, message in enumerate(chat.messages):
             if message.role != "assistant":
@@ -108,6 +178,40 @@ class Encoder:
                 )
             spans.append((len(before), len(through)))
         return spans
+
+    def _layout_for(self, chat: Chat) -> _Layout | None:
+        # Tool calls and ids are rendered from the data itself, so they have no reusable layout.
+        if any(m.extras or m.content is None for m in chat.messages):
+            return None
+        roles = tuple(m.role for m in chat.messages)
+        if roles not in self._layouts:
+            self._layouts[roles] = self._probe_layout(roles)
+        return self._layouts[roles]
+
+    def _probe_layout(self, roles: tuple[str, ...]) -> _Layout | None:
+        markers = [f"{_OPEN}{j}{_CLOSE}" for j in range(len(roles))]
+        probe = Chat(tuple(Message(role, marker) for role, marker in zip(roles, markers, strict=True)))
+        try:
+            full = self._render(probe, None, generation_prompt=False)
+            spans = self._prefix_spans(probe, full)
+        except BadRecord:
+            return None
+        literals, cursor, starts = [], 0, []
+        for marker in markers:
+            at = full.find(marker, cursor)
+            if at < 0:
+                return None  # the template drops or rewrites content: no layout
+            literals.append(full[cursor:at])
+            starts.append(at)
+            cursor = at + len(marker)
+        literals.append(full[cursor:])
+        assistants = [j for j, role in enumerate(roles) if role == "assistant"]
+        if len(assistants) != len(spans):
+            return None
+        rel = []
+        for j, (lo, hi) in zip(assistants, spans, strict=True):
+            rel.append((j, starts[j] - lo, hi - (starts[j] + len(markers[j]))))
+        return _Layout(tuple(literals), tuple(rel))
 
     def _render(self, chat: Chat, end: int | None, generation_prompt: bool) -> str:
         from jinja2.exceptions import TemplateError
@@ -126,7 +230,8 @@ class Encoder:
                 Problem(
                     "model.tokenizer",
                     f"'{name}' has no chat template, so 'messages' records cannot be formatted",
-                    "Use a tokenizer with a chat template (an instruct model's), or write prompt/completion records.",
+                    "Set data.chat_template (a file or a built-in name), use a tokenizer with a chat template "
+                    "(an instruct model's), or write prompt/completion records.",
                 )
             )
         if self.train_on == "completion" and not self.tokenizer.is_fast:
@@ -137,3 +242,32 @@ class Encoder:
                     "Use a tokenizer with a tokenizer.json, or set data.train_on=all.",
                 )
             )
+
+
+def _spans_from_layout(layout: _Layout, chat: Chat, full: str) -> list[tuple[int, int]] | None:
+    """Assistant spans of ``chat`` from its layout, or None when ``full`` does not follow the layout."""
+    pieces, starts, pos = [], [], 0
+    for literal, message in zip(layout.literals, chat.messages, strict=False):
+        pieces.append(literal)
+        pos += len(literal)
+        starts.append(pos)
+        pieces.append(message.content)
+        pos += len(message.content)
+    pieces.append(layout.literals[-1])
+    if "".join(pieces) != full:
+        return None
+    return [
+        (starts[j] - before, starts[j] + len(chat.messages[j].content) + after) for j, before, after in layout.spans
+    ]
+
+
+def _mask_labels(ids: list[int], offsets, spans: list[tuple[int, int]]) -> list[int]:
+    """``ids`` where a token overlaps an assistant span, else IGNORE_INDEX."""
+    if not ids:
+        return []
+    offs = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    lo, hi = offs[:, 0], offs[:, 1]
+    hit = np.zeros(len(ids), dtype=bool)
+    for start, end in spans:
+        hit |= (lo < end) & (hi > start)
+    return np.where(hit, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()

@@ -21,6 +21,9 @@ The padded tail gets its own positions 0, 1, ... so it is a separate
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
+
+import numpy as np
 
 from llmft.data.encode import IGNORE_INDEX, Example
 
@@ -44,21 +47,78 @@ def plan_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])``, vectorised."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    first = np.cumsum(lengths) - lengths  # where each range begins in the output
+    return np.arange(total, dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - first, lengths)
+
+
+@dataclass
+class PackedRows:
+    """Rows of exactly ``max_seq_len`` tokens as flat arrays: row r is ``[r * max_seq_len, (r + 1) * max_seq_len)``.
+
+    ``segments`` (with ``segment_offsets``) lists each row's sequence lengths, the padded tail
+    included, from which the position ids follow.
+    """
+
+    input_ids: np.ndarray
+    target: np.ndarray  # 1 where labels == input_ids, 0 where labels == IGNORE_INDEX
+    segments: np.ndarray
+    segment_offsets: np.ndarray
+
+
+def pack_arrays(
+    input_ids: np.ndarray, target: np.ndarray, starts: np.ndarray, lengths: np.ndarray, max_seq_len: int, pad_id: int
+) -> PackedRows:
+    """Pack examples ``input_ids[starts[i] : starts[i] + lengths[i]]`` (same for ``target``) by ``plan_rows``."""
+    plan = plan_rows([int(n) for n in lengths], max_seq_len)
+    members = np.fromiter((i for row in plan for i in row), dtype=np.int64, count=len(lengths))
+    row_of = np.repeat(np.arange(len(plan), dtype=np.int64), [len(row) for row in plan])
+    member_lens = np.asarray(lengths, dtype=np.int64)[members]
+    # Where each member starts inside its row: a running sum that restarts at every row.
+    cum = np.cumsum(member_lens) - member_lens
+    first_of_row = np.r_[0, np.cumsum([len(row) for row in plan])[:-1]]
+    in_row = cum - cum[first_of_row][row_of]
+    dest = row_of * max_seq_len + in_row
+    src = np.asarray(starts, dtype=np.int64)[members]
+    ids = np.full(len(plan) * max_seq_len, pad_id, dtype=input_ids.dtype)
+    tgt = np.zeros(len(plan) * max_seq_len, dtype=np.uint8)
+    d, s = ranges(dest, member_lens), ranges(src, member_lens)
+    ids[d] = input_ids[s]
+    tgt[d] = target[s]
+    tgt[dest] = 0  # an example's first token would be predicted from the previous example's last
+    used = np.bincount(row_of, weights=member_lens, minlength=len(plan)).astype(np.int64)
+    tails = max_seq_len - used
+    counts = np.array([len(row) for row in plan], dtype=np.int64) + (tails > 0)
+    segments = np.zeros(int(counts.sum()), dtype=np.int32)
+    seg_offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    segments[seg_offsets[row_of] + (np.arange(len(members)) - first_of_row[row_of])] = member_lens
+    has_tail = np.flatnonzero(tails > 0)
+    segments[seg_offsets[has_tail + 1] - 1] = tails[has_tail]
+    return PackedRows(ids, tgt, segments, seg_offsets)
+
+
+def positions(segments: np.ndarray) -> np.ndarray:
+    """Position ids that restart at 0 for every segment."""
+    lengths = np.asarray(segments, dtype=np.int64)
+    return ranges(np.zeros(len(lengths), dtype=np.int64), lengths)
+
+
 def pack(examples: list[Example], max_seq_len: int, pad_id: int) -> list[tuple[list[int], list[int], list[int]]]:
     """Rows of (input_ids, labels, position_ids), each exactly ``max_seq_len`` long."""
-    rows = []
-    for members in plan_rows([len(e.input_ids) for e in examples], max_seq_len):
-        input_ids: list[int] = []
-        labels: list[int] = []
-        positions: list[int] = []
-        for i in members:
-            ex = examples[i]
-            input_ids += ex.input_ids
-            labels += [IGNORE_INDEX, *ex.labels[1:]]
-            positions += range(len(ex.input_ids))
-        tail = max_seq_len - len(input_ids)
-        input_ids += [pad_id] * tail
-        labels += [IGNORE_INDEX] * tail
-        positions += range(tail)
-        rows.append((input_ids, labels, positions))
-    return rows
+    lengths = np.array([len(e.input_ids) for e in examples], dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    flat = np.array([t for e in examples for t in e.input_ids], dtype=np.int64)
+    target = np.array([label != IGNORE_INDEX for e in examples for label in e.labels], dtype=np.uint8)
+    rows = pack_arrays(flat, target, starts, lengths, max_seq_len, pad_id)
+    out = []
+    for r in range(len(rows.segment_offsets) - 1):
+        ids = rows.input_ids[r * max_seq_len : (r + 1) * max_seq_len]
+        tgt = rows.target[r * max_seq_len : (r + 1) * max_seq_len]
+        segs = rows.segments[rows.segment_offsets[r] : rows.segment_offsets[r + 1]]
+        out.append((ids.tolist(), np.where(tgt == 1, ids, IGNORE_INDEX).tolist(), positions(segs).tolist()))
+    return out

@@ -1,81 +1,152 @@
-"""Read raw records from JSONL / JSON / Parquet files, directories of them, or a save_to_disk dir.
+"""Find a source's data and load it as Hugging Face ``datasets`` tables, remembering where each record came from.
 
-Reading never judges a record's fields (that is ``records.py``); it only turns
-bytes into JSON values and remembers where each came from, so that every later
-complaint can name ``file:line`` (JSONL, JSON parse errors) or ``file: record i``
-(0-based, other formats). A line that is not valid JSON becomes a ``RawRecord``
-with an ``error`` so that ``data.on_bad_record`` decides its fate in one place.
+A source resolves (``resolve``) to one of
+
+- local files: a file, a directory (its data files recursively, sorted by
+  relative path, hidden entries skipped) or a glob. JSONL and JSON files are
+  split into records by llmft itself, one raw JSON string per record, so that
+  a bad line is one bad record at ``file:line`` and records of different
+  shapes may share a file (Arrow's JSON reader would need one schema and
+  fails a whole file on one bad line); they are parsed in the tokenizing
+  workers. Parquet and CSV files go through ``datasets.load_dataset``.
+- a ``save_to_disk`` directory (``datasets.load_from_disk``),
+- a hub dataset id (``datasets.load_dataset(path, name, split, revision)``),
+  the same packaged builders as the local Parquet/CSV path.
+
+Reading never judges a record's fields (that is ``records.py``). Every later
+complaint names ``file:line`` (JSONL), ``file: record i`` (0-based, other
+files) or ``id[split]: record i`` (hub).
 """
 
 from __future__ import annotations
 
+import glob
 import json
-from collections.abc import Iterator
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from llmft.data.sources import Source
 from llmft.errors import Problem, UserError
 
-EXTENSIONS = (".jsonl", ".json", ".parquet")
+if TYPE_CHECKING:
+    import datasets
+
+EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
+LINE_EXTENSIONS = (".jsonl", ".json")
 _SAVE_TO_DISK_MARKERS = ("dataset_info.json", "state.json")
+_BUILDERS = {".parquet": "parquet", ".csv": "csv"}
 
 
 @dataclass(frozen=True)
-class RawRecord:
-    where: str  # "file:line" or "file: record i"
-    value: Any  # the parsed JSON value (None when error is set)
-    error: str | None = None  # why it could not be parsed
+class Resolved:
+    source: Source
+    kind: str  # "files", "saved" or "hub"
+    files: tuple[Path, ...] = ()  # kind files: the data files in order; kind saved: the directory
+
+    def identity(self) -> dict[str, Any]:
+        """What the cache key needs to notice a change: files with sizes and mtimes (hub: the id)."""
+        s = self.source
+        ident: dict[str, Any] = {"kind": self.kind, "split": s.split, "fields": dict(sorted(s.fields.items()))}
+        if self.kind == "hub":
+            ident.update(path=s.path, name=s.name, revision=s.revision)
+            return ident
+        files = self.files if self.kind == "files" else sorted(p for p in self.files[0].rglob("*") if p.is_file())
+        ident["files"] = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+        return ident
 
 
-def read_records(source: Any, key: str) -> list[RawRecord]:
-    """All records of ``source`` (a path or a list of paths), in a deterministic order.
+@dataclass
+class Chunk:
+    """Raw records of consecutive files of one kind, as one ``datasets.Dataset``."""
 
-    ``key`` is the recipe key the source came from (``data.train``), used in errors.
-    """
-    paths = _as_paths(source, key)
-    records: list[RawRecord] = []
-    for path in paths:
-        records.extend(_read_path(path, key))
-    return records
+    dataset: datasets.Dataset
+    lines: bool  # columns (file, pos, json, error) rather than the records' own columns
+    locator: Locator
 
 
-def describe(source: Any) -> str:
-    """The source as a user wrote it, for messages."""
-    if isinstance(source, (str, Path)):
-        return str(source)
-    return ", ".join(str(p) for p in source)
+@dataclass(frozen=True)
+class Locator:
+    """Row index of a chunk -> "file:line" / "file: record i" / "id[split]: record i"."""
+
+    names: tuple[str, ...]  # one per file
+    lines: tuple[bool, ...]  # JSONL file: pos is a line number
+    starts: tuple[int, ...] = (0,)  # table chunks: first row of each file
+
+    def where(self, row: int, file: int | None = None, pos: int | None = None) -> str:
+        if file is None:  # a table chunk: find the file by row
+            file = max(i for i, s in enumerate(self.starts) if s <= row)
+            pos = row - self.starts[file]
+        return f"{self.names[file]}:{pos}" if self.lines[file] else f"{self.names[file]}: record {pos}"
 
 
-def _as_paths(source: Any, key: str) -> list[Path]:
-    if source is None or source == "" or source == []:
-        raise UserError(Problem(key, "is not set", f"Set {key} to a JSONL/JSON/Parquet file or directory."))
-    items = [source] if isinstance(source, (str, Path)) else list(source)
-    paths = [Path(str(item)).expanduser() for item in items]
-    for path in paths:
-        if not path.exists():
-            raise UserError(
-                Problem(key, f"path '{path}' does not exist", f"Check the path (relative to {Path.cwd()}).")
-            )
-    return paths
-
-
-def _read_path(path: Path, key: str) -> Iterator[RawRecord]:
+def resolve(source: Source) -> Resolved:
+    key, text = source.key, source.path
+    path = Path(text).expanduser()
+    if any(c in text for c in "*?["):
+        found = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        files = [p for p in found if p.suffix in EXTENSIONS]
+        if not files:
+            raise UserError(Problem(key, f"the pattern '{text}' matches no {_ext_list()} files", "Check the pattern."))
+        return Resolved(source, "files", tuple(files))
     if path.is_dir():
-        if all((path / marker).is_file() for marker in _SAVE_TO_DISK_MARKERS):
-            yield from _read_saved_dataset(path, key)
-            return
-        if (path / "dataset_dict.json").is_file():
-            raise UserError(_dataset_dict_problem(path, key))
+        if all((path / marker).is_file() for marker in _SAVE_TO_DISK_MARKERS) or (path / "dataset_dict.json").is_file():
+            return Resolved(source, "saved", (path,))
         files = _data_files(path)
         if not files:
+            raise UserError(Problem(key, f"directory '{path}' holds no {_ext_list()} files", "Check the path."))
+        return Resolved(source, "files", tuple(files))
+    if path.is_file():
+        if path.suffix not in EXTENSIONS:
             raise UserError(
-                Problem(key, f"directory '{path}' holds no .jsonl, .json or .parquet files", "Check the path.")
+                Problem(key, f"'{path}' is not a {_ext_list()} file", "Convert it, or rename it if it is one.")
             )
-        for file in files:
-            yield from _read_file(file, key)
-    else:
-        yield from _read_file(path, key)
+        return Resolved(source, "files", (path,))
+    if _looks_like_hub_id(text):
+        return Resolved(source, "hub")
+    raise UserError(Problem(key, f"path '{path}' does not exist", f"Check the path (relative to {Path.cwd()})."))
+
+
+def read(resolved: Resolved, work_dir: Path) -> tuple[list[Chunk], str | None]:
+    """The chunks of a resolved source, and the hub dataset's fingerprint (None for local data).
+
+    ``work_dir`` receives datasets' own Arrow copies of local Parquet/CSV files; the caller removes it.
+    """
+    if resolved.kind == "hub":
+        ds = _load_hub(resolved.source)
+        split = resolved.source.split or "train"
+        return [Chunk(ds, False, Locator((f"{resolved.source.path}[{split}]",), (False,)))], ds._fingerprint
+    if resolved.kind == "saved":
+        ds = _load_saved(resolved.files[0], resolved.source)
+        return [Chunk(ds, False, Locator((str(resolved.files[0]),), (False,)))], None
+    chunks: list[Chunk] = []
+    group: list[Path] = []
+    for file in [*resolved.files, None]:
+        if group and (file is None or _group_of(file) != _group_of(group[0])):
+            chunks.append(_read_lines(group) if _group_of(group[0]) == "lines" else _read_tables(group, work_dir))
+            group = []
+        if file is not None:
+            group.append(file)
+    return chunks, None
+
+
+def _ext_list() -> str:
+    return ", ".join(EXTENSIONS[:-1]) + " or " + EXTENSIONS[-1]
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return (
+        not text.startswith((".", "/", "~"))
+        and len(parts) <= 2
+        and all(p and all(c.isalnum() or c in "-_." for c in p) for p in parts)
+        and Path(text).suffix not in EXTENSIONS
+    )
+
+
+def _group_of(file: Path) -> str:
+    return "lines" if file.suffix in LINE_EXTENSIONS else file.suffix
 
 
 def _data_files(directory: Path) -> list[Path]:
@@ -88,38 +159,42 @@ def _data_files(directory: Path) -> list[Path]:
     return [directory / rel for rel in sorted(found, key=lambda r: r.as_posix())]
 
 
-def _read_file(path: Path, key: str) -> Iterator[RawRecord]:
-    if path.suffix == ".jsonl":
-        yield from _read_jsonl(path)
-    elif path.suffix == ".json":
-        yield from _read_json(path)
-    elif path.suffix == ".parquet":
-        yield from _read_parquet(path)
-    else:
-        raise UserError(
-            Problem(key, f"'{path}' is not a .jsonl, .json or .parquet file", "Convert it, or rename it if it is one.")
-        )
+# --- JSON and JSONL: records split by llmft, parsed later in the workers -------------
 
 
-def _read_jsonl(path: Path) -> Iterator[RawRecord]:
+def _read_lines(files: list[Path]) -> Chunk:
+    import datasets
+
+    cols: dict[str, list] = {"file": [], "pos": [], "json": [], "error": []}
+    for i, path in enumerate(files):
+        rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _json_rows(path)
+        for pos, text, error in rows:
+            cols["file"].append(i)
+            cols["pos"].append(pos)
+            cols["json"].append(text)
+            cols["error"].append(error)
+    features = datasets.Features(
+        file=datasets.Value("int32"), pos=datasets.Value("int64"), json=datasets.Value("large_string"),
+        error=datasets.Value("string"),
+    )  # fmt: skip
+    ds = datasets.Dataset.from_dict(cols, features=features)
+    return Chunk(ds, True, Locator(tuple(map(str, files)), tuple(p.suffix == ".jsonl" for p in files)))
+
+
+def _jsonl_rows(path: Path):
     # Bytes, decoded per line: one line of bad UTF-8 is one bad record, not a dead file.
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield RawRecord(where, None, f"not valid UTF-8 ({e.reason} at byte {e.start})")
+                yield lineno, None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
                 continue
-            if not line.strip():
-                continue
-            try:
-                yield RawRecord(where, json.loads(line))
-            except json.JSONDecodeError as e:
-                yield RawRecord(where, None, f"not valid JSON ({e.msg} at column {e.colno})")
+            if line.strip():
+                yield lineno, line, None
 
 
-def _read_json(path: Path) -> Iterator[RawRecord]:
+def _json_rows(path: Path):
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -140,37 +215,95 @@ def _read_json(path: Path) -> Iterator[RawRecord]:
             )
         )
     for i, value in enumerate(doc):
-        yield RawRecord(f"{path}: record {i}", value)
+        yield i, json.dumps(value), None
 
 
-def _read_parquet(path: Path) -> Iterator[RawRecord]:
-    import pyarrow
-    import pyarrow.parquet as pq
-
+def parse_line(text: str | None, error: str | None) -> Any:
+    """The JSON value of one raw line; raises ``ValueError`` with the reason."""
+    if error is not None:
+        raise ValueError(error)
     try:
-        rows = pq.read_table(path).to_pylist()
-    except (pyarrow.ArrowException, OSError) as e:
-        raise UserError(Problem(str(path), f"not a readable Parquet file ({e})", "Check the file.")) from e
-    for i, value in enumerate(rows):
-        yield RawRecord(f"{path}: record {i}", value)
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
 
 
-def _read_saved_dataset(path: Path, key: str) -> Iterator[RawRecord]:
+# --- Parquet, CSV, save_to_disk, hub: datasets ------------------------------------------
+
+
+def _read_tables(files: list[Path], work_dir: Path) -> Chunk:
+    import datasets
+
+    parts, starts, row = [], [], 0
+    for path in files:
+        try:
+            ds = datasets.load_dataset(
+                _BUILDERS[path.suffix], data_files=[str(path)], split="train", cache_dir=str(work_dir / "hf")
+            )
+        except Exception as e:  # pyarrow / datasets raise many types for a malformed file
+            raise UserError(
+                Problem(str(path), f"not a readable {path.suffix[1:]} file ({_reason(e)})", "Check the file.")
+            ) from e
+        parts.append(ds)
+        starts.append(row)
+        row += len(ds)
     try:
-        import datasets
-    except ImportError as e:
+        ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    except ValueError as e:
         raise UserError(
-            Problem(key, f"'{path}' is a datasets save_to_disk directory", "pip install datasets to read it.")
+            Problem(str(files[0].parent), f"its {files[0].suffix} files have different columns ({_reason(e)})",
+                    "Give files of different shapes as separate sources in a list.")
+        ) from e  # fmt: skip
+    return Chunk(ds, False, Locator(tuple(map(str, files)), (False,) * len(files), tuple(starts)))
+
+
+def _load_saved(path: Path, source: Source) -> datasets.Dataset:
+    import datasets
+
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if p.is_dir())
+        if source.split is None or source.split not in splits:
+            raise UserError(_dataset_dict_problem(path, source, splits))
+        path = path / source.split
+    return datasets.load_from_disk(str(path))
+
+
+def _load_hub(source: Source) -> datasets.Dataset:
+    import datasets
+
+    split = source.split or "train"
+    try:
+        return datasets.load_dataset(source.path, name=source.name, split=split, revision=source.revision)
+    except Exception as e:  # offline, unknown id, unknown split or config, gated repo, ...
+        offline = " (offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)" if _offline() else ""
+        raise UserError(
+            Problem(
+                source.key,
+                f"'{source.path}' is not a local path, and no hub dataset of that name could be loaded{offline}: "
+                f"{_reason(e)}",
+                "Check the path (relative to the working directory) or the hub id, name and split; a hub dataset "
+                "must be in the local Hugging Face cache when running offline.",
+            )
         ) from e
-    dataset = datasets.load_from_disk(str(path))
-    for i, value in enumerate(dataset):
-        yield RawRecord(f"{path}: record {i}", value)
 
 
-def _dataset_dict_problem(path: Path, key: str) -> Problem:
-    splits = sorted(p.name for p in path.iterdir() if p.is_dir())
+def _offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _dataset_dict_problem(path: Path, source: Source, splits: list[str]) -> Problem:
+    key = source.key
+    if source.split is not None:
+        return Problem(f"{key}.split", f"'{source.split}' is not a split of '{path}' ({', '.join(splits)})", "")
     return Problem(
         key,
         f"'{path}' is a saved DatasetDict with splits {splits}",
-        f"Point {key} at one split's directory, e.g. {path / splits[0]}." if splits else "Save a Dataset instead.",
+        f"Point {key} at one split's directory, e.g. {path / splits[0]}, or give {{path, split}}."
+        if splits
+        else "Save a Dataset instead.",
     )

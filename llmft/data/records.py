@@ -4,6 +4,14 @@ A record is ``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages": [...]}`
 (checked in that order of precedence: messages, prompt/completion, text);
 other keys are ignored. Anything else raises ``BadRecord`` with a reason that
 the caller prefixes with the record's ``file:line``.
+
+Chat messages have a ``role`` (system, user, assistant, tool, or the older
+OpenAI name function) and a string ``content``. An assistant message may
+carry ``tool_calls`` instead of (or besides) content, and a tool message a
+``tool_call_id`` / ``name``; these extra fields go to the chat template as
+they are. Content given as a list of parts is accepted when every part is
+text (the texts are joined); an image, audio or other part is refused with a
+clear reason, since llmft trains text-only models.
 """
 
 from __future__ import annotations
@@ -11,7 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool", "function")
+# Message fields besides role/content that templates read (OpenAI / HF conventions).
+MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
+_MULTIMODAL_RECORD_KEYS = ("images", "image", "audios", "audio", "videos", "video")
 
 
 class BadRecord(ValueError):
@@ -32,27 +43,37 @@ class PromptCompletion:
 @dataclass(frozen=True)
 class Message:
     role: str
-    content: str
+    content: str | None
+    extras: tuple[tuple[str, Any], ...] = ()  # (field, value) of MESSAGE_EXTRAS present in the record
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        d.update(self.extras)
+        return d
 
 
 @dataclass(frozen=True)
 class Chat:
     messages: tuple[Message, ...]
 
-    def as_dicts(self, end: int | None = None) -> list[dict[str, str]]:
+    def as_dicts(self, end: int | None = None) -> list[dict[str, Any]]:
         """The first ``end`` messages in the form chat templates take."""
-        return [{"role": m.role, "content": m.content} for m in self.messages[:end]]
+        return [m.as_dict() for m in self.messages[:end]]
 
 
 Record = Union[Text, PromptCompletion, Chat]
 
 
-def parse_record(value: Any) -> Record:
+def parse_record(value: Any, fields: dict[str, str] | None = None) -> Record:
+    """One record; ``fields`` maps a record field name (text, prompt, ...) to the column holding it."""
     if not isinstance(value, dict):
         raise BadRecord(f"a record must be a JSON object, got {_kind(value)}")
+    if fields:
+        value = _renamed(value, fields)
     # Parquet and datasets rows carry every column; a null there means "not this shape".
     value = {k: v for k, v in value.items() if v is not None}
     if "messages" in value:
+        _check_not_multimodal_record(value)
         return _parse_chat(value["messages"])
     if "prompt" in value or "completion" in value:
         for name in ("prompt", "completion"):
@@ -69,18 +90,64 @@ def parse_record(value: Any) -> Record:
     )
 
 
+def _renamed(value: dict[str, Any], fields: dict[str, str]) -> dict[str, Any]:
+    out = dict(value)
+    for name, column in fields.items():
+        if column in value:
+            out[name] = out.pop(column) if column != name else value[column]
+    return out
+
+
+def _check_not_multimodal_record(value: dict[str, Any]) -> None:
+    for key in _MULTIMODAL_RECORD_KEYS:
+        if value.get(key) not in (None, [], ""):
+            raise BadRecord(
+                f"has '{key}': multimodal records are not supported (llmft trains text-only models); "
+                f"drop the '{key}' field to train on the text alone"
+            )
+
+
 def _parse_chat(messages: Any) -> Chat:
     if not isinstance(messages, list) or not messages:
         raise BadRecord(f"'messages' must be a non-empty list of {{role, content}} objects, got {_kind(messages)}")
     parsed = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        if not isinstance(m, dict) or "role" not in m or ("content" not in m and "tool_calls" not in m):
             raise BadRecord(f"messages[{i}] must be an object with 'role' and 'content'")
         if m["role"] not in ROLES:
             raise BadRecord(f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
-        _check_str(m["content"], f"messages[{i}].content")
-        parsed.append(Message(m["role"], m["content"]))
+        content = _content(m.get("content"), i, has_calls=bool(m.get("tool_calls")))
+        extras = tuple((k, m[k]) for k in MESSAGE_EXTRAS if m.get(k) is not None)
+        if "tool_calls" in dict(extras):
+            if m["role"] != "assistant":
+                raise BadRecord(
+                    f"messages[{i}] has tool_calls but role {m['role']!r}; only assistant messages call tools"
+                )
+            if not isinstance(m["tool_calls"], list):
+                raise BadRecord(f"messages[{i}].tool_calls must be a list, got {_kind(m['tool_calls'])}")
+        parsed.append(Message(m["role"], content, extras))
     return Chat(tuple(parsed))
+
+
+def _content(content: Any, i: int, has_calls: bool) -> str | None:
+    if content is None and has_calls:
+        return None
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind is not None:
+                raise BadRecord(
+                    f"messages[{i}].content[{k}] is a {kind!r} part: multimodal content is not supported "
+                    "(llmft trains text-only models); keep only text parts, or write content as a string"
+                )
+            else:
+                raise BadRecord(f"messages[{i}].content[{k}] must be a {{type: text, text: ...}} part")
+        return "".join(texts)
+    _check_str(content, f"messages[{i}].content")
+    return content
 
 
 def _check_str(value: Any, name: str) -> None:

@@ -98,22 +98,38 @@ class PeftConfig:
 class DataConfig:
     train: Any = doc(
         None,
-        "Training data: a JSONL/JSON/Parquet file, a directory of them, a datasets save_to_disk dir, or a list.",
+        "Training data: a JSONL/JSON/Parquet/CSV file, a directory of them, a glob, a datasets save_to_disk "
+        "dir or a hub dataset id; or a list of sources, each such a path or a mapping {path, weight, split, "
+        "name, revision, train_on, fields} (weight: times per epoch, e.g. 2 or 0.5). See docs/data.md.",
     )
-    eval: Any = doc(None, "Held-out data in the same formats; null disables eval (unless eval_fraction > 0).")
-    eval_fraction: float = doc(0.0, "Hold out this fraction of data.train for eval when data.eval is null.")
+    eval: Any = doc(
+        None, "Held-out data in the same forms (no weights); null disables eval (unless eval_fraction > 0)."
+    )
+    eval_fraction: float = doc(0.0, "Hold out this fraction of each data.train source for eval when data.eval is null.")
     max_seq_len: int = doc(2048, "Tokens per sequence; longer records are truncated (and counted).")
     packing: bool = doc(False, "Concatenate records into max_seq_len rows; attention never crosses record boundaries.")
     shuffle: bool = doc(True, "Reshuffle the records every epoch with a seeded permutation.")
     train_on: str = doc(
         "completion",
         "Which tokens are targets: 'completion' (completion / assistant turns only; plain text records "
-        "train on all), or 'all'.",
+        "train on all), or 'all'. A source may override it.",
         choices=("completion", "all"),
     )
     on_bad_record: str = doc(
         "error", "A malformed record: 'error' (stop, naming file:line) or 'skip' (count it).", choices=("error", "skip")
     )
+    chat_template: Optional[str] = doc(
+        None,
+        "Chat template for messages records: a Jinja file, or a built-in name (llmft, chatml, llama3); "
+        "null: the tokenizer's own. It is saved with the tokenizer in checkpoints.",
+    )
+    cache_dir: Optional[str] = doc(
+        None,
+        "Where tokenized data is cached (shared by runs and ranks); null: $LLMFT_CACHE/data, else "
+        "~/.cache/llmft/data. `llmft prepare` fills it ahead of training.",
+    )
+    num_proc: Optional[int] = doc(None, "Processes that tokenize when the cache is built; null: the CPU cores.")
+    streaming: bool = doc(False, "Iterate the data without a cache (not available yet: must be false).")
     num_workers: int = doc(1, "DataLoader worker processes (0 loads in the training process).")
     prefetch_factor: int = doc(4, "Micro-batches each worker prepares ahead.")
 

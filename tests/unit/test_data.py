@@ -96,7 +96,7 @@ def test_saved_dataset_dict_asks_for_a_split(tmp_path, tok):
     datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "dd"))
     assert user_error(tmp_path, tok, train=tmp_path / "dd") == (
         f"data.train: '{tmp_path / 'dd'}' is a saved DatasetDict with splits ['test', 'train']. "
-        f"Point data.train at one split's directory, e.g. {tmp_path / 'dd' / 'test'}."
+        f"Point data.train at one split's directory, e.g. {tmp_path / 'dd' / 'test'}, or give {{path, split}}."
     )
 
 
@@ -210,7 +210,7 @@ def test_malformed_json_line_names_file_and_line(tmp_path, tok):
         ([1], "a record must be a JSON object, got a list"),
         (
             {"messages": [{"role": "bot", "content": "x"}]},
-            "messages[0].role 'bot' is not one of system, user, assistant",
+            "messages[0].role 'bot' is not one of system, user, assistant, tool, function",
         ),
         ({"messages": [{"role": "user"}]}, "messages[0] must be an object with 'role' and 'content'"),
         ({"messages": []}, "'messages' must be a non-empty list of {role, content} objects, got a list"),
@@ -269,5 +269,5 @@ def test_missing_path(tmp_path, tok, monkeypatch):
 def test_directory_without_data_files(tmp_path, tok):
     (tmp_path / "notes.txt").write_text("x")
     assert user_error(tmp_path, tok, train=tmp_path) == (
-        f"data.train: directory '{tmp_path}' holds no .jsonl, .json or .parquet files. Check the path."
+        f"data.train: directory '{tmp_path}' holds no .jsonl, .json, .parquet or .csv files. Check the path."
     )

@@ -1,0 +1,228 @@
+"""Data at scale: llmft's tokenize-once cache against ``datasets.map(num_proc)``, cache hits, RSS, chat masking.
+
+With a 32k byte-level BPE tokenizer trained here in-process (no download) and synthetic records
+generated here (text of median ~300 tokens; chat of 2-12 turns):
+
+1. first build: ``build_data`` into an empty cache (read, tokenize with ``data.num_proc``, pack,
+   write Arrow) against the same tokenizer run by ``load_dataset("json") + Dataset.map(batched,
+   num_proc)`` on the same file: the ratio is llmft / datasets.
+2. second build (a resume, requeue or second run): ``build_data`` in a fresh process that finds
+   the entry, seconds of data preparation and the CPU time spent tokenizing (none).
+3. RSS: a fresh process that opens the cached dataset and reads every row; its peak RSS above a
+   process that imported the same modules, against the size of the Arrow cache.
+4. chat, assistant-only loss: seconds per record for 2- and 12-turn conversations (one render per
+   conversation), and the ratio; linear in turns means ~6x (12 turns hold 6x the tokens).
+
+    python bench/data.py                 # 200k text records, 50k chat records (several minutes here)
+    python bench/data.py --records 50000 --chat 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import common
+
+WORDS_SEED = 0
+
+
+def vocabulary(n: int = 20000) -> list[str]:
+    rng = random.Random(WORDS_SEED)
+    syll = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "qu", "an", "el", "or", "is", "um", "th", "st"]
+    return ["".join(rng.choice(syll) for _ in range(rng.randint(1, 4))) for _ in range(n)]
+
+
+def sentence(rng: random.Random, words: list[str], n: int) -> str:
+    # Zipf-like word frequencies, like natural text, so BPE merges mean something.
+    return " ".join(words[min(int(rng.paretovariate(1.1)) - 1, len(words) - 1)] for _ in range(n))
+
+
+def write_text(path: Path, records: int, words: list[str]) -> None:
+    rng = random.Random(1)
+    with open(path, "w") as f:
+        for _ in range(records):
+            n = max(8, int(rng.lognormvariate(math.log(265), 0.5)))  # ~300 tokens median with this tokenizer
+            f.write(json.dumps({"text": sentence(rng, words, n)}) + "\n")
+
+
+def write_chat(path: Path, records: int, turns: int, words: list[str]) -> None:
+    rng = random.Random(turns)
+    with open(path, "w") as f:
+        for _ in range(records):
+            msgs = [
+                {"role": "user" if t % 2 == 0 else "assistant", "content": sentence(rng, words, 40)}
+                for t in range(turns)
+            ]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+
+
+def train_tokenizer(text_file: Path, out: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from llmft.tokenizer import BUILTIN_TEMPLATES
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=32000, special_tokens=["<pad>", "<eos>", "<|im_start|>", "<|im_end|>"], show_progress=False
+    )
+
+    def lines():
+        with open(text_file) as f:
+            for i, line in enumerate(f):
+                if i >= 20000:
+                    break
+                yield json.loads(line)["text"]
+
+    tok.train_from_iterator(lines(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", chat_template=BUILTIN_TEMPLATES["chatml"]
+    )
+    fast.save_pretrained(str(out))
+    return out
+
+
+def recipe(tmp: Path, data: Path, tok: Path, cache: Path, num_proc: int, seq: int = 2048) -> Path:
+    r = {
+        "run": {"output_dir": str(tmp / "run"), "seed": 0},
+        "model": {"config": {"model_type": "llama", "vocab_size": 32000}, "tokenizer": str(tok)},
+        "data": {"train": str(data), "max_seq_len": seq, "cache_dir": str(cache), "num_proc": num_proc},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 8},
+        "train": {"max_steps": 1},
+    }
+    return common.write_recipe(tmp / f"recipe-{data.stem}.yaml", r)
+
+
+CHILD = r"""
+import json, os, resource, sys, time
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+t0, c0 = time.time(), time.process_time()
+from llmft.data import build_data
+from llmft.recipe import load_recipe
+from llmft.tokenizer import load_tokenizer
+r = load_recipe(sys.argv[1], [], world_size=1)
+tok = load_tokenizer(r.model)
+base_rss = rss()
+t1, c1 = time.time(), time.process_time()
+data = build_data(r, tok)
+t2, c2 = time.time(), time.process_time()
+children = resource.getrusage(resource.RUSAGE_CHILDREN)
+total = 0
+if sys.argv[2] == "touch":
+    ds = data.train
+    total = int(ds._input_ids.sum()) + int(ds._target.sum())  # every page of the map
+    for i in range(0, len(ds), 50):
+        ds[i]
+print(json.dumps({"seconds": t2 - t1, "cpu": c2 - c1 + children.ru_utime + children.ru_stime,
+                  "built": data.entries[0]["built"], "bytes": data.entries[0]["bytes"],
+                  "tokens": data.stats["tokens"], "records": data.stats["records"],
+                  "base_rss": base_rss, "rss": rss(), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def run_child(recipe_path: Path, mode: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(common.ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(recipe_path), mode], capture_output=True, text=True, env=env, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def datasets_map(data: Path, tok_dir: Path, num_proc: int, cache: Path) -> tuple[float, float]:
+    """The reference: load_dataset("json") + map(tokenize, batched, num_proc), seconds and CPU seconds."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    datasets.disable_progress_bars()
+    t0, c0 = time.time(), time.process_time()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(cache))
+    ds.map(lambda b: tok(b["text"]), batched=True, num_proc=num_proc, remove_columns=["text"])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = time.process_time() - c0 + (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return time.time() - t0, cpu
+
+
+def chat_seconds_per_record(path: Path, tok_dir: Path) -> float:
+    from transformers import AutoTokenizer
+
+    from llmft.data.encode import Encoder
+    from llmft.data.records import parse_record
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    records = [parse_record(json.loads(line)) for line in open(path)]
+    enc = Encoder(tok, "completion")
+    t0 = time.process_time()
+    for i in range(0, len(records), 256):
+        enc.encode_batch(records[i : i + 256])
+    assert enc.prefix_renders == 0, "every conversation should take the one-render path"
+    return (time.process_time() - t0) / len(records)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", type=int, default=200_000, help="text records")
+    ap.add_argument("--chat", type=int, default=50_000, help="chat records (half with 2 turns, half with 12)")
+    ap.add_argument("--num-proc", type=int, default=2)
+    args = ap.parse_args()
+    tmp = common.scratch_dir("llmft-bench-data-")
+    words = vocabulary()
+    print(common.machine())
+    text = tmp / "text.jsonl"
+    write_text(text, args.records, words)
+    tok_dir = train_tokenizer(text, tmp / "tok")
+
+    ref_s, ref_cpu = datasets_map(text, tok_dir, args.num_proc, tmp / "hf")
+    r = recipe(tmp, text, tok_dir, tmp / "cache", args.num_proc)
+    first = run_child(r, "none")
+    second = run_child(r, "touch")
+    assert first["built"] and not second["built"]
+    rss_over = second["rss"] - second["base_rss"]
+
+    two, twelve = tmp / "chat2.jsonl", tmp / "chat12.jsonl"
+    write_chat(two, args.chat // 2, 2, words)
+    write_chat(twelve, args.chat // 2, 12, words)
+    per2, per12 = chat_seconds_per_record(two, tok_dir), chat_seconds_per_record(twelve, tok_dir)
+
+    mb = 1024 * 1024
+    print(
+        f"\n{args.records:,} text records, {first['tokens']:,} tokens (median ~{first['tokens'] // args.records} per "
+        f"record), max_seq_len 2048, num_proc {args.num_proc}; {args.chat:,} chat records\n"
+    )
+    rows = [
+        ["first build: llmft build_data, s", f"{first['seconds']:.1f}", ""],
+        ["  datasets load_dataset + map(num_proc), s", f"{ref_s:.1f}", ""],
+        ["  ratio llmft / datasets (wall, CPU)", f"{first['seconds'] / ref_s:.2f}", f"{first['cpu'] / ref_cpu:.2f}"],
+        ["second run (cache hit): data preparation, s", f"{second['seconds']:.2f}", f"cpu {second['cpu']:.2f} s"],
+        ["Arrow cache size, MiB", f"{first['bytes'] / mb:.0f}", f"{first['bytes'] / first['tokens']:.1f} B/token"],
+        [
+            "RSS of a rank that read every row, above imports, MiB",
+            f"{rss_over / mb:.0f}",
+            f"peak RSS {second['peak_rss'] / mb:.0f} MiB in all",
+        ],
+        ["  ratio RSS / cache size", f"{rss_over / first['bytes']:.2f}", ""],
+        ["chat, assistant-only: 2 turns, ms/record", f"{per2 * 1e3:.3f}", ""],
+        ["chat, assistant-only: 12 turns, ms/record", f"{per12 * 1e3:.3f}", ""],
+        ["  ratio 12 / 2 turns (6x the tokens)", f"{per12 / per2:.2f}", ""],
+    ]
+    print(common.table(["measure", "value", "also"], rows))
+
+
+if __name__ == "__main__":
+    main()

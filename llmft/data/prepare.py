@@ -1,0 +1,76 @@
+"""``llmft prepare``: tokenize and pack a recipe's data into the cache ahead of training (e.g. on a CPU node).
+
+``llmft train`` with the same data settings then finds every entry and starts
+without tokenizing; with other settings it builds a new entry and logs which
+setting differs from the prepared one (``cache.explain_miss``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+
+def prepare(recipe_path: str, overrides: list[str]) -> str:
+    """Build (or find) the cache entries of the recipe's data; the report to print."""
+    from llmft.data.dataset import build_data, cache_root
+    from llmft.recipe import load_recipe
+    from llmft.tokenizer import load_tokenizer
+
+    _log_to_stderr()
+    recipe = load_recipe(recipe_path, overrides, world_size=1)
+    started = time.time()
+    tokenizer = load_tokenizer(recipe.model)
+    data = build_data(recipe, tokenizer)
+    lines = [f"data cache: {cache_root(recipe.data)} ({time.time() - started:.1f} s)"]
+    for e in data.entries:
+        s = e["stats"]
+        how = "built" if e["built"] else "already there"
+        lines.append(f"{e['key']}: {e['source']}")
+        lines.append(f"  entry {e['entry']} ({how}, {_size(e['bytes'])})")
+        detail = (
+            f"  {s['records']:,} records -> {s['examples']:,} examples, {s['tokens']:,} tokens "
+            f"({s['target_tokens']:,} targets), {s['rows']:,} rows"
+        )
+        if "packing_efficiency" in s:
+            detail += f", packing efficiency {s['packing_efficiency']:.1%}"
+        lines.append(detail)
+        notes = [f"{s[k]:,} {what}" for k, what in _NOTES if s.get(k)]
+        if notes:
+            lines.append("  " + ", ".join(notes))
+    st = data.stats
+    total = f"train: {st['rows']:,} rows of max_seq_len {recipe.data.max_seq_len}, {st['tokens']:,} tokens"
+    if "mixture_rows" in st:
+        total += f"; {st['mixture_rows']:,} rows per epoch after weights"
+    lines.append(total)
+    if "eval" in st:
+        lines.append(
+            f"eval: {st['eval']['rows']:,} rows, {st['eval']['tokens']:,} tokens, {st['eval']['prompts']} prompts"
+        )
+    return "\n".join(lines)
+
+
+def _log_to_stderr() -> None:
+    log = logging.getLogger("llmft")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[llmft] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+_NOTES = (
+    ("truncated", "truncated to max_seq_len"),
+    ("dropped_no_targets", "dropped (no target left)"),
+    ("skipped", "malformed, skipped"),
+)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,28 @@
+"""Run under torchrun: every rank builds the recipe's data at once; writes what it did to OUT/rank-<R>.json.
+
+Usage: torchrun ... data_cache_probe.py RECIPE OUT
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from llmft.data import build_data
+from llmft.dist import read_env
+from llmft.recipe import load_recipe
+from llmft.tokenizer import byte_tokenizer
+
+env = read_env()
+dist.init_process_group("gloo")
+recipe = load_recipe(sys.argv[1], [], world_size=env.world_size)
+data = build_data(recipe, byte_tokenizer(), env)
+dist.barrier()
+report = {
+    "built": [e["built"] for e in data.entries],
+    "entries": [e["entry"] for e in data.entries],
+    "rows": [data.train[i] for i in range(0, len(data.train), 97)],
+}
+Path(sys.argv[2], f"rank-{env.rank}.json").write_text(json.dumps(report))
+dist.destroy_process_group()

@@ -1,0 +1,229 @@
+"""The tokenized-data cache: reused when everything that shapes it matches, never otherwise; llmft prepare;
+sources (globs, CSV, fields, hub ids offline) and weighted mixtures."""
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+from helpers import write_recipe
+
+import llmft
+from llmft.cli import main
+from llmft.data import GlobalOrder, MicroBatchSampler, MixedDataset, TokenDataset, build_data
+from llmft.errors import UserError
+from llmft.recipe.schema import Recipe
+from llmft.tokenizer import byte_tokenizer
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def recipe(tmp_path, train, **data) -> Recipe:
+    r = Recipe()
+    r.data.train = train
+    r.data.cache_dir = str(tmp_path / "cache")
+    r.data.max_seq_len = data.pop("max_seq_len", 64)
+    for k, v in data.items():
+        setattr(r.data, k, v)
+    return r
+
+
+def rows(ds) -> list:
+    return [ds[i] for i in range(len(ds))]
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "completion": "a" * (i % 7 + 1)} for i in range(40)])
+
+
+def test_second_build_reuses_the_entry_and_is_memory_mapped(tmp_path, data):
+    first = build_data(recipe(tmp_path, str(data)), byte_tokenizer())
+    second = build_data(recipe(tmp_path, str(data)), byte_tokenizer())
+    assert [e["built"] for e in first.entries] == [True] and [e["built"] for e in second.entries] == [False]
+    assert rows(first.train) == rows(second.train) and first.stats == second.stats
+    assert not second.train._input_ids.flags.owndata  # a view of the memory map, not a copy
+    assert sorted(os.listdir(tmp_path / "cache")) == [
+        os.path.basename(first.entries[0]["entry"]) + s for s in ("", ".lock")
+    ]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_seq_len": 32},
+        {"packing": True},
+        {"train_on": "all"},
+        {"chat_template": "chatml"},
+        {"on_bad_record": "skip"},
+        {"eval_fraction": 0.25},
+    ],
+)
+def test_other_settings_never_reuse_an_entry(tmp_path, data, change, caplog):
+    base = build_data(recipe(tmp_path, str(data)), byte_tokenizer())
+    with caplog.at_level(logging.INFO, logger="llmft.data"):
+        other = build_data(recipe(tmp_path, str(data), **change), byte_tokenizer())
+    assert other.entries[0]["built"] and other.entries[0]["entry"] != base.entries[0]["entry"]
+    why = [r.getMessage() for r in caplog.records if "holds this data with other settings" in r.getMessage()]
+    assert len(why) == 1 and why[0].startswith(f"data cache: {base.entries[0]['entry']} holds this data")
+
+
+def test_changed_file_tokenizer_or_llmft_version_rebuilds(tmp_path, data, monkeypatch):
+    r = recipe(tmp_path, str(data))
+    first = build_data(r, byte_tokenizer()).entries[0]["entry"]
+    with open(data, "a") as f:
+        f.write(json.dumps({"prompt": "new", "completion": "record"}) + "\n")
+    grown = build_data(r, byte_tokenizer())
+    assert grown.entries[0]["built"] and grown.stats["records"] == 41 and grown.entries[0]["entry"] != first
+    tok = byte_tokenizer()
+    tok.add_tokens(["qq"])  # other token ids for the same text
+    assert build_data(r, tok).entries[0]["built"]
+    monkeypatch.setattr(llmft, "__version__", "999.0")
+    assert build_data(r, byte_tokenizer()).entries[0]["built"]
+
+
+def test_a_crashed_build_leaves_no_entry_and_the_next_one_builds(tmp_path, data, monkeypatch):
+    import llmft.data.dataset as dataset
+
+    def boom(*a, **k):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(dataset, "_rows", boom)
+    with pytest.raises(RuntimeError):
+        build_data(recipe(tmp_path, str(data)), byte_tokenizer())
+    assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".lock"]
+    monkeypatch.undo()
+    assert build_data(recipe(tmp_path, str(data)), byte_tokenizer()).entries[0]["built"]
+
+
+def test_num_proc_gives_the_same_rows(tmp_path):
+    path = write_jsonl(tmp_path / "big.jsonl", [{"text": "x" * (i % 50 + 1)} for i in range(9000)])
+    one = build_data(recipe(tmp_path, str(path), num_proc=1, packing=True), byte_tokenizer())
+    two = build_data(recipe(tmp_path / "other", str(path), num_proc=2, packing=True), byte_tokenizer())
+    assert two.entries[0]["built"] and one.stats == two.stats
+    assert np.array_equal(one.train._input_ids, two.train._input_ids)
+    assert np.array_equal(one.train._target, two.train._target)
+
+
+def test_token_dataset_round_trips_through_arrow(tmp_path):
+    rows_in = [([1, 2, 3], [-100, 2, 3], None), ([4], [4], None)]
+    ds = TokenDataset(rows_in)
+    ds.write(tmp_path / "r.arrow")
+    back = TokenDataset.open(tmp_path / "r.arrow")
+    assert (
+        rows(back)
+        == rows(ds)
+        == [
+            {"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "position_ids": None},
+            {"input_ids": [4], "labels": [4], "position_ids": None},
+        ]
+    )
+    import pickle
+
+    assert rows(pickle.loads(pickle.dumps(back))) == rows(ds)  # workers re-open the map
+
+
+# --- llmft prepare ----------------------------------------------------------------------
+
+
+def test_prepare_fills_the_cache_that_train_then_uses(tmp_path, capsys):
+    path = write_recipe(tmp_path, data__cache_dir=str(tmp_path / "cache"), data__packing=True)
+    assert main(["prepare", str(path)]) == 0
+    out = capsys.readouterr().out
+    entry = next(p for p in (tmp_path / "cache").iterdir() if p.is_dir())
+    assert f"data.train: {tmp_path / 'train.jsonl'}\n  entry {entry} (built, " in out
+    assert "64 records -> 64 examples" in out and "packing efficiency" in out
+    assert main(["prepare", str(path)]) == 0
+    assert f"entry {entry} (already there" in capsys.readouterr().out
+    from llmft.recipe import load_recipe
+
+    again = build_data(load_recipe(str(path), [], world_size=1), byte_tokenizer())
+    assert again.entries[0] == {**again.entries[0], "entry": str(entry), "built": False}
+
+
+# --- sources ------------------------------------------------------------------------------
+
+
+def test_glob_csv_and_fields(tmp_path):
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", [{"question": "q1", "answer": "a1"}])
+    (tmp_path / "d" / "b.csv").write_text("question,answer\nq2,a2\n")
+    src = {"path": str(tmp_path / "d" / "*"), "fields": {"prompt": "question", "completion": "answer"}}
+    tok = byte_tokenizer()
+    bundle = build_data(recipe(tmp_path, [src]), tok)
+    assert [tok.decode(r["input_ids"]) for r in rows(bundle.train)] == ["<bos>q1a1<eos>", "<bos>q2a2<eos>"]
+
+
+@pytest.mark.parametrize(
+    "src, message",
+    [
+        (
+            {"path": "x.jsonl", "wieght": 2},
+            "data.train[0].wieght: is not a source setting. Did you mean 'weight'? A source takes path, weight, "
+            "split, name, revision, train_on, fields.",
+        ),
+        (
+            {"path": "x.jsonl", "weight": 0},
+            "data.train[0].weight: must be a number > 0, got 0. Use e.g. 2 (twice per epoch) or 0.5.",
+        ),
+        (
+            {"path": "x.jsonl", "fields": {"promt": "q"}},
+            "data.train[0].fields.promt: is not a record field. Did you mean 'prompt'? Map one of text, prompt, "
+            "completion, messages to the column that holds it.",
+        ),
+    ],
+)
+def test_bad_source_settings(tmp_path, src, message):
+    with pytest.raises(UserError) as e:
+        build_data(recipe(tmp_path, [src]), byte_tokenizer())
+    assert str(e.value) == message
+
+
+def test_hub_id_offline_says_what_was_tried(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        build_data(recipe(tmp_path, {"path": "nobody/nothing", "split": "train"}), byte_tokenizer())
+    text = str(e.value)
+    assert text.startswith(
+        "data.train: 'nobody/nothing' is not a local path, and no hub dataset of that name could be loaded (offline"
+    )
+    assert text.endswith("a hub dataset must be in the local Hugging Face cache when running offline.")
+
+
+# --- mixtures -------------------------------------------------------------------------------
+
+
+def test_weights_repeat_and_subsample_each_source(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(10)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"b{i}"} for i in range(10)])
+    tok = byte_tokenizer()
+    bundle = build_data(recipe(tmp_path, [{"path": str(a), "weight": 2}, {"path": str(b), "weight": 0.5}]), tok)
+    assert isinstance(bundle.train, MixedDataset) and len(bundle.train) == 25 == bundle.stats["mixture_rows"]
+    texts = [tok.decode(r["input_ids"])[5:-5] for r in rows(bundle.train)]
+    assert sorted(texts[:20]) == sorted([f"a{i}" for i in range(10)] * 2)
+    assert len(set(texts[20:])) == 5 and all(t.startswith("b") for t in texts[20:])
+    again = build_data(recipe(tmp_path, [{"path": str(a), "weight": 2}, {"path": str(b), "weight": 0.5}]), tok)
+    assert rows(again.train) == rows(bundle.train)  # the subset is a function of the seed
+
+
+def test_mixture_order_resumes_on_any_layout(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(7)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"b{i}"} for i in range(5)])
+    ds = build_data(recipe(tmp_path, [str(a), {"path": str(b), "weight": 1.6}]), byte_tokenizer()).train
+    order = GlobalOrder(len(ds), 3, True)
+
+    def taken(micro, acc, dp, start, steps):
+        out = []
+        for step in range(steps):
+            for rank in range(dp):
+                s = MicroBatchSampler(order, 6, micro, acc, rank, dp, start_position=start + 6 * step, num_steps=1)
+                out += [i for mb in s for i in mb]
+        return out
+
+    straight = taken(6, 1, 1, 0, 6)
+    assert straight == taken(3, 1, 2, 0, 3) + taken(1, 3, 2, 18, 3)  # resumed on another layout
+    assert sorted(straight[:15]) == list(range(15))  # an epoch of the mixture is a permutation
