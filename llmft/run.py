@@ -39,7 +39,14 @@ log = logging.getLogger("llmft")
 # checkpoint's state belongs to and the data order its sample count indexes.
 RESUME_MUST_MATCH = ("model", "peft", "data", "run.seed")
 # ... except these, which change neither (a changed value is logged like any other change).
-RESUME_MAY_CHANGE = ("model.gradient_checkpointing", "data.num_workers", "data.prefetch_factor", "data.eval")
+RESUME_MAY_CHANGE = (
+    "model.gradient_checkpointing",
+    "data.num_workers",
+    "data.prefetch_factor",
+    "data.eval",
+    "data.cache_dir",
+    "data.num_proc",
+)
 # Changes that are expected on resume and not worth a warning: the world layout (the batch is
 # re-solved for it) and how this invocation resumes.
 RESUME_SILENT = (
@@ -110,7 +117,7 @@ class Run:
 
         seed_everything(recipe.run.seed)
         self.tokenizer = load_tokenizer(recipe.model)
-        self.data = build_data(recipe, self.tokenizer)
+        self.data = build_data(recipe, self.tokenizer, env)
         self.total_steps = total_steps(plan, len(self.data.train))
         self.engine = build_engine(plan, env, self.tokenizer, self._make_optimizer)
         save_base_once(plan, self.engine, self.run_dir, env, resuming=resume_from is not None)

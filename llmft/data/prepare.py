@@ -19,7 +19,7 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
     from llmft.tokenizer import load_tokenizer
 
     _log_to_stderr()
-    recipe = load_recipe(recipe_path, overrides, world_size=1)
+    recipe = load_recipe(recipe_path, overrides)
     started = time.time()
     tokenizer = load_tokenizer(recipe.model)
     data = build_data(recipe, tokenizer)

@@ -16,7 +16,7 @@ from llmft.tokenizer import byte_tokenizer
 
 env = read_env()
 dist.init_process_group("gloo")
-recipe = load_recipe(sys.argv[1], [], world_size=env.world_size)
+recipe = load_recipe(sys.argv[1], [])
 data = build_data(recipe, byte_tokenizer(), env)
 dist.barrier()
 report = {

@@ -141,7 +141,7 @@ def test_prepare_fills_the_cache_that_train_then_uses(tmp_path, capsys):
     assert f"entry {entry} (already there" in capsys.readouterr().out
     from llmft.recipe import load_recipe
 
-    again = build_data(load_recipe(str(path), [], world_size=1), byte_tokenizer())
+    again = build_data(load_recipe(str(path), []), byte_tokenizer())
     assert again.entries[0] == {**again.entries[0], "entry": str(entry), "built": False}
 
 
