@@ -35,6 +35,7 @@ from llmft.plan.batch import BatchPlan
 from llmft.recipe import Recipe, load_recipe, to_yaml
 from llmft.recipe.validate import batch_plan
 from llmft.stop import STOPPED_EXIT_CODE, StopRequest
+from llmft.tracking import check_available, run_info  # [tracking]
 
 log = logging.getLogger("llmft")
 
@@ -214,6 +215,7 @@ def train(recipe_path: str, overrides: list[str]) -> int:
     env = read_env()
     setup_logging(env)
     recipe = load_recipe(recipe_path, overrides, world_size=env.world_size)
+    check_available(recipe)  # [tracking] a missing wandb/mlflow extra fails before any model loads
     init_distributed(
         env,
         recipe.distributed.backend,
@@ -323,7 +325,13 @@ def _train(recipe: Recipe, env: DistEnv, stop: StopRequest) -> int:
 
     if env.is_main:
         log.info("%s", _banner(recipe, plan, env, steps, engine, data))
-    metrics = Metrics(run_dir, env.is_main, recipe.run.tensorboard)
+    metrics = Metrics(  # [tracking] the same tracked runs continue on resume
+        run_dir,
+        env.is_main,
+        recipe,
+        info=run_info(recipe, plan, env, steps) if env.is_main else None,
+        resume=saved.get("trackers") if saved else None,
+    )
     evaluator = Evaluator(recipe, env, engine, data, tokenizer, plan)
     recipe_yaml = to_yaml(recipe)
 
@@ -351,6 +359,7 @@ def _train(recipe: Recipe, env: DistEnv, stop: StopRequest) -> int:
             },
             "scheduler": scheduler.state_dict(),
             "versions": _versions(),
+            "trackers": metrics.tracker_state(),  # [tracking] run ids + last step sent per tracker
         }
         path = ckpt.save(
             st.step,
@@ -391,9 +400,11 @@ def _train(recipe: Recipe, env: DistEnv, stop: StopRequest) -> int:
             state.stopped,
             state.step,
         )
-        metrics.close()
+        metrics.close(stopped=True)  # [tracking]
         return STOPPED_EXIT_CODE
     evaluate(state.step)
+    if env.is_main:  # [tracking]
+        metrics.summary({"checkpoint": str(latest_checkpoint(run_dir)), "export_command": f"llmft export {run_dir}"})
     metrics.close()
     if env.is_main:
         _finish(run_dir)
