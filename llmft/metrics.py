@@ -20,8 +20,8 @@ class Metrics:
     """metrics.jsonl (rank 0, appended, flushed per row), then the recipe's trackers.
 
     ``info``: what the trackers record as config / params (``tracking.run_info``).
-    ``resume``: ``trainer_state["trackers"]`` of the checkpoint being resumed, so the same
-    tracked runs continue (None for a fresh run).
+    ``resume``: the trainer state of the checkpoint being resumed (its ``"trackers"`` and
+    ``"step"``), so the same tracked runs continue (None for a fresh run).
     """
 
     def __init__(
@@ -40,7 +40,8 @@ class Metrics:
             from llmft.tracking import Trackers, selected
 
             if selected(recipe):
-                self.trackers = Trackers(Path(run_dir), recipe, info or {}, resume)
+                saved = resume or {}
+                self.trackers = Trackers(Path(run_dir), recipe, info or {}, saved.get("trackers"), saved.get("step"))
 
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:

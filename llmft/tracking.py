@@ -110,10 +110,12 @@ def system_info() -> dict[str, Any]:
 
     versions = {}
     for pkg in _VERSIONED:
-        try:
-            versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
+        for dist in (pkg, f"{pkg}-skinny"):  # mlflow-skinny is mlflow without its server
+            try:
+                versions[pkg] = md.version(dist)
+                break
+            except md.PackageNotFoundError:
+                pass
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -194,6 +196,7 @@ def _numbers(row: dict[str, Any]) -> dict[str, float]:
 
 class Tracker(Protocol):
     name: str
+    durable_on_send: bool  # a send is stored when log() returns (else only once close() returns)
 
     def identity(self) -> dict[str, Any]:
         """What a resumed job needs to continue this tracked run (JSON)."""
@@ -225,6 +228,7 @@ class _Context:
 
 class TensorBoardTracker:
     name = "tensorboard"
+    durable_on_send = True  # flushed per row
 
     def __init__(self, ctx: _Context) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -252,12 +256,13 @@ class TensorBoardTracker:
 class WandbTracker:
     """W&B, configured as W&B users do: WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, WANDB_DIR, ...
 
-    Rows are logged with our optimizer step as a metric (``step``), the x axis of every other
-    metric (``define_metric``), as the HF Trainer does with ``train/global_step``: W&B's own
-    ``_step`` counter restarts in each offline segment of a resumed run, ours does not.
+    Rows go to W&B's own step axis at their optimizer step (``log(..., step=N)``): a train and an
+    eval row of one step share a history row, and W&B itself ignores a step at or below the last
+    one a resumed run holds, so a step re-sent after a kill cannot appear twice on the server.
     """
 
     name = "wandb"
+    durable_on_send = False  # its service process buffers; a killed job loses the buffer
 
     def __init__(self, ctx: _Context) -> None:
         import wandb
@@ -273,14 +278,12 @@ class WandbTracker:
             reinit="create_new",
         )
         self.run.config.update(ctx.info, allow_val_change=True)
-        self.run.define_metric("step")
-        self.run.define_metric("*", step_metric="step")
 
     def identity(self) -> dict[str, Any]:
         return {"run_id": self.run.id, "project": self.run.project, "entity": self.run.entity or None}
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log({**values, "step": step})
+        self.run.log(values, step=step)
 
     def summary(self, values: dict[str, Any]) -> None:
         self.run.summary.update(values)
@@ -301,6 +304,7 @@ class MlflowTracker:
     """
 
     name = "mlflow"
+    durable_on_send = True  # log_batch returns once the store (file or server) has it
 
     def __init__(self, ctx: _Context) -> None:
         for k, v in _MLFLOW_HTTP_DEFAULTS.items():
@@ -388,20 +392,35 @@ def read_ledger(run_dir: Path) -> dict[str, Any]:
 class Trackers:
     """The trackers of one run on the main rank: start, send each row once, remember, close.
 
-    ``resume``: ``trainer_state["trackers"]`` of the checkpoint this job resumes (None: fresh).
-    Its shape, also that of ``state()`` and of ``<run_dir>/trackers.json``::
+    ``resume``: ``trainer_state["trackers"]`` of the checkpoint this job resumes and
+    ``resume_step`` its step (None: a fresh run). The shape of ``resume``, of ``state()`` and of
+    ``<run_dir>/trackers.json``::
 
-        {"wandb": {"run_id": "...", "project": "...", "entity": null, "last_step": {"train": 6, "eval": 4}},
-         "mlflow": {"run_id": "...", "tracking_uri": "file:...", "last_step": {...}},
-         "tensorboard": {"log_dir": ".../tensorboard", "last_step": {...}}}
+        {"wandb": {"run_id": "...", "project": "...", "entity": null,
+                   "last_step": {"train": 6, "eval": 4}, "durable_step": {"train": 4, "eval": 4}},
+         "mlflow": {"run_id": "...", "tracking_uri": "file:...", "last_step": {...}, "durable_step": {...}},
+         "tensorboard": {"log_dir": ".../tensorboard", "last_step": {...}, "durable_step": {...}}}
+
+    ``last_step``: the last step of each split handed to the tracker; ``durable_step``: the last
+    one it is known to hold. They are equal for MLflow and TensorBoard (each send is written
+    before it returns); W&B buffers in its service process and a killed job loses that buffer,
+    so its ``durable_step`` advances only when a run is closed cleanly (finished, or stopped by a
+    signal). On resume each tracker is sent again, from metrics.jsonl, the rows after its
+    ``durable_step`` up to the checkpoint, then live rows after that; rows it holds are skipped.
     """
 
     def __init__(
-        self, run_dir: Path, recipe: Recipe, info: dict[str, Any], resume: dict[str, Any] | None = None
+        self,
+        run_dir: Path,
+        recipe: Recipe,
+        info: dict[str, Any],
+        resume: dict[str, Any] | None = None,
+        resume_step: int | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.active: dict[str, Tracker] = {}
-        self.last_step: dict[str, dict[str, int]] = {}
+        self.sent: dict[str, dict[str, int]] = {}
+        self.durable: dict[str, dict[str, int]] = {}
         self.failures: dict[str, int] = {}
         ledger = read_ledger(self.run_dir)
         for name in selected(recipe):
@@ -409,9 +428,9 @@ class Trackers:
                 log.info("tensorboard is not installed: no TensorBoard events (pip install -e '.[tensorboard]')")
                 continue
             saved = (resume or {}).get(name)
-            saved = {k: v for k, v in saved.items() if k != "last_step"} if saved else None
+            identity = {k: v for k, v in saved.items() if k not in _MARKS} if saved else None
             try:
-                tracker = START[name](_Context(self.run_dir, recipe, info, saved))
+                tracker = START[name](_Context(self.run_dir, recipe, info, identity))
             except Exception as e:
                 log.warning(
                     "tracker %s did not start (%s: %s); training goes on, metrics.jsonl has every row",
@@ -421,20 +440,41 @@ class Trackers:
                 )
                 continue
             self.active[name] = tracker
-            self.last_step[name] = _high_water(saved, (resume or {}).get(name), ledger.get(name))
-            if saved:
+            held = _held(identity, saved, ledger.get(name))
+            self.sent[name], self.durable[name] = dict(held), dict(held)
+            if identity:
                 log.info("%s: continuing %s", name, ", ".join(f"{k} {v}" for k, v in tracker.identity().items()))
         self._write_ledger()
+        if resume_step is not None and self.active:
+            self._replay(resume_step)
+
+    def _replay(self, resume_step: int) -> None:
+        """Rows up to the checkpoint that a tracker may not hold (W&B after a kill), from metrics.jsonl."""
+        from llmft.plot import read_metrics
+
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        try:
+            splits = read_metrics(path)
+        except UserError as e:
+            log.warning("could not replay %s to the trackers: %s", path, e)
+            return
+        rows = [r for rows in splits.values() for r in rows if r["step"] <= resume_step]
+        for row in sorted(rows, key=lambda r: (r["step"], r.get("split") != "train")):
+            self.log(row)
 
     def log(self, row: dict[str, Any]) -> None:
         split, step = str(row.get("split", "train")), int(row["step"])
         values = _numbers(row)
         sent = False
         for name, tracker in list(self.active.items()):
-            if step <= self.last_step[name].get(split, 0):
-                continue  # received before a kill and re-run since: the tracker keeps its first value
+            if step <= self.sent[name].get(split, 0):
+                continue  # it holds this step already (sent before a kill, re-run since): keep its first value
             if self._call(name, tracker.log, step, values):
-                self.last_step[name][split] = step
+                self.sent[name][split] = step
+                if tracker.durable_on_send:
+                    self.durable[name][split] = step
                 sent = True
         if sent:
             self._write_ledger()
@@ -446,13 +486,19 @@ class Trackers:
     def state(self) -> dict[str, Any]:
         """For ``trainer_state["trackers"]`` of a checkpoint."""
         return {
-            name: {**tracker.identity(), "last_step": dict(self.last_step[name])}
+            name: {
+                **tracker.identity(),
+                "last_step": dict(self.sent[name]),
+                "durable_step": dict(self.durable[name]),
+            }
             for name, tracker in self.active.items()
         }
 
     def close(self, stopped: bool = False) -> None:
         for name, tracker in list(self.active.items()):
-            self._call(name, tracker.close, stopped)
+            if self._call(name, tracker.close, stopped):
+                self.durable[name] = dict(self.sent[name])
+        self._write_ledger()
         self.active.clear()
 
     def _call(self, name: str, fn: Callable, *args: Any) -> bool:
@@ -486,16 +532,18 @@ class Trackers:
             log.warning("could not write %s: %s", path, e)
 
 
-def _high_water(identity: dict | None, saved: dict | None, ledger: dict | None) -> dict[str, int]:
-    """Last step per split the tracked run already holds: the checkpoint's, or later the ledger's
-    when the ledger speaks of the same tracked run (it is rewritten after every send)."""
+_MARKS = ("last_step", "durable_step")
+
+
+def _held(identity: dict | None, saved: dict | None, ledger: dict | None) -> dict[str, int]:
+    """The last step per split a continued tracked run holds for sure: the ledger's
+    ``durable_step`` when the ledger speaks of the same run (it is rewritten after every send),
+    else what the checkpoint had sent (a checkpoint copied away from its run dir)."""
     if not identity:
         return {}
-    marks = dict((saved or {}).get("last_step") or {})
     if ledger and {k: ledger.get(k) for k in identity} == identity:
-        for split, step in (ledger.get("last_step") or {}).items():
-            marks[split] = max(marks.get(split, 0), int(step))
-    return marks
+        return {k: int(v) for k, v in (ledger.get("durable_step") or {}).items()}
+    return {k: int(v) for k, v in ((saved or {}).get("last_step") or {}).items()}
 
 
 def _short(e: Exception) -> str:

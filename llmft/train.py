@@ -330,7 +330,7 @@ def _train(recipe: Recipe, env: DistEnv, stop: StopRequest) -> int:
         env.is_main,
         recipe,
         info=run_info(recipe, plan, env, steps) if env.is_main else None,
-        resume=saved.get("trackers") if saved else None,
+        resume=saved,
     )
     evaluator = Evaluator(recipe, env, engine, data, tokenizer, plan)
     recipe_yaml = to_yaml(recipe)
