@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from llmft.errors import Problem, UserError
+from llmft.modelcard import export_model_card  # [modelcard]
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -222,6 +223,7 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool) -> Path:
             else:
                 _write_adapter(step_dir, model_dir, recipe, dtype, tmp, final=out)
             _copy_tokenizer(step_dir, tmp)
+            export_model_card(step_dir, tmp)  # [modelcard] README.md with the hub's front matter
     return out
 
 
