@@ -21,8 +21,10 @@ EXAMPLES = {
     "prepare": "llmft prepare configs/quickstart.yaml\n"
     "  llmft prepare recipe.yaml data.cache_dir=/shared/llmft-cache data.num_proc=32   # then train on GPUs",
     "export": "llmft export runs/quickstart --out exported/\n"
-    "  llmft export runs/qlora/checkpoints/step-100 --merge-lora --out merged/",
+    "  llmft export runs/qlora/checkpoints/step-100 --merge-lora --out merged/\n"
+    "  llmft export runs/qlora --push-to-hub my-org/my-qlora-adapter",
     "plot": "llmft plot runs/quickstart            # writes runs/quickstart/metrics.png",
+    "runs": "llmft runs runs/micro4 runs/micro1-acc4 runs/fsdp-2gpu --out compare.png",
     "plan": "llmft plan configs/llama3-8b-qlora-1gpu.yaml distributed.gpu_memory_gb=24",
     "verify": "llmft verify configs/tiny-cpu.yaml batch.micro_batch_size=2",
 }
@@ -68,6 +70,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     out = export(args.checkpoint, args.out, merge_lora=args.merge_lora)
     print(f"exported to {out}")
+    from llmft.checkpoint import resolve_checkpoint
+    from llmft.tracking import record_export
+
+    record_export(resolve_checkpoint(args.checkpoint), out)  # the export path on the tracked run
+    if args.push_to_hub:
+        from llmft.modelcard import push_to_hub
+
+        print(f"pushed to {push_to_hub(out, args.push_to_hub, private=args.private)}")
     return 0
 
 
@@ -75,6 +85,16 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from llmft.plot import plot_run
 
     print(f"wrote {plot_run(args.run_dir, args.out)}")
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from llmft.plot import compare_runs
+
+    labels = args.labels.split(",") if args.labels else None
+    png, table = compare_runs(args.run_dirs, args.out, labels)
+    print(table)
+    print(f"wrote {png}")
     return 0
 
 
@@ -134,10 +154,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="checkpoints/step-N, checkpoints/latest, or a run directory (its latest)")
     p.add_argument("--out", default=None, help="output directory (default: <run>/exported/step-N)")
     p.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into the base model")
+    p.add_argument(
+        "--push-to-hub",
+        default=None,
+        metavar="REPO",
+        help="upload the export (model card included) to this Hugging Face hub repo (needs `hf auth login`)",
+    )
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
 
     p = add("plot", "plot train/eval loss, lr and eval metrics of a run to a PNG", cmd_plot)
     p.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     p.add_argument("--out", default=None, help="PNG path (default: <run_dir>/metrics.png)")
+
+    p = add(
+        "runs",
+        "compare several runs: train/eval loss and lr overlaid in one PNG, and how far each loss curve is "
+        "from the first run's",
+        cmd_runs,
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
+    p.add_argument("--out", default="runs.png", help="PNG path (default: runs.png)")
+    p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run (default: dir names)")
 
     p = add("plan", "estimate memory per GPU and pick the micro-batch", cmd_plan)
     _recipe_args(p)

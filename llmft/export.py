@@ -53,6 +53,7 @@ from llmft.checkpoint.layout import (
 )
 from llmft.errors import Problem, UserError
 from llmft.model import base_key
+from llmft.modelcard import export_model_card
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -208,6 +209,7 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool) -> Path:
             else:
                 _write_adapter(step_dir, model_dir, recipe, dtype, tmp, final=out)
             _copy_tokenizer(step_dir, tmp)
+            export_model_card(step_dir, tmp)  # README.md with the hub's front matter
     return out
 
 

@@ -2,40 +2,65 @@
 
 Only the main rank writes. ``metrics.jsonl`` is appended and flushed per row, so a killed run
 keeps every row it logged; a resumed run appends to the same file (the later row of a step counts).
+Each row then goes to the trackers of ``run.trackers`` (``llmft.tracking``): TensorBoard, W&B,
+MLflow, each step exactly once even across kills and resumes.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llmft.recipe.schema import Recipe
 
 
 class Metrics:
-    """metrics.jsonl (rank 0, appended, flushed per row) and optional TensorBoard events."""
+    """metrics.jsonl (rank 0, appended, flushed per row), then the recipe's trackers.
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+    ``info``: what the trackers record as config / params (``tracking.run_info``).
+    ``resume``: the trainer state of the checkpoint being resumed (its ``"trackers"`` and
+    ``"step"``), so the same tracked runs continue (None for a fresh run).
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        recipe: Recipe,
+        *,
+        info: dict[str, Any] | None = None,
+        resume: dict[str, Any] | None = None,
+    ) -> None:
         self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
-        self.tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.trackers = None
+        if enabled:
+            from llmft.tracking import Trackers, selected
 
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
-                self.tb = None
+            if selected(recipe):
+                saved = resume or {}
+                self.trackers = Trackers(Path(run_dir), recipe, info or {}, saved.get("trackers"), saved.get("step"))
 
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "step" and v is not None:
-                    self.tb.add_scalar(f"{row['split']}/{k}", v, row["step"])
+        if self.trackers is not None:
+            self.trackers.log(row)
 
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+    def tracker_state(self) -> dict[str, Any]:
+        """``trainer_state["trackers"]`` for a checkpoint: run ids and last steps sent."""
+        return self.trackers.state() if self.trackers is not None else {}
+
+    def summary(self, values: dict[str, Any]) -> None:
+        """Run-level facts (final checkpoint, export command) on the tracked runs."""
+        if self.trackers is not None:
+            self.trackers.summary(values)
+
+    def close(self, stopped: bool = False) -> None:
+        """``stopped``: the job was asked to stop and will be resumed (W&B: preempting, MLflow: KILLED)."""
+        if self.trackers is not None:
+            self.trackers.close(stopped)

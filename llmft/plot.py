@@ -140,3 +140,77 @@ def _draw(panels: list[tuple[str, dict[str, Series]]], out: Path, title: str) ->
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+# --- llmft runs: several runs' curves in one PNG ---------------------------------------------------
+
+
+def _labels(run_dirs: list[Path]) -> list[str]:
+    """Run dir names; a name shared by several runs gets as many parent folders as tell them apart."""
+    parts = [d.resolve().parts for d in run_dirs]
+    depth = [1] * len(parts)
+    while True:
+        labels = ["/".join(p[-k:]) for p, k in zip(parts, depth, strict=True)]
+        clashes = [i for i, label in enumerate(labels) if labels.count(label) > 1 and depth[i] < len(parts[i])]
+        if not clashes:
+            return labels
+        for i in clashes:
+            depth[i] += 1
+
+
+def compare_panels(runs: dict[str, dict[str, list[dict]]]) -> list[tuple[str, dict[str, Series]]]:
+    """(title, {run label: series}): train loss, eval loss, learning rate; panels without data left out."""
+    out = []
+    for title, split, key in (
+        ("train loss", "train", "loss"),
+        ("eval loss", "eval", "loss"),
+        ("learning rate", "train", "lr"),
+    ):
+        series = {label: s for label, splits in runs.items() if (s := _series(splits.get(split, []), key))}
+        if series:
+            out.append((title, series))
+    return out
+
+
+def loss_differences(runs: dict[str, dict[str, list[dict]]]) -> str:
+    """A table: each run's steps and final train loss, and its largest relative train-loss
+    difference from the first run over the steps both logged (how "unchanged" the curve is)."""
+    labels = list(runs)
+    ref = _series(runs[labels[0]].get("train", []), "loss")
+    width = max(len(label) for label in labels)
+    lines = [f"{'run':<{width}}  steps  final loss  max rel. loss diff vs {labels[0]}"]
+    for label in labels:
+        loss = _series(runs[label].get("train", []), "loss")
+        final = f"{loss[max(loss)]:.6g}" if loss else "-"
+        common = sorted(set(loss) & set(ref))
+        if label == labels[0]:
+            diff = "-"
+        elif common:
+            worst = max(abs(loss[s] - ref[s]) / max(abs(ref[s]), 1e-12) for s in common)
+            diff = f"{worst:.3g} over {len(common)} common steps"
+        else:
+            diff = "no common steps"
+        lines.append(f"{label:<{width}}  {len(loss):>5}  {final:>10}  {diff}")
+    return "\n".join(lines)
+
+
+def compare_runs(
+    run_dirs: list[str | os.PathLike], out: str | os.PathLike = "runs.png", labels: list[str] | None = None
+) -> tuple[Path, str]:
+    """``llmft runs``: the train loss, eval loss and lr of several runs overlaid in one PNG.
+
+    Returns the PNG's path and the table of ``loss_differences``.
+    """
+    dirs = [Path(d) for d in run_dirs]
+    if labels is not None and len(labels) != len(dirs):
+        raise UserError(
+            Problem("--labels", f"gives {len(labels)} label(s) for {len(dirs)} run(s)", "Give one label per run.")
+        )
+    names = labels or _labels(dirs)
+    runs = {name: read_metrics(_metrics_path(d)) for name, d in zip(names, dirs, strict=True)}
+    found = compare_panels(runs)
+    if not found:
+        raise UserError(Problem(", ".join(map(str, dirs)), "hold no loss or lr values", "Train them first."))
+    out_path = Path(out)
+    _draw(found, out_path, title=" vs ".join(names) if len(names) <= 3 else f"{len(names)} runs")
+    return out_path, loss_differences(runs)

@@ -125,7 +125,6 @@ class Run:
         self.checkpoints = CheckpointManager(
             self.run_dir, env, recipe.checkpoint.keep_last, SaveHooks(self.hooks.before_commit)
         )
-        self.metrics = Metrics(self.run_dir, env.is_main, recipe.run.tensorboard)
         self.evaluator = Evaluator(recipe, env, self.engine, self.data, self.tokenizer, plan.batch)
         return resume_from
 
@@ -151,6 +150,7 @@ class Run:
             self.state = LoopState(step=saved.step, samples=saved.samples, tokens=saved.tokens)
             self.checkpoints.protected = checkpoint
             self._log_resume(checkpoint, saved)
+        self.metrics = self._metrics(saved)  # tracked runs (W&B, MLflow) continue where the checkpoint is
         # Creating the data iterator draws from the RNG: it happens before the RNG is restored.
         self.batches = iter(self._loader(first_step=self.state.step, position=self.state.samples))
         if checkpoint is not None:
@@ -159,6 +159,18 @@ class Run:
             rng = self.checkpoints.load_rng(checkpoint)
             if rng is not None:  # None: this rank did not exist when the checkpoint was written
                 set_rng_state(rng)
+
+    def _metrics(self, saved: TrainerState | None) -> Metrics:
+        from llmft.tracking import run_info
+
+        env = self.env
+        return Metrics(
+            self.run_dir,
+            env.is_main,
+            self.recipe,
+            info=run_info(self.plan, env, self.total_steps) if env.is_main else None,
+            resume={"trackers": saved.trackers, "step": saved.step} if saved is not None else None,
+        )
 
     def _loader(self, *, first_step: int, position: int):
         from llmft.data import GlobalOrder, MicroBatchSampler, make_loader
@@ -245,6 +257,7 @@ class Run:
             },
             scheduler=self.scheduler.state_dict(),
             versions=versions(),
+            trackers=self.metrics.tracker_state(),  # run ids and the last step each tracker got
         )
         path = self.checkpoints.save(
             state,
@@ -265,9 +278,14 @@ class Run:
                 state.stopped,
                 state.step,
             )
-            self.metrics.close()
+            self.metrics.close(stopped=True)
             return STOPPED_EXIT_CODE
         self.evaluate(state.step)
+        if self.env.is_main:
+            from llmft.checkpoint.layout import latest_checkpoint
+
+            latest = latest_checkpoint(self.run_dir)
+            self.metrics.summary({"checkpoint": str(latest), "export_command": f"llmft export {self.run_dir}"})
         self.metrics.close()
         if self.env.is_main:
             _report_done(self.run_dir)

@@ -14,6 +14,7 @@ from llmft.dist import DistEnv, init_distributed, read_env, shutdown
 from llmft.plan.resolve import load_plan
 from llmft.run import Run, RunHooks
 from llmft.stop import StopRequest
+from llmft.tracking import check_available
 
 log = logging.getLogger("llmft")
 
@@ -35,6 +36,7 @@ def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None)
     env = read_env()
     setup_logging(env)
     plan = load_plan(recipe_path, overrides, world_size=env.world_size, local_world_size=env.local_world_size)
+    check_available(plan.recipe)  # a missing wandb/mlflow extra fails before any model loads
     for note in plan.notes:
         log.warning("%s", note)
     d = plan.recipe.distributed

@@ -39,7 +39,20 @@ class RunConfig:
         False,
         "Allow a fresh run (checkpoint.resume=never) to delete existing checkpoints in output_dir.",
     )
-    tensorboard: bool = doc(True, "Write TensorBoard event files when tensorboard is installed.")
+    trackers: List[str] = doc(
+        ["tensorboard"],
+        "Where metrics go besides metrics.jsonl: any of tensorboard, wandb, mlflow (extras "
+        '`pip install -e ".[wandb,mlflow]"`); configured by WANDB_* / MLFLOW_* environment variables. '
+        "See docs/tracking.md.",
+    )
+    tensorboard: bool = doc(True, "false drops tensorboard from run.trackers (the older switch, still honoured).")
+    project: Optional[str] = doc(
+        None,
+        "W&B project and MLflow experiment; null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else 'llmft'.",
+    )
+    mlflow_tracking_uri: Optional[str] = doc(
+        None, "MLflow tracking URI (server URL, sqlite:///mlflow.db, file:./mlruns); null: MLFLOW_TRACKING_URI."
+    )
 
 
 @dataclass

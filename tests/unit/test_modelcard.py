@@ -1,0 +1,116 @@
+"""``llmft export`` writes a README.md model card the hub reads (read back with huggingface_hub's
+own ModelCard), records the export path on the tracked run, and ``--push-to-hub`` goes as far as
+the hub call (no network here: HF_HUB_OFFLINE makes huggingface_hub refuse it, which must be a
+clean user error with the export left complete)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, metrics, train_inproc, write_recipe
+
+from llmft.modelcard import _base_license, card_facts, render
+
+pytest.importorskip("huggingface_hub")
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("lora")
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    recipe = write_recipe(
+        tmp,
+        peft__method="lora",
+        peft__r=4,
+        run__name="tiny-lora",
+        run__trackers=["mlflow"],
+        run__mlflow_tracking_uri=f"file:{tmp / 'mlruns'}",
+        data__eval_fraction=0.1,
+        train__max_steps=3,
+    )
+    assert train_inproc(recipe) == 0
+    return tmp / "run"
+
+
+def test_export_writes_a_card_the_hub_reads_and_push_stops_cleanly_offline(lora_run, tmp_path):
+    from huggingface_hub import ModelCard
+
+    out = tmp_path / "adapter"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "llmft", "export", str(lora_run), "--out", str(out), "--push-to-hub", "me/tiny-lora"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    # The export is complete; the push is a user error naming the repo and how to push later.
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"exported to {out}" in done.stdout
+    assert "--push-to-hub me/tiny-lora: could not push" in done.stderr and "OfflineModeIsEnabled" in done.stderr
+    assert f"hf upload me/tiny-lora {out}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert (out / "adapter_model.safetensors").is_file()
+
+    card = ModelCard.load(out / "README.md")
+    data = card.data.to_dict()
+    assert data["library_name"] == "peft" and data["pipeline_tag"] == "text-generation"
+    assert {"llmft", "lora"} <= set(data["tags"])
+    assert "base_model" not in data  # a model.config base is on no hub
+    text = card.text
+    state = json.loads((lora_run / "checkpoints/step-3/trainer_state.json").read_text())
+    final = metrics(lora_run)[-1]
+    final_eval = metrics(lora_run, "eval")[-1]
+    assert "| method | LORA |" in text
+    assert "| adapter | r 4, alpha 32.0, dropout 0.0, targets all-linear |" in text
+    assert "| batch | micro 4 x accumulation 2 x data-parallel 1 = global 8 sequences of up to 64 tokens |" in text
+    assert f"| target tokens trained | {state['tokens']:,} |" in text
+    assert "| optimizer steps | 3 |" in text
+    assert f"- train loss {final['loss']:.4f} at step 3" in text
+    assert f"loss {final_eval['loss']:.4g}" in text
+    assert f"| torch | {state['versions']['torch']} |" in text
+    assert "AutoPeftModelForCausalLM" in text
+    assert "name: tiny-lora" in text  # the resolved recipe, to reproduce the run
+
+    # the export path on the tracked MLflow run
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"file:{lora_run.parent / 'mlruns'}")
+    run_id = state["trackers"]["mlflow"]["run_id"]
+    assert client.get_run(run_id).data.tags["llmft.export_path"] == str(out.resolve())
+
+
+def test_hub_base_and_license_go_to_the_front_matter(lora_run, tmp_path):
+    from huggingface_hub import ModelCard
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: llama3.1\n---\n# a base model\n")
+    assert _base_license(str(base), None) == "llama3.1"
+    assert _base_license("nobody/not-cached", None) is None  # never fetched
+
+    out = tmp_path / "card"
+    out.mkdir()
+    facts = card_facts(lora_run / "checkpoints/step-3", out)
+    assert facts["adapter"] is False  # no adapter_config.json in out: a merged / full export
+    facts.update(
+        base="meta-llama/Llama-3.1-8B",
+        base_is_hub_id=True,
+        license="llama3.1",
+        quantization={"bits": 4, "quant_type": "nf4", "double_quant": True},
+        data=["HuggingFaceH4/ultrachat_200k", "data/mine.jsonl"],
+    )
+    (out / "README.md").write_text(render(facts))
+    card = ModelCard.load(out / "README.md")
+    data = card.data.to_dict()
+    assert data["base_model"] == "meta-llama/Llama-3.1-8B" and data["license"] == "llama3.1"
+    assert data["library_name"] == "transformers" and "qlora" in data["tags"]
+    assert data["datasets"] == ["HuggingFaceH4/ultrachat_200k"]  # local files are not hub datasets
+    assert "| method | QLoRA (lora on a 4-bit nf4 base) |" in card.text
+    assert "| export | full model (merged) |" in card.text
