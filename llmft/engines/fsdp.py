@@ -90,11 +90,15 @@ class FSDPEngine:
         )
         sharded = builds_sharded(recipe)
         if sharded:
+            from llmft import kernels
+
+            kernels.check_available(recipe.model)  # issue 15 (llmft/kernels.py): before any weight is loaded
             model = build_model(recipe, tokenizer, init_context=lambda: torch.device("meta"), shard_quant_storage=True)
             slots = ParamSlots(model)
             # Before anything is allocated: a missing file or weight fails here, not after the load.
             weights = None if recipe.model.config is not None else SafetensorsWeights.of(recipe, slots)
             upcast_trainable(model)
+            kernels.apply(model, recipe.model)  # issue 15: before fully_shard (compiled layers get sharded)
         else:
             # Every rank builds the same (seeded) model on CPU, then keeps only its shards.
             model = prepare_model(recipe, tokenizer, torch.device("cpu"), shard_quant_storage=True)

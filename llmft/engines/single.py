@@ -34,10 +34,13 @@ def upcast_trainable(model: torch.nn.Module) -> None:
 
 
 def prepare_model(recipe: Recipe, tokenizer, device: torch.device, **kwargs) -> torch.nn.Module:
+    from llmft import kernels
     from llmft.model import build_model
 
+    kernels.check_available(recipe.model)  # issue 15 (llmft/kernels.py): before any weight is loaded
     model = build_model(recipe, tokenizer, device=str(device), **kwargs)
     upcast_trainable(model)
+    kernels.apply(model, recipe.model)  # issue 15: Liger, flash-attention boundaries, compile
     return model.to(device) if recipe.model.quantization is None else model
 
 

@@ -10,6 +10,7 @@ import logging
 import sys
 from typing import Any
 
+from llmft import kernels  # issue 15: speed-switch combinations
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import BatchPlan, resolve_for_world, sequences_from_tokens, solve_batch
 from llmft.recipe.schema import Recipe, iter_fields
@@ -355,6 +356,7 @@ def validate(recipe: Recipe, sources=None, dp_size: int | None = None) -> Recipe
     if not problems:
         recipe.distributed.engine = resolve_engine(recipe, dp_size)
         problems += _combinations(recipe, where, dp_size)
+        problems += [Problem(where(pr.where), pr.what, pr.fix) for pr in kernels.recipe_problems(recipe)]  # issue 15
         problems += _batch(recipe, where, dp_size)
     if problems:
         raise RecipeError(*problems, title=f"the recipe has {len(problems)} problem(s)")
