@@ -97,6 +97,9 @@ def build_model(
 def prepare_model(plan: RunPlan, tokenizer: Any, device: torch.device, **kwargs: Any) -> torch.nn.Module:
     """The model of a run as the engines train it: built per the plan's decisions, trainable weights
     in fp32 (``upcast_trainable``), on ``device`` unless quantized (bitsandbytes placed it)."""
+    from llmft import kernels
+
+    kernels.check_available(plan.recipe.model)  # before any weight is loaded
     model = build_model(
         plan.recipe,
         tokenizer,
@@ -106,6 +109,7 @@ def prepare_model(plan: RunPlan, tokenizer: Any, device: torch.device, **kwargs:
         **kwargs,
     )
     upcast_trainable(model)
+    kernels.apply(model, plan.recipe.model)  # Liger, flash-attention boundaries, compile (before sharding)
     return model.to(device) if plan.recipe.model.quantization is None else model
 
 

@@ -35,13 +35,25 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def adamw_implementation(groups: list[dict]) -> dict[str, bool | None]:
+    """torch AdamW's kernel choice: ``fused`` when every parameter is a float tensor on CUDA.
+
+    The fused kernel updates all parameters of a group in a few launches and reads each state
+    tensor once; foreach=None (torch's own pick: the multi-tensor kernels on CUDA, the per-tensor
+    loop on CPU) stays the path everywhere else, so CPU runs and their checkpoints are unchanged.
+    Both compute the same AdamW update (tests/unit/test_kernels.py compares them).
+    """
+    params = [p for g in groups for p in g["params"]]
+    if params and all(p.is_cuda and p.is_floating_point() for p in params):
+        return {"fused": True}
+    return {"foreach": None}
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
     betas = tuple(cfg.betas)
     if cfg.name == "adamw":
-        # foreach=None: torch's choice, the multi-tensor kernels on CUDA (hundreds of LoRA tensors
-        # would otherwise cost ~10 launches each per step) and the same per-tensor path on CPU.
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps, foreach=None)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps, **adamw_implementation(groups))
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
     import bitsandbytes as bnb  # only for the bitsandbytes optimizers

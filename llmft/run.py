@@ -41,6 +41,8 @@ RESUME_MUST_MATCH = ("model", "peft", "data", "run.seed")
 # ... except these, which change neither (a changed value is logged like any other change).
 RESUME_MAY_CHANGE = (
     "model.gradient_checkpointing",
+    "model.compile",
+    "model.liger_kernels",
     "data.num_workers",
     "data.prefetch_factor",
     "data.eval",

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+from llmft import kernels
 from llmft.dist import DistEnv, init_distributed, read_env, shutdown
 from llmft.plan.resolve import load_plan
 from llmft.run import Run, RunHooks
@@ -36,7 +37,9 @@ def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None)
     env = read_env()
     setup_logging(env)
     plan = load_plan(recipe_path, overrides, world_size=env.world_size, local_world_size=env.local_world_size)
-    check_available(plan.recipe)  # a missing wandb/mlflow extra fails before any model loads
+    # A missing tracker extra or kernel fails here, before any data or model is loaded.
+    check_available(plan.recipe)
+    kernels.check_available(plan.recipe.model)
     for note in plan.notes:
         log.warning("%s", note)
     d = plan.recipe.distributed

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from llmft import kernels
 from llmft.checkpoint.layout import DCP_DIR
 from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory
@@ -54,11 +55,13 @@ class FSDPEngine(LocalEngine):
             else init_device_mesh(self.device.type, (mesh["shard"],), mesh_dim_names=("shard",))
         )
         if plan.meta_init:
+            kernels.check_available(plan.recipe.model)  # before any weight is loaded
             model = build_model(plan.recipe, tokenizer, init_context=lambda: torch.device("meta"))
             slots = ParamSlots(model)  # before the upcast: records the dtype each weight is loaded in
             # Before anything is allocated: a missing file or weight fails here, not after the load.
             weights = None if plan.recipe.model.config is not None else SafetensorsWeights.of(plan.recipe, slots)
             upcast_trainable(model)
+            kernels.apply(model, plan.recipe.model)  # before fully_shard: compiled layers get sharded
         else:
             # Every rank builds the same (seeded) model on CPU, then keeps only its shards.
             model = prepare_model(plan, tokenizer, torch.device("cpu"))

@@ -93,6 +93,16 @@ class ModelConfig:
     )
     trust_remote_code: bool = doc(False, "Run model code shipped with a hub repo. Off unless you turn it on.")
     revision: Optional[str] = doc(None, "Hub revision (branch, tag or commit) of name_or_path.")
+    compile: bool = doc(
+        False,
+        "torch.compile each decoder layer (regional compilation, before FSDP2 shards it); same losses as eager "
+        "to float tolerance. Needs a C++ compiler on CPU, Triton on CUDA; not with distributed.engine=deepspeed.",
+    )
+    liger_kernels: bool = doc(
+        False,
+        "Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) on CUDA; needs "
+        "pip install -e '.[liger]' and a model type Liger supports (llama, mistral, qwen2, ...). An error on CPU.",
+    )
 
 
 @dataclass

@@ -1,0 +1,400 @@
+"""The one-command GPU proof (issue 15): throughput, MFU, peak memory and the planner's estimate of
+three single-GPU fine-tunes, each also run with every speed switch off, as one markdown table.
+
+    python bench/gpu.py                       # on one CUDA GPU (bench/gpu.sh calls this)
+    python bench/gpu.py --check               # CPU, tiny shapes, 2 steps: keeps the script working in CI
+    python bench/gpu.py --cases full-1b --steps 20
+
+Nothing is downloaded. The models are random weights in the shapes of meta-llama/Llama-3.1-8B and
+meta-llama/Llama-3.2-1B (llmft/plan/shape.py ``KNOWN``, full 128,256-token vocabulary), written
+once as a local model directory (config.json, safetensors shards generated tensor by tensor on the
+GPU, llmft's byte tokenizer) under ``--out``/models and reused by later runs. Each run is a plain
+``python -m llmft train`` on that directory, so set-up is a load (and, for QLoRA, quantization on
+load) instead of a random init on the CPU.
+
+| case | training |
+| --- | --- |
+| ``qlora-8b`` | NF4 + double quant, LoRA r=16 all-linear, AdamW, bf16, gradient checkpointing, micro 1 x acc 4 |
+| ``lora-8b`` | bf16 base, LoRA r=16 all-linear, AdamW, gradient checkpointing, micro 1 x acc 4 |
+| ``full-1b`` | full fine-tune, AdamW on fp32 master weights, bf16 autocast, micro 2 x acc 4 |
+
+All rows are packed to ``--seq`` tokens (default 4096) from synthetic text with lognormal record
+lengths. Variants: ``all on`` (``model.compile``, ``model.liger_kernels`` where liger-kernel and
+CUDA are there, flash_attention_2 where flash-attn is installed, else sdpa), then the same run with
+each of those switches off. The table reads each run's metrics.jsonl: median tokens/s and MFU of
+the steps after ``--warmup``, the largest ``peak_mem_gb`` (torch.cuda.max_memory_allocated),
+``estimate_memory`` without its fixed CUDA-context term, the speed of the all-on run over that
+variant, the largest |loss - all-on loss| over the steps (same data order and initial weights), and
+the wall time of the whole process (set-up included). A run that fails (OOM, say) is a row that
+says so, and the bench goes on.
+"""
+
+from __future__ import annotations
+
+import os
+
+USER_OMP = os.environ.get("OMP_NUM_THREADS")  # before bench.common sets 1 for the CPU benches
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from common import ROOT, table, train_rows, write_recipe, write_text_records  # noqa: E402
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=320,
+)
+GOALS = {
+    "qlora-8b": "goal: >= 5,000 tok/s and peak <= 10 GiB (one H100/H200, 4096-token packed rows)",
+    "full-1b": "goal: >= 45 % MFU (one H100/H200)",
+}
+
+
+@dataclass
+class Case:
+    name: str
+    shape: str  # a key of llmft.plan.shape.KNOWN
+    micro: int
+    global_batch: int
+    lr: float
+    peft: dict[str, Any] = field(default_factory=lambda: {"method": "none"})
+    quantization: dict[str, Any] | None = None
+    gradient_checkpointing: bool = True
+
+
+LORA = {"method": "lora", "r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
+CASES = {
+    "qlora-8b": Case(
+        "qlora-8b",
+        "meta-llama/Llama-3.1-8B",
+        micro=1,
+        global_batch=4,
+        lr=2e-4,
+        peft=LORA,
+        quantization={"bits": 4, "quant_type": "nf4", "double_quant": True},
+    ),
+    "lora-8b": Case("lora-8b", "meta-llama/Llama-3.1-8B", micro=1, global_batch=4, lr=2e-4, peft=LORA),
+    "full-1b": Case(
+        "full-1b", "meta-llama/Llama-3.2-1B", micro=2, global_batch=8, lr=1e-4, gradient_checkpointing=False
+    ),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="CPU, tiny shapes, 2 steps, 128-token rows")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 12; --check 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (default 4; --check 0)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per packed row (default 4096; --check 128)")
+    ap.add_argument("--out", default="runs/bench-gpu", help="runs, models, logs and gpu.md go here")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds one training run may take")
+    args = ap.parse_args()
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.check:
+        print("bench/gpu.py: no CUDA GPU here; use --check for the CPU smoke run", file=sys.stderr)
+        return 2
+    steps = args.steps or (2 if args.check else 12)
+    warmup = args.warmup if args.warmup is not None else (0 if args.check else 4)
+    seq = args.seq or (128 if args.check else 4096)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cases = [CASES[c] for c in args.cases.split(",") if c]
+
+    switches = available_switches(cuda)
+    variants = ["all on", *[f"{s} off" for s in switches]]
+    data = out / "synthetic.jsonl"
+    tokens_needed = max(c.global_batch for c in cases) * seq * (steps + 1) * 1.3
+    write_synthetic(data, int(tokens_needed))
+
+    started = time.perf_counter()
+    rows: list[list[Any]] = []
+    notes: list[str] = []
+    for case in cases:
+        model_dir = ensure_model(out / "models", case.shape, tiny=args.check, cuda=cuda)
+        results = {}
+        for variant in variants:
+            on = {s: s in switches and variant != f"{s} off" for s in ("compile", "liger", "flash")}
+            recipe = case_recipe(case, model_dir, data, out / case.name / slug(variant), on, seq, steps, args.check)
+            results[variant] = run(recipe, out / case.name / f"{slug(variant)}.log", args.timeout, cuda)
+        rows += table_rows(case, results, variants, warmup)
+        if case.name in GOALS and not args.check:
+            notes.append(f"- {case.name}: {GOALS[case.name]}")
+
+    header = [
+        "case",
+        "variant",
+        "tokens/s",
+        "MFU",
+        "peak GiB",
+        "estimate GiB",
+        "peak / estimate",
+        "all-on speed / this",
+        "max abs loss diff vs all on",
+        "run wall s",
+    ]
+    text = "\n".join(
+        [
+            machine_line(args.check, switches, seq, steps, warmup),
+            "",
+            table(header, rows),
+            "",
+            *notes,
+            f"\nWhole bench: {time.perf_counter() - started:,.0f} s wall (model directories included).",
+        ]
+    )
+    (out / "gpu.md").write_text(text + "\n")
+    print(text)
+    failed = [r for r in rows if str(r[2]).startswith("failed")]
+    return 1 if failed and args.check else 0
+
+
+# --- switches, models, data -------------------------------------------------------------------
+
+
+def available_switches(cuda: bool) -> list[str]:
+    """The speed switches this machine can turn on; each gets an 'off' variant."""
+    found = ["compile"]
+    if cuda and _importable("liger_kernel.transformers"):
+        found.append("liger")
+    if cuda and _importable("flash_attn"):
+        found.append("flash")
+    return found
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except Exception:
+        return False
+
+
+def ensure_model(root: Path, shape_name: str, *, tiny: bool, cuda: bool) -> Path:
+    """A local HF model directory with random bf16 weights in this shape (reused when complete)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmft.plan.shape import KNOWN
+    from llmft.tokenizer import byte_tokenizer
+
+    fields = {**KNOWN[shape_name], **(TINY if tiny else {})}
+    name = shape_name.split("/")[-1] + ("-tiny" if tiny else "")
+    target = root / name
+    if (target / "model.safetensors.index.json").is_file():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    tied = fields.pop("tie_word_embeddings", False)
+    config = AutoConfig.for_model(
+        "llama", **fields, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=tied
+    )
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    device = "cuda" if cuda else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+    files: list[tuple[str, dict[str, torch.Tensor]]] = []
+    size = total = 0
+    for pname, p in meta.named_parameters():  # tied weights appear once
+        if pname.endswith("norm.weight"):
+            t = torch.ones(p.shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+        shard[pname] = t.cpu()
+        size += t.numel() * 2
+        total += t.numel() * 2
+        if size >= 4 * 2**30:
+            files.append((f"part-{len(files)}", shard))
+            shard, size = {}, 0
+    if shard:
+        files.append((f"part-{len(files)}", shard))
+    for i, (_, tensors) in enumerate(files):
+        fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        save_file(tensors, target / fname, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, fname))
+    config.save_pretrained(target)
+    byte_tokenizer().save_pretrained(target)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))  # written last: complete
+    return target
+
+
+def write_synthetic(path: Path, tokens: int) -> None:
+    """Lowercase-word records with lognormal byte lengths (median 600), ``tokens`` bytes in all."""
+    if path.is_file() and path.stat().st_size >= tokens:
+        return
+    rng = random.Random(0)
+    lengths, total = [], 0
+    while total < tokens:
+        n = max(16, min(6000, round(rng.lognormvariate(math.log(600), 0.8))))
+        lengths.append(n)
+        total += n
+    write_text_records(path, lengths)
+
+
+def slug(variant: str) -> str:
+    return variant.replace(" ", "-")
+
+
+def case_recipe(
+    case: Case, model_dir: Path, data: Path, run_dir: Path, on: dict[str, bool], seq: int, steps: int, check: bool
+) -> Path:
+    recipe = {
+        "run": {"output_dir": str(run_dir), "seed": 0, "overwrite": True, "tensorboard": False},
+        "model": {
+            "name_or_path": str(model_dir),
+            "dtype": "bf16",
+            "attn_implementation": "flash_attention_2" if on["flash"] else "sdpa",
+            "gradient_checkpointing": case.gradient_checkpointing,
+            "quantization": case.quantization,
+            "compile": on["compile"],
+            "liger_kernels": on["liger"],
+        },
+        "peft": dict(case.peft),
+        "data": {
+            "train": str(data),
+            "eval": None,
+            "eval_fraction": 0.0,
+            "max_seq_len": seq,
+            "packing": True,
+            "shuffle": True,
+            "train_on": "all",
+            "num_workers": 0 if check else 2,
+        },
+        "batch": {"global_batch_size": case.global_batch, "micro_batch_size": case.micro},
+        "optim": {"name": "adamw", "lr": case.lr, "scheduler": "constant", "warmup_steps": 0, "max_grad_norm": 1.0},
+        "train": {"max_steps": steps, "log_every_steps": 1, "eval_every_steps": None, "progress_bar": False},
+        "checkpoint": {"every_steps": None, "keep_last": 1, "resume": "never", "save_optimizer": False},
+        "distributed": {"engine": "single", "nnodes": 1, "nproc_per_node": 1},
+    }
+    return write_recipe(run_dir.parent / f"{run_dir.name}.yaml", recipe)
+
+
+# --- running and reading ----------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    recipe: Path
+    run_dir: Path
+    wall_s: float
+    error: str | None
+
+
+def run(recipe: Path, log: Path, timeout: int, cuda: bool) -> Result:
+    import yaml
+
+    run_dir = Path(yaml.safe_load(recipe.read_text())["run"]["output_dir"])
+    env = dict(os.environ)
+    if cuda and USER_OMP is None:
+        env.pop("OMP_NUM_THREADS", None)  # loading and the data workers want the CPU cores
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "llmft", "train", str(recipe)]
+    print(f"== {' '.join(cmd)}  (log: {log})", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        try:
+            done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=timeout)
+            error = None if done.returncode == 0 else f"exit {done.returncode}"
+        except subprocess.TimeoutExpired:
+            error = f"timeout {timeout} s"
+    wall = time.perf_counter() - t0
+    if error:
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        print(f"   failed ({error}): {' | '.join(tail)}", file=sys.stderr)
+    return Result(recipe, run_dir, wall, error)
+
+
+def table_rows(case: Case, results: dict[str, Result], variants: list[str], warmup: int) -> list[list[Any]]:
+    from llmft.plan.memory import CUDA_CONTEXT_BYTES, GIB, estimate_memory
+    from llmft.plan.resolve import load_plan
+
+    base = results["all on"]
+    base_rows = train_rows(base.run_dir) if base.error is None else []
+    base_tps = _median([r["tokens_per_s"] for r in base_rows[warmup:]])
+    out = []
+    for variant in variants:
+        res = results[variant]
+        estimate = (estimate_memory(load_plan(str(res.recipe), [], world_size=1)).total - CUDA_CONTEXT_BYTES) / GIB
+        if res.error is not None:
+            out.append(
+                [
+                    case.name,
+                    variant,
+                    f"failed ({res.error})",
+                    "",
+                    "",
+                    f"{estimate:.1f}",
+                    "",
+                    "",
+                    "",
+                    f"{res.wall_s:,.0f}",
+                ]
+            )
+            continue
+        rows = train_rows(res.run_dir)
+        steady = rows[warmup:] or rows
+        tps = _median([r["tokens_per_s"] for r in steady])
+        mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+        peaks = [r["peak_mem_gb"] for r in steady if r.get("peak_mem_gb") is not None]
+        peak = max(peaks) if peaks else None
+        gain = base_tps / tps if base_tps and tps else None
+        diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(rows, base_rows, strict=False)]
+        out.append(
+            [
+                case.name,
+                variant,
+                f"{tps:,.0f}",
+                f"{statistics.median(mfus):.1%}" if mfus else "n/a",
+                f"{peak:.2f}" if peak is not None else "n/a (CPU)",
+                f"{estimate:.2f}",
+                f"{peak / estimate:.2f}" if peak is not None and estimate > 0 else "n/a",
+                "-" if variant == "all on" else (f"{gain:.3f}" if gain else "n/a"),
+                "-" if variant == "all on" else (f"{max(diffs):.2e}" if diffs else "n/a"),
+                f"{res.wall_s:,.0f}",
+            ]
+        )
+    return out
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def machine_line(check: bool, switches: list[str], seq: int, steps: int, warmup: int) -> str:
+    import torch
+    import transformers
+
+    today = datetime.date.today().isoformat()
+    if check:
+        where = "--check: CPU, tiny Llama shapes (hidden 64, 2 layers); the numbers below measure nothing"
+    else:
+        where = f"GPU: {torch.cuda.get_device_name()}"
+    return (
+        f"{today}. {where}; torch {torch.__version__}, transformers {transformers.__version__}. "
+        f"Switches on in 'all on': {', '.join(switches)}; packed rows of {seq} tokens, {steps} steps per run, "
+        f"medians over the steps after the first {warmup}."
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Speed switches applied to a built model: Liger kernels, regional ``torch.compile``, and the
+boundaries of packed rows for variable-length (FlashAttention) kernels.
+
+Three entry points, in the order a run meets them:
+
+- ``recipe_problems(recipe)``: combinations refused while the recipe is validated (pure: no torch,
+  so ``llmft compile`` stays fast and runs on machines without a GPU);
+- ``check_available(model_cfg)``: before any weight is loaded, what this machine lacks for the
+  switches the recipe turned on (CUDA and liger-kernel for ``model.liger_kernels``, a compiler for
+  ``model.compile``), as a ``UserError`` naming the key;
+- ``apply(model, model_cfg)``: on the built (and PEFT-wrapped) model, before an engine shards or
+  wraps it: Liger's patches, the packed-row boundaries for flash attention, and the compilation
+  of each decoder layer.
+
+Both are called by the engines (``engines.single.prepare_model`` and the FSDP engine's sharded
+build), not by ``model.build_model``: export and consolidation build the same model on a machine
+that may have neither a GPU nor liger-kernel, and need none of this.
+
+None of them changes the math: every switch has a torch path that computes the same loss (to
+float tolerance), and the tests compare the two where the torch path runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from llmft.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmft.recipe.schema import ModelConfig, Recipe
+
+log = logging.getLogger("llmft")
+
+# transformers' attention implementations that run varlen kernels when given cu_seq_lens.
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+LIGER_INSTALL = "pip install -e '.[liger]' (or pip install liger-kernel)"
+
+
+# --- recipe checks (no torch) -------------------------------------------------------------------
+
+
+def recipe_problems(r: Recipe, engine: str) -> list[Problem]:
+    """Switch combinations that cannot work on ``engine`` (the resolved one), whatever the machine."""
+    p: list[Problem] = []
+    m = r.model
+    if m.compile and engine == "deepspeed":
+        # DeepSpeed runs its own hooks around every submodule (ZeRO-3 gathers parameters in them)
+        # and has its own compile entry point; llmft does not compile layers underneath it.
+        p.append(
+            Problem(
+                "model.compile",
+                "is not supported with distributed.engine=deepspeed (DeepSpeed's per-module ZeRO hooks would "
+                "run inside the compiled layers)",
+                "Set model.compile=false, or use distributed.engine=fsdp (sharded like ZeRO-3) or ddp.",
+            )
+        )
+    if m.liger_kernels and engine == "deepspeed" and r.distributed.zero_stage == 3:
+        p.append(
+            Problem(
+                "model.liger_kernels",
+                "cannot run under DeepSpeed ZeRO-3: the fused linear cross-entropy reads lm_head.weight "
+                "directly, outside the module call in which ZeRO-3 gathers it",
+                "Use distributed.engine=fsdp, a ZeRO stage below 3, or model.liger_kernels=false.",
+            )
+        )
+    targets = r.peft.target_modules
+    adapts_head = isinstance(targets, (list, tuple)) and any(str(t).split(".")[-1] == "lm_head" for t in targets)
+    if m.liger_kernels and r.peft.method != "none" and adapts_head:
+        p.append(
+            Problem(
+                "model.liger_kernels",
+                "cannot be combined with a LoRA adapter on lm_head: the fused linear cross-entropy multiplies "
+                "by lm_head.weight alone, so the adapter would get no gradient",
+                "Remove lm_head from peft.target_modules (peft.modules_to_save: [lm_head] works), or set "
+                "model.liger_kernels=false.",
+            )
+        )
+    return p
+
+
+# --- what this machine lacks (before loading) ---------------------------------------------------
+
+
+def check_available(m: ModelConfig) -> None:
+    """Raise a ``UserError`` when a switch the recipe turned on cannot run here. Called before the
+    model is loaded, so that a 70B download or a quantization pass is not wasted on it."""
+    if m.liger_kernels:
+        _check_liger()
+    if m.compile:
+        _check_compiler()
+
+
+def _check_liger() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError(
+            Problem(
+                "model.liger_kernels",
+                "is true, but this machine has no CUDA GPU, and Liger's kernels are Triton GPU kernels",
+                "Set model.liger_kernels=false to train with the torch implementations (same loss), "
+                "or run on a CUDA GPU.",
+            )
+        )
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError as e:
+        raise UserError(
+            Problem(
+                "model.liger_kernels",
+                f"is true, but liger-kernel cannot be imported ({e})",
+                f"Install it: {LIGER_INSTALL}; or set model.liger_kernels=false.",
+            )
+        ) from None
+
+
+def _check_compiler() -> None:
+    """Inductor generates C++ on CPU and Triton on CUDA; without them the first step would fail."""
+    import torch
+
+    if torch.cuda.is_available():
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise UserError(
+                Problem(
+                    "model.compile",
+                    "is true, but Triton (which torch.compile generates GPU kernels with) cannot be imported",
+                    "Install the triton build that matches your torch, or set model.compile=false.",
+                )
+            )
+        return
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except ImportError:  # torch moved its private helper: let torch.compile report it itself
+        return
+    except Exception as e:
+        raise UserError(
+            Problem(
+                "model.compile",
+                f"is true, but torch.compile on CPU needs a C++ compiler and found none ({e})",
+                "Install g++ (or set the CXX environment variable), or set model.compile=false.",
+            )
+        ) from None
+
+
+# --- applied to the built model -----------------------------------------------------------------
+
+
+def apply(model: torch.nn.Module, m: ModelConfig) -> None:
+    """Turn on the recipe's speed switches on a built model, in place.
+
+    Call it on the model ``build_model`` returns (PEFT-wrapped or not), before an engine wraps or
+    shards it: ``fully_shard`` must see the compiled layers (as in torchtitan), and Liger must patch
+    the modules before DeepSpeed or DDP hold them. State-dict names do not change.
+    """
+    hf = causal_lm(model)
+    if m.liger_kernels:
+        apply_liger(hf)
+    if hf.config._attn_implementation in VARLEN_ATTENTION:
+        pass_packed_boundaries(hf)
+    if m.compile:
+        compile_layers(hf)
+
+
+def causal_lm(model: torch.nn.Module) -> Any:
+    """The transformers ``*ForCausalLM`` inside a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def apply_liger(hf: Any) -> None:
+    """Liger's patches for this model type on this instance: RMSNorm, RoPE and SwiGLU modules, and a
+    forward whose training loss is the fused linear cross-entropy (no logits materialised). The loss
+    honours ``num_items_in_batch`` (sum / global target count), as the loop needs."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+    model_type = hf.config.model_type
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:  # liger would only log this and patch nothing
+        raise UserError(
+            Problem(
+                "model.liger_kernels",
+                f"liger-kernel has no kernels for model type {model_type!r}",
+                f"Set model.liger_kernels=false. Supported: {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}.",
+            )
+        )
+    _apply_liger_kernel_to_instance(
+        model=hf, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True
+    )
+    log.info("liger kernels applied to %s", type(hf).__name__)
+
+
+def compile_layers(hf: torch.nn.Module) -> int:
+    """``torch.compile`` each decoder layer in place (regional compilation). Returns how many.
+
+    Every layer of a class shares one compiled graph, so compile time does not grow with depth, and
+    the code between layers (embedding, mask construction, head, loss) stays eager, where data-
+    dependent control flow (packed-sequence detection) would otherwise break the graph.
+    ``Module.compile`` keeps the module object and its parameter names, so checkpoints, PEFT and
+    ``fully_shard`` see the same model as without it.
+    """
+    from llmft.model import decoder_layer_classes
+
+    classes = decoder_layer_classes(hf)
+    layers = [mod for mod in hf.modules() if classes and isinstance(mod, classes)]
+    for layer in layers:
+        layer.compile()
+    log.info("torch.compile: %d decoder layer(s) (%s)", len(layers), ", ".join(c.__name__ for c in classes))
+    return len(layers)
+
+
+def pass_packed_boundaries(hf: torch.nn.Module) -> None:
+    """Give flash attention the example boundaries of packed rows (``cu_seq_lens``), once per forward.
+
+    Packed rows come with ``position_ids`` that restart at 0 for every example and no attention mask.
+    transformers turns that into a block-diagonal mask for sdpa, eager and flex attention. Its
+    flash-attention path infers the boundaries itself only when the micro-batch holds ONE row
+    (``_is_packed_sequence`` requires batch size 1); with more rows it runs plain causal attention
+    over each whole row, across examples. Passing ``cu_seq_lens_q/k`` and ``max_length_q/k``
+    (transformers' ``FlashAttentionKwargs``) selects its varlen kernel for any number of rows: no
+    cross-example work, and the loss of the unpacked examples.
+    """
+    decoder = getattr(hf, hf.base_model_prefix, hf)
+    if getattr(decoder, "_llmft_packed_boundaries", False):
+        return
+    decoder.register_forward_pre_hook(_add_boundaries, with_kwargs=True)
+    decoder._llmft_packed_boundaries = True
+
+
+def _add_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    position_ids = kwargs.get("position_ids")
+    if (
+        position_ids is None
+        or position_ids.dim() != 2
+        or kwargs.get("attention_mask") is not None
+        or kwargs.get("past_key_values") is not None  # generation: positions continue a cache
+        or kwargs.get("cu_seq_lens_q") is not None
+    ):
+        return None
+    kwargs = dict(kwargs)
+    kwargs.update(varlen_kwargs(position_ids))
+    return args, kwargs
+
+
+def varlen_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+    """``cu_seq_lens_q/k`` and ``max_length_q/k`` of the flattened ``(rows, seq)`` positions.
+
+    A sequence starts at every row start and wherever the position does not grow by one (the same
+    rule as transformers' ``find_packed_sequence_indices``), so a padded tail with its own positions
+    0, 1, ... is a sequence of its own, and rows never merge.
+    """
+    import torch
+
+    rows, seq = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    begin = starts.reshape(-1).nonzero().view(-1)
+    end = torch.tensor([rows * seq], device=position_ids.device)
+    cu = torch.cat([begin, end]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())  # one host sync per forward, not one per layer
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
