@@ -24,9 +24,10 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from llmft.checkpoint.layout import BASE_DIR, CHECKPOINTS, RECIPE_FILE, TrainerState
+from llmft.checkpoint.layout import BASE_DIR, CHECKPOINTS, RECIPE_FILE, TrainerState, latest_checkpoint
 from llmft.checkpoint.manager import CheckpointManager, SaveHooks, set_rng_state
 from llmft.dist import DistEnv
+from llmft.errors import Problem, UserError
 from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
 from llmft.metrics import Metrics
 from llmft.plan.resolve import RunPlan, describe_engine
@@ -96,6 +97,7 @@ class Run:
         self.run_dir = Path(self.recipe.run.output_dir)
         self.recipe_yaml = to_yaml(plan.resolved_recipe())
         self.state = LoopState()
+        self.lock = None  # the run directory's lock (rank 0), from setup() until close()
 
     # --- setup ----------------------------------------------------------------------------------
 
@@ -109,17 +111,17 @@ class Run:
         from llmft.tokenizer import load_tokenizer
 
         recipe, plan, env = self.recipe, self.plan, self.env
-        resume_from = prepare_run_dir(plan, env)
+        resume_from = self._claim_run_dir()
         if resume_from is not None:
             check_resume_compatible(resume_from, self.recipe_yaml)
         barrier()
         if env.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / RECIPE_FILE).write_text(self.recipe_yaml)
 
         seed_everything(recipe.run.seed)
         self.tokenizer = load_tokenizer(recipe.model)
         self.data = build_data(recipe, self.tokenizer, env)
+        check_enough_data(len(self.data.train), plan)
         self.total_steps = total_steps(plan, len(self.data.train))
         self.engine = build_engine(plan, env, self.tokenizer, self._make_optimizer)
         save_base_once(plan, self.engine, self.run_dir, env, resuming=resume_from is not None)
@@ -129,6 +131,32 @@ class Run:
         )
         self.evaluator = Evaluator(recipe, env, self.engine, self.data, self.tokenizer, plan.batch)
         return resume_from
+
+    def _claim_run_dir(self) -> Path | None:
+        """Rank 0 takes the run directory (lock, ownership check, overwrite) and picks the checkpoint
+        to resume from; every rank gets its decision, or its error."""
+        from llmft.dist import broadcast_object
+        from llmft.rundir import RunDirLock, check_ours, mark
+
+        decision: Any = None
+        error: UserError | None = None
+        if self.env.is_main:
+            try:
+                check_ours(self.run_dir)
+                self.lock = RunDirLock(self.run_dir).acquire()  # released when the process ends
+                mark(self.run_dir)
+                decision = resume_point(self.plan)
+            except UserError as e:
+                error = e
+                decision = ("refused", e.problems, e.title, e.exit_code)
+        decision = broadcast_object(decision)
+        if error is not None:
+            raise error
+        if isinstance(decision, tuple):  # rank 0 refused: every rank stops with its message
+            refused = UserError(*decision[1], title=decision[2])
+            refused.exit_code = decision[3]
+            raise refused
+        return decision
 
     def _make_optimizer(self, model: torch.nn.Module):
         """The one optimizer of the run, over the model as the engine prepared it."""
@@ -284,14 +312,18 @@ class Run:
             return STOPPED_EXIT_CODE
         self.evaluate(state.step)
         if self.env.is_main:
-            from llmft.checkpoint.layout import latest_checkpoint
-
             latest = latest_checkpoint(self.run_dir)
             self.metrics.summary({"checkpoint": str(latest), "export_command": f"llmft export {self.run_dir}"})
         self.metrics.close()
         if self.env.is_main:
             _report_done(self.run_dir)
         return 0
+
+    def close(self) -> None:
+        """Give the run directory back (a process that ends releases it anyway, kill -9 included)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 # --- the pieces -------------------------------------------------------------------------------------
@@ -305,18 +337,31 @@ def total_steps(plan: RunPlan, num_samples: int) -> int:
     return max(1, math.ceil(t.epochs * num_samples / plan.batch.global_batch_size))
 
 
-def prepare_run_dir(plan: RunPlan, env: DistEnv) -> Path | None:
-    """Decide what to resume from; never destroy an earlier run by accident."""
-    from llmft.checkpoint.layout import latest_checkpoint, resolve_checkpoint, step_dirs
-    from llmft.errors import Problem, UserError
+def resume_point(plan: RunPlan) -> Path | None:
+    """The checkpoint this run resumes from (rank 0 decides). ``auto``: the newest complete one that
+    is whole; a damaged one is skipped with a warning naming the file (and left in place: it is
+    replaced when the run saves that step again). A path: that checkpoint, which must be whole.
+    ``never``: none, and an earlier run's checkpoints are refused unless ``run.overwrite``."""
+    from llmft.checkpoint.layout import resolve_checkpoint, step_dirs
+    from llmft.checkpoint.verify import DamagedCheckpoint, verify
+    from llmft.rundir import clear_for_fresh_start
 
     recipe = plan.recipe
     run_dir = Path(recipe.run.output_dir)
     resume = recipe.checkpoint.resume
     if resume == "auto":
-        return latest_checkpoint(run_dir)
+        latest_checkpoint(run_dir)  # logs a stale or invalid checkpoints/latest
+        for _, step_dir in reversed(step_dirs(run_dir)):
+            try:
+                verify(step_dir)
+                return step_dir
+            except DamagedCheckpoint as e:
+                log.warning("not resuming from %s: %s; trying the checkpoint before it", step_dir.name, e)
+        return None
     if resume != "never":
-        return resolve_checkpoint(resume)
+        step_dir = resolve_checkpoint(resume)
+        verify(step_dir)  # asked for by name: a damaged one is an error, not a silent fallback
+        return step_dir
     existing = step_dirs(run_dir)
     if existing and not recipe.run.overwrite:
         raise UserError(
@@ -327,10 +372,25 @@ def prepare_run_dir(plan: RunPlan, env: DistEnv) -> Path | None:
                 "to delete its checkpoints and metrics.",
             )
         )
-    if existing and env.is_main:
-        shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if recipe.run.overwrite:
+        clear_for_fresh_start(run_dir)
     return None
+
+
+def check_enough_data(num_samples: int, plan: RunPlan) -> None:
+    """One optimizer step takes ``global_batch_size`` distinct samples; fewer would repeat samples
+    inside one step (the big batch would not be a batch of the data)."""
+    g = plan.batch.global_batch_size
+    if num_samples >= g:
+        return
+    what = "rows after packing" if plan.recipe.data.packing else "training sequences"
+    raise UserError(
+        Problem(
+            "batch.global_batch_size",
+            f"is {g}, but the data has only {num_samples} {what}: one optimizer step would take some of them twice",
+            f"Use a global batch of at most {num_samples} sequences, or more data.",
+        )
+    )
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -349,8 +409,6 @@ def check_resume_compatible(ckpt: Path, recipe_yaml: str) -> None:
     the resumed step on; the world layout may change freely (elastic resume).
     """
     from omegaconf import OmegaConf
-
-    from llmft.errors import Problem, UserError
 
     saved = _flatten(OmegaConf.to_container(OmegaConf.load(ckpt / RECIPE_FILE), resolve=True))
     now = _flatten(OmegaConf.to_container(OmegaConf.create(recipe_yaml), resolve=True))
@@ -464,8 +522,6 @@ def _extra_metrics(plan: RunPlan, env: DistEnv) -> Callable[[dict[str, Any]], di
 
 
 def _report_done(run_dir: Path) -> None:
-    from llmft.checkpoint.layout import latest_checkpoint
-
     plot = None
     try:
         from llmft.plot import plot_run

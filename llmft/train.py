@@ -47,10 +47,11 @@ def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None)
     # Installed before anything slow: a stop request during model loading is honoured after the
     # first step (checkpoint, exit 75) instead of killing the process with nothing to requeue.
     stop = StopRequest(d.stop_signal).install()
+    run = Run(plan, env, stop, hooks)
     try:
-        run = Run(plan, env, stop, hooks)
         run.restore(run.setup())
         return run.finish(run.fit())
     finally:
+        run.close()
         stop.uninstall()
         shutdown()

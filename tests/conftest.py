@@ -55,3 +55,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def python():
     return sys.executable
+
+
+@pytest.fixture
+def llmft_log():
+    """Records of the llmft logger (which does not propagate once `llmft train` set it up). Not for
+    tests that run `llmft train` in-process: its set-up replaces the logger's handlers (use capsys)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("llmft")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)

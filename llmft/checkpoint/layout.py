@@ -26,6 +26,7 @@ Each engine owns the format of its part (``engines/``); the names are here. Pure
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from llmft.errors import Problem, UserError
+
+log = logging.getLogger("llmft")
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -128,22 +131,56 @@ def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def read_latest(root: Path) -> str | None:
+    """The step name ``checkpoints/latest`` holds (a file, or a symlink's target name), or None.
+
+    Raises ``UserError`` when it holds anything but a ``step-N`` name: ``latest`` is a name inside
+    this ``checkpoints/``, never a path (an absolute path or ``..`` would lead a resume or an export
+    outside the run)."""
+    pointer = Path(root) / LATEST
+    if pointer.is_symlink():
+        name = os.readlink(pointer)
+    elif pointer.is_file():
+        name = pointer.read_text().strip()
+    else:
+        return None
+    if not STEP_RE.match(name):
+        raise UserError(
+            Problem(
+                str(pointer),
+                f"holds {name[:80]!r}, not a step-N name of a checkpoint in {pointer.parent}",
+                "Delete it (llmft then uses the newest complete step-N), or pass a checkpoints/step-N directory.",
+            )
+        )
+    return name
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete ``step-N`` of a run. ``latest`` only confirms it: a stale or invalid
+    pointer is logged and ignored (the newest complete checkpoint is what was written last)."""
     root = Path(run_dir) / CHECKPOINTS
-    pointer = root / LATEST
-    if pointer.is_file() and not pointer.is_symlink():
-        target = root / pointer.read_text().strip()
-        if (target / COMPLETE).exists():
-            return target
     dirs = step_dirs(run_dir)
-    return dirs[-1][1] if dirs else None
+    newest = dirs[-1][1] if dirs else None
+    try:
+        named = read_latest(root)
+    except UserError as e:
+        log.warning("%s; ignoring it", e)
+        return newest
+    if newest is not None and named is not None and named != newest.name:
+        log.warning(
+            "checkpoints/latest names %s, but %s is the newest complete checkpoint: using %s",
+            named,
+            newest.name,
+            newest.name,
+        )
+    return newest
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A ``step-N`` dir, ``checkpoints/latest``, ``checkpoints/``, or a run dir (its latest)."""
     p = Path(path)
-    if p.name == LATEST and p.is_file():
-        p = p.parent / p.read_text().strip()
+    if p.name == LATEST and (p.is_file() or p.is_symlink()):
+        p = p.parent / read_latest(p.parent)
     if (p / COMPLETE).exists():
         return p
     if p.is_dir() and STEP_RE.match(p.name):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,14 @@ from llmft.checkpoint.layout import (
     step_name,
     tmp_name,
 )
-from llmft.dist import DistEnv, barrier
+from llmft.dist import DistEnv, all_reduce_sum, barrier
+from llmft.errors import Problem, UserError
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written (disk full, quota, I/O error). Distinct from a divergence."""
+
+    exit_code = 74  # EX_IOERR
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -60,6 +68,22 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_error(e: BaseException) -> OSError | None:
+    """The OS error behind a failed write (DCP wraps each rank's in a CheckpointException)."""
+    if isinstance(e, OSError):
+        return e
+    if type(e).__name__ == "SafetensorError":  # safetensors' Rust writer reports "... (os error N)"
+        found = re.search(r"os error (\d+)", str(e))
+        if found:
+            code = int(found.group(1))
+            return OSError(code, os.strerror(code))
+    for failure in getattr(e, "failures", {}).values():  # torch.distributed.checkpoint.api.CheckpointException
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, OSError):
+            return inner
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -113,16 +137,17 @@ class CheckpointManager:
                 shutil.rmtree(tmp)  # left by a killed save
             tmp.mkdir()
         barrier()
-        engine.save(tmp, save_optimizer=save_optimizer)
-        rng = rng_file(tmp, self.env.rank)
-        rng.parent.mkdir(exist_ok=True)
-        torch.save(rng_state(), rng)
-        if self.env.is_main:
-            (tmp / STATE_FILE).write_text(state.to_json())
-            (tmp / RECIPE_FILE).write_text(recipe_yaml)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
+        try:
+            self._write(tmp, state, engine, recipe_yaml=recipe_yaml, tokenizer=tokenizer, save_optimizer=save_optimizer)
+            failed = None
+        except Exception as e:  # noqa: BLE001 - only write errors are ours to report; the rest re-raise below
+            failed = _write_error(e)
+            if failed is None:
+                raise
         self.hooks.before_commit(step, self.env.rank)
+        (failures,) = all_reduce_sum([1.0 if failed else 0.0], self.env.device)  # every rank learns of it
+        if failures:
+            raise self._abandon(tmp, step, failed)
         barrier()
         if self.env.is_main:
             atomic_write(tmp / COMPLETE, json.dumps({"step": step}))
@@ -137,6 +162,40 @@ class CheckpointManager:
             self.prune()
         barrier()
         return final
+
+    def _write(self, tmp: Path, state: TrainerState, engine, *, recipe_yaml: str, tokenizer, save_optimizer: bool):
+        engine.save(tmp, save_optimizer=save_optimizer)
+        rng = rng_file(tmp, self.env.rank)
+        rng.parent.mkdir(exist_ok=True)
+        torch.save(rng_state(), rng)
+        if self.env.is_main:
+            (tmp / STATE_FILE).write_text(state.to_json())
+            (tmp / RECIPE_FILE).write_text(recipe_yaml)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
+
+    def _abandon(self, tmp: Path, step: int, failed: OSError | None) -> CheckpointWriteError:
+        """Remove the half-written ``.tmp-step-N``; ``latest`` and the earlier checkpoints were never touched."""
+        barrier()
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(self.root).free if self.root.is_dir() else 0
+        previous = step_dirs(self.run_dir)
+        what = (
+            f"{failed.strerror or failed} ({failed.filename or tmp})"
+            if failed is not None
+            else "another rank could not write its part"
+        )
+        return CheckpointWriteError(
+            Problem(
+                str(tmp),
+                f"writing the checkpoint of step {step} failed: {what}; {free / 2**30:.2f} GiB free there. "
+                "The partial checkpoint was removed; "
+                + (f"{previous[-1][1].name} and latest are untouched" if previous else "no earlier checkpoint exists"),
+                "Free disk space or quota (or point run.output_dir at a larger disk), then run the same command: "
+                "it resumes from the newest complete checkpoint.",
+            )
+        )
 
     def prune(self) -> None:
         if self.keep_last is None:

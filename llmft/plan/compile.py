@@ -75,8 +75,18 @@ def _launch_hint(plan: RunPlan, out: Path) -> str:
 
 
 def _job_name(recipe) -> str:
-    """A name that is safe unquoted in #SBATCH lines and as torchrun's rendezvous id."""
-    name = recipe.run.name or Path(recipe.run.output_dir).name
+    """A name that is safe unquoted in #SBATCH lines and as torchrun's rendezvous id. A name read
+    from the environment (``${oc.env:...}``) is not written into the scripts: it may be a secret."""
+    from_env = getattr(recipe, "_env_refs", {})
+    name = next(
+        (
+            v
+            for k, v in (("run.name", recipe.run.name), ("run.output_dir", recipe.run.output_dir))
+            if v and k not in from_env
+        ),
+        None,
+    )
+    name = Path(name).name if name else "llmft"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "llmft"
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import BatchPlan, resolve_for_world, sequences_from_tokens, solve_batch
 from llmft.plan.shape import model_shape
-from llmft.recipe.load import RecipeError, load_unchecked, provenance
+from llmft.recipe.load import RecipeError, load_unchecked, provenance, unresolve_env
 from llmft.recipe.schema import Recipe
 
 log = logging.getLogger("llmft")
@@ -115,13 +115,15 @@ class RunPlan:
 
     def resolved_recipe(self) -> Recipe:
         """A copy of the recipe with the decisions written in (engine, batch, layout): what
-        ``recipe.yaml`` files hold, so that a compiled dir or a checkpoint says what ran."""
+        ``recipe.yaml`` files hold, so that a compiled dir or a checkpoint says what ran.
+        ``${oc.env:...}`` values stay as typed: they are resolved again when the file is read."""
         r = copy.deepcopy(self.recipe)
         r.distributed.engine = self.engine
         r.distributed.nnodes, r.distributed.nproc_per_node = self.world.nnodes, self.world.nproc_per_node
         r.batch.global_batch_size = self.batch.global_batch_size
         r.batch.micro_batch_size = self.batch.micro_batch_size
         r.batch.gradient_accumulation_steps = self.batch.gradient_accumulation_steps
+        unresolve_env(r)  # values read from the environment (secrets) are written as typed, not resolved
         return r
 
 

@@ -233,6 +233,7 @@ def load_unchecked(
     if nproc_per_node is not None:
         cfg.distributed.nproc_per_node = nproc_per_node
         sources.where["distributed.nproc_per_node"] = "--nproc-per-node"
+    env_refs = _env_references(OmegaConf.to_container(cfg, resolve=False))
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
@@ -246,10 +247,39 @@ def load_unchecked(
         ) from None
     recipe: Recipe = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     recipe._provenance = sources  # type: ignore[attr-defined]  # not a recipe key: where each key was set
+    recipe._env_refs = env_refs  # type: ignore[attr-defined]  # keys set from the environment, as written
     problems = check_values(recipe, sources.of)
     if problems:  # combinations of out-of-range values say nothing more
         raise RecipeError(*problems, title=f"the recipe has {len(problems)} problem(s)")
     return recipe, check_combinations(recipe, sources.of)
+
+
+def _env_references(raw: Any, prefix: str = "") -> dict[str, str]:
+    """Dotted key -> the value as written, for every value that reads the environment (``${oc.env:...}``).
+
+    Those values are resolved for the run but written back as they were typed into every file llmft
+    writes (compiled recipe, run and checkpoint recipe.yaml): a secret read from the environment
+    never lands on a shared disk."""
+    out: dict[str, str] = {}
+    if isinstance(raw, dict):
+        for k, v in raw.items():
+            out.update(_env_references(v, f"{prefix}{k}."))
+    elif isinstance(raw, str) and "${oc.env:" in raw:
+        out[prefix.rstrip(".")] = raw
+    return out
+
+
+def unresolve_env(recipe: Recipe) -> None:
+    """Put the ``${oc.env:...}`` values of a (copied) recipe back as written; see ``_env_references``."""
+    for key, raw in getattr(recipe, "_env_refs", {}).items():
+        *parents, leaf = key.split(".")
+        node: Any = recipe
+        for part in parents:
+            node = node[part] if isinstance(node, dict) else getattr(node, part)
+        if isinstance(node, dict):
+            node[leaf] = raw
+        else:
+            setattr(node, leaf, raw)
 
 
 def provenance(recipe: Recipe) -> Callable[[str], str]:
@@ -263,4 +293,6 @@ def to_container(recipe: Recipe) -> dict:
 
 
 def to_yaml(recipe: Recipe) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(recipe), resolve=True)
+    """The recipe as YAML. Its values are resolved at load; only the ``${oc.env:...}`` values that
+    ``unresolve_env`` put back stay interpolations (list-valued keys included)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(recipe), resolve=False)

@@ -166,20 +166,6 @@ def _recipe_with(tmp_path: Path, *overrides: str, **sections) -> str:
     return to_yaml(load_plan(write_recipe(tmp_path, **sections), list(overrides)).resolved_recipe())
 
 
-@pytest.fixture
-def llmft_log():
-    """Records of the llmft logger (which does not propagate once `llmft train` set it up)."""
-    import logging
-
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("llmft")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
-
-
 def test_resume_refuses_another_model_adapter_or_data_and_lists_every_difference(tmp_path, llmft_log):
     from llmft.run import check_resume_compatible
 

@@ -1,0 +1,166 @@
+"""Faults a shared cluster produces, each asserted as a user sees it: exit code, message, and the
+files on disk before and after (docs/reliability.md; docs/design.md G5, G8)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import INSTRUMENTED, ROOT, checkpoint_weights, metrics, train_inproc, write_data, write_recipe
+
+from llmft.errors import UserError
+
+CKPT = {"checkpoint__every_steps": 2, "checkpoint__keep_last": None, "train__max_steps": 6}
+
+
+def _cmd(recipe: Path, *overrides: str) -> list[str]:
+    return [sys.executable, INSTRUMENTED, "train", str(recipe), *overrides]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_a_second_run_in_the_same_dir_is_refused_and_the_first_is_untouched(tmp_path):
+    recipe = write_recipe(tmp_path, train__max_steps=400, checkpoint__every_steps=100)
+    first = subprocess.Popen(_cmd(recipe), stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "run/metrics.jsonl").exists():
+            assert first.poll() is None and time.time() < deadline, "first run did not start"
+            time.sleep(0.05)
+        second = subprocess.run(_cmd(recipe), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"is in use by another llmft train (pid {first.pid} on " in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=120)
+    assert first.returncode == 75, err[-2000:]
+    steps = [r["step"] for r in metrics(tmp_path / "run")]
+    raw = [line for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert len(raw) == len(steps)  # no row written twice
+
+
+def test_a_fresh_run_never_writes_into_a_folder_of_the_users(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "recipe.yaml").write_text("my own notes\n")
+    (mine / "checkpoints/step-1").mkdir(parents=True)
+    (mine / "checkpoints/step-1/weights.bin").write_bytes(b"mine")
+    before = _tree(mine)
+    with pytest.raises(UserError, match=r"is not empty \(checkpoints, recipe.yaml\) and is not an llmft run"):
+        train_inproc(write_recipe(tmp_path, run__output_dir=str(mine)))
+    assert _tree(mine) == before
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
+    recipe = write_recipe(tmp_path, **{**CKPT, "train__max_steps": 4})
+    assert train_inproc(recipe) == 0
+    ckpts = tmp_path / "run/checkpoints"
+    damaged = ckpts / "step-4/model/model.safetensors"
+    _truncate(damaged)
+    capsys.readouterr()
+    assert train_inproc(recipe, "train.max_steps=6") == 0
+    err = capsys.readouterr().err
+    assert f"not resuming from step-4: {damaged}: is damaged:" in err
+    assert f"resuming from {ckpts / 'step-2'} (step 2," in err
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-")) == ["step-2", "step-4", "step-6"]
+    checkpoint_weights(ckpts / "step-4")  # saved again, whole, when the run passed step 4
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_damaged_checkpoint_named_explicitly_is_refused(tmp_path):
+    recipe = write_recipe(tmp_path, **{**CKPT, "train__max_steps": 2})
+    assert train_inproc(recipe) == 0
+    step = tmp_path / "run/checkpoints/step-2"
+    _truncate(step / "optimizer.pt")
+    before = _tree(tmp_path / "run/checkpoints")
+    with pytest.raises(UserError) as e:
+        train_inproc(recipe, f"checkpoint.resume={step}", "train.max_steps=4")
+    assert str(e.value).startswith(f"{step / 'optimizer.pt'}: is damaged: not a whole torch.save file")
+    assert "weights_only" not in str(e.value)
+    assert _tree(tmp_path / "run/checkpoints") == before
+
+
+def _limit_file_size(limit: int):
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+
+    return apply
+
+
+def test_a_write_error_during_save_keeps_the_previous_checkpoint(tmp_path):
+    """The file-size limit makes the model file of step 4 fail to write, as a full disk does."""
+    recipe = write_recipe(tmp_path, **{**CKPT, "train__max_steps": 4, "checkpoint__every_steps": 2})
+    assert train_inproc(recipe, "train.max_steps=2") == 0
+    ckpts = tmp_path / "run/checkpoints"
+    before = _tree(ckpts)
+    size = (ckpts / "step-2/model/model.safetensors").stat().st_size
+    done = subprocess.run(
+        _cmd(recipe),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=300,
+        preexec_fn=_limit_file_size(size // 2),
+    )
+    assert done.returncode == 74, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert f"{ckpts / '.tmp-step-4'}: writing the checkpoint of step 4 failed: File too large" in done.stderr
+    assert "GiB free there. The partial checkpoint was removed; step-2 and latest are untouched" in done.stderr
+    assert not (ckpts / ".tmp-step-4").exists()
+    assert _tree(ckpts) == before  # step-2 and latest byte for byte
+    again = subprocess.run(_cmd(recipe), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (ckpts / "latest").read_text() == "step-4"
+
+
+def test_environment_values_stay_unresolved_in_written_recipes(tmp_path):
+    secret = "hunter2-not-on-disk"
+    write_data(tmp_path / "train.jsonl")
+    recipe = write_recipe(tmp_path, run__name="${oc.env:LLMFT_TEST_SECRET}", train__max_steps=2)
+    compiled = tmp_path / "compiled"
+    done = subprocess.run(
+        [sys.executable, "-m", "llmft", "compile", str(recipe), "--out", str(compiled)],
+        capture_output=True,
+        text=True,
+        env=_env(LLMFT_TEST_SECRET=secret),
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert yaml.safe_load((compiled / "recipe.yaml").read_text())["run"]["name"] == "${oc.env:LLMFT_TEST_SECRET}"
+    done = subprocess.run(_cmd(compiled), capture_output=True, text=True, env=_env(LLMFT_TEST_SECRET=secret), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for root in (compiled, tmp_path / "run"):
+        leaked = [p for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+        assert not leaked, leaked
+    assert "${oc.env:LLMFT_TEST_SECRET}" in (tmp_path / "run/checkpoints/step-2/recipe.yaml").read_text()
+
+
+def test_data_smaller_than_one_global_batch_is_refused(tmp_path):
+    write_data(tmp_path / "train.jsonl", n=6)
+    with pytest.raises(UserError) as e:
+        train_inproc(write_recipe(tmp_path))
+    assert str(e.value) == (
+        "batch.global_batch_size: is 8, but the data has only 6 training sequences: one optimizer step would "
+        "take some of them twice. Use a global batch of at most 6 sequences, or more data."
+    )
