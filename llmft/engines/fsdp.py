@@ -30,7 +30,14 @@ from llmft.checkpoint.layout import DCP_DIR
 from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import LocalEngine, trainable_names
-from llmft.model import DTYPES, build_model, decoder_layer_classes, prepare_model, upcast_trainable
+from llmft.model import (
+    DTYPES,
+    build_model,
+    decoder_layer_classes,
+    install_chunked_loss,
+    prepare_model,
+    upcast_trainable,
+)
 from llmft.plan.fsdp import fsdp_plan
 from llmft.plan.resolve import RunPlan
 
@@ -59,6 +66,7 @@ class FSDPEngine(LocalEngine):
             # Before anything is allocated: a missing file or weight fails here, not after the load.
             weights = None if plan.recipe.model.config is not None else SafetensorsWeights.of(plan.recipe, slots)
             upcast_trainable(model)
+            install_chunked_loss(plan, model)
         else:
             # Every rank builds the same (seeded) model on CPU, then keeps only its shards.
             model = prepare_model(plan, tokenizer, torch.device("cpu"))

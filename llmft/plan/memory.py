@@ -50,6 +50,10 @@ OPTIMIZER_BYTES = {"adamw": 8, "paged_adamw": 8, "adamw_8bit": 2, "paged_adamw_8
 CUDA_CONTEXT_BYTES = GIB // 2
 FRAGMENTATION = 0.05
 
+# Chunked loss (llmft/loss.py): rows of the LM head computed at once, so that one chunk's fp32
+# logits are about 64 MiB (2**24 elements): 524 tokens at vocab 32k, 131 at vocab 128k.
+LOSS_CHUNK_ELEMENTS = 2**24
+
 # LoRA "all-linear" on a Llama-style decoder, and each module's (in, out) features.
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -104,6 +108,22 @@ def count_params(recipe: Recipe, shape: ModelShape) -> Params:
         adapted_inputs=adapted_inputs,
         largest_linear=max(i * o for i, o in linears.values()),
     )
+
+
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the chunked loss for a vocabulary of ``vocab_size``."""
+    return max(1, LOSS_CHUNK_ELEMENTS // max(vocab_size, 1))
+
+
+def chunked_loss_on(recipe: Recipe, micro_batch_size: int) -> bool:
+    """Whether the run computes the loss in chunks. ``model.chunked_loss: auto``: when a
+    micro-batch has more tokens than one chunk (where it helps); unknown shape: on."""
+    if recipe.model.chunked_loss != "auto":
+        return bool(recipe.model.chunked_loss)
+    shape = model_shape(recipe.model)
+    if shape is None:
+        return True
+    return micro_batch_size * recipe.data.max_seq_len > loss_chunk_tokens(shape.vocab_size)
 
 
 def quantized_bytes_per_param(bits: int, double_quant: bool) -> float:
@@ -260,8 +280,10 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
     tokens = micro * recipe.data.max_seq_len
     placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])
     # The head's output in the compute dtype, its fp32 copy for the loss, and the fp32
-    # log-softmax that cross-entropy keeps for backward.
-    placed["logits"] = tokens * shape.vocab_size * (a + 4 + 4)
+    # log-softmax that cross-entropy keeps for backward: for the whole micro-batch, or for one
+    # chunk of the chunked loss (llmft/loss.py; backward recomputes one chunk at a time).
+    logit_rows = min(tokens, loss_chunk_tokens(shape.vocab_size)) if chunked_loss_on(recipe, micro) else tokens
+    placed["logits"] = logit_rows * shape.vocab_size * (a + 4 + 4)
     placed["activations"] = _activations(recipe, shape, params, tokens, a, placed["logits"])
     placed["overhead"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * sum(placed.values())
 

@@ -109,6 +109,13 @@ class RunPlan:
         under FSDP2, which shards parameters of one dtype."""
         return self.engine != "fsdp"
 
+    @property
+    def chunked_loss(self) -> bool:
+        """The LM head and loss run in chunks of tokens (``llmft.loss``)."""
+        from llmft.plan.memory import chunked_loss_on
+
+        return chunked_loss_on(self.recipe, self.batch.micro_batch_size)
+
     def on_one_process(self) -> RunPlan:
         """The same run built as one process would build it (``llmft verify`` emulates the ranks)."""
         return replace(self, engine="single", quant_storage=quant_storage_for(self.recipe, "single"))
@@ -424,6 +431,7 @@ def plan_summary(plan: RunPlan) -> dict[str, Any]:
         "dtype": plan.dtype,
         "quant_storage": plan.quant_storage,
         "model_init": "meta" if plan.meta_init else "zero_init" if plan.zero_init else "whole",
+        "chunked_loss": plan.chunked_loss,
         "notes": list(plan.notes),
     }
 

@@ -75,6 +75,13 @@ class ModelConfig:
         choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
     gradient_checkpointing: bool = doc(False, "Recompute activations in the backward pass to save memory.")
+    chunked_loss: Any = doc(
+        "auto",
+        "true / false: compute the LM head and the cross-entropy in chunks of tokens, so the fp32 logits of "
+        "the whole micro-batch never exist at once (same loss and gradients). auto: on when a micro-batch "
+        "has more tokens than one chunk (2**24 / vocab_size tokens).",
+        choices=(True, False, "auto"),
+    )
     quantization: Optional[QuantizationConfig] = doc(
         None, "null, or {bits: 4} / {bits: 8}: load the frozen base weights quantized with bitsandbytes."
     )

@@ -86,3 +86,29 @@ def test_one_gradient_reduction_per_optimizer_step(tmp_path, engine):
     assert all(n == 0 for boundary, n in log if not boundary)  # no communication inside the cycle
     per_step = [n for boundary, n in log if boundary]
     assert per_step[0] > 0 and len(set(per_step)) == 1  # one reduction (set of buckets) per step
+
+
+def _probe(script: str, args: list[str], timeout: int = 400):
+    import os
+    import subprocess
+
+    from helpers import ROOT, torchrun_cmd
+
+    cmd = [*torchrun_cmd(), str(ROOT / "tests/distributed" / script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+CHUNKED = [("fsdp", ENGINES[1][1]), ("zero3", ENGINES[5][1])]
+
+
+@pytest.mark.parametrize("name,overrides", CHUNKED, ids=[e[0] for e in CHUNKED])
+def test_chunked_loss_step_matches_single_process(tmp_path, single_sgd, name, overrides):
+    """model.chunked_loss=true in chunks of 16 tokens (tests/distributed/chunked_probe.py) on a
+    sharding engine: the same step as one plain process."""
+    _, ref = single_sgd
+    recipe = write_recipe(tmp_path)
+    done = _probe("chunked_probe.py", [str(recipe), *SGD_ONE_STEP, *overrides, "model.chunked_loss=true"])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert max_rel_diff(_weights(tmp_path / "run"), ref) < 1e-4
+    assert abs(metrics(tmp_path / "run")[0]["loss"] - metrics(single_sgd[0] / "run")[0]["loss"]) < 1e-5
