@@ -1,6 +1,7 @@
 """PyTorch FSDP2: ``fully_shard`` per decoder layer and the root, gradients reduce-scattered once
-per optimizer step (``set_requires_gradient_sync(False)`` on the other micro-steps), DCP checkpoints
-that reshard to any world size.
+per optimizer step (``set_requires_gradient_sync(False)`` on the other micro-steps), or, with
+``distributed.fsdp_grad_sync: micro_step``, every micro-step (sharded gradients while
+accumulating), DCP checkpoints that reshard to any world size.
 
 The sharding comes from the run's FSDP2 plan (``llmft.plan.fsdp.fsdp_plan``: mesh, mixed
 precision, offload, resharding), the same one ``llmft compile`` writes to ``fsdp.yaml``.
@@ -52,6 +53,7 @@ class FSDPEngine(LocalEngine):
         sharding = fsdp_plan(plan)
         # The reduce-scatter averages over all data-parallel ranks (shard x replicate).
         self.grad_scale = float(env.world_size)
+        self.sync_every_micro_step = plan.recipe.distributed.fsdp_grad_sync == "micro_step"
         mesh = sharding["mesh"]
         self.mesh = (
             init_device_mesh(
@@ -91,7 +93,10 @@ class FSDPEngine(LocalEngine):
         self.optimizer = make_optimizer(model)
 
     def micro_step(self, boundary: bool) -> ContextManager:
-        self.model.set_requires_gradient_sync(boundary)
+        # boundary: unsharded gradients accumulate locally and are reduce-scattered once, on the
+        # last micro-step; micro_step: every backward reduce-scatters and FSDP2 adds the result
+        # into the sharded gradient, so only a shard is ever kept between micro-steps.
+        self.model.set_requires_gradient_sync(boundary or self.sync_every_micro_step)
         return contextlib.nullcontext()
 
     def autocast(self) -> ContextManager:

@@ -268,10 +268,11 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         "weights": _placed(states["weights"], layout.weights, layout.weights_on_gpu),
         "adapters": _placed(states["adapters"], layout.weights, layout.weights_on_gpu),
         # FSDP2 with gradient sync off keeps each micro-step's gradients unsharded until the
-        # boundary reduce-scatter, so with accumulation they are not divided by the shards.
+        # boundary reduce-scatter, so with accumulation they are not divided by the shards
+        # (distributed.fsdp_grad_sync=micro_step reduce-scatters every micro-step instead).
         "gradients": _placed(
             states["gradients"],
-            1 if engine == "fsdp" and accumulation > 1 else layout.gradients,
+            1 if unsharded_accumulation(recipe, engine, accumulation) else layout.gradients,
             layout.grads_on_gpu,
         ),
         "optimizer": _placed(states["optimizer"], layout.optimizer, layout.optimizer_on_gpu),
@@ -288,6 +289,12 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
     placed["overhead"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * sum(placed.values())
 
     notes = []
+    if unsharded_accumulation(recipe, engine, accumulation) and layout.gradients > 1:
+        saved = placed["gradients"] * (1 - 1 / layout.gradients)
+        notes.append(
+            f"distributed.fsdp_grad_sync=micro_step would keep gradients sharded while accumulating and save "
+            f"{saved / GIB:.1f} GiB, for a reduce-scatter every micro-step"
+        )
     if recipe.optim.name.startswith("paged"):
         notes.append("paged optimizer state is counted on the GPU; under pressure it pages to CPU RAM")
     if not layout.optimizer_on_gpu or not layout.weights_on_gpu:
@@ -300,6 +307,11 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         engine=engine,
         notes=tuple(notes),
     )
+
+
+def unsharded_accumulation(recipe: Recipe, engine: str, accumulation: int) -> bool:
+    """FSDP2 accumulating with one reduce-scatter per step: the gradients are whole until then."""
+    return engine == "fsdp" and accumulation > 1 and recipe.distributed.fsdp_grad_sync == "boundary"
 
 
 def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, float]:

@@ -304,6 +304,14 @@ def _layout_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str]
                 f"Choose a divisor of {dp_size}.",
             )
         )
+    if d.fsdp_grad_sync != "boundary" and engine != "fsdp":
+        p.append(
+            Problem(
+                where("distributed.fsdp_grad_sync"),
+                f"{d.fsdp_grad_sync} is an FSDP2 setting; engine is {engine}, which would ignore it",
+                "Set distributed.engine=fsdp, or distributed.fsdp_grad_sync=boundary.",
+            )
+        )
     if d.hsdp_replicate > 1 and engine != "fsdp":
         p.append(
             Problem(

@@ -212,6 +212,13 @@ class DistributedConfig:
     hsdp_replicate: int = doc(
         1, "FSDP2 HSDP: number of replica groups; params are sharded within a group of dp_size / hsdp_replicate."
     )
+    fsdp_grad_sync: str = doc(
+        "boundary",
+        "FSDP2 with accumulation: boundary (one reduce-scatter per optimizer step; every micro-step's "
+        "gradients stay unsharded in fp32 until then) or micro_step (a reduce-scatter per micro-step; "
+        "gradients stay sharded: less memory, accumulation x the gradient communication).",
+        choices=("boundary", "micro_step"),
+    )
     reduce_dtype: str = doc("fp32", "dtype of gradient reduction under FSDP mixed precision.", choices=DTYPES)
     nnodes: int = doc(1, "Nodes the job runs on (used by compile and the launch scripts).")
     nproc_per_node: int = doc(1, "Processes (GPUs) per node.")

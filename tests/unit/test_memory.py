@@ -105,6 +105,20 @@ def test_fsdp_shards_and_gathers_layers(base):
     assert kept.transient_weights > 5 * est.transient_weights  # every layer stays gathered
 
 
+def test_fsdp_grad_sync_micro_step_keeps_gradients_sharded(base):
+    """Global 64 on 8 ranks at micro 1: accumulation 8. One reduce-scatter per step keeps the whole
+    fp32 gradient (4 B x 8.03 B params = 30 GiB) between micro-steps; micro_step keeps a shard."""
+    n = model_shape(load(base).recipe.model).num_params
+    boundary = estimate_on(load(base, "distributed.engine=fsdp", nproc=8))
+    every = estimate_on(load(base, "distributed.engine=fsdp", "distributed.fsdp_grad_sync=micro_step", nproc=8))
+    assert boundary.gradients == 4 * n and every.gradients == pytest.approx(4 * n / 8, abs=1)
+    note = next(t for t in boundary.notes if "fsdp_grad_sync=micro_step" in t)
+    assert f"save {(4 * n - 4 * n / 8) / GIB:.1f} GiB" in note
+    assert not any("fsdp_grad_sync" in t for t in every.notes)
+    with pytest.raises(RecipeError, match="fsdp_grad_sync"):
+        load(base, "distributed.engine=deepspeed", "distributed.fsdp_grad_sync=micro_step", nproc=8)
+
+
 def test_offload_removes_state_from_gpu(base):
     r = load(
         base,
