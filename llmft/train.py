@@ -11,6 +11,7 @@ import os
 import sys
 
 from llmft.dist import DistEnv, init_distributed, read_env, shutdown
+from llmft.plan.memory import check_fits
 from llmft.plan.resolve import load_plan
 from llmft.run import Run, RunHooks
 from llmft.stop import StopRequest
@@ -37,6 +38,7 @@ def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None)
     plan = load_plan(recipe_path, overrides, world_size=env.world_size, local_world_size=env.local_world_size)
     for note in plan.notes:
         log.warning("%s", note)
+    check_fits(plan)  # before anything is loaded
     d = plan.recipe.distributed
     init_distributed(env, d.backend, d.timeout_minutes, force=plan.engine in ("fsdp", "deepspeed"))
     # Installed before anything slow: a stop request during model loading is honoured after the

@@ -430,6 +430,94 @@ def pick_micro_batch(recipe: Recipe, engine: str, global_batch_size: int, dp_siz
     )
 
 
+def host_memory_per_node(plan: RunPlan) -> int:
+    """Host RAM one node needs, in bytes: state offloaded by the engine (parameters and
+    optimizer, per rank) plus the peak of loading the model, for the ranks of one node.
+
+    Loading as llmft does it today: FSDP2 on the meta device and ZeRO-3 under ``zero.Init``
+    hold about one shard per rank; a quantized (QLoRA) base is built whole on every rank
+    before sharding (bitsandbytes quantizes on load), and so are single / DDP / ZeRO 0-2."""
+    recipe, engine, dp = plan.recipe, plan.engine, plan.dp_size
+    shape = _require_shape(recipe)
+    params = count_params(recipe, shape)
+    a = DTYPE_BYTES[recipe.model.dtype]
+    states = _states(recipe, engine, params, a)
+    layout = _layout(recipe, engine, dp)
+    offloaded = 0.0
+    if not layout.weights_on_gpu:
+        offloaded += (states["weights"] + states["adapters"]) / layout.weights + states["gradients"] / layout.gradients
+    if not layout.optimizer_on_gpu:
+        offloaded += (states["optimizer"] + states["master_weights"]) / layout.optimizer
+    sharded_load = recipe.model.quantization is None and (plan.meta_init or plan.zero_init)
+    loading = states["weights"] / layout.weights if sharded_load else states["weights"]
+    return int(plan.world.nproc_per_node * (offloaded + loading))
+
+
+# What may make a recipe fit, tried in this order: (recipe key, value, what it costs).
+FIT_OPTIONS: tuple[tuple[str, object, str], ...] = (
+    ("model.chunked_loss", True, "nothing"),
+    ("model.gradient_checkpointing", True, "~1/3 more compute"),
+    ("distributed.fsdp_grad_sync", "micro_step", "a reduce-scatter per micro-step"),
+    ("distributed.offload_params", "cpu", "host RAM and PCIe traffic"),
+    ("distributed.offload_optimizer", "cpu", "host RAM, the optimizer step on the CPU"),
+)
+
+
+def check_fits(plan: RunPlan) -> None:
+    """Before anything is loaded: with ``distributed.gpu_memory_gb`` set, a run the planner says
+    cannot fit is a UserError with the numbers and the settings that would make it fit."""
+    gpu_gb = plan.recipe.distributed.gpu_memory_gb
+    if gpu_gb is None or model_shape(plan.recipe.model) is None:
+        return
+    est = estimate_memory(plan)
+    if est.fits(gpu_gb):
+        return
+    options = fit_options(plan, gpu_gb)
+    raise UserError(
+        Problem(
+            "distributed.gpu_memory_gb",
+            f"the planner estimates {est.total / GIB:.1f} GiB per GPU for this run, more than {gpu_gb:g} GiB "
+            f"(largest: {_largest(est)}; `llmft plan` shows every component)",
+            ("Settings that fit: " + "; ".join(options) + "." if options else "No single setting makes it fit: ")
+            + " Or lower batch.micro_batch_size / data.max_seq_len, use LoRA/QLoRA, or shard over more GPUs.",
+        )
+    )
+
+
+def fit_options(plan: RunPlan, gpu_gb: float) -> list[str]:
+    """Each option of ``FIT_OPTIONS`` (cumulated in order) the engine accepts, with its estimate,
+    and the largest micro-batch that fits; only those that fit."""
+    import copy
+
+    out, recipe = [], copy.deepcopy(plan.recipe)
+    micro, acc = plan.batch.micro_batch_size, plan.batch.gradient_accumulation_steps
+    for key, value, cost in FIT_OPTIONS:
+        section, name = key.split(".")
+        if getattr(getattr(recipe, section), name) == value or not _applies(key, plan):
+            continue
+        setattr(getattr(recipe, section), name, value)
+        est = estimate(recipe, plan.engine, plan.dp_size, micro, acc)
+        if est.fits(gpu_gb):
+            out.append(f"{key}={str(value).lower()} ({est.total / GIB:.1f} GiB; costs {cost})")
+    local = micro * acc
+    for smaller in sorted((d for d in divisors(local) if d < micro), reverse=True):
+        est = estimate(plan.recipe, plan.engine, plan.dp_size, smaller, local // smaller)
+        if est.fits(gpu_gb):
+            out.append(f"batch.micro_batch_size={smaller} ({est.total / GIB:.1f} GiB)")
+            break
+    return out
+
+
+def _applies(key: str, plan: RunPlan) -> bool:
+    if key == "distributed.fsdp_grad_sync":
+        return plan.engine == "fsdp" and plan.batch.gradient_accumulation_steps > 1
+    if key == "distributed.offload_params":
+        return plan.engine == "fsdp" or (plan.engine == "deepspeed" and plan.zero_stage == 3)
+    if key == "distributed.offload_optimizer":
+        return plan.engine == "deepspeed" and plan.zero_stage > 0
+    return True
+
+
 def _largest(est: MemoryEstimate) -> str:
     top = sorted(est.components(), key=lambda c: -c[1])[:3]
     return ", ".join(f"{name} {b / GIB:.1f}" for name, b in top)

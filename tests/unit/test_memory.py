@@ -242,3 +242,30 @@ def test_plan_solves_micro_batch_auto(base):
     assert b.micro_batch_size * b.gradient_accumulation_steps == 64
     assert b.micro_batch_size == pick_micro_batch(r.recipe, r.engine, 64, 1, 24) > 1
     assert f"micro {b.micro_batch_size} x accumulation {b.gradient_accumulation_steps}" in plan_command(base, overrides)
+
+
+def test_train_refuses_a_run_that_cannot_fit_before_loading(base, monkeypatch):
+    """gpu_memory_gb set and the planner says no: `llmft train` fails with the numbers and the
+    settings that would fit, before any model or data is touched."""
+    from llmft import model as model_mod
+    from llmft.train import train
+
+    monkeypatch.setattr(model_mod, "build_model", lambda *a, **k: pytest.fail("loaded a model"))
+    overrides = ["distributed.engine=fsdp", "distributed.gpu_memory_gb=80", "batch.micro_batch_size=8"]
+    plan = load(base, *overrides, nproc=8)
+    est = estimate_on(plan)
+    assert est.total > 80 * GIB
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(UserError) as e:
+        from llmft.plan.memory import check_fits
+
+        check_fits(plan)
+    msg = str(e.value)
+    assert f"{est.total / GIB:.1f} GiB per GPU" in msg and "more than 80 GiB" in msg
+    assert "model.gradient_checkpointing=true" in msg and "batch.micro_batch_size=" in msg
+    # and train() calls it first: with a world of 1 it resolves for one rank and still fails early
+    with pytest.raises(UserError, match="more than 1 GiB"):
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        train(base, ["distributed.gpu_memory_gb=1", "distributed.engine=single"])
