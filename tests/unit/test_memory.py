@@ -269,3 +269,17 @@ def test_train_refuses_a_run_that_cannot_fit_before_loading(base, monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", "1")
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
         train(base, ["distributed.gpu_memory_gb=1", "distributed.engine=single"])
+
+
+def test_host_memory_per_node_counts_how_the_model_is_loaded(base):
+    """QLoRA under FSDP2 builds the 4-bit base whole on every rank today (8 copies on a node);
+    a LoRA base on the meta device needs about one copy per node, split over the ranks."""
+    from llmft.plan.memory import host_memory_per_node
+
+    shape = model_shape(load(base).recipe.model)
+    qlora = load(base, *QLORA, "distributed.engine=fsdp", nproc=8)
+    p = count_params(qlora.recipe, shape)
+    one_q = p.linear * quantized_bytes_per_param(4, True) + p.other * 2  # bf16 unquantized under FSDP2
+    assert host_memory_per_node(qlora) == pytest.approx(8 * one_q, rel=1e-6)
+    lora = load(base, "peft.method=lora", "distributed.engine=fsdp", nproc=8)
+    assert host_memory_per_node(lora) == pytest.approx(shape.num_params * 2, rel=1e-6)
