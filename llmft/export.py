@@ -31,9 +31,11 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -274,22 +276,149 @@ def _staged(out: Path, *, replace: bool = False) -> Iterator[Path]:
 
 
 def _write_full(model_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path) -> None:
-    # Loaded and saved rather than copied: training may keep fp32 master weights, the
-    # export is in the compute dtype like a merged adapter.
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=recipe.model.trust_remote_code
-    )
-    _save_for_inference(model, dtype, out)
+    # Streamed shard by shard, in the compute dtype like a merged adapter: training may keep fp32
+    # master weights, and the model is never whole in memory.
+    stream_model(model_dir, out, dtype)
 
 
 def _write_merged(step_dir: Path, model_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path) -> None:
+    """The adapter merged into the base's weight files, one shard at a time (``stream_model``);
+    only where the base has no safetensors files here (a fresh base that training did not save)
+    or the adapter is not plain LoRA (DoRA, rank patterns) is the base built and merged by PEFT."""
+    base_dir = _base_weights_dir(step_dir, recipe)
+    deltas = lora_deltas(model_dir) if base_dir is not None else None
+    if base_dir is not None and deltas is not None:
+        stream_model(base_dir, out, dtype, deltas)
+        return
     from peft import PeftModel
 
+    log.info("merging in memory: %s", "the base has no weight files" if base_dir is None else "not plain LoRA")
     base = _load_base(step_dir, recipe, dtype)
     merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
     _save_for_inference(merged, dtype, out)
+
+
+# --- streaming: one weight file in memory at a time ----------------------------------------------
+
+
+@dataclass
+class LoraDeltas:
+    """What merging a LoRA adapter changes, by base weight name: ``W + scale * B @ A``, or a
+    trained copy (``modules_to_save``) that replaces the weight."""
+
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+    replaced: dict[str, torch.Tensor]
+
+    def apply(self, key: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if key in self.replaced:
+            return self.replaced.pop(key).to(dtype)
+        if key in self.factors:
+            a, b, scale = self.factors.pop(key)
+            # As PEFT's merge: the base in its dtype plus the fp32 delta cast to that dtype.
+            return weight.to(dtype) + ((b.float() @ a.float()) * scale).to(dtype)
+        return weight.to(dtype)
+
+
+def lora_deltas(adapter_dir: Path) -> LoraDeltas | None:
+    """The merge of a PEFT adapter dir as per-weight deltas; None where it is not plain LoRA."""
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    if (
+        config.get("peft_type") != "LORA"
+        or config.get("use_dora")
+        or config.get("fan_in_fan_out")
+        or config.get("lora_bias")
+        or config.get("rank_pattern")
+        or config.get("alpha_pattern")
+    ):
+        return None
+    r, alpha = config["r"], config["lora_alpha"]
+    scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    weights = load_file(adapter_dir / "adapter_model.safetensors")
+    prefix = "base_model.model."
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    replaced: dict[str, torch.Tensor] = {}
+    for key, tensor in weights.items():
+        name = key[len(prefix) :] if key.startswith(prefix) else key
+        if ".lora_A." in name:
+            module = name.split(".lora_A.")[0]
+            factors[f"{module}.weight"] = (tensor, weights[key.replace(".lora_A.", ".lora_B.")], scale)
+        elif ".lora_B." in name:
+            continue
+        elif "lora_" in name:
+            return None  # embeddings adapters, magnitudes: not plain LoRA on a linear
+        else:
+            replaced[name] = tensor
+    return LoraDeltas(factors, replaced)
+
+
+def weight_files(model_dir: Path) -> list[str]:
+    """The safetensors files of a HF model dir (sharded: from its index)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"] if (model_dir / "model.safetensors").is_file() else []
+
+
+def stream_model(model_dir: Path, out: Path, dtype: torch.dtype, deltas: LoraDeltas | None = None) -> None:
+    """Copy a HF model dir to ``out`` in ``dtype`` one weight file at a time, merging ``deltas``
+    into the weights they touch: memory holds one file (read, merged, written, freed) plus the
+    adapter. The files and the index keep their names; the config is the inference config."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, GenerationConfig
+
+    files = weight_files(model_dir)
+    weight_map, total = {}, 0
+    for name in files:
+        merged: dict[str, torch.Tensor] = {}
+        with safe_open(str(model_dir / name), framework="pt") as f:
+            for key in f.keys():
+                merged[key] = deltas.apply(key, f.get_tensor(key), dtype) if deltas else f.get_tensor(key).to(dtype)
+                merged[key] = merged[key].contiguous()
+                weight_map[key] = name
+                total += merged[key].numel() * merged[key].element_size()
+        save_file(merged, str(out / name), metadata={"format": "pt"})
+        del merged
+    if deltas is not None and (deltas.factors or deltas.replaced):
+        left = sorted([*deltas.factors, *deltas.replaced])
+        raise UserError(
+            Problem(
+                str(model_dir),
+                f"the adapter changes weights the base does not have: {left[:5]}",
+                "Export the adapter without --merge-lora, or check that the base is the one it was trained on.",
+            )
+        )
+    if (model_dir / "model.safetensors.index.json").is_file():
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    plain_config(AutoConfig.from_pretrained(model_dir), dtype).save_pretrained(out)
+    if (model_dir / "generation_config.json").is_file():
+        GenerationConfig.from_pretrained(model_dir).save_pretrained(out)
+
+
+def _base_weights_dir(step_dir: Path, recipe: Recipe) -> Path | None:
+    """Where the base's safetensors files are: the saved base of a fresh model, the local dir of
+    ``model.name_or_path``, or its snapshot in the Hugging Face cache (never downloaded here)."""
+    m = recipe.model
+    if m.config is not None:
+        found = _saved_base(step_dir)
+    else:
+        from llmft.model import resolve_name
+
+        name = resolve_name(m.name_or_path)
+        found = Path(name) if Path(name).is_dir() else _cached_snapshot(name, m.revision)
+    return found if found is not None and weight_files(found) else None
+
+
+def _cached_snapshot(name: str, revision: str | None) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, revision=revision, local_files_only=True))
+    except Exception:  # not in the cache: the in-memory merge loads it the usual way
+        return None
 
 
 def _write_adapter(

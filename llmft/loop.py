@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from llmft import loss as lm_loss
 from llmft.data import count_targets
 from llmft.dist import DistEnv, all_reduce_sum
 from llmft.errors import Problem, TrainingDiverged
@@ -56,7 +57,15 @@ class LoopConfig:
 def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor | None) -> torch.Tensor:
     """The loss of one micro-batch: the sum of its token losses divided by ``num_items`` (the target
     tokens of the whole global batch), so that summed gradients equal the big batch's. With
-    ``num_items`` None: transformers' own token mean over this batch (references in verify)."""
+    ``num_items`` None: transformers' own token mean over this batch (references in verify).
+
+    A model with the chunked loss installed (``model.chunked_loss``, ``llmft.loss``) returns the
+    same loss from its LM head, a chunk of tokens at a time, and never holds the whole logits."""
+    head = lm_loss.find(model)
+    if head is not None:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with lm_loss.targets(head, batch["labels"], num_items):
+            return model(**inputs, use_cache=False).logits  # the head returned the loss
     extra = {"num_items_in_batch": num_items} if num_items is not None else {}
     return model(**batch, use_cache=False, **extra).loss
 

@@ -109,8 +109,17 @@ def prepare_model(plan: RunPlan, tokenizer: Any, device: torch.device, **kwargs:
         **kwargs,
     )
     upcast_trainable(model)
+    install_chunked_loss(plan, model)
     kernels.apply(model, plan.recipe.model)  # Liger, flash-attention boundaries, compile (before sharding)
     return model.to(device) if plan.recipe.model.quantization is None else model
+
+
+def install_chunked_loss(plan: RunPlan, model: torch.nn.Module) -> None:
+    """Where the plan says so, the LM head computes the loss in chunks (``llmft.loss``)."""
+    if plan.chunked_loss:
+        from llmft import loss
+
+        loss.install(model)
 
 
 def compute_dtype(recipe: Recipe) -> torch.dtype:

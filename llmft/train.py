@@ -12,6 +12,7 @@ import sys
 
 from llmft import kernels
 from llmft.dist import DistEnv, init_distributed, read_env, shutdown
+from llmft.plan.memory import check_fits
 from llmft.plan.resolve import load_plan
 from llmft.run import Run, RunHooks
 from llmft.stop import StopRequest
@@ -42,6 +43,7 @@ def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None)
     kernels.check_available(plan.recipe.model)
     for note in plan.notes:
         log.warning("%s", note)
+    check_fits(plan)  # before anything is loaded
     d = plan.recipe.distributed
     init_distributed(env, d.backend, d.timeout_minutes, force=plan.engine in ("fsdp", "deepspeed"))
     # Installed before anything slow: a stop request during model loading is honoured after the

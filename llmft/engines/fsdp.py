@@ -1,6 +1,7 @@
 """PyTorch FSDP2: ``fully_shard`` per decoder layer and the root, gradients reduce-scattered once
-per optimizer step (``set_requires_gradient_sync(False)`` on the other micro-steps), DCP checkpoints
-that reshard to any world size.
+per optimizer step (``set_requires_gradient_sync(False)`` on the other micro-steps), or, with
+``distributed.fsdp_grad_sync: micro_step``, every micro-step (sharded gradients while
+accumulating), DCP checkpoints that reshard to any world size.
 
 The sharding comes from the run's FSDP2 plan (``llmft.plan.fsdp.fsdp_plan``: mesh, mixed
 precision, offload, resharding), the same one ``llmft compile`` writes to ``fsdp.yaml``.
@@ -31,7 +32,14 @@ from llmft.checkpoint.layout import DCP_DIR
 from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import LocalEngine, trainable_names
-from llmft.model import DTYPES, build_model, decoder_layer_classes, prepare_model, upcast_trainable
+from llmft.model import (
+    DTYPES,
+    build_model,
+    decoder_layer_classes,
+    install_chunked_loss,
+    prepare_model,
+    upcast_trainable,
+)
 from llmft.plan.fsdp import fsdp_plan
 from llmft.plan.resolve import RunPlan
 
@@ -46,6 +54,7 @@ class FSDPEngine(LocalEngine):
         sharding = fsdp_plan(plan)
         # The reduce-scatter averages over all data-parallel ranks (shard x replicate).
         self.grad_scale = float(env.world_size)
+        self.sync_every_micro_step = plan.recipe.distributed.fsdp_grad_sync == "micro_step"
         mesh = sharding["mesh"]
         self.mesh = (
             init_device_mesh(
@@ -61,6 +70,7 @@ class FSDPEngine(LocalEngine):
             # Before anything is allocated: a missing file or weight fails here, not after the load.
             weights = None if plan.recipe.model.config is not None else SafetensorsWeights.of(plan.recipe, slots)
             upcast_trainable(model)
+            install_chunked_loss(plan, model)
             kernels.apply(model, plan.recipe.model)  # before fully_shard: compiled layers get sharded
         else:
             # Every rank builds the same (seeded) model on CPU, then keeps only its shards.
@@ -86,7 +96,10 @@ class FSDPEngine(LocalEngine):
         self.optimizer = make_optimizer(model)
 
     def micro_step(self, boundary: bool) -> ContextManager:
-        self.model.set_requires_gradient_sync(boundary)
+        # boundary: unsharded gradients accumulate locally and are reduce-scattered once, on the
+        # last micro-step; micro_step: every backward reduce-scatters and FSDP2 adds the result
+        # into the sharded gradient, so only a shard is ever kept between micro-steps.
+        self.model.set_requires_gradient_sync(boundary or self.sync_every_micro_step)
         return contextlib.nullcontext()
 
     def autocast(self) -> ContextManager:

@@ -50,6 +50,10 @@ OPTIMIZER_BYTES = {"adamw": 8, "paged_adamw": 8, "adamw_8bit": 2, "paged_adamw_8
 CUDA_CONTEXT_BYTES = GIB // 2
 FRAGMENTATION = 0.05
 
+# Chunked loss (llmft/loss.py): rows of the LM head computed at once, so that one chunk's fp32
+# logits are about 64 MiB (2**24 elements): 524 tokens at vocab 32k, 131 at vocab 128k.
+LOSS_CHUNK_ELEMENTS = 2**24
+
 # LoRA "all-linear" on a Llama-style decoder, and each module's (in, out) features.
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -104,6 +108,24 @@ def count_params(recipe: Recipe, shape: ModelShape) -> Params:
         adapted_inputs=adapted_inputs,
         largest_linear=max(i * o for i, o in linears.values()),
     )
+
+
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the chunked loss for a vocabulary of ``vocab_size``."""
+    return max(1, LOSS_CHUNK_ELEMENTS // max(vocab_size, 1))
+
+
+def chunked_loss_on(recipe: Recipe, micro_batch_size: int) -> bool:
+    """Whether the run computes the loss in chunks. ``model.chunked_loss: auto``: when a
+    micro-batch has more tokens than one chunk (where it helps); unknown shape: on."""
+    if recipe.model.liger_kernels:  # Liger's fused linear cross-entropy chunks the loss itself (CUDA)
+        return False
+    if recipe.model.chunked_loss != "auto":
+        return bool(recipe.model.chunked_loss)
+    shape = model_shape(recipe.model)
+    if shape is None:
+        return True
+    return micro_batch_size * recipe.data.max_seq_len > loss_chunk_tokens(shape.vocab_size)
 
 
 def quantized_bytes_per_param(bits: int, double_quant: bool) -> float:
@@ -248,10 +270,11 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         "weights": _placed(states["weights"], layout.weights, layout.weights_on_gpu),
         "adapters": _placed(states["adapters"], layout.weights, layout.weights_on_gpu),
         # FSDP2 with gradient sync off keeps each micro-step's gradients unsharded until the
-        # boundary reduce-scatter, so with accumulation they are not divided by the shards.
+        # boundary reduce-scatter, so with accumulation they are not divided by the shards
+        # (distributed.fsdp_grad_sync=micro_step reduce-scatters every micro-step instead).
         "gradients": _placed(
             states["gradients"],
-            1 if engine == "fsdp" and accumulation > 1 else layout.gradients,
+            1 if unsharded_accumulation(recipe, engine, accumulation) else layout.gradients,
             layout.grads_on_gpu,
         ),
         "optimizer": _placed(states["optimizer"], layout.optimizer, layout.optimizer_on_gpu),
@@ -260,12 +283,21 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
     tokens = micro * recipe.data.max_seq_len
     placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])
     # The head's output in the compute dtype, its fp32 copy for the loss, and the fp32
-    # log-softmax that cross-entropy keeps for backward.
-    placed["logits"] = tokens * shape.vocab_size * (a + 4 + 4)
+    # log-softmax that cross-entropy keeps for backward: for the whole micro-batch, or for one
+    # chunk of the chunked loss (llmft/loss.py; backward recomputes one chunk at a time).
+    chunked = chunked_loss_on(recipe, micro) or recipe.model.liger_kernels  # Liger's fused loss chunks too
+    logit_rows = min(tokens, loss_chunk_tokens(shape.vocab_size)) if chunked else tokens
+    placed["logits"] = logit_rows * shape.vocab_size * (a + 4 + 4)
     placed["activations"] = _activations(recipe, shape, params, tokens, a, placed["logits"])
     placed["overhead"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * sum(placed.values())
 
     notes = []
+    if unsharded_accumulation(recipe, engine, accumulation) and layout.gradients > 1:
+        saved = placed["gradients"] * (1 - 1 / layout.gradients)
+        notes.append(
+            f"distributed.fsdp_grad_sync=micro_step would keep gradients sharded while accumulating and save "
+            f"{saved / GIB:.1f} GiB, for a reduce-scatter every micro-step"
+        )
     if recipe.optim.name.startswith("paged"):
         notes.append("paged optimizer state is counted on the GPU; under pressure it pages to CPU RAM")
     if not layout.optimizer_on_gpu or not layout.weights_on_gpu:
@@ -278,6 +310,11 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         engine=engine,
         notes=tuple(notes),
     )
+
+
+def unsharded_accumulation(recipe: Recipe, engine: str, accumulation: int) -> bool:
+    """FSDP2 accumulating with one reduce-scatter per step: the gradients are whole until then."""
+    return engine == "fsdp" and accumulation > 1 and recipe.distributed.fsdp_grad_sync == "boundary"
 
 
 def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, float]:
@@ -394,6 +431,94 @@ def pick_micro_batch(recipe: Recipe, engine: str, global_batch_size: int, dp_siz
             "distributed.engine=fsdp or deepspeed zero_stage=3 on more GPUs, or offload to CPU.",
         )
     )
+
+
+def host_memory_per_node(plan: RunPlan) -> int:
+    """Host RAM one node needs, in bytes: state offloaded by the engine (parameters and
+    optimizer, per rank) plus the peak of loading the model, for the ranks of one node.
+
+    Loading as llmft does it today: FSDP2 on the meta device and ZeRO-3 under ``zero.Init``
+    hold about one shard per rank; a quantized (QLoRA) base is built whole on every rank
+    before sharding (bitsandbytes quantizes on load), and so are single / DDP / ZeRO 0-2."""
+    recipe, engine, dp = plan.recipe, plan.engine, plan.dp_size
+    shape = _require_shape(recipe)
+    params = count_params(recipe, shape)
+    a = DTYPE_BYTES[recipe.model.dtype]
+    states = _states(recipe, engine, params, a)
+    layout = _layout(recipe, engine, dp)
+    offloaded = 0.0
+    if not layout.weights_on_gpu:
+        offloaded += (states["weights"] + states["adapters"]) / layout.weights + states["gradients"] / layout.gradients
+    if not layout.optimizer_on_gpu:
+        offloaded += (states["optimizer"] + states["master_weights"]) / layout.optimizer
+    sharded_load = recipe.model.quantization is None and (plan.meta_init or plan.zero_init)
+    loading = states["weights"] / layout.weights if sharded_load else states["weights"]
+    return int(plan.world.nproc_per_node * (offloaded + loading))
+
+
+# What may make a recipe fit, tried in this order: (recipe key, value, what it costs).
+FIT_OPTIONS: tuple[tuple[str, object, str], ...] = (
+    ("model.chunked_loss", True, "nothing"),
+    ("model.gradient_checkpointing", True, "~1/3 more compute"),
+    ("distributed.fsdp_grad_sync", "micro_step", "a reduce-scatter per micro-step"),
+    ("distributed.offload_params", "cpu", "host RAM and PCIe traffic"),
+    ("distributed.offload_optimizer", "cpu", "host RAM, the optimizer step on the CPU"),
+)
+
+
+def check_fits(plan: RunPlan) -> None:
+    """Before anything is loaded: with ``distributed.gpu_memory_gb`` set, a run the planner says
+    cannot fit is a UserError with the numbers and the settings that would make it fit."""
+    gpu_gb = plan.recipe.distributed.gpu_memory_gb
+    if gpu_gb is None or model_shape(plan.recipe.model) is None:
+        return
+    est = estimate_memory(plan)
+    if est.fits(gpu_gb):
+        return
+    options = fit_options(plan, gpu_gb)
+    raise UserError(
+        Problem(
+            "distributed.gpu_memory_gb",
+            f"the planner estimates {est.total / GIB:.1f} GiB per GPU for this run, more than {gpu_gb:g} GiB "
+            f"(largest: {_largest(est)}; `llmft plan` shows every component)",
+            ("Settings that fit: " + "; ".join(options) + "." if options else "No single setting makes it fit: ")
+            + " Or lower batch.micro_batch_size / data.max_seq_len, use LoRA/QLoRA, or shard over more GPUs.",
+        )
+    )
+
+
+def fit_options(plan: RunPlan, gpu_gb: float) -> list[str]:
+    """Each option of ``FIT_OPTIONS`` (cumulated in order) the engine accepts, with its estimate,
+    and the largest micro-batch that fits; only those that fit."""
+    import copy
+
+    out, recipe = [], copy.deepcopy(plan.recipe)
+    micro, acc = plan.batch.micro_batch_size, plan.batch.gradient_accumulation_steps
+    for key, value, cost in FIT_OPTIONS:
+        section, name = key.split(".")
+        if getattr(getattr(recipe, section), name) == value or not _applies(key, plan):
+            continue
+        setattr(getattr(recipe, section), name, value)
+        est = estimate(recipe, plan.engine, plan.dp_size, micro, acc)
+        if est.fits(gpu_gb):
+            out.append(f"{key}={str(value).lower()} ({est.total / GIB:.1f} GiB; costs {cost})")
+    local = micro * acc
+    for smaller in sorted((d for d in divisors(local) if d < micro), reverse=True):
+        est = estimate(plan.recipe, plan.engine, plan.dp_size, smaller, local // smaller)
+        if est.fits(gpu_gb):
+            out.append(f"batch.micro_batch_size={smaller} ({est.total / GIB:.1f} GiB)")
+            break
+    return out
+
+
+def _applies(key: str, plan: RunPlan) -> bool:
+    if key == "distributed.fsdp_grad_sync":
+        return plan.engine == "fsdp" and plan.batch.gradient_accumulation_steps > 1
+    if key == "distributed.offload_params":
+        return plan.engine == "fsdp" or (plan.engine == "deepspeed" and plan.zero_stage == 3)
+    if key == "distributed.offload_optimizer":
+        return plan.engine == "deepspeed" and plan.zero_stage > 0
+    return True
 
 
 def _largest(est: MemoryEstimate) -> str:

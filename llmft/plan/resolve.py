@@ -109,6 +109,13 @@ class RunPlan:
         under FSDP2, which shards parameters of one dtype."""
         return self.engine != "fsdp"
 
+    @property
+    def chunked_loss(self) -> bool:
+        """The LM head and loss run in chunks of tokens (``llmft.loss``)."""
+        from llmft.plan.memory import chunked_loss_on
+
+        return chunked_loss_on(self.recipe, self.batch.micro_batch_size)
+
     def on_one_process(self) -> RunPlan:
         """The same run built as one process would build it (``llmft verify`` emulates the ranks)."""
         return replace(self, engine="single", quant_storage=quant_storage_for(self.recipe, "single"))
@@ -303,6 +310,14 @@ def _layout_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str]
                 f"Choose a divisor of {dp_size}.",
             )
         )
+    if d.fsdp_grad_sync != "boundary" and engine != "fsdp":
+        p.append(
+            Problem(
+                where("distributed.fsdp_grad_sync"),
+                f"{d.fsdp_grad_sync} is an FSDP2 setting; engine is {engine}, which would ignore it",
+                "Set distributed.engine=fsdp, or distributed.fsdp_grad_sync=boundary.",
+            )
+        )
     if d.hsdp_replicate > 1 and engine != "fsdp":
         p.append(
             Problem(
@@ -430,6 +445,7 @@ def plan_summary(plan: RunPlan) -> dict[str, Any]:
         "dtype": plan.dtype,
         "quant_storage": plan.quant_storage,
         "model_init": "meta" if plan.meta_init else "zero_init" if plan.zero_init else "whole",
+        "chunked_loss": plan.chunked_loss,
         "notes": list(plan.notes),
     }
 

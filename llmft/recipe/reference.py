@@ -63,6 +63,8 @@ def _type_name(hint: Any, f: Field) -> str:
         inner = [a for a in args if a is not type(None)]
         return f"{_type_name(inner[0], f)} or null"
     if hint is Any:
+        if any(isinstance(c, bool) for c in f.metadata.get("choices") or ()):
+            return "bool or `auto`"
         return "int or `auto`" if default_of(f) == "auto" else "any (see meaning)"
     if is_dataclass(hint):
         return "section"

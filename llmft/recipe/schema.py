@@ -88,6 +88,13 @@ class ModelConfig:
         choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
     gradient_checkpointing: bool = doc(False, "Recompute activations in the backward pass to save memory.")
+    chunked_loss: Any = doc(
+        "auto",
+        "true / false: compute the LM head and the cross-entropy in chunks of tokens, so the fp32 logits of "
+        "the whole micro-batch never exist at once (same loss and gradients). auto: on when a micro-batch "
+        "has more tokens than one chunk (2**24 / vocab_size tokens).",
+        choices=(True, False, "auto"),
+    )
     quantization: Optional[QuantizationConfig] = doc(
         None, "null, or {bits: 4} / {bits: 8}: load the frozen base weights quantized with bitsandbytes."
     )
@@ -243,6 +250,13 @@ class DistributedConfig:
     )
     hsdp_replicate: int = doc(
         1, "FSDP2 HSDP: number of replica groups; params are sharded within a group of dp_size / hsdp_replicate."
+    )
+    fsdp_grad_sync: str = doc(
+        "boundary",
+        "FSDP2 with accumulation: boundary (one reduce-scatter per optimizer step; every micro-step's "
+        "gradients stay unsharded in fp32 until then) or micro_step (a reduce-scatter per micro-step; "
+        "gradients stay sharded: less memory, accumulation x the gradient communication).",
+        choices=("boundary", "micro_step"),
     )
     reduce_dtype: str = doc("fp32", "dtype of gradient reduction under FSDP mixed precision.", choices=DTYPES)
     nnodes: int = doc(1, "Nodes the job runs on (used by compile and the launch scripts).")

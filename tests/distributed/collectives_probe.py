@@ -1,5 +1,7 @@
 """Run under torchrun: train 3 steps at accumulation 4 and record gradient reductions per micro-step.
 
+Arguments: RECIPE ENGINE OUTPUT_DIR [KEY=VALUE ...] (extra overrides).
+
 DDP: a comm hook counts bucket all-reduces. FSDP2: ``reduce_scatter_tensor`` is wrapped.
 The loop's scalar all-reduces (token count, loss) are not gradient reductions and are not
 counted. Prints one JSON line on rank 0: {"per_micro_step": [[boundary, reductions], ...]}.
@@ -68,7 +70,7 @@ def _record(engine_cls) -> None:
 
 
 def main() -> None:
-    recipe, engine, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    recipe, engine, out, extra = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     if engine == "ddp":
         _count_ddp()
         _record(ddp_engine.DDPEngine)
@@ -85,6 +87,7 @@ def main() -> None:
             "train.max_steps=3",
             f"run.output_dir={out}",
             "checkpoint.every_steps=null",
+            *extra,
         ],
     )
     assert code == 0

@@ -61,6 +61,7 @@ def test_every_schema_key_has_a_row_with_its_choices():
         row = next(line for line in text.splitlines() if line.startswith(f"| `{key}` |"))
         assert row.count(" | ") == 3, row  # no stray pipe breaks the table
         for choice in f.metadata.get("choices") or ():
-            assert f"`{'null' if choice is None else choice}`" in row
+            shown = "null" if choice is None else str(choice).lower() if isinstance(choice, bool) else choice
+            assert f"`{shown}`" in row
     assert "| `batch.micro_batch_size` | int or `auto` | `auto` |" in text
     assert "| `model.quantization` | section or null | `null` |" in text

@@ -105,6 +105,20 @@ def test_fsdp_shards_and_gathers_layers(base):
     assert kept.transient_weights > 5 * est.transient_weights  # every layer stays gathered
 
 
+def test_fsdp_grad_sync_micro_step_keeps_gradients_sharded(base):
+    """Global 64 on 8 ranks at micro 1: accumulation 8. One reduce-scatter per step keeps the whole
+    fp32 gradient (4 B x 8.03 B params = 30 GiB) between micro-steps; micro_step keeps a shard."""
+    n = model_shape(load(base).recipe.model).num_params
+    boundary = estimate_on(load(base, "distributed.engine=fsdp", nproc=8))
+    every = estimate_on(load(base, "distributed.engine=fsdp", "distributed.fsdp_grad_sync=micro_step", nproc=8))
+    assert boundary.gradients == 4 * n and every.gradients == pytest.approx(4 * n / 8, abs=1)
+    note = next(t for t in boundary.notes if "fsdp_grad_sync=micro_step" in t)
+    assert f"save {(4 * n - 4 * n / 8) / GIB:.1f} GiB" in note
+    assert not any("fsdp_grad_sync" in t for t in every.notes)
+    with pytest.raises(RecipeError, match="fsdp_grad_sync"):
+        load(base, "distributed.engine=deepspeed", "distributed.fsdp_grad_sync=micro_step", nproc=8)
+
+
 def test_offload_removes_state_from_gpu(base):
     r = load(
         base,
@@ -130,14 +144,18 @@ def test_optimizer_choices(base):
 
 
 def test_activations_scale_with_micro_batch_and_checkpointing(base):
-    r = load(base)
+    r = load(base, "model.chunked_loss=false")
     one, four = estimate_on(r, 1, micro_batch_size=1), estimate_on(r, 1, micro_batch_size=4)
     assert four.activations == 4 * one.activations and four.logits == 4 * one.logits
     assert four.weights == one.weights
-    ckpt = estimate_on(load(base, "model.gradient_checkpointing=true"), 1)
+    ckpt = estimate_on(load(base, "model.gradient_checkpointing=true", "model.chunked_loss=false"), 1)
     assert ckpt.activations < one.activations / 10
     # Logits: 2048 tokens x 128256 vocab x (2 bf16 + 4 fp32 copy + 4 fp32 log-softmax) bytes.
     assert one.logits == 2048 * 128256 * 10
+    # The chunked loss (on by default here: 2048 tokens are more than one chunk) holds one chunk of
+    # 2**24 // 128256 = 130 tokens, whatever the micro-batch.
+    chunked = [estimate_on(load(base), 1, micro_batch_size=m) for m in (1, 4)]
+    assert load(base).chunked_loss and all(c.logits == 130 * 128256 * 10 for c in chunked)
 
 
 def test_quantized_bytes():
@@ -224,3 +242,44 @@ def test_plan_solves_micro_batch_auto(base):
     assert b.micro_batch_size * b.gradient_accumulation_steps == 64
     assert b.micro_batch_size == pick_micro_batch(r.recipe, r.engine, 64, 1, 24) > 1
     assert f"micro {b.micro_batch_size} x accumulation {b.gradient_accumulation_steps}" in plan_command(base, overrides)
+
+
+def test_train_refuses_a_run_that_cannot_fit_before_loading(base, monkeypatch):
+    """gpu_memory_gb set and the planner says no: `llmft train` fails with the numbers and the
+    settings that would fit, before any model or data is touched."""
+    from llmft import model as model_mod
+    from llmft.train import train
+
+    monkeypatch.setattr(model_mod, "build_model", lambda *a, **k: pytest.fail("loaded a model"))
+    overrides = ["distributed.engine=fsdp", "distributed.gpu_memory_gb=80", "batch.micro_batch_size=8"]
+    plan = load(base, *overrides, nproc=8)
+    est = estimate_on(plan)
+    assert est.total > 80 * GIB
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(UserError) as e:
+        from llmft.plan.memory import check_fits
+
+        check_fits(plan)
+    msg = str(e.value)
+    assert f"{est.total / GIB:.1f} GiB per GPU" in msg and "more than 80 GiB" in msg
+    assert "model.gradient_checkpointing=true" in msg and "batch.micro_batch_size=" in msg
+    # and train() calls it first: with a world of 1 it resolves for one rank and still fails early
+    with pytest.raises(UserError, match="more than 1 GiB"):
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        train(base, ["distributed.gpu_memory_gb=1", "distributed.engine=single"])
+
+
+def test_host_memory_per_node_counts_how_the_model_is_loaded(base):
+    """QLoRA under FSDP2 builds the 4-bit base whole on every rank today (8 copies on a node);
+    a LoRA base on the meta device needs about one copy per node, split over the ranks."""
+    from llmft.plan.memory import host_memory_per_node
+
+    shape = model_shape(load(base).recipe.model)
+    qlora = load(base, *QLORA, "distributed.engine=fsdp", nproc=8)
+    p = count_params(qlora.recipe, shape)
+    one_q = p.linear * quantized_bytes_per_param(4, True) + p.other * 2  # bf16 unquantized under FSDP2
+    assert host_memory_per_node(qlora) == pytest.approx(8 * one_q, rel=1e-6)
+    lora = load(base, "peft.method=lora", "distributed.engine=fsdp", nproc=8)
+    assert host_memory_per_node(lora) == pytest.approx(shape.num_params * 2, rel=1e-6)
