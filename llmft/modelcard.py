@@ -191,7 +191,7 @@ def render(f: dict[str, Any]) -> str:
         )
     rows += [
         ("training dtype", recipe["model"]["dtype"]),
-        ("data", ", ".join(f"`{s}`" for s in f["data"]) or "unknown"),
+        ("data", _data_line(f["data"], state.get("data_sources") or [])),
         ("target tokens trained", f"{state['tokens']:,}" if "tokens" in state else "unknown"),
         ("sequences trained", f"{state['samples']:,}" if "samples" in state else "unknown"),
         ("optimizer steps", str(state.get("step", "unknown"))),
@@ -303,3 +303,14 @@ def push_to_hub(out: Path, repo: str, *, private: bool = False) -> str:
             )
         ) from None
     return str(url)
+
+
+def _data_line(sources: list[str], stats: list[dict[str, Any]]) -> str:
+    """The training sources, each with its records and tokens when the checkpoint recorded them."""
+    if not stats:
+        return ", ".join(f"`{s}`" for s in sources) or "unknown"
+    return "; ".join(
+        f"`{s['source']}`: {s.get('records', 0):,} records, {s.get('tokens', 0):,} tokens "
+        f"({s.get('target_tokens', 0):,} trained on)"
+        for s in stats
+    )

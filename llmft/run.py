@@ -288,6 +288,7 @@ class Run:
             scheduler=self.scheduler.state_dict(),
             versions=versions(),
             trackers=self.metrics.tracker_state(),  # run ids and the last step each tracker got
+            data_sources=source_stats(self.data),
         )
         path = self.checkpoints.save(
             state,
@@ -375,6 +376,16 @@ def resume_point(plan: RunPlan) -> Path | None:
     if recipe.run.overwrite:
         clear_for_fresh_start(run_dir)
     return None
+
+
+def source_stats(data) -> list[dict[str, Any]]:
+    """What each training source holds, for the checkpoint (and the model card an export writes)."""
+    keys = ("records", "examples", "tokens", "target_tokens", "rows", "truncated", "skipped")
+    return [
+        {"source": e["source"], **{k: e["stats"][k] for k in keys if k in e["stats"]}}
+        for e in data.entries
+        if e["key"].startswith("data.train")
+    ]
 
 
 def check_enough_data(num_samples: int, plan: RunPlan) -> None:

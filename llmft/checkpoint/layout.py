@@ -89,6 +89,8 @@ class TrainerState:
     versions: dict[str, str] = field(default_factory=dict)  # llmft, torch, transformers, ...
     trackers: dict[str, Any] = field(default_factory=dict)  # experiment trackers' run ids
     data: dict[str, Any] = field(default_factory=dict)  # data-side position (streaming sources)
+    # per training source: what it holds (records, tokens, target tokens, rows) and its weight; model cards
+    data_sources: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # keys of a newer llmft, kept as they were
 
     def to_json(self) -> str:

@@ -71,6 +71,12 @@ def test_export_writes_a_card_the_hub_reads_and_push_stops_cleanly_offline(lora_
     assert "| adapter | r 4, alpha 32.0, dropout 0.0, targets all-linear |" in text
     assert "| batch | micro 4 x accumulation 2 x data-parallel 1 = global 8 sequences of up to 64 tokens |" in text
     assert f"| target tokens trained | {state['tokens']:,} |" in text
+    (source,) = state["data_sources"]  # what each training source held, recorded in the checkpoint
+    assert source["records"] == 58 and source["tokens"] > source["target_tokens"] > 0  # 64 minus the 10 % eval holdout
+    assert (
+        f"| data | `{source['source']}`: 58 records, {source['tokens']:,} tokens "
+        f"({source['target_tokens']:,} trained on) |" in text
+    )
     assert "| optimizer steps | 3 |" in text
     assert f"- train loss {final['loss']:.4f} at step 3" in text
     assert f"loss {final_eval['loss']:.4g}" in text
