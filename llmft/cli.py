@@ -68,7 +68,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from llmft.export import export
 
-    out = export(args.checkpoint, args.out, merge_lora=args.merge_lora)
+    out = export(args.checkpoint, args.out, merge_lora=args.merge_lora, trust_remote_code=args.trust_remote_code)
     print(f"exported to {out}")
     from llmft.checkpoint import resolve_checkpoint
     from llmft.tracking import record_export
@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="checkpoints/step-N, checkpoints/latest, or a run directory (its latest)")
     p.add_argument("--out", default=None, help="output directory (default: <run>/exported/step-N)")
     p.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into the base model")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run model code shipped with the base model or checkpoint (only from here: a checkpoint's own "
+        "recipe cannot turn it on); read that code first",
+    )
     p.add_argument(
         "--push-to-hub",
         default=None,

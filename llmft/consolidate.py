@@ -33,21 +33,25 @@ def offline_recipe(recipe: Recipe) -> Recipe:
 
 
 def load_checkpoint_model(
-    path: str | Path, *, adapter_only: bool = False
+    path: str | Path, *, adapter_only: bool = False, trust_remote_code: bool = False
 ) -> tuple[torch.nn.Module, object, Recipe, Path]:
     """(model in fp32 on CPU with the checkpoint's weights, tokenizer, recipe, checkpoint dir).
 
     ``adapter_only`` (for a PEFT run): the frozen base stays on the meta device and only the
     adapter gets memory, which is all a sharded PEFT checkpoint holds and all an adapter
     export needs (a 70B base would otherwise take 280 GB of RAM in fp32 to write a few MB).
+
+    ``trust_remote_code``: the caller's (command line), never the checkpoint's recipe (SPEC 8).
     """
     from llmft.engines import read_checkpoint
     from llmft.model import build_model
+    from llmft.safe_load import without_remote_code
     from llmft.tokenizer import load_tokenizer
 
     ckpt = resolve_checkpoint(path)
     engine = checkpoint_engine(ckpt)
     recipe = offline_recipe(load_recipe(ckpt / RECIPE_FILE))
+    without_remote_code(recipe, ckpt / RECIPE_FILE, trust_remote_code=trust_remote_code)  # SPEC 8
     tok_dir = ckpt / TOKENIZER_DIR
     tokenizer = load_tokenizer(recipe.model) if not tok_dir.is_dir() else _load_tok(tok_dir)
     if adapter_only and recipe.peft.method != "none" and engine in ("fsdp", "deepspeed"):

@@ -170,18 +170,28 @@ def _config_dtype(config: PretrainedConfig) -> torch.dtype:
 # --- export -------------------------------------------------------------------------------------
 
 
-def export(checkpoint: str | os.PathLike, out: str | os.PathLike | None = None, *, merge_lora: bool = False) -> Path:
+def export(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike | None = None,
+    *,
+    merge_lora: bool = False,
+    trust_remote_code: bool = False,
+) -> Path:
     """``llmft export``: a step dir, ``checkpoints/latest`` or a run dir -> a HF directory.
 
     Default ``out``: ``<run>/exported/step-N`` (``step-N-merged`` with ``merge_lora``).
+    ``trust_remote_code`` comes from the command line only, never from the checkpoint (SPEC 8).
     """
+    from llmft.checkpoint.verify import verify
+
     step_dir = resolve_checkpoint(checkpoint)
+    verify(step_dir)  # a truncated or corrupt file is named here, not met as a traceback mid-export
     if out is None:
         out = step_dir.parent.parent / EXPORTS / (step_dir.name + ("-merged" if merge_lora else ""))
-    return export_model_dir(step_dir, Path(out), merge_lora=merge_lora)
+    return export_model_dir(step_dir, Path(out), merge_lora=merge_lora, trust_remote_code=trust_remote_code)
 
 
-def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool) -> Path:
+def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool, trust_remote_code: bool = False) -> Path:
     """Write ``out``: a PEFT adapter dir (LoRA, no merge) or a full model dir, tokenizer beside it.
 
     LoRA without ``merge_lora``: the adapter, its ``base_model_name_or_path`` pointing at a
@@ -193,13 +203,13 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool) -> Path:
     from llmft.model import DTYPES
 
     step_dir, out = Path(step_dir), Path(out)
-    recipe = _checkpoint_recipe(step_dir)
+    recipe = _checkpoint_recipe(step_dir, trust_remote_code)
     dtype = DTYPES[recipe.model.dtype]
     _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # beside the output, not in /tmp: a consolidated model can be as large as the export
     with tempfile.TemporaryDirectory(prefix=".llmft-consolidated-", dir=out.parent) as scratch:
-        model_dir = _checkpoint_model_dir(step_dir, Path(scratch))
+        model_dir = _checkpoint_model_dir(step_dir, Path(scratch), trust_remote_code)
         is_adapter = (model_dir / ADAPTER_CONFIG).is_file()
         if merge_lora and not is_adapter:
             log.warning("%s holds a full fine-tune, not an adapter: nothing to merge, exporting the model", step_dir)
@@ -215,8 +225,9 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool) -> Path:
     return out
 
 
-def _checkpoint_recipe(step_dir: Path) -> Recipe:
+def _checkpoint_recipe(step_dir: Path, trust_remote_code: bool = False) -> Recipe:
     from llmft.recipe import load_recipe
+    from llmft.safe_load import without_remote_code
 
     path = step_dir / RECIPE_FILE
     if not path.is_file():
@@ -227,10 +238,10 @@ def _checkpoint_recipe(step_dir: Path) -> Recipe:
                 "Pass a checkpoints/step-N directory, checkpoints/latest, or a run directory.",
             )
         )
-    return load_recipe(path)
+    return without_remote_code(load_recipe(path), path, trust_remote_code=trust_remote_code)  # SPEC 8
 
 
-def _checkpoint_model_dir(step_dir: Path, scratch: Path) -> Path:
+def _checkpoint_model_dir(step_dir: Path, scratch: Path, trust_remote_code: bool = False) -> Path:
     """``model/`` of the checkpoint; sharded FSDP/ZeRO states are first consolidated into ``scratch``."""
     model_dir = step_dir / MODEL_DIR
     if (model_dir / ADAPTER_CONFIG).is_file() or (model_dir / "config.json").is_file():
@@ -238,7 +249,7 @@ def _checkpoint_model_dir(step_dir: Path, scratch: Path) -> Path:
     if (step_dir / STATE_FILE).is_file() and any((step_dir / d).is_dir() for d in (DCP_DIR, DS_DIR)):
         from llmft.consolidate import load_checkpoint_model
 
-        model = load_checkpoint_model(step_dir, adapter_only=True)[0]
+        model = load_checkpoint_model(step_dir, adapter_only=True, trust_remote_code=trust_remote_code)[0]
         model.save_pretrained(scratch / MODEL_DIR, safe_serialization=True)
         return scratch / MODEL_DIR
     found = ", ".join(sorted(p.name for p in step_dir.iterdir())) if step_dir.is_dir() else "nothing"

@@ -208,5 +208,7 @@ class CheckpointManager:
 
     def load_rng(self, step_dir: Path) -> dict[str, Any] | None:
         """This rank's RNG state in ``step_dir`` (None when that rank did not exist then)."""
+        from llmft.safe_load import torch_load
+
         path = rng_file(step_dir, self.env.rank)
-        return torch.load(path, weights_only=True) if path.exists() else None
+        return torch_load(path) if path.exists() else None  # weights_only; a refusal names the file

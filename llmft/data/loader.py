@@ -47,14 +47,18 @@ def count_targets(labels: torch.Tensor) -> int:
 def make_loader(
     dataset: Any, sampler: MicroBatchSampler, pad_id: int, num_workers: int, prefetch_factor: int
 ) -> torch.utils.data.DataLoader:
-    """A DataLoader over ``sampler``'s micro-batches; workers stay alive across the (endless) iteration."""
+    """A DataLoader over ``sampler``'s micro-batches; workers stay alive across the (endless) iteration
+    and leave the stop signals to the training process (``llmft.data.workers``)."""
+    from llmft.data.workers import StopSafeDataLoader, ignore_stop_signals
+
     workers = num_workers > 0
-    return torch.utils.data.DataLoader(
+    return StopSafeDataLoader(
         dataset,
         batch_sampler=sampler,
         collate_fn=functools.partial(collate, pad_id=pad_id),
         num_workers=num_workers,
         prefetch_factor=prefetch_factor if workers else None,
         persistent_workers=workers,
+        worker_init_fn=ignore_stop_signals if workers else None,
         pin_memory=torch.cuda.is_available(),
     )

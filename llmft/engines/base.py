@@ -15,6 +15,7 @@ from llmft.dist import DistEnv
 from llmft.engines import autocast_for
 from llmft.model import compute_dtype, is_peft
 from llmft.plan.resolve import RunPlan
+from llmft.safe_load import torch_load
 
 
 class LocalEngine:
@@ -84,7 +85,7 @@ def load_plain(
 ) -> None:
     read_plain(model, directory)
     if load_optimizer:
-        state = torch.load(directory / OPTIMIZER_FILE, map_location=device, weights_only=True)
+        state = torch_load(directory / OPTIMIZER_FILE, map_location=device)  # SPEC 8
         optimizer.load_state_dict(state)
 
 

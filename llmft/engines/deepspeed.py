@@ -10,11 +10,12 @@ The checkpoint format is DeepSpeed's own (``deepspeed/state/``). A ZeRO 1-3 chec
 resumed on another world size is converted once to DeepSpeed's universal format
 (``deepspeed_universal/``; also ``python -m llmft.checkpoint universal CKPT``).
 
-DeepSpeed's ``*_model_states.pt`` and ``*_optim_states.pt`` files are Python pickles that only
-``torch.load(weights_only=False)`` reads. They are the one exception to "nothing is unpickled"
-(docs/design.md): llmft never opens them itself, and lets DeepSpeed's own code read the files a
-DeepSpeed run wrote (the engine's ``load_checkpoint`` on resume, ``ds_to_universal`` for an
-elastic resume, ``zero_to_fp32`` for export). Load DeepSpeed checkpoints only from runs you trust.
+DeepSpeed's ``*_model_states.pt`` and ``*_optim_states.pt`` files are Python pickles that
+DeepSpeed's own code reads with ``torch.load(weights_only=False)`` (the engine's
+``load_checkpoint`` on resume, ``ds_to_universal`` for an elastic resume, ``zero_to_fp32`` for
+export). Before any of those runs, ``check_deepspeed_files`` (``llmft.engines.safe_deepspeed``)
+scans every one of them without executing it and refuses a global outside the short list real
+DeepSpeed checkpoints hold (SPEC 8).
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from llmft.checkpoint.manager import fsync_dir
 from llmft.dist import DistEnv, broadcast_object
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import check_loaded_keys, trainable_names
+from llmft.engines.safe_deepspeed import check_deepspeed_files
 from llmft.errors import Problem, UserError
 from llmft.model import is_peft, prepare_model
 from llmft.plan.resolve import RunPlan
+from llmft.safe_load import torch_load
 
 
 class DeepSpeedEngineAdapter:
@@ -100,6 +103,7 @@ class DeepSpeedEngineAdapter:
     def load(self, directory: Path, *, load_optimizer: bool) -> None:
         # ZeRO 1-3 state is partitioned per data-parallel rank; on another world size DeepSpeed
         # only loads its universal format, converted here on first use (rank 0, others wait).
+        check_deepspeed_files(directory)  # SPEC 8: before DeepSpeed unpickles anything
         saved_dp = deepspeed_dp_size(directory)
         elastic = saved_dp is not None and saved_dp != self.env.world_size
         load_dir = universal_for_resume(directory, self.env) if elastic else directory / DS_DIR
@@ -190,6 +194,7 @@ def deepspeed_universal(step_dir: str | os.PathLike, out: str | os.PathLike | No
         )
     from deepspeed.checkpoint import ds_to_universal
 
+    check_deepspeed_files(step_dir)  # SPEC 8: before ds_to_universal unpickles the partitions
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed conversion
     tmp.mkdir(parents=True)
@@ -248,9 +253,10 @@ def read_deepspeed(model: torch.nn.Module, step_dir: Path) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     peft = is_peft(model)
+    check_deepspeed_files(step_dir)  # SPEC 8: before zero_to_fp32 unpickles anything
     if deepspeed_dp_size(step_dir) is None:
         model_states = Path(step_dir) / DS_DIR / TAG / "mp_rank_00_model_states.pt"
-        state = torch.load(model_states, map_location="cpu", weights_only=True)["module"]
+        state = torch_load(model_states, map_location="cpu")["module"]
     else:
         # DeepSpeed unpickles its own files here (see the module docstring); its progress prints are muted.
         with contextlib.redirect_stdout(io.StringIO()):

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from llmft import kernels
 from llmft.checkpoint.layout import DCP_DIR
 from llmft.dist import DistEnv
-from llmft.engines import OptimizerFactory
+from llmft.engines import OptimizerFactory, safe_dcp
 from llmft.engines.base import LocalEngine, trainable_names
 from llmft.model import (
     DTYPES,
@@ -117,7 +117,7 @@ class FSDPEngine(LocalEngine):
     def load(self, directory: Path, *, load_optimizer: bool) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
         state = {"model": model_sd, "optim": optim_sd} if load_optimizer else {"model": model_sd}
-        dcp.load(state, checkpoint_id=str(directory / DCP_DIR))
+        safe_dcp.load(state, directory / DCP_DIR)  # SPEC 8: restricted unpickling (llmft.engines.safe_dcp)
         set_state_dict(
             self.model,
             self.optimizer,
@@ -135,6 +135,6 @@ def read_dcp(model: torch.nn.Module, step_dir: Path) -> None:
         keep = trainable_names(model)
         state = {k: v for k, v in state.items() if k in keep}
     holder = {"model": state}
-    dcp.load(holder, checkpoint_id=str(Path(step_dir) / DCP_DIR), no_dist=True)
+    safe_dcp.load(holder, Path(step_dir) / DCP_DIR, no_dist=True)  # SPEC 8: llmft.engines.safe_dcp
     missing, unexpected = model.load_state_dict(holder["model"], strict=False)
     assert not unexpected, unexpected[:5]
