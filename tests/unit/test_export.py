@@ -75,7 +75,12 @@ def checkpoint(model, tokenizer, recipe, step_dir):
     """The single-process checkpoint layout (what llmft train writes), plus the COMPLETE marker."""
     save_model_dir(model, tokenizer, step_dir)
     (step_dir / "recipe.yaml").write_text(to_yaml(recipe))
-    (step_dir / "COMPLETE").write_text("{}")
+    step = int(step_dir.name.removeprefix("step-"))
+    state = TrainerState(
+        step=step, samples=0, tokens=0, epoch=0.0, world_size=1, engine="single", batch={}, scheduler={}
+    )
+    (step_dir / "trainer_state.json").write_text(state.to_json())
+    (step_dir / "COMPLETE").write_text(json.dumps({"step": step}))
     return step_dir
 
 
