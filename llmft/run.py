@@ -32,6 +32,7 @@ from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
 from llmft.metrics import Metrics
 from llmft.plan.resolve import RunPlan, describe_engine
 from llmft.recipe import to_yaml
+from llmft.recipe.load import flatten
 from llmft.stop import STOPPED_EXIT_CODE, StopRequest
 
 log = logging.getLogger("llmft")
@@ -404,15 +405,6 @@ def check_enough_data(num_samples: int, plan: RunPlan) -> None:
     )
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix.rstrip("."): d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}."))
-    return out
-
-
 def check_resume_compatible(ckpt: Path, recipe_yaml: str) -> None:
     """Refuse a checkpoint trained on another model, adapter or data; log deliberate changes.
 
@@ -421,8 +413,8 @@ def check_resume_compatible(ckpt: Path, recipe_yaml: str) -> None:
     """
     from omegaconf import OmegaConf
 
-    saved = _flatten(OmegaConf.to_container(OmegaConf.load(ckpt / RECIPE_FILE), resolve=True))
-    now = _flatten(OmegaConf.to_container(OmegaConf.create(recipe_yaml), resolve=True))
+    saved = flatten(OmegaConf.to_container(OmegaConf.load(ckpt / RECIPE_FILE), resolve=True))
+    now = flatten(OmegaConf.to_container(OmegaConf.create(recipe_yaml), resolve=True))
     diffs = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
     fatal = {k: v for k, v in diffs.items() if k.startswith(RESUME_MUST_MATCH) and not k.startswith(RESUME_MAY_CHANGE)}
     if fatal:

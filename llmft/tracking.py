@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from llmft.errors import Problem, UserError
+from llmft.recipe.load import flatten
 
 if TYPE_CHECKING:
     from llmft.dist import DistEnv
@@ -169,15 +170,6 @@ def run_info(run: RunPlan, env: DistEnv, steps: int) -> dict[str, Any]:
         },
         "system": system_info(),
     }
-
-
-def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix.rstrip("."): d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(flatten(v, f"{prefix}{k}."))
-    return out
 
 
 def _numbers(row: dict[str, Any]) -> dict[str, float]:

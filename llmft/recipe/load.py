@@ -288,6 +288,16 @@ def provenance(recipe: Recipe) -> Callable[[str], str]:
     return sources.of if sources is not None else (lambda key: key)
 
 
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as ``{"dotted.key": value}`` (resume compatibility, tracker params)."""
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(flatten(v, f"{prefix}{k}."))
+    return out
+
+
 def to_container(recipe: Recipe) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True)  # type: ignore[return-value]
 
