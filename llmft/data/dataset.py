@@ -28,7 +28,7 @@ from llmft.data.encode import IGNORE_INDEX, Encoder
 from llmft.data.pack import pack_arrays, positions, ranges
 from llmft.data.read import Chunk, Resolved, parse_line, read, resolve
 from llmft.data.records import BadRecord, parse_record
-from llmft.data.sampler import GlobalOrder
+from llmft.data.sampler import GlobalOrder, ProbabilityOrder, largest_remainder
 from llmft.data.sources import Source, parse_sources
 from llmft.data.stream import StreamDataset, StreamOrder, open_stream
 from llmft.errors import Problem, UserError
@@ -236,6 +236,7 @@ class DataBundle:
     stats: dict = field(default_factory=dict)  # train counts at the top level, eval counts under "eval"
     entries: list[dict] = field(default_factory=list)  # one per source: cache entry, built or reused, stats
     streaming: bool = False
+    probabilities: list[float] | None = None  # data.mixture=probability: the sources' shares of ``train``
 
     @property
     def num_rows(self) -> int | None:
@@ -246,6 +247,8 @@ class DataBundle:
         """Position -> index into ``train``."""
         if self.streaming:
             return StreamOrder()
+        if self.probabilities is not None:
+            return ProbabilityOrder([len(p) for p in self.train.parts], self.probabilities, seed, shuffle)
         return GlobalOrder(len(self.train), seed, shuffle)
 
     def epoch(self, samples: int) -> float:
@@ -293,8 +296,12 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
                  for s in parse_sources(cfg.eval, "data.eval", weights=False)]  # fmt: skip
 
     parts = [t.rows for t in train]
-    if len(parts) == 1 and train_sources[0].weight == 1.0:
-        train_ds: TokenDataset | MixedDataset = parts[0]
+    probabilities = None
+    if cfg.mixture == "probability" and len(parts) > 1:
+        train_ds: TokenDataset | MixedDataset = ConcatDataset(parts)
+        probabilities = _probabilities(train_sources)
+    elif len(parts) == 1 and (train_sources[0].weight == 1.0 or cfg.mixture == "probability"):
+        train_ds = parts[0]
     else:
         weights = [s.weight for s in train_sources]
         train_ds = MixedDataset(parts, weights, recipe.run.seed, [s.key for s in train_sources])
@@ -321,7 +328,23 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
         entries += [
             {"source": s.describe(), "key": s.key, **_entry_info(d)} for s, d in zip(eval_keys, evals, strict=True)
         ]
-    return DataBundle(train_ds, eval_ds, prompts, stats, entries)
+    return DataBundle(train_ds, eval_ds, prompts, stats, entries, probabilities=probabilities)
+
+
+def _probabilities(sources: list[Source]) -> list[float]:
+    """``data.mixture: probability``: each weight over their sum; every source must get a slot per window."""
+    total = sum(s.weight for s in sources)
+    counts = largest_remainder([s.weight for s in sources], ProbabilityOrder.WINDOW)
+    for s, c in zip(sources, counts, strict=True):
+        if c == 0:
+            raise UserError(
+                Problem(
+                    f"{s.key}.weight",
+                    f"{s.weight} of {total} is less than one sample in {ProbabilityOrder.WINDOW:,}",
+                    "Raise the weight, or drop the source.",
+                )
+            )
+    return [s.weight / total for s in sources]
 
 
 def _build_stream(
