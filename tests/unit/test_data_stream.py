@@ -130,3 +130,15 @@ def test_streaming_refuses_what_it_cannot_do(tmp_path):
         )  # fmt: skip
     assert [p.where for p in e.value.problems] == ["data.train", "train.max_steps", "data.eval_fraction"]
     assert "cannot hold out a fraction of records it has not read" in str(e.value)
+
+
+def test_a_streamed_bad_record_names_file_and_line_with_a_suggestion(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"promt": "p", "completion": "c"}) + "\n")
+    ds = _bundle(tmp_path, data__streaming=True).train
+    with pytest.raises(UserError) as e:
+        ds[0]
+    assert str(e.value) == (
+        f"{path}:2: has 'completion' but no 'prompt' (did you mean 'prompt' for 'promt'). "
+        "Fix or remove the record, or set data.on_bad_record=skip to skip malformed records."
+    )
