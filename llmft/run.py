@@ -122,8 +122,10 @@ class Run:
         seed_everything(recipe.run.seed)
         self.tokenizer = load_tokenizer(recipe.model)
         self.data = build_data(recipe, self.tokenizer, env)
-        check_enough_data(len(self.data.train), plan)
-        self.total_steps = total_steps(plan, len(self.data.train))
+        num_rows = self.data.num_rows  # None for a stream (build_data requires train.max_steps)
+        if num_rows is not None:
+            check_enough_data(num_rows, plan)
+        self.total_steps = total_steps(plan, num_rows or 0)
         self.engine = build_engine(plan, env, self.tokenizer, self._make_optimizer)
         save_base_once(plan, self.engine, self.run_dir, env, resuming=resume_from is not None)
         self.scheduler = build_scheduler(self.engine.optimizer, recipe.optim, self.total_steps)
@@ -179,6 +181,7 @@ class Run:
         if checkpoint is not None:
             saved = TrainerState.read(checkpoint)
             self.state = LoopState(step=saved.step, samples=saved.samples, tokens=saved.tokens)
+            self.data.restore(saved.data)  # a stream's cursor (nothing for cached data)
             self.checkpoints.protected = checkpoint
             self._log_resume(checkpoint, saved)
         self.metrics = self._metrics(saved)  # tracked runs (W&B, MLflow) continue where the checkpoint is
@@ -204,10 +207,10 @@ class Run:
         )
 
     def _loader(self, *, first_step: int, position: int):
-        from llmft.data import GlobalOrder, MicroBatchSampler, make_loader
+        from llmft.data import MicroBatchSampler, make_loader
 
         b, d = self.plan.batch, self.recipe.data
-        order = GlobalOrder(len(self.data.train), self.recipe.run.seed, d.shuffle)
+        order = self.data.order(self.recipe.run.seed, d.shuffle)  # a stream orders itself
         sampler = MicroBatchSampler(
             order,
             b.global_batch_size,
@@ -218,7 +221,8 @@ class Run:
             start_position=position,
         )
         sampler = self.hooks.wrap_sampler(sampler, first_step, self.env)
-        return make_loader(self.data.train, sampler, self.tokenizer.pad_token_id, d.num_workers, d.prefetch_factor)
+        workers = 0 if self.data.streaming else d.num_workers  # the stream's cursor lives here
+        return make_loader(self.data.train, sampler, self.tokenizer.pad_token_id, workers, d.prefetch_factor)
 
     def _log_resume(self, checkpoint: Path, saved: TrainerState) -> None:
         log.info("resuming from %s (step %d, %d samples consumed)", checkpoint, saved.step, saved.samples)
@@ -277,7 +281,7 @@ class Run:
             step=st.step,
             samples=st.samples,
             tokens=st.tokens,
-            epoch=st.samples / len(self.data.train),
+            epoch=self.data.epoch(st.samples),
             world_size=self.env.world_size,
             engine=self.plan.engine,
             batch={
@@ -289,6 +293,7 @@ class Run:
             scheduler=self.scheduler.state_dict(),
             versions=versions(),
             trackers=self.metrics.tracker_state(),  # run ids and the last step each tracker got
+            data=self.data.state_at(st.samples),  # a stream's cursor (empty for cached data)
             data_sources=source_stats(self.data),
         )
         path = self.checkpoints.save(
@@ -488,7 +493,9 @@ def banner(plan: RunPlan, env: DistEnv, steps: int, engine, data) -> str:
         f"dtype {recipe.model.dtype}",
         f"parameters: {describe(engine.unwrap())}",
         f"data: {len(data.train):,} training {'rows' if recipe.data.packing else 'sequences'}, "
-        f"{steps} optimizer steps ({steps * b.global_batch_size / max(len(data.train), 1):.2f} epochs)",
+        f"{steps} optimizer steps ({steps * b.global_batch_size / max(len(data.train), 1):.2f} epochs)"
+        if data.num_rows is not None  # a stream's length is unknown
+        else f"data: streamed, {steps} optimizer steps ({steps * b.global_batch_size:,} rows)",
     ]
     return "\n".join(lines)
 

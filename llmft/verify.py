@@ -130,7 +130,7 @@ def split_for_samples(plan: BatchPlan, samples: int | None) -> BatchPlan:
 
 def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult:
     """Build the model once, compute the three gradients of the first global batch, compare them."""
-    from llmft.data import GlobalOrder, build_data
+    from llmft.data import build_data
     from llmft.dist import DistEnv
     from llmft.engines import autocast_for
     from llmft.model import compute_dtype, describe, prepare_model
@@ -143,7 +143,7 @@ def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult
     seed_everything(recipe.run.seed)
     tokenizer = load_tokenizer(recipe.model)
     data = build_data(recipe, tokenizer)
-    order = GlobalOrder(len(data.train), recipe.run.seed, recipe.data.shuffle)
+    order = data.order(recipe.run.seed, recipe.data.shuffle)  # streamed data orders itself
     ranks, big = _first_step(data.train, order, plan, tokenizer.pad_token_id)
 
     device = DistEnv().device

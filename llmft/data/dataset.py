@@ -28,7 +28,9 @@ from llmft.data.encode import IGNORE_INDEX, Encoder
 from llmft.data.pack import pack_arrays, positions, ranges
 from llmft.data.read import Chunk, Resolved, parse_line, read, resolve
 from llmft.data.records import BadRecord, parse_record
+from llmft.data.sampler import GlobalOrder, ProbabilityOrder, largest_remainder
 from llmft.data.sources import Source, parse_sources
+from llmft.data.stream import StreamDataset, StreamOrder, open_stream
 from llmft.errors import Problem, UserError
 
 if TYPE_CHECKING:
@@ -221,11 +223,45 @@ class ConcatDataset(MixedDataset):
 
 @dataclass
 class DataBundle:
-    train: TokenDataset | MixedDataset
+    """The data of a run, and the one place that knows how its order and position work.
+
+    Cached data is indexed by ``GlobalOrder`` and its position is the sample count alone; streamed
+    data (``stream.StreamDataset``) orders itself and also keeps a cursor in the checkpoint
+    (``TrainerState.data``) so that a resume does not re-read the stream before it.
+    """
+
+    train: TokenDataset | MixedDataset | StreamDataset
     eval: TokenDataset | MixedDataset | None
     eval_prompts: list[tuple[list[int], str]]  # (prompt ids incl. chat template, reference completion)
     stats: dict = field(default_factory=dict)  # train counts at the top level, eval counts under "eval"
     entries: list[dict] = field(default_factory=list)  # one per source: cache entry, built or reused, stats
+    streaming: bool = False
+    probabilities: list[float] | None = None  # data.mixture=probability: the sources' shares of ``train``
+
+    @property
+    def num_rows(self) -> int | None:
+        """Training rows per epoch; None for a stream (its length is unknown until it is read)."""
+        return None if self.streaming else len(self.train)
+
+    def order(self, seed: int, shuffle: bool):
+        """Position -> index into ``train``."""
+        if self.streaming:
+            return StreamOrder()
+        if self.probabilities is not None:
+            return ProbabilityOrder([len(p) for p in self.train.parts], self.probabilities, seed, shuffle)
+        return GlobalOrder(len(self.train), seed, shuffle)
+
+    def epoch(self, samples: int) -> float:
+        return self.train.epoch(samples) if self.streaming else samples / len(self.train)
+
+    def state_at(self, samples: int) -> dict[str, Any]:
+        """What a checkpoint at ``samples`` consumed samples keeps besides the count (``TrainerState.data``)."""
+        return {"stream": self.train.cursor_at(samples)} if self.streaming else {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's ``state_at``; a stream without a cursor re-reads from its start."""
+        if self.streaming and state.get("stream") is not None:
+            self.train.restore(state["stream"])
 
 
 @dataclass
@@ -246,19 +282,13 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
     from llmft.tokenizer import use_chat_template
 
     cfg = recipe.data
-    if cfg.streaming:
-        raise UserError(
-            Problem(
-                "data.streaming",
-                "streaming is not available yet in this version of llmft",
-                "Set data.streaming=false; the token cache (data.cache_dir) holds datasets of any size on disk.",
-            )
-        )
     use_chat_template(tokenizer, cfg.chat_template)
     quiet = env is not None and not env.is_main
     common = _common_parts(cfg, tokenizer)
     holdout = cfg.eval_fraction if cfg.eval is None else 0.0
     train_sources = parse_sources(cfg.train, "data.train", weights=True)
+    if cfg.streaming:
+        return _build_stream(recipe, tokenizer, train_sources, common, quiet)
     train = [_source(s, cfg, tokenizer, common, holdout, recipe.run.seed, quiet) for s in train_sources]
     evals = []
     if cfg.eval is not None:
@@ -266,8 +296,12 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
                  for s in parse_sources(cfg.eval, "data.eval", weights=False)]  # fmt: skip
 
     parts = [t.rows for t in train]
-    if len(parts) == 1 and train_sources[0].weight == 1.0:
-        train_ds: TokenDataset | MixedDataset = parts[0]
+    probabilities = None
+    if cfg.mixture == "probability" and len(parts) > 1:
+        train_ds: TokenDataset | MixedDataset = ConcatDataset(parts)
+        probabilities = _probabilities(train_sources)
+    elif len(parts) == 1 and (train_sources[0].weight == 1.0 or cfg.mixture == "probability"):
+        train_ds = parts[0]
     else:
         weights = [s.weight for s in train_sources]
         train_ds = MixedDataset(parts, weights, recipe.run.seed, [s.key for s in train_sources])
@@ -294,7 +328,74 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
         entries += [
             {"source": s.describe(), "key": s.key, **_entry_info(d)} for s, d in zip(eval_keys, evals, strict=True)
         ]
-    return DataBundle(train_ds, eval_ds, prompts, stats, entries)
+    return DataBundle(train_ds, eval_ds, prompts, stats, entries, probabilities=probabilities)
+
+
+def _probabilities(sources: list[Source]) -> list[float]:
+    """``data.mixture: probability``: each weight over their sum; every source must get a slot per window."""
+    total = sum(s.weight for s in sources)
+    counts = largest_remainder([s.weight for s in sources], ProbabilityOrder.WINDOW)
+    for s, c in zip(sources, counts, strict=True):
+        if c == 0:
+            raise UserError(
+                Problem(
+                    f"{s.key}.weight",
+                    f"{s.weight} of {total} is less than one sample in {ProbabilityOrder.WINDOW:,}",
+                    "Raise the weight, or drop the source.",
+                )
+            )
+    return [s.weight / total for s in sources]
+
+
+def _build_stream(
+    recipe: Recipe, tokenizer: PreTrainedTokenizerBase, sources: list[Source], common: dict, quiet: bool
+) -> DataBundle:
+    """``data.streaming``: the train source as a ``StreamDataset``; eval data is cached as usual."""
+    cfg = recipe.data
+    problems = []
+    if len(sources) > 1 or sources[0].weight != 1.0:
+        problems.append(
+            Problem(
+                "data.train",
+                "a streamed run takes one source with weight 1 in this version",
+                "Give one source, or set data.streaming=false to mix cached sources.",
+            )
+        )
+    if recipe.train.max_steps is None:
+        problems.append(
+            Problem(
+                "train.max_steps",
+                "is not set, and train.epochs cannot be turned into steps for a stream of unknown length",
+                "Set train.max_steps with data.streaming=true.",
+            )
+        )
+    if cfg.eval is None and cfg.eval_fraction > 0:
+        problems.append(
+            Problem(
+                "data.eval_fraction",
+                f"is {cfg.eval_fraction}, but a stream cannot hold out a fraction of records it has not read",
+                "Set data.eval to separate eval data, or data.eval_fraction=0.",
+            )
+        )
+    if problems:
+        raise UserError(*problems)
+    train = open_stream(sources[0], cfg, tokenizer, recipe.run.seed)
+    eval_ds, prompts, stats, entries = None, [], {"streaming": True}, []
+    if cfg.eval is not None:
+        eval_sources = parse_sources(cfg.eval, "data.eval", weights=False)
+        evals = [_source(s, cfg, tokenizer, common, 0.0, recipe.run.seed, quiet, eval_role=True) for s in eval_sources]
+        parts, prompts = [e.rows for e in evals], [p for e in evals for p in e.prompts]
+        eval_ds = parts[0] if len(parts) == 1 else ConcatDataset(parts)
+        stats["eval"] = {**_sum_stats([e.meta["stats"] for e in evals], cfg), "prompts": len(prompts)}
+        entries = [
+            {"source": s.describe(), "key": s.key, **_entry_info(d)} for s, d in zip(eval_sources, evals, strict=True)
+        ]
+    if not quiet:
+        log.info(
+            "%s: streamed (%s), blocks of %d records tokenized as training reaches them",
+            sources[0].key, sources[0].describe(), cfg.stream_block,
+        )  # fmt: skip
+    return DataBundle(train, eval_ds, prompts, stats, entries, streaming=True)
 
 
 def _entry_info(d: _SourceData) -> dict:

@@ -20,6 +20,16 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
 
     _log_to_stderr()
     recipe = load_recipe(recipe_path, overrides)
+    if recipe.data.streaming:
+        from llmft.errors import Problem, UserError
+
+        raise UserError(
+            Problem(
+                "data.streaming",
+                "is true: a streamed run tokenizes data.train as it trains, so there is nothing to prepare",
+                "Set data.streaming=false to build the token cache ahead of training.",
+            )
+        )
     started = time.time()
     tokenizer = load_tokenizer(recipe.model)
     data = build_data(recipe, tokenizer)

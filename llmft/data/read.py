@@ -268,12 +268,14 @@ def _load_saved(path: Path, source: Source) -> datasets.Dataset:
     return datasets.load_from_disk(str(path))
 
 
-def _load_hub(source: Source) -> datasets.Dataset:
+def _load_hub(source: Source, streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
     import datasets
 
     split = source.split or "train"
     try:
-        return datasets.load_dataset(source.path, name=source.name, split=split, revision=source.revision)
+        return datasets.load_dataset(
+            source.path, name=source.name, split=split, revision=source.revision, streaming=streaming
+        )
     except Exception as e:  # offline, unknown id, unknown split or config, gated repo, ...
         offline = " (offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)" if _offline() else ""
         raise UserError(

@@ -79,7 +79,7 @@ def parse_record(value: Any, fields: dict[str, str] | None = None) -> Record:
         for name in ("prompt", "completion"):
             if name not in value:
                 other = "completion" if name == "prompt" else "prompt"
-                raise BadRecord(f"has '{other}' but no '{name}'")
+                raise BadRecord(f"has '{other}' but no '{name}'{_did_you_mean(value, (name,))}")
             _check_str(value[name], f"'{name}'")
         return PromptCompletion(value["prompt"], value["completion"])
     if "text" in value:
@@ -87,7 +87,25 @@ def parse_record(value: Any, fields: dict[str, str] | None = None) -> Record:
         return Text(value["text"])
     raise BadRecord(
         f"a record needs 'text', 'prompt' and 'completion', or 'messages'; found keys {sorted(map(str, value))}"
+        + _did_you_mean(value, RECORD_FIELDS)
     )
+
+
+RECORD_FIELDS = ("text", "prompt", "completion", "messages")
+
+
+def _did_you_mean(value: dict[str, Any], wanted: tuple[str, ...]) -> str:
+    """' (did you mean 'prompt' for 'promt')' for the record keys that look like a misspelt field."""
+    import difflib
+
+    hints = []
+    for key in sorted(map(str, value)):
+        if key in RECORD_FIELDS:
+            continue
+        close = difflib.get_close_matches(key, wanted, n=1, cutoff=0.75)
+        if close:
+            hints.append(f"'{close[0]}' for '{key}'")
+    return f" (did you mean {', '.join(hints)})" if hints else ""
 
 
 def _renamed(value: dict[str, Any], fields: dict[str, str]) -> dict[str, Any]:

@@ -101,3 +101,62 @@ class MicroBatchSampler:
         if self.num_steps is None:
             raise TypeError("an endless MicroBatchSampler has no length; pass num_steps")
         return self.num_steps * self.gradient_accumulation_steps
+
+
+class ProbabilityOrder:
+    """``data.mixture: probability``: position -> index of a concatenation of sources, by share.
+
+    Positions are cut into windows of ``WINDOW``; window w holds exactly ``counts[k]`` positions
+    of source k (its probability times the window, rounded by largest remainder), in an order
+    seeded with (seed, w). The j-th position that falls to source k takes position j of that
+    source's own ``GlobalOrder`` (each source has its own epochs). All of it is a pure function
+    of (seed, position), so resumes, elastic ones too, are exact.
+    """
+
+    WINDOW = 10_000
+
+    def __init__(self, lengths: list[int], probabilities: list[float], seed: int, shuffle: bool) -> None:
+        self.counts = largest_remainder(probabilities, self.WINDOW)
+        self.seed = seed
+        self.bases = [sum(lengths[:k]) for k in range(len(lengths))]
+        self.orders = [GlobalOrder(n, seed * 1_000_003 + k + 1, shuffle) for k, n in enumerate(lengths)]
+        self._window = -1
+        self._slots: list[int] = []
+        self._rank: list[int] = []  # of each slot among the window's slots of its source
+
+    def index(self, position: int) -> int:
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        w, o = divmod(position, self.WINDOW)
+        if w != self._window:
+            self._fill(w)
+        k = self._slots[o]
+        return self.bases[k] + self.orders[k].index(w * self.counts[k] + self._rank[o])
+
+    def source(self, position: int) -> int:
+        self.index(position)
+        return self._slots[position % self.WINDOW]
+
+    def _fill(self, window: int) -> None:
+        import torch
+
+        slots = torch.tensor([k for k, c in enumerate(self.counts) for _ in range(c)])
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + 999_983 * (window + 1))
+        self._slots = slots[torch.randperm(self.WINDOW, generator=gen)].tolist()
+        seen = [0] * len(self.counts)
+        self._rank = []
+        for k in self._slots:
+            self._rank.append(seen[k])
+            seen[k] += 1
+        self._window = window
+
+
+def largest_remainder(probabilities: list[float], total: int) -> list[int]:
+    """Whole counts summing to ``total`` in proportion to ``probabilities`` (ties: the earlier source)."""
+    s = sum(probabilities)
+    exact = [p / s * total for p in probabilities]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda k: (-(exact[k] - counts[k]), k))
+    for k in by_remainder[: total - sum(counts)]:
+        counts[k] += 1
+    return counts

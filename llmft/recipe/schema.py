@@ -159,7 +159,22 @@ class DataConfig:
         "~/.cache/llmft/data. `llmft prepare` fills it ahead of training.",
     )
     num_proc: Optional[int] = doc(None, "Processes that tokenize when the cache is built; null: the CPU cores.")
-    streaming: bool = doc(False, "Iterate the data without a cache (not available yet: must be false).")
+    streaming: bool = doc(
+        False,
+        "Read, tokenize and pack data.train on the fly instead of caching it (data too large to cache); "
+        "needs train.max_steps. See docs/data.md.",
+    )
+    stream_block: int = doc(
+        1000,
+        "With data.streaming: records read, tokenized, packed and shuffled together; a resume re-reads at "
+        "most one block.",
+    )
+    mixture: str = doc(
+        "repeat",
+        "What a data.train source's weight means: 'repeat' (times per epoch, e.g. 2 or 0.5) or 'probability' "
+        "(weights / their sum is each source's exact share of every window of 10,000 samples).",
+        choices=("repeat", "probability"),
+    )
     num_workers: int = doc(1, "DataLoader worker processes (0 loads in the training process).")
     prefetch_factor: int = doc(4, "Micro-batches each worker prepares ahead.")
 

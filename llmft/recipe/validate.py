@@ -57,6 +57,7 @@ def _ranges(r: Recipe, where) -> list[Problem]:
             len(r.optim.betas) == 2 and all(0 <= b < 1 for b in r.optim.betas),
             "must be two numbers in [0, 1)",
         ),
+        ("data.stream_block", r.data.stream_block >= 1, "must be >= 1"),
         ("train.max_steps", r.train.max_steps is None or r.train.max_steps >= 1, "must be >= 1"),
         ("train.epochs", r.train.epochs is None or r.train.epochs > 0, "must be > 0"),
         ("train.log_every_steps", r.train.log_every_steps >= 1, "must be >= 1"),

@@ -205,7 +205,13 @@ def test_malformed_json_line_names_file_and_line(tmp_path, tok):
     "record, why",
     [
         ({"prompt": "p"}, "has 'prompt' but no 'completion'"),
-        ({"txt": "x"}, "a record needs 'text', 'prompt' and 'completion', or 'messages'; found keys ['txt']"),
+        (
+            {"txt": "x"},
+            "a record needs 'text', 'prompt' and 'completion', or 'messages'; found keys ['txt']"
+            " (did you mean 'text' for 'txt')",
+        ),
+        ({"promt": "p", "completion": "c"}, "has 'completion' but no 'prompt' (did you mean 'prompt' for 'promt')"),
+        ({"input": "x"}, "a record needs 'text', 'prompt' and 'completion', or 'messages'; found keys ['input']"),
         ({"text": 3}, "'text' must be a string, got a number (3)"),
         ([1], "a record must be a JSON object, got a list"),
         (
