@@ -56,8 +56,10 @@ def build_model(
     into its shards. Without it (and for a quantized model, which must be built from real
     weights) the model ends up on ``device``.
     ``quant_storage``: the storage dtype of packed 4-bit weights the run plan decided (FSDP2 needs
-    the compute dtype, so that every parameter it shards has one dtype); None: the recipe's, or uint8.
-    ``upcast_unquantized``: QLoRA's fp32 norms/embeddings/head (PEFT's k-bit preparation); off for FSDP2.
+    the compute dtype, so that every parameter it shards has one dtype, and so does ZeRO-3); None: the
+    recipe's, or uint8.
+    ``upcast_unquantized``: QLoRA's fp32 norms/embeddings/head (PEFT's k-bit preparation); off for FSDP2
+    and ZeRO-3, which shard parameters of one dtype.
     """
     m = recipe.model
     dtype = DTYPES[m.dtype]

@@ -9,7 +9,7 @@ estimate mirrors how llmft's engines hold a model (see ``engines/``):
 - DeepSpeed: weights and gradients in ``model.dtype``, fp32 master weights beside the
   optimizer state (the ZeRO paper's 2 + 2 + 12 bytes per parameter for bf16 + Adam).
 - QLoRA on one rank or DDP: PEFT's ``prepare_model_for_kbit_training`` upcasts the
-  unquantized weights (embedding, head, norms) to fp32; under FSDP they stay in
+  unquantized weights (embedding, head, norms) to fp32; under FSDP and ZeRO-3 they stay in
   ``model.dtype`` so that all sharded parameters share one dtype.
 
 Every number is bytes on one GPU. Each component is exposed on its own so that
@@ -325,8 +325,10 @@ def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, fl
     """
     m, peft = recipe.model, recipe.peft.method != "none"
     if m.quantization is not None:
-        # prepare_model_for_kbit_training upcasts the unquantized weights, except for FSDP.
-        other_bytes = a if engine == "fsdp" else 4
+        # prepare_model_for_kbit_training upcasts the unquantized weights, except where the
+        # parameters are sharded (RunPlan.upcast_unquantized).
+        shards = engine == "fsdp" or (engine == "deepspeed" and recipe.distributed.zero_stage == 3)
+        other_bytes = a if shards else 4
         weights = params.linear * quantized_bytes_per_param(m.quantization.bits, m.quantization.double_quant)
         weights += params.other * other_bytes
     elif peft:

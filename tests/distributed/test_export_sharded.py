@@ -30,6 +30,8 @@ ENGINES = {
     "fsdp": ["distributed.engine=fsdp", "batch.micro_batch_size=2"],
 }
 LORA = ["peft.method=lora", "peft.r=4", "peft.alpha=8"]
+QLORA = [*LORA, "model.quantization={bits: 4}"]
+KINDS = {"full": [], "lora": LORA, "qlora": QLORA}
 TEXT = ["<|user|>\nreverse abc<|end|><|assistant|>\ncba", "<|user|>\nreverse xyz<|end|><|assistant|>\nzyx"]
 
 
@@ -54,11 +56,14 @@ def _same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("engine", sorted(ENGINES))
-def test_export_round_trip(tmp_path, engine, lora):
+def test_export_round_trip(tmp_path, engine, kind):
+    """QLoRA: the adapter trained on the NF4 base; exported, it goes with the unquantized base
+    (merged into it, or beside it), which is what the consolidated checkpoint model is too."""
     recipe = write_recipe(tmp_path)
-    done = torchrun(["train", str(recipe), "train.max_steps=2", *ENGINES[engine], *(LORA if lora else [])])
+    lora = kind != "full"
+    done = torchrun(["train", str(recipe), "train.max_steps=2", *ENGINES[engine], *KINDS[kind]])
     assert done.returncode == 0, done.stderr[-4000:]
     run = tmp_path / "run"
     assert not (run / "checkpoints/base_model").exists()  # sharded: the base is rebuilt at export
