@@ -9,10 +9,10 @@ precision, offload, resharding), the same one ``llmft compile`` writes to ``fsdp
 Big models stay sharded (docs/design.md): a pretrained model, or a fresh one too big to build
 whole, is built on the meta device and each rank materialises only its shards
 (``llmft.engines.meta_init``). Small fresh models are built whole on every rank with the seeded
-init, as on every engine, so their weights equal the single-process run's. Quantized (QLoRA)
-models are always built whole: bitsandbytes quantizes while transformers loads real weights, so
-they cannot start on the meta device; at 4 bits the base is a quarter of its 16-bit size, and each
-rank frees all but its shards once ``fully_shard`` has run.
+init, as on every engine, so their weights equal the single-process run's. A pretrained 4-bit
+(QLoRA) base is built on the meta device too, in its packed layout, and each rank quantizes the
+weights one at a time and keeps its part of the packed bytes (``meta_init``); a fresh quantized
+``model.config`` model is built whole and frees all but its shards once ``fully_shard`` has run.
 """
 
 from __future__ import annotations
@@ -65,7 +65,13 @@ class FSDPEngine(LocalEngine):
         )
         if plan.meta_init:
             kernels.check_available(plan.recipe.model)  # before any weight is loaded
-            model = build_model(plan.recipe, tokenizer, init_context=lambda: torch.device("meta"))
+            model = build_model(
+                plan.recipe,
+                tokenizer,
+                init_context=lambda: torch.device("meta"),
+                quant_storage=plan.quant_storage,
+                upcast_unquantized=plan.upcast_unquantized,
+            )
             slots = ParamSlots(model)  # before the upcast: records the dtype each weight is loaded in
             # Before anything is allocated: a missing file or weight fails here, not after the load.
             weights = None if plan.recipe.model.config is not None else SafetensorsWeights.of(plan.recipe, slots)

@@ -95,8 +95,12 @@ class RunPlan:
 
     @property
     def meta_init(self) -> bool:
-        """FSDP2 builds the model on the meta device and loads each rank's shards."""
-        return self.engine == "fsdp" and self.recipe.model.quantization is None and not self.builds_whole
+        """FSDP2 builds the model on the meta device and loads each rank's shards; a pretrained 4-bit
+        base too (each rank quantizes the weights one at a time and keeps its part of the packed bytes)."""
+        if self.engine != "fsdp" or self.builds_whole:
+            return False
+        q = self.recipe.model.quantization
+        return q is None or (q.bits == 4 and self.recipe.model.config is None)
 
     @property
     def zero_init(self) -> bool:
