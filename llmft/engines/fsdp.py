@@ -144,3 +144,16 @@ def read_dcp(model: torch.nn.Module, step_dir: Path) -> None:
     dcp.load(holder, checkpoint_id=str(Path(step_dir) / DCP_DIR), no_dist=True)
     missing, unexpected = model.load_state_dict(holder["model"], strict=False)
     assert not unexpected, unexpected[:5]
+
+
+def dcp_reader(step_dir: Path):
+    """A function ``{name: empty tensor} -> the same dict filled`` from an FSDP2 checkpoint's model
+    part, without a process group: DCP reads only the keys asked for (export streams a full
+    fine-tune this way, a group of weights at a time, never the whole model)."""
+
+    def read(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        holder = {"model": tensors}
+        dcp.load(holder, checkpoint_id=str(Path(step_dir) / DCP_DIR), no_dist=True)
+        return holder["model"]
+
+    return read

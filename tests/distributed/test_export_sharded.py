@@ -76,6 +76,7 @@ def test_export_round_trip(tmp_path, engine, kind):
         model = AutoModelForCausalLM.from_pretrained(_export(run, tmp_path / "full"), attn_implementation="eager")
         assert model.dtype == torch.float32
         _same_logits(_logits(model, ids), want)
+        _streamed_full_export_equals_the_consolidated_model(run, tmp_path / "streamed", consolidated)
         return
 
     from peft import PeftModel
@@ -99,3 +100,33 @@ def test_export_round_trip(tmp_path, engine, kind):
     merged = _export(run, tmp_path / "merged", "--merge-lora")
     assert not (merged / "adapter_config.json").exists()
     _same_logits(_logits(AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager"), ids), want)
+
+
+def _streamed_full_export_equals_the_consolidated_model(run: Path, out: Path, consolidated: torch.nn.Module) -> None:
+    """The full export streams the sharded state (DCP key subsets / zero_to_fp32 per parameter) into
+    weight files: here in-process, with consolidation forbidden and files of ~40 kB, so that it
+    writes several; every weight equals the consolidated model's to the bit, and it loads."""
+    from unittest import mock
+
+    from safetensors.torch import load_file
+
+    import llmft.consolidate
+    import llmft.export
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a full fine-tune export must not consolidate the whole model")
+
+    with (
+        mock.patch.object(llmft.consolidate, "load_checkpoint_model", forbidden),
+        mock.patch.object(llmft.export, "EXPORT_SHARD_BYTES", 40_000),
+    ):
+        llmft.export.export(run, out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3, files
+    written = {k: v for f in files for k, v in load_file(out / f).items()}
+    want = {k: v for k, v in consolidated.state_dict().items() if k != "lm_head.weight" or k in written}
+    assert written.keys() == want.keys()
+    for name, tensor in written.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, want[name]), name
+    AutoModelForCausalLM.from_pretrained(out)
