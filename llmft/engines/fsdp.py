@@ -86,7 +86,9 @@ class FSDPEngine(LocalEngine):
             param_dtype=None if self.dtype == torch.float32 else DTYPES[precision["param_dtype"]],
             reduce_dtype=DTYPES[precision["reduce_dtype"]],
         )
-        offload = CPUOffloadPolicy() if sharding["cpu_offload"] else OffloadPolicy()
+        # Pinned host memory speeds up the copies to an accelerator; without one there is none to pin.
+        pin = self.device.type != "cpu"
+        offload = CPUOffloadPolicy(pin_memory=pin) if sharding["cpu_offload"] else OffloadPolicy()
         kwargs = dict(mesh=self.mesh, mp_policy=mp, offload_policy=offload)
         layer_classes = decoder_layer_classes(model)
         for module in model.modules():

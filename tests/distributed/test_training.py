@@ -247,6 +247,42 @@ def test_qlora_zero3_matches_qlora_fsdp(adapter_run):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= NORM_RTOL * b["grad_norm"], a["step"]
 
 
+# --- slow: CPU offload against the same engine without it -------------------------------------
+
+OFFLOAD = {  # engine settings, what is offloaded
+    "fsdp": (["distributed.engine=fsdp"], ["distributed.offload_params=cpu"]),
+    "zero2": (
+        ["distributed.engine=deepspeed", "distributed.zero_stage=2"],
+        ["distributed.offload_optimizer=cpu"],
+    ),
+    "zero3": (
+        ["distributed.engine=deepspeed", "distributed.zero_stage=3"],
+        ["distributed.offload_optimizer=cpu", "distributed.offload_params=cpu"],
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", list(OFFLOAD))
+def test_cpu_offload_trains_like_the_same_engine_without_it(tmp_path, engine):
+    """FSDP2 CPUOffloadPolicy; DeepSpeed optimizer offload (with the run's own torch AdamW:
+    zero_force_ds_cpu_optimizer is off, so no DeepSpeedCPUAdam op has to be built) and ZeRO-3
+    parameter offload: 4 AdamW steps with clipping give the same losses and gradient norms."""
+    settings, offload = OFFLOAD[engine]
+    recipe = write_recipe(tmp_path)
+    common = ["train", str(recipe), *ADAMW_20, "train.max_steps=4", "batch.micro_batch_size=2", *settings]
+    plain = torchrun([*common, f"run.output_dir={tmp_path / 'plain'}"], timeout=LAUNCH_TIMEOUT)
+    _check_launch(plain)
+    offloaded = torchrun([*common, *offload, f"run.output_dir={tmp_path / 'offloaded'}"], timeout=LAUNCH_TIMEOUT)
+    _check_launch(offloaded)
+    ref, rows = metrics(tmp_path / "plain"), metrics(tmp_path / "offloaded")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["tokens"] for r in rows] == [r["tokens"] for r in ref]
+    assert _max_abs_diff(_losses(rows), _losses(ref)) < SHORT_TOL
+    for r, want in zip(rows, ref, strict=True):
+        assert abs(r["grad_norm"] - want["grad_norm"]) <= NORM_RTOL * want["grad_norm"], r["step"]
+
+
 # --- slow: two "nodes" on one machine ----------------------------------------------------------
 
 
