@@ -113,7 +113,6 @@ class SafetensorsWeights:
         self.directory = directory
         self.files = files  # checkpoint key -> file name
         self.keys = keys  # base-model key -> checkpoint key
-        self._open: dict[str, Any] = {}
 
     @classmethod
     def of(cls, recipe: Recipe, slots: ParamSlots) -> SafetensorsWeights:
@@ -150,22 +149,23 @@ class SafetensorsWeights:
 
         ckpt_key = self.keys[key]
         file = self.files[ckpt_key]
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.directory / file), framework="pt", device="cpu")
-        stored = self._open[file].get_slice(ckpt_key)
-        if tuple(stored.get_shape()) != tuple(shape):
-            raise UserError(
-                Problem(
-                    "model.name_or_path",
-                    f"{ckpt_key} in {self.directory / file} has shape {tuple(stored.get_shape())}, "
-                    f"the model built from its config.json expects {tuple(shape)}",
-                    "Check that config.json and the weight files belong to the same model.",
+        # Opened for each read and closed: the file's pages this rank touched leave its address space
+        # (its resident set) with the mapping, instead of piling up to the whole file.
+        with safe_open(str(self.directory / file), framework="pt", device="cpu") as f:
+            stored = f.get_slice(ckpt_key)
+            if tuple(stored.get_shape()) != tuple(shape):
+                raise UserError(
+                    Problem(
+                        "model.name_or_path",
+                        f"{ckpt_key} in {self.directory / file} has shape {tuple(stored.get_shape())}, "
+                        f"the model built from its config.json expects {tuple(shape)}",
+                        "Check that config.json and the weight files belong to the same model.",
+                    )
                 )
-            )
-        return stored[index] if index else self._open[file].get_tensor(ckpt_key)
+            return (stored[index] if index else f.get_tensor(ckpt_key)).clone()
 
     def close(self) -> None:
-        self._open.clear()
+        """Nothing stays open between reads (see ``read``)."""
 
 
 def _weights_dir(recipe: Recipe) -> Path:
