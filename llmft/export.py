@@ -207,6 +207,14 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool, trust_remot
     dtype = DTYPES[recipe.model.dtype]
     _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if recipe.peft.method == "none" and _sharded_state(step_dir) is not None:
+        if merge_lora:
+            log.warning("%s holds a full fine-tune, not an adapter: nothing to merge, exporting the model", step_dir)
+        with _staged(out) as tmp:
+            write_full_streamed(step_dir, recipe, dtype, tmp)
+            _copy_tokenizer(step_dir, tmp)
+            export_model_card(step_dir, tmp)
+        return out
     # beside the output, not in /tmp: a consolidated model can be as large as the export
     with tempfile.TemporaryDirectory(prefix=".llmft-consolidated-", dir=out.parent) as scratch:
         model_dir = _checkpoint_model_dir(step_dir, Path(scratch), trust_remote_code)
@@ -261,6 +269,77 @@ def _checkpoint_model_dir(step_dir: Path, scratch: Path, trust_remote_code: bool
             "Pass a checkpoints/step-N directory written by llmft train, checkpoints/latest, or a run directory.",
         )
     )
+
+
+# Weight files of a streamed export hold up to this many bytes (save_pretrained's 5 GB default).
+EXPORT_SHARD_BYTES = 5 * 2**30
+
+
+def _sharded_state(step_dir: Path) -> str | None:
+    """The engine ('fsdp', 'deepspeed') of a checkpoint whose model exists only as sharded state."""
+    if (step_dir / MODEL_DIR / "config.json").is_file() or not (step_dir / STATE_FILE).is_file():
+        return None
+    if not any((step_dir / d).is_dir() for d in (DCP_DIR, DS_DIR)):
+        return None
+    from llmft.consolidate import checkpoint_engine
+
+    engine = checkpoint_engine(step_dir)
+    return engine if engine in ("fsdp", "deepspeed") else None
+
+
+def write_full_streamed(step_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path) -> None:
+    """A full fine-tune from FSDP2 / DeepSpeed state written as a HF model dir in ``dtype`` without
+    consolidating the model: the model is built on the meta device (names and shapes only), its
+    weights are grouped into files of up to ``EXPORT_SHARD_BYTES`` in ``dtype``, and each group is
+    read from the checkpoint (DCP loads only the keys asked for; ``zero_to_fp32``'s lazy mode
+    gathers one parameter at a time), cast, written and freed. Memory: one file's weights in fp32
+    plus its cast, not the model in fp32. Tied weights are written once, as save_pretrained does."""
+    from safetensors.torch import save_file
+
+    from llmft.consolidate import checkpoint_engine, offline_recipe
+    from llmft.model import build_model
+
+    engine = checkpoint_engine(step_dir)
+    if engine == "fsdp":
+        from llmft.engines.fsdp import dcp_reader
+
+        read = dcp_reader(step_dir)
+    else:
+        from llmft.engines.deepspeed import deepspeed_reader
+
+        read = deepspeed_reader(step_dir)
+    model = build_model(offline_recipe(recipe), None, init_context=lambda: torch.device("meta"))
+    entries, seen = [], set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:  # a tied weight once, under its first name
+            seen.add(id(t))
+            entries.append((name, t.shape, t.dtype))
+    groups: list[list[tuple[str, torch.Size, torch.dtype]]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = entry[1].numel() * (dtype.itemsize if entry[2].is_floating_point else entry[2].itemsize)
+        if groups[-1] and size + nbytes > EXPORT_SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups, 1):
+        file = "model.safetensors" if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        wanted = {n: torch.empty(shape, dtype=torch.float32 if d.is_floating_point else d) for n, shape, d in group}
+        tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous() for n, t in read(wanted).items()}
+        del wanted
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        for n, t in tensors.items():
+            weight_map[n] = file
+            total += t.numel() * t.element_size()
+        del tensors
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    plain_config(model.config, dtype).save_pretrained(out)
+    if model.can_generate():
+        model.generation_config.save_pretrained(out)
 
 
 def _check_out(out: Path) -> None:

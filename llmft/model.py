@@ -56,8 +56,10 @@ def build_model(
     into its shards. Without it (and for a quantized model, which must be built from real
     weights) the model ends up on ``device``.
     ``quant_storage``: the storage dtype of packed 4-bit weights the run plan decided (FSDP2 needs
-    the compute dtype, so that every parameter it shards has one dtype); None: the recipe's, or uint8.
-    ``upcast_unquantized``: QLoRA's fp32 norms/embeddings/head (PEFT's k-bit preparation); off for FSDP2.
+    the compute dtype, so that every parameter it shards has one dtype, and so does ZeRO-3); None: the
+    recipe's, or uint8.
+    ``upcast_unquantized``: QLoRA's fp32 norms/embeddings/head (PEFT's k-bit preparation); off for FSDP2
+    and ZeRO-3, which shard parameters of one dtype.
     """
     m = recipe.model
     dtype = DTYPES[m.dtype]
@@ -65,9 +67,12 @@ def build_model(
     config = model_config(m)
     check_vocab(config, tokenizer, m)
 
-    # bitsandbytes packs real weights as they load, so a quantized base is built whole (a
-    # quarter of its 16-bit size) and sharded by the engine afterwards, never on the meta device.
-    context = init_context if quant is None else None
+    # bitsandbytes packs real weights as they load, so a quantized base is built whole and sharded
+    # by the engine afterwards; except a pretrained 4-bit base under a meta-device init (FSDP2):
+    # its packed layout is built empty (quantized_skeleton) and the engine quantizes each weight
+    # into its shards (engines/meta_init.py).
+    packs_later = quant is not None and quant.load_in_4bit and m.config is None and init_context is not None
+    context = init_context if quant is None or packs_later else None
     # Under a sharded init the parameters stay where it puts them. transformers enters
     # zero.Init by itself while a ZeRO-3 HfDeepSpeedConfig is alive, and refuses a device_map then.
     placed = context is None and not _deepspeed_zero3()
@@ -77,6 +82,8 @@ def build_model(
             model = _from_config(m, config, recipe.run.seed, dtype, quant, device)
         elif context is not None:
             model = _architecture(m, config, dtype)
+            if packs_later:
+                quantized_skeleton(model, quant, dtype)
         else:
             model = _from_pretrained(m, config, dtype, quant, device_map=device_map)
     if placed and quant is None:
@@ -458,6 +465,40 @@ def _prepare_kbit(model: PreTrainedModel, gradient_checkpointing: bool, *, upcas
     model.requires_grad_(False)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GRADIENT_CHECKPOINTING_KWARGS)
+
+
+def quantized_skeleton(model: PreTrainedModel, quant: BitsAndBytesConfig, dtype: torch.dtype) -> None:
+    """A 4-bit model's modules without weights, as ``from_pretrained`` lays them out before loading.
+
+    transformers' own quantizer swaps the linear layers for bitsandbytes' ``Linear4bit`` and marks
+    the model quantized (what PEFT checks); each weight is then replaced by an empty (meta) packed
+    tensor of the shape and storage dtype ``quantize_4bit`` gives it, so that a sharding engine splits
+    the packed bytes exactly as it splits those of a model built whole. The engine fills them
+    (``llmft.engines.meta_init``); the quantization statistics live on each module (``quant_state``),
+    where bitsandbytes looks for them once FSDP has swapped the parameter.
+    """
+    import bitsandbytes as bnb
+    from transformers.quantizers import AutoHfQuantizer
+
+    quantizer = AutoHfQuantizer.from_config(quant, pre_quantized=False)
+    quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None, use_kernels=False)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            w = module.weight
+            values_per_element = 2 * torch.empty(0, dtype=w.quant_storage).element_size()
+            packed = torch.empty(((w.numel() + 1) // values_per_element, 1), dtype=w.quant_storage, device="meta")
+            module.weight = bnb.nn.Params4bit(
+                packed,
+                requires_grad=False,
+                blocksize=w.blocksize,
+                compress_statistics=w.compress_statistics,
+                quant_type=w.quant_type,
+                quant_storage=w.quant_storage,
+                module=module,
+                bnb_quantized=True,
+            )
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
 
 
 def keep_4bit_layout(model: torch.nn.Module) -> None:

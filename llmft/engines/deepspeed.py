@@ -270,3 +270,29 @@ def read_deepspeed(model: torch.nn.Module, step_dir: Path) -> None:
         assert not unloaded, f"{step_dir} lacks adapter weights {unloaded[:5]}"
     else:
         check_loaded_keys(model, missing, unexpected)
+
+
+def deepspeed_reader(step_dir: Path):
+    """A function ``{name: empty tensor} -> the same dict filled`` from a DeepSpeed checkpoint's
+    model part, one process: ZeRO 1-3 through ``zero_to_fp32``'s lazy mode (partition files memory
+    mapped, each parameter gathered only when asked for), ZeRO-0's module state memory mapped
+    (``weights_only``). Export streams a full fine-tune this way, never the whole model in fp32."""
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if deepspeed_dp_size(step_dir) is None:
+        model_states = Path(step_dir) / DS_DIR / TAG / "mp_rank_00_model_states.pt"
+        state = torch.load(model_states, map_location="cpu", weights_only=True, mmap=True)["module"]
+    else:
+        # DeepSpeed unpickles its own files here (see the module docstring); its progress prints are muted.
+        with contextlib.redirect_stdout(io.StringIO()):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(Path(step_dir) / DS_DIR), tag=TAG, lazy_mode=True)
+
+    def read(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            for name, t in tensors.items():
+                t.copy_(state[name].contiguous())
+        return tensors
+
+    return read

@@ -9,10 +9,10 @@ precision, offload, resharding), the same one ``llmft compile`` writes to ``fsdp
 Big models stay sharded (docs/design.md): a pretrained model, or a fresh one too big to build
 whole, is built on the meta device and each rank materialises only its shards
 (``llmft.engines.meta_init``). Small fresh models are built whole on every rank with the seeded
-init, as on every engine, so their weights equal the single-process run's. Quantized (QLoRA)
-models are always built whole: bitsandbytes quantizes while transformers loads real weights, so
-they cannot start on the meta device; at 4 bits the base is a quarter of its 16-bit size, and each
-rank frees all but its shards once ``fully_shard`` has run.
+init, as on every engine, so their weights equal the single-process run's. A pretrained 4-bit
+(QLoRA) base is built on the meta device too, in its packed layout, and each rank quantizes the
+weights one at a time and keeps its part of the packed bytes (``meta_init``); a fresh quantized
+``model.config`` model is built whole and frees all but its shards once ``fully_shard`` has run.
 """
 
 from __future__ import annotations
@@ -65,7 +65,13 @@ class FSDPEngine(LocalEngine):
         )
         if plan.meta_init:
             kernels.check_available(plan.recipe.model)  # before any weight is loaded
-            model = build_model(plan.recipe, tokenizer, init_context=lambda: torch.device("meta"))
+            model = build_model(
+                plan.recipe,
+                tokenizer,
+                init_context=lambda: torch.device("meta"),
+                quant_storage=plan.quant_storage,
+                upcast_unquantized=plan.upcast_unquantized,
+            )
             slots = ParamSlots(model)  # before the upcast: records the dtype each weight is loaded in
             # Before anything is allocated: a missing file or weight fails here, not after the load.
             weights = None if plan.recipe.model.config is not None else SafetensorsWeights.of(plan.recipe, slots)
@@ -80,7 +86,9 @@ class FSDPEngine(LocalEngine):
             param_dtype=None if self.dtype == torch.float32 else DTYPES[precision["param_dtype"]],
             reduce_dtype=DTYPES[precision["reduce_dtype"]],
         )
-        offload = CPUOffloadPolicy() if sharding["cpu_offload"] else OffloadPolicy()
+        # Pinned host memory speeds up the copies to an accelerator; without one there is none to pin.
+        pin = self.device.type != "cpu"
+        offload = CPUOffloadPolicy(pin_memory=pin) if sharding["cpu_offload"] else OffloadPolicy()
         kwargs = dict(mesh=self.mesh, mp_policy=mp, offload_policy=offload)
         layer_classes = decoder_layer_classes(model)
         for module in model.modules():
@@ -138,3 +146,16 @@ def read_dcp(model: torch.nn.Module, step_dir: Path) -> None:
     safe_dcp.load(holder, Path(step_dir) / DCP_DIR, no_dist=True)  # SPEC 8: llmft.engines.safe_dcp
     missing, unexpected = model.load_state_dict(holder["model"], strict=False)
     assert not unexpected, unexpected[:5]
+
+
+def dcp_reader(step_dir: Path):
+    """A function ``{name: empty tensor} -> the same dict filled`` from an FSDP2 checkpoint's model
+    part, without a process group: DCP reads only the keys asked for (export streams a full
+    fine-tune this way, a group of weights at a time, never the whole model)."""
+
+    def read(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        holder = {"model": tensors}
+        dcp.load(holder, checkpoint_id=str(Path(step_dir) / DCP_DIR), no_dist=True)
+        return holder["model"]
+
+    return read

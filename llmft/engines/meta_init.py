@@ -11,6 +11,10 @@ included, sharded by ``fully_shard`` while still empty, and only then materialis
   trainable ones are upcast, exactly like ``from_pretrained`` + ``upcast_trainable``;
 - buffers the checkpoint does not hold (rotary ``inv_freq``) are recomputed by the model's own
   ``_init_weights``, which is what ``from_pretrained`` does for them too;
+- a pretrained 4-bit (QLoRA) base is built in its packed layout (``llmft.model.quantized_skeleton``);
+  each 4-bit weight is read whole, one at a time, quantized on the engine's device as bitsandbytes
+  quantizes it on load, and only this rank's part of the packed bytes is kept (the statistics,
+  about 1/64 of the matrix, stay whole on the module);
 - LoRA weights get llmft's seeded init (``llmft.model.initial_adapter_weights``) and DoRA
   magnitudes the row norms of the loaded weights, as PEFT computes them.
 
@@ -65,6 +69,14 @@ class ParamSlots:
                 self.dtype.setdefault(name, p.dtype)
                 self.owners.setdefault(name, []).append((module, attr))
         self.keys = {name: base_key(name) for name in self.owners}  # None: an adapter weight
+        # 4-bit weights laid out packed (llmft.model.quantized_skeleton), quantized at load time: their
+        # module and how bitsandbytes packs them (fully_shard swaps the Params4bit for a DTensor)
+        self.packed: dict[str, tuple[torch.nn.Module, dict[str, Any]]] = {}
+        for name, owners in self.owners.items():
+            p = owners[0][0]._parameters[owners[0][1]]
+            if type(p).__name__ == "Params4bit":
+                how = ("blocksize", "compress_statistics", "quant_type", "quant_storage")
+                self.packed[name] = (owners[0][0], {k: getattr(p, k) for k in how})
 
     def param(self, name: str) -> torch.nn.Parameter:
         module, attr = self.owners[name][0]
@@ -101,7 +113,6 @@ class SafetensorsWeights:
         self.directory = directory
         self.files = files  # checkpoint key -> file name
         self.keys = keys  # base-model key -> checkpoint key
-        self._open: dict[str, Any] = {}
 
     @classmethod
     def of(cls, recipe: Recipe, slots: ParamSlots) -> SafetensorsWeights:
@@ -138,22 +149,23 @@ class SafetensorsWeights:
 
         ckpt_key = self.keys[key]
         file = self.files[ckpt_key]
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.directory / file), framework="pt", device="cpu")
-        stored = self._open[file].get_slice(ckpt_key)
-        if tuple(stored.get_shape()) != tuple(shape):
-            raise UserError(
-                Problem(
-                    "model.name_or_path",
-                    f"{ckpt_key} in {self.directory / file} has shape {tuple(stored.get_shape())}, "
-                    f"the model built from its config.json expects {tuple(shape)}",
-                    "Check that config.json and the weight files belong to the same model.",
+        # Opened for each read and closed: the file's pages this rank touched leave its address space
+        # (its resident set) with the mapping, instead of piling up to the whole file.
+        with safe_open(str(self.directory / file), framework="pt", device="cpu") as f:
+            stored = f.get_slice(ckpt_key)
+            if tuple(stored.get_shape()) != tuple(shape):
+                raise UserError(
+                    Problem(
+                        "model.name_or_path",
+                        f"{ckpt_key} in {self.directory / file} has shape {tuple(stored.get_shape())}, "
+                        f"the model built from its config.json expects {tuple(shape)}",
+                        "Check that config.json and the weight files belong to the same model.",
+                    )
                 )
-            )
-        return stored[index] if index else self._open[file].get_tensor(ckpt_key)
+            return (stored[index] if index else f.get_tensor(ckpt_key)).clone()
 
     def close(self) -> None:
-        self._open.clear()
+        """Nothing stays open between reads (see ``read``)."""
 
 
 def _weights_dir(recipe: Recipe) -> Path:
@@ -226,8 +238,11 @@ def materialize(
         if weights is not None:
             for key, names in slots.by_key().items():
                 for name in names:
-                    local, index = local_shard(slots.param(name))
-                    local.copy_(weights.read(key, index, slots.param(name).shape).to(slots.dtype[name]))
+                    if name in slots.packed:
+                        _quantize_into_shard(slots, name, weights, key, device)
+                    else:
+                        local, index = local_shard(slots.param(name))
+                        local.copy_(weights.read(key, index, slots.param(name).shape).to(slots.dtype[name]))
                     written.add(name)
             weights.close()
         else:
@@ -237,6 +252,25 @@ def materialize(
     left = sorted(set(slots.owners) - written)  # to_empty left them holding whatever memory held
     if left:
         raise _not_meta_buildable(slots, ", ".join(left[:3]) + (", ..." if len(left) > 3 else ""))
+
+
+def _quantize_into_shard(
+    slots: ParamSlots, name: str, weights: SafetensorsWeights, key: str, device: torch.device
+) -> None:
+    """A 4-bit weight: read whole, quantized on ``device`` exactly as bitsandbytes' ``Params4bit``
+    quantizes it while ``from_pretrained`` loads (in the compute dtype, NF4 blocks and, with double
+    quantization, statistics over the whole matrix), this rank's part of the packed bytes kept. The
+    statistics (small: about 1/64 of the weight) go to the module, where bitsandbytes finds them
+    under FSDP. One weight at a time: a rank holds its shards plus one full matrix."""
+    import bitsandbytes.functional as bnb_f
+
+    module, how = slots.packed[name]
+    full = weights.read(key, (), torch.Size((module.out_features, module.in_features)))
+    packed, state = bnb_f.quantize_4bit(full.to(device=device, dtype=module.compute_dtype).contiguous(), **how)
+    del full
+    local, index = local_shard(slots.param(name))
+    local.copy_(packed[index])
+    module.quant_state = state
 
 
 @contextlib.contextmanager

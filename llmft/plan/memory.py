@@ -9,7 +9,7 @@ estimate mirrors how llmft's engines hold a model (see ``engines/``):
 - DeepSpeed: weights and gradients in ``model.dtype``, fp32 master weights beside the
   optimizer state (the ZeRO paper's 2 + 2 + 12 bytes per parameter for bf16 + Adam).
 - QLoRA on one rank or DDP: PEFT's ``prepare_model_for_kbit_training`` upcasts the
-  unquantized weights (embedding, head, norms) to fp32; under FSDP they stay in
+  unquantized weights (embedding, head, norms) to fp32; under FSDP and ZeRO-3 they stay in
   ``model.dtype`` so that all sharded parameters share one dtype.
 
 Every number is bytes on one GPU. Each component is exposed on its own so that
@@ -325,8 +325,10 @@ def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, fl
     """
     m, peft = recipe.model, recipe.peft.method != "none"
     if m.quantization is not None:
-        # prepare_model_for_kbit_training upcasts the unquantized weights, except for FSDP.
-        other_bytes = a if engine == "fsdp" else 4
+        # prepare_model_for_kbit_training upcasts the unquantized weights, except where the
+        # parameters are sharded (RunPlan.upcast_unquantized).
+        shards = engine == "fsdp" or (engine == "deepspeed" and recipe.distributed.zero_stage == 3)
+        other_bytes = a if shards else 4
         weights = params.linear * quantized_bytes_per_param(m.quantization.bits, m.quantization.double_quant)
         weights += params.other * other_bytes
     elif peft:
@@ -437,9 +439,11 @@ def host_memory_per_node(plan: RunPlan) -> int:
     """Host RAM one node needs, in bytes: state offloaded by the engine (parameters and
     optimizer, per rank) plus the peak of loading the model, for the ranks of one node.
 
-    Loading as llmft does it today: FSDP2 on the meta device and ZeRO-3 under ``zero.Init``
-    hold about one shard per rank; a quantized (QLoRA) base is built whole on every rank
-    before sharding (bitsandbytes quantizes on load), and so are single / DDP / ZeRO 0-2."""
+    Loading as llmft does it: FSDP2 on the meta device and ZeRO-3 under ``zero.Init`` hold
+    about one shard per rank; a pretrained 4-bit (QLoRA) base on FSDP2 too, plus the one full
+    matrix each rank reads and quantizes at a time (``engines/meta_init.py``). Other quantized
+    bases are built whole on every rank before sharding (bitsandbytes quantizes on load: ZeRO-3,
+    fresh ``model.config`` bases), and so are single / DDP / ZeRO 0-2."""
     recipe, engine, dp = plan.recipe, plan.engine, plan.dp_size
     shape = _require_shape(recipe)
     params = count_params(recipe, shape)
@@ -451,8 +455,10 @@ def host_memory_per_node(plan: RunPlan) -> int:
         offloaded += (states["weights"] + states["adapters"]) / layout.weights + states["gradients"] / layout.gradients
     if not layout.optimizer_on_gpu:
         offloaded += (states["optimizer"] + states["master_weights"]) / layout.optimizer
-    sharded_load = recipe.model.quantization is None and (plan.meta_init or plan.zero_init)
+    sharded_load = plan.meta_init or (plan.zero_init and recipe.model.quantization is None)
     loading = states["weights"] / layout.weights if sharded_load else states["weights"]
+    if sharded_load and recipe.model.quantization is not None:
+        loading += params.largest_linear * a  # the matrix being quantized
     return int(plan.world.nproc_per_node * (offloaded + loading))
 
 

@@ -68,8 +68,8 @@ class RunPlan:
     world: World
     engine: str  # single, ddp, fsdp, deepspeed
     batch: BatchPlan
-    # Packed 4-bit weights: stored as this dtype. Sharding engines flatten parameters of one
-    # dtype, so under FSDP2 they are viewed as the compute dtype; elsewhere uint8.
+    # Packed 4-bit weights: stored as this dtype. Engines that shard parameters (FSDP2, ZeRO-3)
+    # partition tensors of one dtype, so there they are viewed as the compute dtype; elsewhere uint8.
     quant_storage: str | None
     # A fresh model small enough to be built whole on every rank with the seeded init (then
     # sharded): its weights equal the single-process run's on every engine and world size.
@@ -95,8 +95,12 @@ class RunPlan:
 
     @property
     def meta_init(self) -> bool:
-        """FSDP2 builds the model on the meta device and loads each rank's shards."""
-        return self.engine == "fsdp" and self.recipe.model.quantization is None and not self.builds_whole
+        """FSDP2 builds the model on the meta device and loads each rank's shards; a pretrained 4-bit
+        base too (each rank quantizes the weights one at a time and keeps its part of the packed bytes)."""
+        if self.engine != "fsdp" or self.builds_whole:
+            return False
+        q = self.recipe.model.quantization
+        return q is None or (q.bits == 4 and self.recipe.model.config is None)
 
     @property
     def zero_init(self) -> bool:
@@ -104,10 +108,16 @@ class RunPlan:
         return self.engine == "deepspeed" and self.zero_stage == 3 and not self.builds_whole
 
     @property
+    def shards_params(self) -> bool:
+        """The engine partitions the parameters themselves (FSDP2, ZeRO-3), not only their state."""
+        return shards_params(self.engine, self.zero_stage)
+
+    @property
     def upcast_unquantized(self) -> bool:
         """QLoRA: PEFT's k-bit preparation upcasts norms, embeddings and head to fp32, except
-        under FSDP2, which shards parameters of one dtype."""
-        return self.engine != "fsdp"
+        where the engine shards parameters (FSDP2, ZeRO-3): they stay in the compute dtype, the
+        dtype the packed 4-bit weights are stored in, so every sharded tensor has one dtype."""
+        return not self.shards_params
 
     @property
     def chunked_loss(self) -> bool:
@@ -215,14 +225,21 @@ def builds_whole(recipe: Recipe) -> bool:
     return recipe.model.config is not None and shape is not None and shape.num_params <= WHOLE_INIT_MAX_PARAMS
 
 
+def shards_params(engine: str, zero_stage: int) -> bool:
+    """FSDP2 and ZeRO-3 partition the parameters themselves across ranks."""
+    return engine == "fsdp" or (engine == "deepspeed" and zero_stage == 3)
+
+
 def quant_storage_for(recipe: Recipe, engine: str) -> str | None:
-    """How packed 4-bit weights are stored on ``engine`` (None: not 4-bit)."""
+    """How packed 4-bit weights are stored on ``engine`` (None: not 4-bit). Where parameters are
+    sharded (FSDP2, ZeRO-3) the packed bytes are viewed as the compute dtype, as HF/PEFT, Axolotl
+    and LLaMA-Factory do with ``bnb_4bit_quant_storage``; elsewhere plain uint8."""
     q = recipe.model.quantization
     if q is None or q.bits != 4:
         return None
     if q.quant_storage is not None:
         return q.quant_storage
-    return recipe.model.dtype if engine == "fsdp" else "uint8"
+    return recipe.model.dtype if shards_params(engine, recipe.distributed.zero_stage) else "uint8"
 
 
 # --- the batch ----------------------------------------------------------------------------------
@@ -408,20 +425,13 @@ def _quantization_problems(r: Recipe, engine: str, dp_size: int, where: Callable
                 "Use bits: 4 (its storage dtype can be sharded) or distributed.engine=ddp.",
             )
         )
-    if m.quantization is not None and engine == "deepspeed" and d.zero_stage == 3:
-        p.append(
-            Problem(
-                where("model.quantization"),
-                "QLoRA under DeepSpeed ZeRO-3 is not supported by llmft",
-                "Use distributed.engine=fsdp for sharded QLoRA, or zero_stage 0-2.",
-            )
-        )
     q = m.quantization
-    if q is not None and engine == "fsdp" and q.quant_storage not in (None, m.dtype):
+    if q is not None and shards_params(engine, d.zero_stage) and q.quant_storage not in (None, m.dtype):
+        name = "FSDP2" if engine == "fsdp" else "ZeRO-3"
         p.append(
             Problem(
                 where("model.quantization.quant_storage"),
-                f"{q.quant_storage} differs from model.dtype {m.dtype}: FSDP2 shards 4-bit weights only when they "
+                f"{q.quant_storage} differs from model.dtype {m.dtype}: {name} shards 4-bit weights only when they "
                 "are stored in the dtype of the other parameters",
                 f"Set model.quantization.quant_storage={m.dtype} or null (null picks it automatically).",
             )

@@ -62,7 +62,7 @@ class QuantizationConfig:
     double_quant: bool = doc(True, "Quantize the 4-bit quantization constants too (saves ~0.4 bit/param).")
     quant_storage: Optional[str] = doc(
         None,
-        "Storage dtype of packed 4-bit weights. FSDP needs it equal to model.dtype; null picks that "
+        "Storage dtype of packed 4-bit weights. FSDP and ZeRO-3 need it equal to model.dtype; null picks that "
         "automatically when sharding (and uint8 otherwise).",
         choices=(None, *DTYPES, "uint8"),
     )

@@ -31,6 +31,8 @@ VARIANTS = {
     # tied embeddings, an odd vocabulary (uneven shards), bf16 weights in several files + index
     "tied_sharded": ("tied", LORA),
     "fresh_big": ("fresh", LORA),  # a tiny model.config model, treated as if above the threshold
+    # QLoRA: the NF4 base quantized weight by weight into each rank's part of the packed bytes
+    "qlora": ("pretrained", [*LORA, "model.quantization={bits: 4}"]),
 }
 WATCH: dict[str, list] = {"fully_shard_devices": [], "from_pretrained": []}
 
@@ -80,7 +82,9 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     total = sum(p.numel() for p in engine.model.parameters())
     out["local_fraction"] = local / total
     torch.random.set_rng_state(rng_before)  # the reference starts from the same global RNG
-    reference = prepare_model(plan.on_one_process(), tokenizer, torch.device("cpu"))
+    quantized = recipe.model.quantization is not None
+    # A 4-bit reference is FSDP's whole build (the same packed storage dtype), before sharding.
+    reference = prepare_model(plan if quantized else plan.on_one_process(), tokenizer, torch.device("cpu"))
     # both builds move the global RNG (data order, dropout) alike
     out["same_rng_after"] = bool(torch.equal(rng_after, torch.random.get_rng_state()))
     ref_params = dict(reference.named_parameters())
@@ -88,6 +92,10 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     for name, p in engine.model.named_parameters():
         full = p.full_tensor()
         assert full.dtype == ref_params[name].dtype, (name, full.dtype, ref_params[name].dtype)
+        if type(ref_params[name]).__name__ == "Params4bit":  # packed bytes: compared as bytes
+            same = torch.equal(full.view(torch.uint8), ref_params[name].data.view(torch.uint8))
+            diffs[name] = 0.0 if same else float("inf")
+            continue
         diffs[name] = (full.float() - ref_params[name].float()).abs().max().item()
         half = full.shape[0] // 2
         if full.dim() == 2 and full.std() > 0 and torch.equal(full[:half], full[half : 2 * half]):
@@ -96,6 +104,12 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     out["buffer_diff"] = max(
         [(b.float() - ref_buffers[n].float()).abs().max().item() for n, b in engine.model.named_buffers()] or [0.0]
     )
+    if quantized:  # the quantization statistics each 4-bit module keeps (whole on every rank)
+        states = {n: m.quant_state for n, m in engine.model.named_modules() if hasattr(m, "quant_state")}
+        ref_states = {n: m.quant_state for n, m in reference.named_modules() if hasattr(m, "quant_state")}
+        assert states.keys() == ref_states.keys() and states, (len(states), len(ref_states))
+        out["num_4bit"] = len(states)
+        out["quant_state_equal"] = all(_same_state(states[n], ref_states[n]) for n in states)
     out["param_diff"] = max(diffs.values())
     out["worst_param"] = max(diffs, key=diffs.get)
     out["adapter_diff"] = max([d for n, d in diffs.items() if "lora_" in n] or [0.0])
@@ -113,6 +127,14 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     out["logits_finite"] = bool(logits.isfinite().all())
     out["logits_diff"] = (logits - ref_logits).abs().max().item()
     return out
+
+
+def _same_state(a, b) -> bool:
+    """Two bitsandbytes QuantState: the same statistics, bit for bit."""
+    ta, tb = a.as_dict(packed=True), b.as_dict(packed=True)
+    if ta.keys() != tb.keys():
+        return False
+    return all(torch.equal(ta[k], tb[k]) if torch.is_tensor(ta[k]) else ta[k] == tb[k] for k in ta)
 
 
 def main() -> None:

@@ -50,6 +50,15 @@ ENGINES = {
         "peft__r": 4,
         "peft__alpha": 8,
     },
+    # QLoRA: the NF4 base stored in the compute dtype, partitioned by ZeRO-3 like any weight
+    "zero3-qlora": {
+        "distributed__engine": "deepspeed",
+        "distributed__zero_stage": 3,
+        "peft__method": "lora",
+        "peft__r": 4,
+        "peft__alpha": 8,
+        "model__quantization": {"bits": 4},
+    },
 }
 
 
@@ -249,7 +258,7 @@ def test_fsdp_two_ranks_stopped_resume_on_one_rank(references, fsdp_stopped):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3-lora"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3-lora", "zero3-qlora"])
 def test_zero_two_ranks_stopped_resume_on_one_rank_via_universal_checkpoint(references, tmp_path, name):
     reference = references(name)
     stopped = _stopped(tmp_path / "stopped", ENGINES[name])  # SIGTERM to torchrun, as SLURM does
@@ -295,7 +304,7 @@ def test_one_rank_stopped_resumes_on_two_ranks(references, tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero0", "zero2", "zero3"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero0", "zero2", "zero3", "zero3-qlora"])
 def test_two_ranks_stopped_resume_on_two_ranks(references, tmp_path, name):
     """The same world size: each engine's own checkpoint format, loaded as written (G4)."""
     reference = references(name)

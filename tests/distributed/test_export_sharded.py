@@ -30,6 +30,8 @@ ENGINES = {
     "fsdp": ["distributed.engine=fsdp", "batch.micro_batch_size=2"],
 }
 LORA = ["peft.method=lora", "peft.r=4", "peft.alpha=8"]
+QLORA = [*LORA, "model.quantization={bits: 4}"]
+KINDS = {"full": [], "lora": LORA, "qlora": QLORA}
 TEXT = ["<|user|>\nreverse abc<|end|><|assistant|>\ncba", "<|user|>\nreverse xyz<|end|><|assistant|>\nzyx"]
 
 
@@ -54,11 +56,14 @@ def _same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("engine", sorted(ENGINES))
-def test_export_round_trip(tmp_path, engine, lora):
+def test_export_round_trip(tmp_path, engine, kind):
+    """QLoRA: the adapter trained on the NF4 base; exported, it goes with the unquantized base
+    (merged into it, or beside it), which is what the consolidated checkpoint model is too."""
     recipe = write_recipe(tmp_path)
-    done = torchrun(["train", str(recipe), "train.max_steps=2", *ENGINES[engine], *(LORA if lora else [])])
+    lora = kind != "full"
+    done = torchrun(["train", str(recipe), "train.max_steps=2", *ENGINES[engine], *KINDS[kind]])
     assert done.returncode == 0, done.stderr[-4000:]
     run = tmp_path / "run"
     assert not (run / "checkpoints/base_model").exists()  # sharded: the base is rebuilt at export
@@ -71,6 +76,7 @@ def test_export_round_trip(tmp_path, engine, lora):
         model = AutoModelForCausalLM.from_pretrained(_export(run, tmp_path / "full"), attn_implementation="eager")
         assert model.dtype == torch.float32
         _same_logits(_logits(model, ids), want)
+        _streamed_full_export_equals_the_consolidated_model(run, tmp_path / "streamed", consolidated)
         return
 
     from peft import PeftModel
@@ -94,3 +100,33 @@ def test_export_round_trip(tmp_path, engine, lora):
     merged = _export(run, tmp_path / "merged", "--merge-lora")
     assert not (merged / "adapter_config.json").exists()
     _same_logits(_logits(AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager"), ids), want)
+
+
+def _streamed_full_export_equals_the_consolidated_model(run: Path, out: Path, consolidated: torch.nn.Module) -> None:
+    """The full export streams the sharded state (DCP key subsets / zero_to_fp32 per parameter) into
+    weight files: here in-process, with consolidation forbidden and files of ~40 kB, so that it
+    writes several; every weight equals the consolidated model's to the bit, and it loads."""
+    from unittest import mock
+
+    from safetensors.torch import load_file
+
+    import llmft.consolidate
+    import llmft.export
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a full fine-tune export must not consolidate the whole model")
+
+    with (
+        mock.patch.object(llmft.consolidate, "load_checkpoint_model", forbidden),
+        mock.patch.object(llmft.export, "EXPORT_SHARD_BYTES", 40_000),
+    ):
+        llmft.export.export(run, out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3, files
+    written = {k: v for f in files for k, v in load_file(out / f).items()}
+    want = {k: v for k, v in consolidated.state_dict().items() if k != "lm_head.weight" or k in written}
+    assert written.keys() == want.keys()
+    for name, tensor in written.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, want[name]), name
+    AutoModelForCausalLM.from_pretrained(out)

@@ -6,7 +6,8 @@ One torchrun launch (tests/distributed/fsdp_meta_probe.py) checks, on 2 ranks: e
 still on the meta device when ``fully_shard`` runs and ``from_pretrained`` is never called;
 each rank holds about half the parameters; every gathered parameter, every buffer and the logits
 equal the whole-model build (full fine-tune, LoRA, DoRA in bf16, LoRA + modules_to_save, tied
-embeddings with uneven shards from several weight files); a fresh model above the size threshold
+embeddings with uneven shards from several weight files, a 4-bit QLoRA base quantized weight by
+weight into each rank's packed shard); a fresh model above the size threshold
 gets a seeded init that differs between shards; and 2 training steps give the single-process losses.
 """
 
@@ -23,7 +24,7 @@ from helpers import ROOT, TINY_LLAMA, metrics, torchrun, torchrun_cmd, train_inp
 
 pytestmark = pytest.mark.distributed
 
-VARIANTS = ["full", "lora", "dora_bf16", "lora_save_head", "tied_sharded", "fresh_big"]
+VARIANTS = ["full", "lora", "dora_bf16", "lora_save_head", "tied_sharded", "fresh_big", "qlora"]
 
 
 def save_tiny_pretrained(out: Path, seed: int, dtype: torch.dtype = torch.float32, **config) -> Path:
@@ -93,6 +94,15 @@ def test_sharded_load_is_the_whole_model(probe, variant):
     assert r["same_rng_after"]  # data order and dropout see the same global RNG as a whole build
 
 
+def test_sharded_4bit_load_is_the_whole_4bit_build(probe):
+    """QLoRA: each rank quantizes the weights one at a time and keeps its part of the packed bytes;
+    the packed bytes (gathered) and every module's quantization statistics equal the whole build's
+    to the bit (checked in test_sharded_load_is_the_whole_model / here), and so do the logits."""
+    r = probe[1]["qlora"]
+    assert r["num_4bit"] == 14  # 7 linear layers in each of 2 decoder layers
+    assert r["quant_state_equal"]
+
+
 def test_fresh_big_model_gets_a_seeded_sharded_init(probe):
     r = probe[1]["fresh_big"]
     assert r["rebuild_diff"] == 0.0  # deterministic by run.seed
@@ -127,6 +137,24 @@ def test_two_fsdp_lora_steps_match_single_process(tmp_path):
     assert abs(got[0]["loss"] - ref[0]["loss"]) < 1e-5
     assert abs(got[0]["grad_norm"] - ref[0]["grad_norm"]) < 1e-4  # the adapters' gradients depend on A
     assert abs(got[1]["loss"] - ref[1]["loss"]) < 1e-4
+
+
+@pytest.mark.slow
+def test_three_fsdp_qlora_steps_on_a_sharded_4bit_load_match_single_process(tmp_path):
+    """A pretrained QLoRA base loaded shard by shard trains like the single process's whole build
+    (bitsandbytes finds each module's statistics once FSDP has gathered the packed bytes)."""
+    hf = save_tiny_pretrained(tmp_path / "hf", seed=5)
+    recipe = write_recipe(
+        tmp_path, model={**_model(hf), "quantization": {"bits": 4}}, peft={"method": "lora", "r": 4}, train__max_steps=3
+    )
+    done = torchrun(["train", str(recipe), "distributed.engine=fsdp", "batch.micro_batch_size=2"])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert train_inproc(recipe, "distributed.engine=single", f"run.output_dir={tmp_path / 'single'}") == 0
+    ref, got = metrics(tmp_path / "single"), metrics(tmp_path / "run")
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in ref]
+    for a, b in zip(got, ref, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, a["step"]
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4, a["step"]
 
 
 # --- in-process: names and user errors of the sharded load (no launch) --------------------------

@@ -521,6 +521,45 @@ def test_compile_time_refusals(changes, dp, message, base):
         variant(base, dp, **changes)
 
 
+@pytest.mark.parametrize(
+    "engine, stage, storage, upcast",
+    [
+        ("single", 0, "uint8", True),
+        ("ddp", 0, "uint8", True),
+        ("deepspeed", 2, "uint8", True),
+        ("fsdp", 0, "bf16", False),
+        ("deepspeed", 3, "bf16", False),  # ZeRO-3 partitions the packed weights like FSDP2
+    ],
+)
+def test_4bit_storage_follows_the_engine(base, engine, stage, storage, upcast):
+    """QLoRA: where parameters are sharded (FSDP2, ZeRO-3) the packed 4-bit bytes are stored as the
+    compute dtype and the unquantized weights stay in it; elsewhere uint8 and PEFT's fp32 upcast."""
+    plan = variant(
+        base,
+        1 if engine == "single" else 2,
+        distributed__engine=engine,
+        distributed__zero_stage=stage,
+        model__dtype="bf16",
+        model__quantization=QuantizationConfig(bits=4),
+        peft__method="lora",
+    )
+    assert (plan.quant_storage, plan.upcast_unquantized) == (storage, upcast)
+
+
+@pytest.mark.parametrize("engine, stage, name", [("fsdp", 0, "FSDP2"), ("deepspeed", 3, "ZeRO-3")])
+def test_4bit_storage_other_than_the_compute_dtype_is_refused_where_sharded(base, engine, stage, name):
+    with pytest.raises(RecipeError, match=f"uint8 differs from model.dtype bf16: {name} shards 4-bit weights"):
+        variant(
+            base,
+            2,
+            distributed__engine=engine,
+            distributed__zero_stage=stage,
+            model__dtype="bf16",
+            model__quantization=QuantizationConfig(bits=4, quant_storage="uint8"),
+            peft__method="lora",
+        )
+
+
 def test_overrides_may_follow_options(tmp_path):
     import subprocess
     import sys

@@ -272,14 +272,18 @@ def test_train_refuses_a_run_that_cannot_fit_before_loading(base, monkeypatch):
 
 
 def test_host_memory_per_node_counts_how_the_model_is_loaded(base):
-    """QLoRA under FSDP2 builds the 4-bit base whole on every rank today (8 copies on a node);
-    a LoRA base on the meta device needs about one copy per node, split over the ranks."""
+    """A pretrained QLoRA base under FSDP2 is quantized weight by weight into each rank's shard: one
+    4-bit copy per node, plus the matrix each rank is quantizing; under ZeRO-3 every rank builds it
+    whole (8 copies on a node); a LoRA base on the meta device needs about one copy per node."""
     from llmft.plan.memory import host_memory_per_node
 
     shape = model_shape(load(base).recipe.model)
     qlora = load(base, *QLORA, "distributed.engine=fsdp", nproc=8)
+    assert qlora.meta_init
     p = count_params(qlora.recipe, shape)
     one_q = p.linear * quantized_bytes_per_param(4, True) + p.other * 2  # bf16 unquantized under FSDP2
-    assert host_memory_per_node(qlora) == pytest.approx(8 * one_q, rel=1e-6)
+    assert host_memory_per_node(qlora) == pytest.approx(one_q + 8 * p.largest_linear * 2, rel=1e-6)
+    zero3 = load(base, *QLORA, "distributed.engine=deepspeed", "distributed.zero_stage=3", nproc=8)
+    assert host_memory_per_node(zero3) == pytest.approx(8 * one_q, rel=1e-6)
     lora = load(base, "peft.method=lora", "distributed.engine=fsdp", nproc=8)
     assert host_memory_per_node(lora) == pytest.approx(shape.num_params * 2, rel=1e-6)

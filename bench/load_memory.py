@@ -1,0 +1,176 @@
+"""Host RAM of loading and training a pretrained model on 2 ranks, and of a merged export (issue 13).
+
+A Llama of a few hundred million parameters is saved in fp32 in ~200 MB safetensors files
+(B = their bytes on disk). Each case is one ``llmft`` command (2 ranks under torchrun on gloo,
+1 training step, micro-batch 1, 64 tokens; or one ``llmft export --merge-lora`` process); each
+process reports its peak resident set (``VmHWM``: anonymous memory and touched file pages) when
+it ends. The same command on a tiny pretrained model (the same code path, a few MB of weights)
+gives the baseline: interpreter, torch, DeepSpeed, transformers and their buffers. Measured =
+peak minus that baseline, per rank (the larger of the two ranks). Beside it: the planner's host
+RAM per rank (``plan.memory.host_memory_per_node`` / ranks per node) and the ratio.
+``MALLOC_MMAP_THRESHOLD_=65536`` as in bench/memory.py: freed tensors leave the resident set.
+
+    python bench/load_memory.py                   # 218 M parameters, B ~ 870 MB
+    python bench/load_memory.py --layers 4        # smaller and faster
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import common
+
+MB = 10**6
+CASES = {  # name: (ranks, recipe overrides, goal as a fraction of B)
+    "FSDP2 + LoRA": (2, ["distributed.engine=fsdp"], 0.6),
+    "FSDP2 + QLoRA": (2, ["distributed.engine=fsdp", "model.quantization={bits: 4}"], 0.25),
+    "ZeRO-3 + LoRA": (2, ["distributed.engine=deepspeed", "distributed.zero_stage=3"], 0.6),
+    "ZeRO-3 + QLoRA": (
+        2,
+        ["distributed.engine=deepspeed", "distributed.zero_stage=3", "model.quantization={bits: 4}"],
+        0.25,
+    ),
+}
+
+
+def _vmhwm() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError("VmHWM")
+
+
+def worker(out: str, argv: list[str]) -> None:
+    """One llmft command in this process; its peak RSS to ``out/rank-N.json`` when it is done."""
+    from llmft.cli import main
+
+    code = main(argv)
+    rank = os.environ.get("RANK", "0")
+    Path(out, f"rank-{rank}.json").write_text(json.dumps({"code": code, "peak": _vmhwm()}))
+
+
+def _save_model(path: Path, config: dict, shard: str) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmft.tokenizer import byte_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    model.save_pretrained(path, max_shard_size=shard)
+    byte_tokenizer().save_pretrained(path)
+    del model
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def _recipe(work: Path, name: str, model_dir: Path, data: Path) -> Path:
+    recipe = common.base_recipe(work / name / "run", data, seq=64, micro=1, global_batch=2, steps=1)
+    recipe["model"] = {"name_or_path": str(model_dir), "dtype": "fp32", "attn_implementation": "sdpa"}
+    recipe["peft"] = {"method": "lora", "r": 8, "alpha": 16}
+    recipe["checkpoint"]["save_optimizer"] = False
+    return common.write_recipe(work / name / "recipe.yaml", recipe)
+
+
+def _run(out: Path, ranks: int, argv: list[str]) -> int:
+    """Peak RSS of the command's largest rank."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(common.ROOT)}
+    entry = [str(Path(__file__).resolve()), "--worker", str(out), "--"]
+    if ranks == 1:
+        cmd = [sys.executable, *entry, *argv]
+    else:
+        port = common_port()
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}"]
+        cmd += ["--master_addr=127.0.0.1", f"--master_port={port}", *entry, *argv]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=common.ROOT, timeout=3600)
+    reports = [json.loads(f.read_text()) for f in sorted(out.glob("rank-*.json"))]
+    if done.returncode != 0 or len(reports) != ranks or any(r["code"] for r in reports):
+        raise SystemExit(f"{' '.join(argv)} failed:\n{done.stderr[-4000:]}")
+    return max(r["peak"] for r in reports)
+
+
+def common_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _planned(recipe: Path, ranks: int, overrides: list[str]) -> int:
+    from llmft.plan.memory import host_memory_per_node
+    from llmft.plan.resolve import load_plan
+
+    plan = load_plan(recipe, overrides, nnodes=1, nproc_per_node=ranks)
+    return host_memory_per_node(plan) // ranks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=16)
+    # A small vocabulary keeps the embedding and head (which FSDP2's root gathers whole for the
+    # step) near the share they have in a 70B model (3 %), instead of 40 % of a 32k-vocab toy.
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--shard", default="200MB")
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    args, rest = parser.parse_known_args()
+    if args.worker:
+        worker(args.worker, rest[1:] if rest[:1] == ["--"] else rest)
+        return
+    work = common.scratch_dir("load-memory")
+    data = common.write_text_records(work / "train.jsonl", [200] * 16)
+    big = {
+        **common.BENCH_LLAMA,
+        "hidden_size": args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.hidden // 64,
+        "num_key_value_heads": args.hidden // 64,
+        "intermediate_size": args.hidden * 11 // 4,
+        "vocab_size": args.vocab,
+    }
+    tiny = {**common.BENCH_LLAMA, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}
+    b = _save_model(work / "big", big, args.shard)
+    _save_model(work / "tiny", tiny, args.shard)
+    print(common.machine())
+    print(f"model: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32; B = {b / MB:.0f} MB")
+    rows = []
+    for name in args.cases:
+        ranks, overrides, goal = CASES[name]
+        slug = name.replace(" ", "").replace("+", "-")
+        peaks = {}
+        for size in ("tiny", "big"):
+            recipe = _recipe(work, f"{slug}-{size}", work / size, data)
+            peaks[size] = _run(work / f"{slug}-{size}" / "rss", ranks, ["train", str(recipe), *overrides])
+        planned = _planned(_recipe(work, f"{slug}-big", work / "big", data), ranks, overrides)
+        extra = peaks["big"] - peaks["tiny"]
+        rows.append([name, ranks, extra / MB, extra / b, goal, planned / MB, extra / planned])
+        if name == "FSDP2 + LoRA":  # the merged export of this run, one process
+            exports = {}
+            for size in ("tiny", "big"):
+                run = work / f"{slug}-{size}" / "run"
+                out = work / f"{slug}-{size}" / "merged"
+                argv = ["export", str(run), "--merge-lora", "--out", str(out)]
+                exports[size] = _run(work / f"{slug}-{size}" / "rss-export", 1, argv)
+            extra = exports["big"] - exports["tiny"]
+            rows.append(["merged export of the FSDP2 LoRA run", 1, extra / MB, extra / b, 0.5, "-", "-"])
+    header = [
+        "case",
+        "ranks",
+        "peak - tiny MB (per rank)",
+        "x B",
+        "goal x B",
+        "planner MB per rank",
+        "measured / planner",
+    ]
+    print(common.table(header, rows))
+
+
+if __name__ == "__main__":
+    main()
