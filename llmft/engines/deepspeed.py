@@ -281,9 +281,10 @@ def deepspeed_reader(step_dir: Path):
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    check_deepspeed_files(step_dir)  # before zero_to_fp32 unpickles anything (docs/design.md G7)
     if deepspeed_dp_size(step_dir) is None:
         model_states = Path(step_dir) / DS_DIR / TAG / "mp_rank_00_model_states.pt"
-        state = torch.load(model_states, map_location="cpu", weights_only=True, mmap=True)["module"]
+        state = torch_load(model_states, map_location="cpu", mmap=True)["module"]
     else:
         # DeepSpeed unpickles its own files here (see the module docstring); its progress prints are muted.
         with contextlib.redirect_stdout(io.StringIO()):

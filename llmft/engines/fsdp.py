@@ -155,7 +155,7 @@ def dcp_reader(step_dir: Path):
 
     def read(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         holder = {"model": tensors}
-        dcp.load(holder, checkpoint_id=str(Path(step_dir) / DCP_DIR), no_dist=True)
+        safe_dcp.load(holder, Path(step_dir) / DCP_DIR, no_dist=True)  # restricted unpickling, as every DCP load
         return holder["model"]
 
     return read

@@ -114,3 +114,23 @@ def test_a_deepspeed_file_that_is_not_a_torch_zip_is_refused(tmp_path):
     (state / "fp32.pt").write_bytes(pickle.dumps(os.getcwd))
     with pytest.raises(UserError, match="not a torch checkpoint file that can be checked"):
         check_deepspeed_files(tmp_path / "step-1")
+
+
+def test_every_load_in_llmft_goes_through_the_safe_readers():
+    """docs/design.md G7: torch.load only in safe_load.py, DCP loads only in engines/safe_dcp.py,
+    DeepSpeed's readers only after check_deepspeed_files (a new reader that bypasses them fails here)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "llmft"
+    calls = {r"\btorch\.load\(": "safe_load.py", r"\bdcp\.load\(": "safe_dcp.py", r"\bpickle\.load": "safe_dcp.py"}
+    for path in root.rglob("*.py"):
+        code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())  # calls, not comments
+        code = re.sub(r'"""(.|\n)*?"""', "", code)  # nor docstrings
+        for call, home in calls.items():
+            if re.search(call, code):
+                assert path.name == home, f"{path.relative_to(root)} calls {call} outside {home}"
+    deepspeed = (root / "engines" / "deepspeed.py").read_text()
+    for reader in ("def read_deepspeed", "def deepspeed_reader", "def deepspeed_universal"):
+        body = deepspeed.split(reader, 1)[1].split("\ndef ", 1)[0]
+        assert "check_deepspeed_files(" in body, reader
