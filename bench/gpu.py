@@ -121,8 +121,10 @@ def main() -> int:
     switches = available_switches(cuda)
     variants = ["all on", *[f"{s} off" for s in switches]]
     data = out / "synthetic.jsonl"
-    tokens_needed = max(c.global_batch for c in cases) * seq * (steps + 1) * 1.3
-    write_synthetic(data, int(tokens_needed))
+    largest = max(c.global_batch for c in cases)
+    tokens_needed = largest * seq * (steps + 1) * 1.3
+    # records longer than a row are truncated to one row each: enough records for every step's batch
+    write_synthetic(data, int(tokens_needed), min_records=largest * (steps + 1))
 
     started = time.perf_counter()
     rows: list[list[Any]] = []
@@ -238,13 +240,14 @@ def ensure_model(root: Path, shape_name: str, *, tiny: bool, cuda: bool) -> Path
     return target
 
 
-def write_synthetic(path: Path, tokens: int) -> None:
-    """Lowercase-word records with lognormal byte lengths (median 600), ``tokens`` bytes in all."""
-    if path.is_file() and path.stat().st_size >= tokens:
+def write_synthetic(path: Path, tokens: int, min_records: int = 0) -> None:
+    """Lowercase-word records with lognormal byte lengths (median 600), at least ``tokens`` bytes
+    and ``min_records`` records in all."""
+    if path.is_file() and path.stat().st_size >= tokens and len(path.read_text().splitlines()) >= min_records:
         return
     rng = random.Random(0)
     lengths, total = [], 0
-    while total < tokens:
+    while total < tokens or len(lengths) < min_records:
         n = max(16, min(6000, round(rng.lognormvariate(math.log(600), 0.8))))
         lengths.append(n)
         total += n

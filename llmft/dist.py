@@ -99,7 +99,7 @@ def _free_port() -> int:
 
 
 def init_distributed(env: DistEnv, backend: str = "auto", timeout_minutes: int = 30, *, force: bool = False) -> None:
-    """Create the process group. ``force``: also for one process (FSDP2 and DeepSpeed need a group)."""
+    """Create the process group. ``force``: also for one process (DDP, FSDP2 and DeepSpeed need a group)."""
     if dist.is_initialized() or not (env.distributed or force):
         return
     if not env.distributed:
