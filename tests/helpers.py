@@ -124,6 +124,21 @@ def metrics(run_dir: Path, split: str = "train") -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Block until ``run_dir``'s metrics.jsonl has a train row at ``step`` or later; fail with the
+    process's stderr if it exits first (start it with ``stderr=subprocess.PIPE``)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (Path(run_dir) / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics(run_dir)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early: {(proc.communicate()[1] or '')[-4000:]}")
+        time.sleep(0.02)
+    raise AssertionError("timed out waiting for training progress")
+
+
 def checkpoint_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     """Weights of a single-process / DDP checkpoint (adapter or full model)."""
     model_dir = Path(ckpt) / "model"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import INSTRUMENTED, ROOT, metrics, torchrun, torchrun_cmd, write_data, write_recipe
+from helpers import INSTRUMENTED, ROOT, metrics, torchrun, torchrun_cmd, wait_for_step, write_data, write_recipe
 
 from llmft.consolidate import load_checkpoint_model, trainable_state
 from llmft.engines.deepspeed import deepspeed_universal
@@ -133,17 +133,6 @@ def _launch(recipe: Path, sample_log: Path, nproc: int = 2) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics(run_dir)):
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early: {proc.communicate()[1][-4000:]}")
-        time.sleep(0.02)
-    raise AssertionError("timed out waiting for training progress")
-
-
 def _reference(root: Path, engine: dict) -> dict:
     recipe = _recipe(root, engine)
     done = torchrun(["train", str(recipe)], env={"LLMFT_SAMPLE_LOG": str(root / "samples")})
@@ -157,7 +146,7 @@ def _stopped(root: Path, engine: dict, *, one_rank: bool = False, nproc: int = 2
     recipe = _recipe(root, engine)
     proc = _launch(recipe, root / "samples-before", nproc)
     pids = _rank_pids(proc.pid, nproc) if nproc > 1 else {0: proc.pid}
-    _wait_for_step(root / "run", 2, proc)
+    wait_for_step(root / "run", 2, proc)
     os.kill(pids[1] if one_rank else proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     run = root / "run"

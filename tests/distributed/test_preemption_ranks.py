@@ -15,11 +15,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, free_port, metrics, torchrun, torchrun_cmd, write_data, write_recipe
+from helpers import ROOT, free_port, metrics, torchrun, torchrun_cmd, wait_for_step, write_data, write_recipe
 
 pytestmark = pytest.mark.distributed
 
@@ -46,17 +45,6 @@ def _recipe(root: Path, engine: dict) -> Path:
     )
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics(run_dir)):
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early: {proc.communicate()[1][-4000:]}")
-        time.sleep(0.02)
-    raise AssertionError("timed out waiting for training progress")
-
-
 def _killpg_after_step_2(cmd: list[str], run_dir: Path) -> tuple[int, str]:
     """Start ``cmd`` in a new session, SIGTERM its whole process group after step 2."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -64,7 +52,7 @@ def _killpg_after_step_2(cmd: list[str], run_dir: Path) -> tuple[int, str]:
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
     )
     try:
-        _wait_for_step(run_dir, 2, proc)
+        wait_for_step(run_dir, 2, proc)
         os.killpg(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=300)
     finally:

@@ -14,12 +14,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import INSTRUMENTED, ROOT, checkpoint_weights, metrics, write_data, write_recipe
+from helpers import INSTRUMENTED, ROOT, checkpoint_weights, metrics, wait_for_step, write_data, write_recipe
 
 # LoRA with dropout, shuffle and packing (as tests/integration/test_resume.py), data from one worker.
 EXACT = dict(
@@ -42,17 +41,6 @@ def _env() -> dict[str, str]:
 
 def _cmd(recipe: Path) -> list[str]:
     return [sys.executable, INSTRUMENTED, "train", str(recipe)]
-
-
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics(run_dir)):
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early: {proc.communicate()[1][-4000:]}")
-        time.sleep(0.02)
-    raise AssertionError("timed out waiting for training progress")
 
 
 def _stopped_by_killpg(root: Path, **keys) -> tuple[Path, int]:

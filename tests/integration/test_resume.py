@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import INSTRUMENTED, ROOT, checkpoint_weights, metrics, train_inproc, write_data, write_recipe
+from helpers import (
+    INSTRUMENTED,
+    ROOT,
+    checkpoint_weights,
+    metrics,
+    train_inproc,
+    wait_for_step,
+    write_data,
+    write_recipe,
+)
 
 from llmft.errors import UserError
 
@@ -59,17 +68,6 @@ def _assert_same_run(run_dir: Path, ref_rows: list[dict], ref_weights: dict[str,
         assert torch.equal(weights[k], ref_weights[k]), k
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics(run_dir)):
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early: {proc.stderr.read()[-3000:]}")
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for training progress")
-
-
 @pytest.mark.slow
 def test_sigterm_then_resume_is_bit_exact(tmp_path):
     ref_rows, ref_weights = _reference(tmp_path)
@@ -77,7 +75,7 @@ def test_sigterm_then_resume_is_bit_exact(tmp_path):
     write_data(run / "train.jsonl", n=40)
     recipe = write_recipe(run, **EXACT)
     proc = subprocess.Popen(_cmd(recipe), stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
-    _wait_for_step(run / "run", 3, proc)
+    wait_for_step(run / "run", 3, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 75, err[-3000:]
@@ -125,7 +123,7 @@ def test_kill9_at_random_moment_then_resume_is_bit_exact(tmp_path):
     write_data(run / "train.jsonl", n=40)
     recipe = write_recipe(run, **EXACT)
     proc = subprocess.Popen(_cmd(recipe), stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
-    _wait_for_step(run / "run", 3, proc)
+    wait_for_step(run / "run", 3, proc)
     time.sleep(0.013 * (os.getpid() % 17))  # somewhere after step 3, maybe inside a save
     proc.kill()
     proc.wait()

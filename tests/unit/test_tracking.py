@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import INSTRUMENTED, ROOT, metrics, torchrun_cmd, train_inproc, write_recipe
+from helpers import INSTRUMENTED, ROOT, metrics, torchrun_cmd, train_inproc, wait_for_step, write_recipe
 
 from llmft.errors import UserError
 
@@ -313,10 +313,7 @@ def test_sigterm_then_resume_continues_the_same_tracked_run(tmp_path):
     proc = subprocess.Popen(
         _cmd(recipe), stderr=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=ROOT, start_new_session=True
     )
-    deadline = time.time() + 240
-    while not ((run / "metrics.jsonl").exists() and metrics(run)):
-        assert proc.poll() is None and time.time() < deadline, "training did not start"
-        time.sleep(0.05)
+    wait_for_step(run, 1, proc)
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 75, err[-3000:]
@@ -344,10 +341,7 @@ def test_resume_on_another_world_size_continues_the_same_tracked_run(tmp_path):
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=ROOT, start_new_session=True
     )
-    deadline = time.time() + 240
-    while not ((run / "metrics.jsonl").exists() and metrics(run)):
-        assert proc.poll() is None and time.time() < deadline, "training did not start"
-        time.sleep(0.05)
+    wait_for_step(run, 1, proc)
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=240)
     stopped_at = int((run / "checkpoints/latest").read_text().removeprefix("step-"))
