@@ -28,14 +28,6 @@ TINY = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def sharded_base(tmp_path_factory):
     from llmft.tokenizer import byte_tokenizer

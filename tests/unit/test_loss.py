@@ -18,14 +18,6 @@ from llmft.recipe import load_recipe
 CHUNK = 7  # tokens per chunk: 2 rows x 24 tokens = 48 rows = 6 full chunks and one of 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _recipe(tmp_path, *overrides: str):
     import yaml
 
