@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -137,6 +138,17 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
             raise AssertionError(f"training exited early: {(proc.communicate()[1] or '')[-4000:]}")
         time.sleep(0.02)
     raise AssertionError("timed out waiting for training progress")
+
+
+def sample_log(log_dir: Path) -> dict[int, Counter]:
+    """step -> multiset of the dataset indices all ranks took in that step, from the per-rank logs
+    tests/instrumented.py writes (LLMFT_SAMPLE_LOG)."""
+    per_step: dict[int, Counter] = {}
+    for f in sorted(Path(log_dir).glob("rank-*.jsonl")):
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            per_step.setdefault(row["step"], Counter()).update(row["indices"])
+    return per_step
 
 
 def checkpoint_weights(ckpt: Path) -> dict[str, torch.Tensor]:

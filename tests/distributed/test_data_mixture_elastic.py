@@ -3,15 +3,13 @@ same losses as the uninterrupted 2-rank run (G4 with data.mixture: probability).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import INSTRUMENTED, ROOT, metrics, torchrun, write_data, write_recipe
+from helpers import INSTRUMENTED, ROOT, metrics, sample_log, torchrun, write_data, write_recipe
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -35,15 +33,6 @@ def _recipe(root: Path, steps: int, every: int | None) -> Path:
     )
 
 
-def _samples(log_dir: Path) -> dict[int, Counter]:
-    per_step: dict[int, Counter] = {}
-    for f in sorted(log_dir.glob("rank-*.jsonl")):
-        for line in f.read_text().splitlines():
-            row = json.loads(line)
-            per_step.setdefault(row["step"], Counter()).update(row["indices"])
-    return per_step
-
-
 def test_probability_mixture_two_ranks_stopped_resume_on_one(tmp_path):
     ref = tmp_path / "ref"
     done = torchrun(["train", str(_recipe(ref, STEPS, None))], env={"LLMFT_SAMPLE_LOG": str(ref / "samples")})
@@ -56,7 +45,7 @@ def test_probability_mixture_two_ranks_stopped_resume_on_one(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "elastic resume: checkpoint written by 2 process(es), now 1" in done.stderr
-    before, after, want = _samples(run / "before"), _samples(run / "after"), _samples(ref / "samples")
+    before, after, want = sample_log(run / "before"), sample_log(run / "after"), sample_log(ref / "samples")
     assert sorted(before) == list(range(1, STOP + 1)) and sorted(after) == list(range(STOP + 1, STEPS + 1))
     assert {**before, **after} == want
     rows, ref_rows = metrics(run / "run"), metrics(ref / "run")

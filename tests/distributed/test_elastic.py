@@ -25,7 +25,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import INSTRUMENTED, ROOT, metrics, torchrun, torchrun_cmd, wait_for_step, write_data, write_recipe
+from helpers import (
+    INSTRUMENTED,
+    ROOT,
+    metrics,
+    sample_log,
+    torchrun,
+    torchrun_cmd,
+    wait_for_step,
+    write_data,
+    write_recipe,
+)
 
 from llmft.consolidate import load_checkpoint_model, trainable_state
 from llmft.engines.deepspeed import deepspeed_universal
@@ -78,16 +88,6 @@ def _recipe(root: Path, engine: dict, **keys) -> Path:
     )
 
 
-def _samples(log_dir: Path) -> dict[int, Counter]:
-    """step -> multiset of the dataset indices all ranks took in that step."""
-    per_step: dict[int, Counter] = {}
-    for f in sorted(log_dir.glob("rank-*.jsonl")):
-        for line in f.read_text().splitlines():
-            row = json.loads(line)
-            per_step.setdefault(row["step"], Counter()).update(row["indices"])
-    return per_step
-
-
 def _rank_pids(launcher_pid: int, nproc: int, timeout: float = 120) -> dict[int, int]:
     """rank -> pid of torchrun's worker processes (its children), from /proc."""
     deadline = time.time() + timeout
@@ -137,7 +137,7 @@ def _reference(root: Path, engine: dict) -> dict:
     recipe = _recipe(root, engine)
     done = torchrun(["train", str(recipe)], env={"LLMFT_SAMPLE_LOG": str(root / "samples")})
     assert done.returncode == 0, done.stderr[-4000:]
-    return {"run": root / "run", "samples": _samples(root / "samples")}
+    return {"run": root / "run", "samples": sample_log(root / "samples")}
 
 
 def _stopped(root: Path, engine: dict, *, one_rank: bool = False, nproc: int = 2) -> dict:
@@ -191,7 +191,7 @@ def _assert_resume_matches(stopped: dict, reference: dict) -> None:
     _assert_same_run(stopped["run"], reference)
     stop = stopped["stop_step"]
     # samples: what the first world took up to the stop, then what the second took, step by step
-    before, after = _samples(stopped["root"] / "samples-before"), _samples(stopped["root"] / "samples-after")
+    before, after = sample_log(stopped["root"] / "samples-before"), sample_log(stopped["root"] / "samples-after")
     assert sorted(before) == list(range(1, stop + 1))  # nothing taken past the checkpoint
     assert sorted(after) == list(range(stop + 1, STEPS + 1))
     assert {**before, **after} == reference["samples"]
@@ -333,9 +333,9 @@ def test_one_rank_killed_mid_save_leaves_the_previous_checkpoint(references, tmp
     reference = references("fsdp")
     _assert_same_run(tmp_path / "run", reference)
     # steps 3-4 ran twice, with the same samples; from step 3 on the resumed run took the reference's
-    after = _samples(tmp_path / "samples-after")
+    after = sample_log(tmp_path / "samples-after")
     assert sorted(after) == list(range(3, STEPS + 1))
     assert after == {s: c for s, c in reference["samples"].items() if s >= 3}
-    assert {s: c for s, c in _samples(tmp_path / "samples-before").items() if s <= 4} == {
+    assert {s: c for s, c in sample_log(tmp_path / "samples-before").items() if s <= 4} == {
         s: reference["samples"][s] for s in range(1, 5)
     }
