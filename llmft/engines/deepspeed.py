@@ -244,26 +244,30 @@ def universal_for_resume(step_dir: Path, env: DistEnv) -> Path:
     return step_dir / UNIVERSAL_DIR
 
 
-def read_deepspeed(model: torch.nn.Module, step_dir: Path) -> None:
-    """The model part of a DeepSpeed checkpoint into an unsharded model, in one process: ZeRO 1-3
-    partitions merged to fp32 by DeepSpeed's own ``zero_to_fp32``; ZeRO-0's whole module state
-    (tensors and plain values only) read with ``weights_only``."""
+def _module_state(step_dir: Path, *, exclude_frozen: bool = False, lazy: bool = False) -> dict[str, Any]:
+    """The model state of a DeepSpeed checkpoint, in one process, after its files are scanned:
+    ZeRO 1-3 partitions merged to fp32 by DeepSpeed's own ``zero_to_fp32`` (``lazy``: each
+    parameter gathered only when read); ZeRO-0's whole module state (tensors and plain values
+    only) read with ``weights_only`` (``lazy``: memory mapped)."""
     import io
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    peft = is_peft(model)
-    check_deepspeed_files(step_dir)  # SPEC 8: before zero_to_fp32 unpickles anything
+    check_deepspeed_files(step_dir)  # before zero_to_fp32 unpickles anything (docs/design.md G7)
     if deepspeed_dp_size(step_dir) is None:
         model_states = Path(step_dir) / DS_DIR / TAG / "mp_rank_00_model_states.pt"
-        state = torch_load(model_states, map_location="cpu")["module"]
-    else:
-        # DeepSpeed unpickles its own files here (see the module docstring); its progress prints are muted.
-        with contextlib.redirect_stdout(io.StringIO()):
-            state = get_fp32_state_dict_from_zero_checkpoint(
-                str(Path(step_dir) / DS_DIR), tag=TAG, exclude_frozen_parameters=peft
-            )
-    missing, unexpected = model.load_state_dict(state, strict=False)
+        return torch_load(model_states, map_location="cpu", mmap=lazy)["module"]
+    # DeepSpeed unpickles its own files here (see the module docstring); its progress prints are muted.
+    with contextlib.redirect_stdout(io.StringIO()):
+        return get_fp32_state_dict_from_zero_checkpoint(
+            str(Path(step_dir) / DS_DIR), tag=TAG, exclude_frozen_parameters=exclude_frozen, lazy_mode=lazy
+        )
+
+
+def read_deepspeed(model: torch.nn.Module, step_dir: Path) -> None:
+    """The model part of a DeepSpeed checkpoint into an unsharded model, in one process."""
+    peft = is_peft(model)
+    missing, unexpected = model.load_state_dict(_module_state(step_dir, exclude_frozen=peft), strict=False)
     if peft:  # only the adapter was saved: the frozen base is the rebuilt one
         assert not unexpected, unexpected[:5]
         unloaded = sorted(trainable_names(model) & set(missing))
@@ -274,21 +278,9 @@ def read_deepspeed(model: torch.nn.Module, step_dir: Path) -> None:
 
 def deepspeed_reader(step_dir: Path):
     """A function ``{name: empty tensor} -> the same dict filled`` from a DeepSpeed checkpoint's
-    model part, one process: ZeRO 1-3 through ``zero_to_fp32``'s lazy mode (partition files memory
-    mapped, each parameter gathered only when asked for), ZeRO-0's module state memory mapped
-    (``weights_only``). Export streams a full fine-tune this way, never the whole model in fp32."""
-    import io
-
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    check_deepspeed_files(step_dir)  # before zero_to_fp32 unpickles anything (docs/design.md G7)
-    if deepspeed_dp_size(step_dir) is None:
-        model_states = Path(step_dir) / DS_DIR / TAG / "mp_rank_00_model_states.pt"
-        state = torch_load(model_states, map_location="cpu", mmap=True)["module"]
-    else:
-        # DeepSpeed unpickles its own files here (see the module docstring); its progress prints are muted.
-        with contextlib.redirect_stdout(io.StringIO()):
-            state = get_fp32_state_dict_from_zero_checkpoint(str(Path(step_dir) / DS_DIR), tag=TAG, lazy_mode=True)
+    model part, one process, each parameter read only when asked for (``_module_state(lazy=True)``).
+    Export streams a full fine-tune this way, never the whole model in fp32."""
+    state = _module_state(step_dir, lazy=True)
 
     def read(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         with torch.no_grad():

@@ -142,9 +142,7 @@ def read_dcp(model: torch.nn.Module, step_dir: Path) -> None:
     if hasattr(model, "peft_config"):
         keep = trainable_names(model)
         state = {k: v for k, v in state.items() if k in keep}
-    holder = {"model": state}
-    safe_dcp.load(holder, Path(step_dir) / DCP_DIR, no_dist=True)  # SPEC 8: llmft.engines.safe_dcp
-    missing, unexpected = model.load_state_dict(holder["model"], strict=False)
+    missing, unexpected = model.load_state_dict(dcp_reader(step_dir)(state), strict=False)
     assert not unexpected, unexpected[:5]
 
 

@@ -131,6 +131,11 @@ def test_every_load_in_llmft_goes_through_the_safe_readers():
             if re.search(call, code):
                 assert path.name == home, f"{path.relative_to(root)} calls {call} outside {home}"
     deepspeed = (root / "engines" / "deepspeed.py").read_text()
-    for reader in ("def read_deepspeed", "def deepspeed_reader", "def deepspeed_universal"):
-        body = deepspeed.split(reader, 1)[1].split("\ndef ", 1)[0]
-        assert "check_deepspeed_files(" in body, reader
+
+    def body(name: str) -> str:
+        return deepspeed.split(f"def {name}(", 1)[1].split("\ndef ", 1)[0]
+
+    for opener in ("_module_state", "deepspeed_universal"):
+        assert "check_deepspeed_files(" in body(opener), opener
+    for reader in ("read_deepspeed", "deepspeed_reader"):  # both read through the checked opener
+        assert "_module_state(" in body(reader) and "get_fp32_state_dict" not in body(reader), reader
