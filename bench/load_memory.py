@@ -47,11 +47,21 @@ def _vmhwm() -> int:
 
 def worker(out: str, argv: list[str]) -> None:
     """One llmft command in this process; its peak RSS to ``out/rank-N.json`` when it is done."""
+    from llmft import run
     from llmft.cli import main
 
+    loaded = {}
+    fit = run.Run.fit
+
+    def fit_after_load(self):  # the model is built, sharded and restored: the loading peak
+        loaded["peak"] = _vmhwm()
+        return fit(self)
+
+    run.Run.fit = fit_after_load
     code = main(argv)
     rank = os.environ.get("RANK", "0")
-    Path(out, f"rank-{rank}.json").write_text(json.dumps({"code": code, "peak": _vmhwm()}))
+    report = {"code": code, "peak": _vmhwm(), "load": loaded.get("peak", 0)}
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(report))
 
 
 def _save_model(path: Path, config: dict, shard: str) -> int:
@@ -76,8 +86,8 @@ def _recipe(work: Path, name: str, model_dir: Path, data: Path) -> Path:
     return common.write_recipe(work / name / "recipe.yaml", recipe)
 
 
-def _run(out: Path, ranks: int, argv: list[str]) -> int:
-    """Peak RSS of the command's largest rank."""
+def _run(out: Path, ranks: int, argv: list[str]) -> dict[str, int]:
+    """Peak RSS of the command's largest rank: over the whole command, and when loading was done."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(common.ROOT)}
     entry = [str(Path(__file__).resolve()), "--worker", str(out), "--"]
@@ -91,7 +101,7 @@ def _run(out: Path, ranks: int, argv: list[str]) -> int:
     reports = [json.loads(f.read_text()) for f in sorted(out.glob("rank-*.json"))]
     if done.returncode != 0 or len(reports) != ranks or any(r["code"] for r in reports):
         raise SystemExit(f"{' '.join(argv)} failed:\n{done.stderr[-4000:]}")
-    return max(r["peak"] for r in reports)
+    return {k: max(r[k] for r in reports) for k in ("peak", "load")}
 
 
 def common_port() -> int:
@@ -149,8 +159,9 @@ def main() -> None:
             recipe = _recipe(work, f"{slug}-{size}", work / size, data)
             peaks[size] = _run(work / f"{slug}-{size}" / "rss", ranks, ["train", str(recipe), *overrides])
         planned = _planned(_recipe(work, f"{slug}-big", work / "big", data), ranks, overrides)
-        extra = peaks["big"] - peaks["tiny"]
-        rows.append([name, ranks, extra / MB, extra / b, goal, planned / MB, extra / planned])
+        extra = peaks["big"]["peak"] - peaks["tiny"]["peak"]
+        load = peaks["big"]["load"] - peaks["tiny"]["load"]
+        rows.append([name, ranks, load / MB, load / b, extra / MB, extra / b, goal, planned / MB, extra / planned])
         if name == "FSDP2 + LoRA":  # the merged export of this run, one process
             exports = {}
             for size in ("tiny", "big"):
@@ -158,11 +169,13 @@ def main() -> None:
                 out = work / f"{slug}-{size}" / "merged"
                 argv = ["export", str(run), "--merge-lora", "--out", str(out)]
                 exports[size] = _run(work / f"{slug}-{size}" / "rss-export", 1, argv)
-            extra = exports["big"] - exports["tiny"]
-            rows.append(["merged export of the FSDP2 LoRA run", 1, extra / MB, extra / b, 0.5, "-", "-"])
+            extra = exports["big"]["peak"] - exports["tiny"]["peak"]
+            rows.append(["merged export of the FSDP2 LoRA run", 1, "-", "-", extra / MB, extra / b, 0.5, "-", "-"])
     header = [
         "case",
         "ranks",
+        "loaded - tiny MB",
+        "x B",
         "peak - tiny MB (per rank)",
         "x B",
         "goal x B",

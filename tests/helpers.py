@@ -163,3 +163,23 @@ def checkpoint_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-12)).item() for k in a)
+
+
+def save_tiny_pretrained(out: Path, seed: int, dtype: torch.dtype = torch.float32, **config) -> Path:
+    """A tiny llama saved as a HF model dir, with the byte tokenizer beside it.
+
+    Every weight (norms included) is perturbed, so that a weight left at its init would show.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmft.tokenizer import byte_tokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY_LLAMA, **config}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    shard = {"max_shard_size": "40KB"} if dtype != torch.float32 else {}
+    model.to(dtype).save_pretrained(out, **shard)
+    byte_tokenizer().save_pretrained(out)
+    return out

@@ -3,8 +3,10 @@
 The loop's loss is already normalised by the global token count, so DeepSpeed is
 told not to divide by accumulation steps (``scale_wrt_gas=False``) and the mean
 over ranks is undone by ``grad_scale``. Clipping happens inside DeepSpeed's step
-(``gradient_clipping`` in the config). ZeRO-3 models are built under
-``zero.Init`` (via ``HfDeepSpeedConfig``) so no rank materialises the whole model.
+(``gradient_clipping`` in the config). Under ZeRO-3 no rank materialises the whole model: a
+pretrained one (LoRA and 4-bit QLoRA bases included) is built on the meta device and each rank
+reads only its partitions of the weights (``llmft.engines.zero3_init``); a fresh one too big to
+build whole is built under ``zero.Init`` (via ``HfDeepSpeedConfig``).
 
 The checkpoint format is DeepSpeed's own (``deepspeed/state/``). A ZeRO 1-3 checkpoint
 resumed on another world size is converted once to DeepSpeed's universal format
@@ -58,11 +60,19 @@ class DeepSpeedEngineAdapter:
         )
         self.config = deepspeed_config(plan)
         self._hf_ds = None
-        if plan.zero_init:
-            from transformers.integrations import HfDeepSpeedConfig
+        if plan.zero_init and plan.recipe.model.config is None:
+            # A pretrained model: built on the meta device, each rank reads only its partitions.
+            from llmft.engines import zero3_init
+            from llmft.engines.meta_init import build_on_meta
 
-            self._hf_ds = HfDeepSpeedConfig(self.config)  # must stay alive while the model is built
-        model = prepare_model(plan, tokenizer, env.device)
+            model, slots, weights = build_on_meta(plan, tokenizer)
+            zero3_init.materialize(model, slots, weights, self.config, seed=plan.recipe.run.seed, device=env.device)
+        else:
+            if plan.zero_init:  # a fresh model too big to build whole: transformers' zero.Init
+                from transformers.integrations import HfDeepSpeedConfig
+
+                self._hf_ds = HfDeepSpeedConfig(self.config)  # must stay alive while the model is built
+            model = prepare_model(plan, tokenizer, env.device)
         self.peft = is_peft(model)
         self.optimizer = make_optimizer(model)
         self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config)

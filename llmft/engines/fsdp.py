@@ -27,19 +27,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from llmft import kernels
 from llmft.checkpoint.layout import DCP_DIR
 from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory, safe_dcp
 from llmft.engines.base import LocalEngine, trainable_names
-from llmft.model import (
-    DTYPES,
-    build_model,
-    decoder_layer_classes,
-    install_chunked_loss,
-    prepare_model,
-    upcast_trainable,
-)
+from llmft.model import DTYPES, decoder_layer_classes, prepare_model
 from llmft.plan.fsdp import fsdp_plan
 from llmft.plan.resolve import RunPlan
 
@@ -48,7 +40,7 @@ class FSDPEngine(LocalEngine):
     name = "fsdp"
 
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
-        from llmft.engines.meta_init import ParamSlots, SafetensorsWeights, materialize
+        from llmft.engines.meta_init import build_on_meta, materialize
 
         super().__init__(plan, env)
         sharding = fsdp_plan(plan)
@@ -64,20 +56,7 @@ class FSDPEngine(LocalEngine):
             else init_device_mesh(self.device.type, (mesh["shard"],), mesh_dim_names=("shard",))
         )
         if plan.meta_init:
-            kernels.check_available(plan.recipe.model)  # before any weight is loaded
-            model = build_model(
-                plan.recipe,
-                tokenizer,
-                init_context=lambda: torch.device("meta"),
-                quant_storage=plan.quant_storage,
-                upcast_unquantized=plan.upcast_unquantized,
-            )
-            slots = ParamSlots(model)  # before the upcast: records the dtype each weight is loaded in
-            # Before anything is allocated: a missing file or weight fails here, not after the load.
-            weights = None if plan.recipe.model.config is not None else SafetensorsWeights.of(plan.recipe, slots)
-            upcast_trainable(model)
-            install_chunked_loss(plan, model)
-            kernels.apply(model, plan.recipe.model)  # before fully_shard: compiled layers get sharded
+            model, slots, weights = build_on_meta(plan, tokenizer)
         else:
             # Every rank builds the same (seeded) model on CPU, then keeps only its shards.
             model = prepare_model(plan, tokenizer, torch.device("cpu"))

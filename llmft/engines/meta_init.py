@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from llmft.errors import Problem, UserError
 from llmft.model import base_key, is_peft
+from llmft.plan.resolve import RunPlan
 from llmft.recipe.schema import Recipe
 
 # --- the parameters of a model built on the meta device -----------------------------------------
@@ -101,6 +102,30 @@ def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     local = param.to_local()
     assert tuple(local.shape) == tuple(shape), f"local shard {tuple(local.shape)} != expected {tuple(shape)}"
     return local, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def build_on_meta(plan: RunPlan, tokenizer: Any) -> tuple[torch.nn.Module, ParamSlots, SafetensorsWeights | None]:
+    """The run's model on the meta device (PEFT adapters, a QLoRA base's packed layout, chunked
+    loss and kernels included), its parameter slots, and the weight files of a pretrained model
+    (None for a fresh ``model.config`` one), checked before anything is allocated."""
+    from llmft import kernels
+    from llmft.model import build_model, install_chunked_loss, upcast_trainable
+
+    kernels.check_available(plan.recipe.model)  # before any weight is loaded
+    model = build_model(
+        plan.recipe,
+        tokenizer,
+        init_context=lambda: torch.device("meta"),
+        quant_storage=plan.quant_storage,
+        upcast_unquantized=plan.upcast_unquantized,
+    )
+    slots = ParamSlots(model)  # before the upcast: records the dtype each weight is loaded in
+    # Before anything is allocated: a missing file or weight fails here, not after the load.
+    weights = None if plan.recipe.model.config is not None else SafetensorsWeights.of(plan.recipe, slots)
+    upcast_trainable(model)
+    install_chunked_loss(plan, model)
+    kernels.apply(model, plan.recipe.model)  # before sharding: compiled layers get sharded
+    return model, slots, weights
 
 
 # --- pretrained weights, read shard by shard ----------------------------------------------------
@@ -234,7 +259,7 @@ def materialize(
                     module._buffers[name] = torch.empty_like(b, device=device)
     written: set[str] = set()
     with torch.no_grad():
-        _init_buffers(model, slots, device)
+        init_buffers(model, slots, device)
         if weights is not None:
             for key, names in slots.by_key().items():
                 for name in names:
@@ -289,7 +314,7 @@ def _full_size(module: torch.nn.Module, slots: ParamSlots, prefix: str, device: 
         module._parameters.update(saved)
 
 
-def _init_buffers(model: torch.nn.Module, slots: ParamSlots, device: torch.device) -> None:
+def init_buffers(model: torch.nn.Module, slots: ParamSlots, device: torch.device) -> None:
     """Recompute buffers (rotary ``inv_freq``...) as ``from_pretrained`` does: ``_init_weights``."""
     for module_name, module in model.named_modules():
         buffers = {n: b for n, b in module._buffers.items() if b is not None}

@@ -20,31 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TINY_LLAMA, metrics, torchrun, torchrun_cmd, train_inproc, write_recipe
+from helpers import ROOT, metrics, save_tiny_pretrained, torchrun, torchrun_cmd, train_inproc, write_recipe
 
 pytestmark = pytest.mark.distributed
 
 VARIANTS = ["full", "lora", "dora_bf16", "lora_save_head", "tied_sharded", "fresh_big", "qlora"]
-
-
-def save_tiny_pretrained(out: Path, seed: int, dtype: torch.dtype = torch.float32, **config) -> Path:
-    """A tiny llama saved as a HF model dir, with the byte tokenizer beside it.
-
-    Every weight (norms included) is perturbed, so that a weight left at its init would show.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from llmft.tokenizer import byte_tokenizer
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY_LLAMA, **config}))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    shard = {"max_shard_size": "40KB"} if dtype != torch.float32 else {}
-    model.to(dtype).save_pretrained(out, **shard)
-    byte_tokenizer().save_pretrained(out)
-    return out
 
 
 def _model(path: Path) -> dict:

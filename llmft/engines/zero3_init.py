@@ -1,0 +1,160 @@
+"""Build a pretrained model ZeRO-3 partitioned: on the meta device, then each rank fills only its partitions.
+
+The DeepSpeed counterpart of ``llmft.engines.meta_init`` (FSDP2). ``from_pretrained`` under ZeRO-3
+maps every weight file on rank 0 and copies each layer in while it is gathered, so rank 0 touches
+the whole model (and a 4-bit base is not built under ``zero.Init`` at all: every rank builds it
+whole). Instead, the model (PEFT adapters and a QLoRA base's packed layout included) is built on
+the meta device exactly as for FSDP2, and then, one parameter at a time:
+
+- a real tensor of its full size is allocated and turned into a ZeRO-3 parameter, which keeps only
+  this rank's partition: the flat range ``[rank * p, (rank + 1) * p)`` of the flattened tensor,
+  ``p = ceil(numel / world)``, zero-padded at the end (DeepSpeed's ``_partition_param`` layout);
+- that range is read from the safetensors files: only the rows that cover it
+  (``meta_init.SafetensorsWeights``), so a rank reads and holds about its share of the model;
+- a 4-bit weight is read whole, quantized as bitsandbytes quantizes it on load, and its
+  partition of the packed bytes is kept; the statistics go on the parameter and its module, where
+  bitsandbytes finds them when DeepSpeed gathers the weight for a forward;
+- adapters get llmft's seeded init (``llmft.model.initial_adapter_weights``); DoRA magnitudes the
+  row norms of the loaded base weight, computed while that weight is gathered, one layer at a time.
+
+Peak per rank: its partitions plus one full parameter. The model equals the whole build to the
+bit (tests/distributed/test_zero3_meta.py). A fresh ``model.config`` model above the whole-build
+threshold keeps transformers' own ``zero.Init`` path (``RunPlan.zero_init``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from llmft.engines.meta_init import ParamSlots, SafetensorsWeights, init_buffers
+
+
+def partition_range(numel: int, rank: int, world: int) -> tuple[int, int, int]:
+    """``(start, end, size)``: the flat elements ``[start, end)`` of a tensor of ``numel`` elements
+    this rank keeps under ZeRO-3, and the size of its (zero-padded) partition."""
+    size = -(-numel // world)
+    start = min(size * rank, numel)
+    return start, min(start + size, numel), size
+
+
+def read_flat(weights: SafetensorsWeights, key: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of the flattened weight ``key``: only the rows covering them are read."""
+    if end <= start:
+        return torch.empty(0)
+    row = 1
+    for n in shape[1:]:
+        row *= n
+    first, last = start // row, -(-end // row)
+    index = (slice(first, last),) + tuple(slice(0, n) for n in shape[1:]) if len(shape) else ()
+    rows = weights.read(key, index, shape)
+    return rows.reshape(-1)[start - first * row : end - first * row]
+
+
+def materialize(
+    model: torch.nn.Module,
+    slots: ParamSlots,
+    weights: SafetensorsWeights,
+    ds_config: dict[str, Any],
+    *,
+    seed: int,
+    device: torch.device,
+) -> None:
+    """Turn a meta-built model into ZeRO-3 parameters holding this rank's partitions of the
+    pretrained weights (and the seeded adapters); buffers are recomputed as ``from_pretrained`` does."""
+    import deepspeed
+
+    from llmft.model import initial_adapter_weights
+
+    adapters = dict(initial_adapter_weights(model, seed)) if slots.peft else {}  # shapes: before partitioning
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty_like(b, device=device)
+    init = deepspeed.zero.Init(config_dict_or_path=ds_config)  # not entered: its partitioner only
+    by_key = {name: key for key, names in slots.by_key().items() for name in names}
+    with torch.no_grad():
+        init_buffers(model, slots, device)
+        for name, owners in slots.owners.items():
+            param = _partitioned(init, slots, name, owners, device)
+            start, end, _ = partition_range(param.ds_numel, param.ds_zero_partition_rank, param.ds_zero_partition_world_size)
+            if name in slots.packed:
+                values = _quantized_range(slots, name, weights, by_key[name], param, start, end, device)
+            elif name in by_key:
+                values = read_flat(weights, by_key[name], param.ds_shape, start, end).to(slots.dtype[name])
+            elif name in adapters:
+                values = adapters[name].reshape(-1)[start:end].to(slots.dtype[name])
+            elif ".lora_magnitude_vector." in name:  # DoRA: set from the loaded base below
+                values = torch.zeros(end - start)
+            else:  # ParamSlots names every parameter a base weight or an adapter
+                raise AssertionError(f"{name}: neither a pretrained weight nor an adapter")
+            param.ds_tensor[: end - start].copy_(values)
+            param.ds_tensor[end - start :].zero_()
+        weights.close()
+        if slots.peft:
+            _dora_magnitudes(model)
+
+
+def _partitioned(
+    init: Any, slots: ParamSlots, name: str, owners: list[tuple[torch.nn.Module, str]], device: torch.device
+) -> torch.nn.Parameter:
+    """A real parameter of ``name``'s shape, partitioned by ZeRO-3 (its full data freed), set on
+    every module that holds it (tied weights stay one parameter)."""
+    meta = slots.param(name)
+    data = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+    if name in slots.packed:
+        import bitsandbytes as bnb
+
+        module, how = slots.packed[name]
+        param = bnb.nn.Params4bit(data, requires_grad=False, module=module, bnb_quantized=True, **how)
+    else:
+        param = torch.nn.Parameter(data, requires_grad=meta.requires_grad)
+    for module, attr in owners:
+        module._parameters[attr] = param
+    init._convert_to_deepspeed_param(param)
+    param.partition()
+    return param
+
+
+def _quantized_range(
+    slots: ParamSlots,
+    name: str,
+    weights: SafetensorsWeights,
+    key: str,
+    param: torch.nn.Parameter,
+    start: int,
+    end: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """This rank's range of a 4-bit weight's packed bytes: the weight read whole and quantized as
+    bitsandbytes quantizes it on load; its statistics set where bitsandbytes looks for them."""
+    import bitsandbytes.functional as bnb_f
+
+    module, how = slots.packed[name]
+    full = weights.read(key, (), torch.Size((module.out_features, module.in_features)))
+    packed, state = bnb_f.quantize_4bit(full.to(device=device, dtype=module.compute_dtype).contiguous(), **how)
+    del full
+    param.quant_state = state
+    module.quant_state = state
+    return packed.reshape(-1)[start:end]
+
+
+def _dora_magnitudes(model: torch.nn.Module) -> None:
+    """DoRA magnitudes: the row norms of each base weight (LoRA B is zero), as PEFT computes them,
+    with the base weight and the magnitude gathered, one layer at a time."""
+    import deepspeed
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.integrations import dequantize_module_weight
+
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for adapter, dora in module.lora_magnitude_vector.items():
+            base = module.get_base_layer()
+            with deepspeed.zero.GatheredParameters([base.weight, dora.weight], modifier_rank=0):
+                weight = dequantize_module_weight(base)  # in the base's dtype, as PEFT computes the norm
+                if dora.fan_in_fan_out:
+                    weight = weight.T
+                norm = dora.get_weight_norm(weight, torch.zeros_like(weight), module.scaling[adapter])
+                dora.weight.copy_(norm)
