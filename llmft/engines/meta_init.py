@@ -12,9 +12,10 @@ included, sharded by ``fully_shard`` while still empty, and only then materialis
 - buffers the checkpoint does not hold (rotary ``inv_freq``) are recomputed by the model's own
   ``_init_weights``, which is what ``from_pretrained`` does for them too;
 - a pretrained 4-bit (QLoRA) base is built in its packed layout (``llmft.model.quantized_skeleton``);
-  each 4-bit weight is read whole, one at a time, quantized on the engine's device as bitsandbytes
-  quantizes it on load, and only this rank's part of the packed bytes is kept (the statistics,
-  about 1/64 of the matrix, stay whole on the module);
+  for each 4-bit weight, a rank reads and quantizes only the NF4 blocks that cover its part of
+  the packed bytes, bit-identical to bitsandbytes quantizing the whole weight on load
+  (``llmft.engines.quant_shard``; the statistics, about 1/64 of the matrix, are gathered and stay
+  whole on the module);
 - LoRA weights get llmft's seeded init (``llmft.model.initial_adapter_weights``) and DoRA
   magnitudes the row norms of the loaded weights, as PEFT computes them.
 
@@ -189,6 +190,15 @@ class SafetensorsWeights:
                 )
             return (stored[index] if index else f.get_tensor(ckpt_key)).clone()
 
+    def read_flat(self, key: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened weight ``key``: only the rows covering them are read."""
+        if end <= start:
+            return torch.empty(0)
+        row = shape[1:].numel()
+        first, last = start // row, -(-end // row)
+        index = (slice(first, last),) + tuple(slice(0, n) for n in shape[1:]) if len(shape) else ()
+        return self.read(key, index, shape).reshape(-1)[start - first * row : end - first * row]
+
     def close(self) -> None:
         """Nothing stays open between reads (see ``read``)."""
 
@@ -282,20 +292,37 @@ def materialize(
 def _quantize_into_shard(
     slots: ParamSlots, name: str, weights: SafetensorsWeights, key: str, device: torch.device
 ) -> None:
-    """A 4-bit weight: read whole, quantized on ``device`` exactly as bitsandbytes' ``Params4bit``
-    quantizes it while ``from_pretrained`` loads (in the compute dtype, NF4 blocks and, with double
-    quantization, statistics over the whole matrix), this rank's part of the packed bytes kept. The
-    statistics (small: about 1/64 of the weight) go to the module, where bitsandbytes finds them
-    under FSDP. One weight at a time: a rank holds its shards plus one full matrix."""
-    import bitsandbytes.functional as bnb_f
+    """A 4-bit weight: this rank's rows of the packed bytes, quantized from only the NF4 blocks that
+    cover them (``llmft.engines.quant_shard``), exactly as bitsandbytes' ``Params4bit`` quantizes
+    the whole weight while ``from_pretrained`` loads (in the compute dtype, statistics over the whole
+    matrix, gathered from the ranks that share it). The statistics (small: about 1/64 of the weight)
+    go to the module, where bitsandbytes finds them under FSDP."""
+    from llmft.engines.quant_shard import quantize_part, values_per_element
 
     module, how = slots.packed[name]
-    full = weights.read(key, (), torch.Size((module.out_features, module.in_features)))
-    packed, state = bnb_f.quantize_4bit(full.to(device=device, dtype=module.compute_dtype).contiguous(), **how)
-    del full
-    local, index = local_shard(slots.param(name))
-    local.copy_(packed[index])
+    param = slots.param(name)
+    local, index = local_shard(param)
+    shape = torch.Size((module.out_features, module.in_features))
+
+    def read(a: int, b: int) -> torch.Tensor:
+        return weights.read_flat(key, shape, a, b)
+
+    group = _shard_group(param)
+    start, end = index[0].start, index[0].stop
+    assert values_per_element(how["quant_storage"]) * param.shape[0] >= shape.numel()
+    part, state = quantize_part(read, shape, how, module.compute_dtype, start, end, device=device, group=group)
+    local.reshape(-1)[: part.numel()].copy_(part)
     module.quant_state = state
+
+
+def _shard_group(param: torch.Tensor):
+    """The process group of the ranks that split ``param`` between them (None: not sharded)."""
+    if not isinstance(param, DTensor):
+        return None
+    from torch.distributed.tensor import Shard
+
+    dims = [i for i, p in enumerate(param.placements) if isinstance(p, Shard)]
+    return param.device_mesh.get_group(dims[0]) if dims else None
 
 
 @contextlib.contextmanager

@@ -10,10 +10,11 @@ the meta device exactly as for FSDP2, and then, one parameter at a time:
   this rank's partition: the flat range ``[rank * p, (rank + 1) * p)`` of the flattened tensor,
   ``p = ceil(numel / world)``, zero-padded at the end (DeepSpeed's ``_partition_param`` layout);
 - that range is read from the safetensors files: only the rows that cover it
-  (``meta_init.SafetensorsWeights``), so a rank reads and holds about its share of the model;
-- a 4-bit weight is read whole, quantized as bitsandbytes quantizes it on load, and its
-  partition of the packed bytes is kept; the statistics go on the parameter and its module, where
-  bitsandbytes finds them when DeepSpeed gathers the weight for a forward;
+  (``meta_init.SafetensorsWeights.read_flat``), so a rank reads and holds about its share of the model;
+- a 4-bit weight: only the NF4 blocks that cover this rank's partition of the packed bytes are
+  read and quantized (``llmft.engines.quant_shard``), bit-identical to bitsandbytes quantizing
+  it whole on load; the whole statistics go on the parameter and its module, where bitsandbytes
+  finds them when DeepSpeed gathers the weight for a forward;
 - adapters get llmft's seeded init (``llmft.model.initial_adapter_weights``); DoRA magnitudes the
   row norms of the loaded base weight, computed while that weight is gathered, one layer at a time.
 
@@ -37,19 +38,6 @@ def partition_range(numel: int, rank: int, world: int) -> tuple[int, int, int]:
     size = -(-numel // world)
     start = min(size * rank, numel)
     return start, min(start + size, numel), size
-
-
-def read_flat(weights: SafetensorsWeights, key: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
-    """Elements ``[start, end)`` of the flattened weight ``key``: only the rows covering them are read."""
-    if end <= start:
-        return torch.empty(0)
-    row = 1
-    for n in shape[1:]:
-        row *= n
-    first, last = start // row, -(-end // row)
-    index = (slice(first, last),) + tuple(slice(0, n) for n in shape[1:]) if len(shape) else ()
-    rows = weights.read(key, index, shape)
-    return rows.reshape(-1)[start - first * row : end - first * row]
 
 
 def materialize(
@@ -82,7 +70,7 @@ def materialize(
             if name in slots.packed:
                 values = _quantized_range(slots, name, weights, by_key[name], param, start, end, device)
             elif name in by_key:
-                values = read_flat(weights, by_key[name], param.ds_shape, start, end).to(slots.dtype[name])
+                values = weights.read_flat(by_key[name], param.ds_shape, start, end).to(slots.dtype[name])
             elif name in adapters:
                 values = adapters[name].reshape(-1)[start:end].to(slots.dtype[name])
             elif ".lora_magnitude_vector." in name:  # DoRA: set from the loaded base below
@@ -127,17 +115,22 @@ def _quantized_range(
     end: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """This rank's range of a 4-bit weight's packed bytes: the weight read whole and quantized as
-    bitsandbytes quantizes it on load; its statistics set where bitsandbytes looks for them."""
-    import bitsandbytes.functional as bnb_f
+    """This rank's range of a 4-bit weight's packed bytes, quantized from only the blocks that cover
+    it (``llmft.engines.quant_shard``); the whole statistics set where bitsandbytes looks for them."""
+    from llmft.engines.quant_shard import quantize_part
 
     module, how = slots.packed[name]
-    full = weights.read(key, (), torch.Size((module.out_features, module.in_features)))
-    packed, state = bnb_f.quantize_4bit(full.to(device=device, dtype=module.compute_dtype).contiguous(), **how)
-    del full
+    shape = torch.Size((module.out_features, module.in_features))
+
+    def read(a: int, b: int) -> torch.Tensor:
+        return weights.read_flat(key, shape, a, b)
+
+    part, state = quantize_part(
+        read, shape, how, module.compute_dtype, start, end, device=device, group=param.ds_process_group
+    )
     param.quant_state = state
     module.quant_state = state
-    return packed.reshape(-1)[start:end]
+    return part
 
 
 def _dora_magnitudes(model: torch.nn.Module) -> None:
