@@ -6,9 +6,10 @@ the whole model (and a 4-bit base is not built under ``zero.Init`` at all: every
 whole). Instead, the model (PEFT adapters and a QLoRA base's packed layout included) is built on
 the meta device exactly as for FSDP2, and then, one parameter at a time:
 
-- a real tensor of its full size is allocated and turned into a ZeRO-3 parameter, which keeps only
-  this rank's partition: the flat range ``[rank * p, (rank + 1) * p)`` of the flattened tensor,
-  ``p = ceil(numel / world)``, zero-padded at the end (DeepSpeed's ``_partition_param`` layout);
+- a tensor of its full size is allocated (on the device) and made a ZeRO-3 parameter; only this
+  rank's range of it is written, the flat range ``[rank * p, (rank + 1) * p)`` of the flattened
+  tensor, ``p = ceil(numel / world)`` (DeepSpeed's ``_partition_param`` layout), and DeepSpeed's
+  own ``partition`` then keeps that range (in CPU or NVMe offload too) and frees the tensor;
 - that range is read from the safetensors files: only the rows that cover it
   (``meta_init.SafetensorsWeights.read_flat``), so a rank reads and holds about its share of the model;
 - a 4-bit weight: only the NF4 blocks that cover this rank's partition of the packed bytes are
@@ -18,7 +19,8 @@ the meta device exactly as for FSDP2, and then, one parameter at a time:
 - adapters get llmft's seeded init (``llmft.model.initial_adapter_weights``); DoRA magnitudes the
   row norms of the loaded base weight, computed while that weight is gathered, one layer at a time.
 
-Peak per rank: its partitions plus one full parameter. The model equals the whole build to the
+Peak per rank: its partitions plus its part of one parameter (the full-size allocation is
+untouched outside that part, except for small tensors). The model equals the whole build to the
 bit (tests/distributed/test_zero3_meta.py). A fresh ``model.config`` model above the whole-build
 threshold keeps transformers' own ``zero.Init`` path (``RunPlan.zero_init``).
 """
@@ -77,8 +79,8 @@ def materialize(
                 values = torch.zeros(end - start)
             else:  # ParamSlots names every parameter a base weight or an adapter
                 raise AssertionError(f"{name}: neither a pretrained weight nor an adapter")
-            param.ds_tensor[: end - start].copy_(values)
-            param.ds_tensor[end - start :].zero_()
+            param.data.view(-1)[start:end].copy_(values)
+            param.partition()  # DeepSpeed copies this rank's range into its partition (or swaps it to NVMe)
         weights.close()
         if slots.peft:
             _dora_magnitudes(model)
@@ -87,8 +89,10 @@ def materialize(
 def _partitioned(
     init: Any, slots: ParamSlots, name: str, owners: list[tuple[torch.nn.Module, str]], device: torch.device
 ) -> torch.nn.Parameter:
-    """A real parameter of ``name``'s shape, partitioned by ZeRO-3 (its full data freed), set on
-    every module that holds it (tied weights stay one parameter)."""
+    """A real parameter of ``name``'s shape made a ZeRO-3 parameter, not yet partitioned, set on
+    every module that holds it (tied weights stay one parameter). Its full-size data is allocated
+    but only this rank's range is ever written (the rest of a large allocation is never touched,
+    so never resident) before ``partition`` keeps that range and frees the rest."""
     meta = slots.param(name)
     data = torch.empty(meta.shape, dtype=meta.dtype, device=device)
     if name in slots.packed:
@@ -101,7 +105,6 @@ def _partitioned(
     for module, attr in owners:
         module._parameters[attr] = param
     init._convert_to_deepspeed_param(param)
-    param.partition()
     return param
 
 

@@ -24,6 +24,10 @@ from typing import TYPE_CHECKING, Any
 from llmft.plan.shape import ModelShape, model_shape
 from llmft.recipe.schema import Recipe
 
+# stage3_max_live_parameters and stage3_max_reuse_distance, as HF's auto sets them; the memory
+# planner counts that many gathered parameters (the whole model when smaller).
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
+
 if TYPE_CHECKING:
     from llmft.plan.resolve import RunPlan
 
@@ -67,8 +71,8 @@ def zero_optimization(recipe: Recipe, shape: ModelShape | None) -> dict[str, Any
         zero.update(
             stage3_prefetch_bucket_size=int(0.9 * h * h),
             stage3_param_persistence_threshold=10 * h,
-            stage3_max_live_parameters=1_000_000_000,
-            stage3_max_reuse_distance=1_000_000_000,
+            stage3_max_live_parameters=ZERO3_MAX_LIVE_PARAMETERS,
+            stage3_max_reuse_distance=ZERO3_MAX_LIVE_PARAMETERS,
             sub_group_size=1_000_000_000,
             # llmft consolidates ZeRO-3 shards itself at export; gathering 16-bit
             # weights on every save would materialise the whole model on rank 0.

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import divisors
+from llmft.plan.deepspeed import ZERO3_MAX_LIVE_PARAMETERS
 from llmft.plan.shape import ModelShape, linear_shapes, model_shape
 from llmft.recipe.schema import Recipe
 
@@ -147,15 +148,16 @@ def activation_bytes_per_token_layer(shape: ModelShape, act_bytes: int, adapted_
     - attention: q, k, v after RoPE (a (h + 2 kv)), the SDPA output and the o_proj input
       (2 a h);
     - SwiGLU MLP: gate output, silu(gate), up output, and their product (4 a i);
-    - LoRA: PEFT casts each adapted module's input to the adapter dtype and autocast casts it
-      back, a copy per adapted module: a * (sum of their in_features);
+    - LoRA: PEFT casts each adapted module's input to the adapter dtype (fp32) and autocast casts
+      it back, a copy per adapted module: a * (sum of their in_features); none in an fp32 model,
+      where both casts are no-ops (the adapter saves the tensor the base layer saved);
     - eager attention only: the scores and the softmax (2 a * heads * seq).
     """
     h, kv, i = shape.hidden_size, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
     norms = 2 * (4 + 2 * act_bytes) * h
     attention = act_bytes * (h + 2 * kv) + 2 * act_bytes * h
     mlp = 4 * act_bytes * i
-    lora = act_bytes * adapted_inputs
+    lora = act_bytes * adapted_inputs if act_bytes < 4 else 0
     eager = 2 * act_bytes * shape.num_heads * eager_seq
     return norms + attention + mlp + lora + eager
 
@@ -366,12 +368,17 @@ def _transient_weights(recipe: Recipe, engine: str, shape: ModelShape, params: P
     per_param = weights / max(params.base, 1)  # resident bytes per base param (quantized or not)
     gather = per_param if m.quantization is not None else a  # what a gathered layer costs
     out = 0.0
-    if engine == "fsdp" or (engine == "deepspeed" and d.zero_stage == 3):
+    if engine == "fsdp":
         # The current layer and the prefetched next one are unsharded; the root (embedding,
         # head) stays gathered from forward to backward. FSDP without reshard keeps every layer.
-        keep_all = engine == "fsdp" and not d.reshard_after_forward
-        layers = shape.num_layers if keep_all else min(2, shape.num_layers)
+        layers = shape.num_layers if not d.reshard_after_forward else min(2, shape.num_layers)
         out += (layers * params.layer + params.other) * gather
+    elif engine == "deepspeed" and d.zero_stage == 3:
+        # DeepSpeed releases a gathered parameter only when it is next used more than
+        # stage3_max_reuse_distance parameters later and more than stage3_max_live_parameters are
+        # live (both 1e9, as HF's auto sets them): up to 1e9 parameters stay gathered between
+        # forward and backward, the whole model when it is smaller.
+        out += min(params.base, ZERO3_MAX_LIVE_PARAMETERS) * gather
     elif engine in ("single", "ddp") and not peft and a < 4:
         out += params.base * a  # autocast's cached compute-dtype copy of every fp32 weight
     if m.quantization is not None and m.quantization.bits == 4:
@@ -435,15 +442,19 @@ def pick_micro_batch(recipe: Recipe, engine: str, global_batch_size: int, dp_siz
     )
 
 
-def host_memory_per_node(plan: RunPlan) -> int:
+def host_memory_per_node(plan: RunPlan, *, device_is_host: bool = False) -> int:
     """Host RAM one node needs, in bytes: state offloaded by the engine (parameters and
     optimizer, per rank) plus the peak of loading the model, for the ranks of one node.
 
-    Loading as llmft does it: FSDP2 on the meta device and ZeRO-3 under ``zero.Init`` hold
-    about one shard per rank; a pretrained 4-bit (QLoRA) base on FSDP2 too, plus the one full
-    matrix each rank reads and quantizes at a time (``engines/meta_init.py``). Other quantized
-    bases are built whole on every rank before sharding (bitsandbytes quantizes on load: ZeRO-3,
-    fresh ``model.config`` bases), and so are single / DDP / ZeRO 0-2."""
+    Loading as llmft does it: a pretrained model on FSDP2 or ZeRO-3 is built on the meta device
+    and each rank reads only its shard (``engines/meta_init.py``, ``engines/zero3_init.py``); a
+    4-bit base too, each rank quantizing only the blocks of its part of each matrix (read in the
+    compute dtype). ZeRO-3 allocates each parameter whole on the device for a moment before
+    partitioning it (one at a time: the largest, the embedding or a matrix): host RAM only where
+    the device is the host (``device_is_host``: a CPU run, as in bench/load_memory.py). A fresh ``model.config`` model too
+    big to build whole goes through ``zero.Init`` (about one shard per rank) unless quantized:
+    bitsandbytes quantizes on load, so that base is built whole on every rank, and so is every
+    model on single / DDP / ZeRO 0-2."""
     recipe, engine, dp = plan.recipe, plan.engine, plan.dp_size
     shape = _require_shape(recipe)
     params = count_params(recipe, shape)
@@ -455,10 +466,17 @@ def host_memory_per_node(plan: RunPlan) -> int:
         offloaded += (states["weights"] + states["adapters"]) / layout.weights + states["gradients"] / layout.gradients
     if not layout.optimizer_on_gpu:
         offloaded += (states["optimizer"] + states["master_weights"]) / layout.optimizer
-    sharded_load = plan.meta_init or (plan.zero_init and recipe.model.quantization is None)
+    q = recipe.model.quantization
+    pretrained = recipe.model.config is None
+    sharded_load = plan.meta_init or (plan.zero_init and (q is None or pretrained))
     loading = states["weights"] / layout.weights if sharded_load else states["weights"]
-    if sharded_load and recipe.model.quantization is not None:
-        loading += params.largest_linear * a  # the matrix being quantized
+    if sharded_load:
+        # This rank's part of the tensor being read (the embedding or a matrix; a 4-bit one is read
+        # in the compute dtype and quantized)...
+        loading += max(shape.vocab_size * shape.hidden_size, params.largest_linear) * a / layout.weights
+        if engine == "deepspeed" and device_is_host:  # ... and the ZeRO-3 parameter it goes into, whole for a moment
+            linear_bytes = quantized_bytes_per_param(q.bits, q.double_quant) if q is not None else a
+            loading += max(shape.vocab_size * shape.hidden_size * a, params.largest_linear * linear_bytes)
     return int(plan.world.nproc_per_node * (offloaded + loading))
 
 

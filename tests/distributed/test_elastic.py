@@ -30,6 +30,7 @@ from helpers import (
     ROOT,
     metrics,
     sample_log,
+    save_tiny_pretrained,
     torchrun,
     torchrun_cmd,
     wait_for_step,
@@ -69,11 +70,26 @@ ENGINES = {
         "peft__alpha": 8,
         "model__quantization": {"bits": 4},
     },
+    # ... on a pretrained base: built on the meta device, each rank quantizing only its partition
+    # (llmft.engines.zero3_init), rebuilt that way again by the resumed run
+    "zero3-qlora-pretrained": {
+        "distributed__engine": "deepspeed",
+        "distributed__zero_stage": 3,
+        "peft__method": "lora",
+        "peft__r": 4,
+        "peft__alpha": 8,
+        "pretrained": {"bits": 4},
+    },
 }
 
 
 def _recipe(root: Path, engine: dict, **keys) -> Path:
     write_data(root / "train.jsonl", n=NUM_SAMPLES)
+    engine = dict(engine)
+    quantization = engine.pop("pretrained", None)
+    if quantization is not None:  # the same tiny pretrained model (seeded) for every run of the test
+        hf = save_tiny_pretrained(root / "hf", seed=3)
+        engine["model"] = {"name_or_path": str(hf), "dtype": "fp32", "attn_implementation": "eager", "quantization": quantization}
     return write_recipe(
         root,
         **{
@@ -247,7 +263,7 @@ def test_fsdp_two_ranks_stopped_resume_on_one_rank(references, fsdp_stopped):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3-lora", "zero3-qlora"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3-lora", "zero3-qlora", "zero3-qlora-pretrained"])
 def test_zero_two_ranks_stopped_resume_on_one_rank_via_universal_checkpoint(references, tmp_path, name):
     reference = references(name)
     stopped = _stopped(tmp_path / "stopped", ENGINES[name])  # SIGTERM to torchrun, as SLURM does
@@ -293,7 +309,7 @@ def test_one_rank_stopped_resumes_on_two_ranks(references, tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero0", "zero2", "zero3", "zero3-qlora"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero0", "zero2", "zero3", "zero3-qlora", "zero3-qlora-pretrained"])
 def test_two_ranks_stopped_resume_on_two_ranks(references, tmp_path, name):
     """The same world size: each engine's own checkpoint format, loaded as written (G4)."""
     reference = references(name)

@@ -272,9 +272,11 @@ def test_train_refuses_a_run_that_cannot_fit_before_loading(base, monkeypatch):
 
 
 def test_host_memory_per_node_counts_how_the_model_is_loaded(base):
-    """A pretrained QLoRA base under FSDP2 is quantized weight by weight into each rank's shard: one
-    4-bit copy per node, plus the matrix each rank is quantizing; under ZeRO-3 every rank builds it
-    whole (8 copies on a node); a LoRA base on the meta device needs about one copy per node."""
+    """A pretrained QLoRA base under FSDP2 or ZeRO-3 is quantized block by block into each rank's
+    part: one 4-bit copy per node, plus each rank's part of the tensor it is reading; ZeRO-3
+    also allocates each parameter whole on the device for a moment (the embedding is the largest); a fresh
+    4-bit model.config base is built whole on every rank (bitsandbytes quantizes on load); a LoRA
+    base on the meta device needs about one copy per node."""
     from llmft.plan.memory import host_memory_per_node
 
     shape = model_shape(load(base).recipe.model)
@@ -282,8 +284,22 @@ def test_host_memory_per_node_counts_how_the_model_is_loaded(base):
     assert qlora.meta_init
     p = count_params(qlora.recipe, shape)
     one_q = p.linear * quantized_bytes_per_param(4, True) + p.other * 2  # bf16 unquantized under FSDP2
-    assert host_memory_per_node(qlora) == pytest.approx(one_q + 8 * p.largest_linear * 2, rel=1e-6)
+    embedding = shape.vocab_size * shape.hidden_size * 2  # bf16: larger than any matrix of a layer
+    assert embedding > p.largest_linear * 2
+    assert host_memory_per_node(qlora) == pytest.approx(one_q + embedding, rel=1e-6)  # 8 ranks x 1/8 of it
     zero3 = load(base, *QLORA, "distributed.engine=deepspeed", "distributed.zero_stage=3", nproc=8)
-    assert host_memory_per_node(zero3) == pytest.approx(8 * one_q, rel=1e-6)
+    assert zero3.zero_init
+    assert host_memory_per_node(zero3) == pytest.approx(one_q + embedding, rel=1e-6)
+    # each parameter is allocated whole on the device for a moment: host RAM when the device is the CPU
+    on_cpu = host_memory_per_node(zero3, device_is_host=True)
+    assert on_cpu == pytest.approx(one_q + embedding + 8 * embedding, rel=1e-6)
+    config = "{model_type: llama, hidden_size: 4096, num_hidden_layers: 32, intermediate_size: 14336, "
+    config += "num_attention_heads: 32, num_key_value_heads: 8, vocab_size: 128256}"
+    fresh = load(base, *QLORA, "distributed.engine=deepspeed", "distributed.zero_stage=3", "model.name_or_path=null",
+                 f"model.config={config}", nproc=8)  # fmt: skip
+    assert fresh.zero_init  # above the whole-build threshold
+    f = count_params(fresh.recipe, model_shape(fresh.recipe.model))
+    one_fresh = f.linear * quantized_bytes_per_param(4, True) + f.other * 2
+    assert host_memory_per_node(fresh) == pytest.approx(8 * one_fresh, rel=1e-6)  # bitsandbytes quantizes on load
     lora = load(base, "peft.method=lora", "distributed.engine=fsdp", nproc=8)
-    assert host_memory_per_node(lora) == pytest.approx(shape.num_params * 2, rel=1e-6)
+    assert host_memory_per_node(lora) == pytest.approx(shape.num_params * 2 + embedding, rel=1e-6)
