@@ -361,9 +361,10 @@ def _not_meta_buildable(slots: ParamSlots, what: str) -> UserError:
     return UserError(
         Problem(
             "distributed.engine",
-            f"fsdp builds this model on the meta device, but {type(slots.base).__name__}._init_weights does not "
-            f"initialise {what}",
-            "Use distributed.engine=deepspeed (ZeRO-3 builds big models under zero.Init instead).",
+            f"fsdp and deepspeed ZeRO-3 build this model on the meta device, but {type(slots.base).__name__}"
+            f"._init_weights does not initialise {what}",
+            "Use an engine that builds the model whole on every rank: distributed.engine=ddp, or deepspeed with "
+            "distributed.zero_stage=2 (or less).",
         )
     )
 
