@@ -6,7 +6,8 @@ model, to the bit, as the whole build.
 One torchrun launch (tests/distributed/zero3_meta_probe.py) checks, on 2 ranks: ``from_pretrained``
 is never called; each rank holds half of every parameter; every gathered parameter, every buffer,
 every 4-bit module's statistics and the logits equal the whole build (full fine-tune, LoRA, DoRA,
-LoRA + modules_to_save, tied embeddings with uneven partitions from several bf16 files, QLoRA);
+LoRA + modules_to_save, tied embeddings with uneven partitions from several bf16 files, QLoRA,
+QLoRA with parameters and optimizer offloaded to the CPU);
 and 3 QLoRA steps on ZeRO-3 give the single-process losses.
 """
 
@@ -22,7 +23,7 @@ from helpers import ROOT, metrics, save_tiny_pretrained, torchrun_cmd, train_inp
 
 pytestmark = pytest.mark.distributed
 
-VARIANTS = ["full", "lora", "dora", "lora_save_head", "tied_sharded", "qlora"]
+VARIANTS = ["full", "lora", "dora", "lora_save_head", "tied_sharded", "qlora", "qlora_offload"]
 
 
 def _model(path) -> dict:

@@ -31,6 +31,8 @@ VARIANTS = {
     "tied_sharded": ("tied", LORA),
     # QLoRA: the NF4 base quantized weight by weight into each rank's partition of the packed bytes
     "qlora": ("pretrained", QLORA),
+    # parameters offloaded: DeepSpeed's partition() puts each rank's range in CPU memory
+    "qlora_offload": ("pretrained", [*QLORA, "distributed.offload_params=cpu", "distributed.offload_optimizer=cpu"]),
 }
 FROM_PRETRAINED: list[str] = []
 
