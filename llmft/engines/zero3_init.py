@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from llmft.engines.meta_init import ParamSlots, SafetensorsWeights, init_buffers
+from llmft.errors import Problem, UserError
 
 
 def partition_range(numel: int, rank: int, world: int) -> tuple[int, int, int]:
@@ -63,6 +64,16 @@ def materialize(
             if b is not None:
                 module._buffers[name] = torch.empty_like(b, device=device)
     init = deepspeed.zero.Init(config_dict_or_path=ds_config)  # not entered: its partitioner only
+    if not hasattr(init, "_convert_to_deepspeed_param"):
+        raise UserError(
+            Problem(
+                "distributed.zero_stage",
+                f"DeepSpeed {deepspeed.__version__} has no zero.Init._convert_to_deepspeed_param, which llmft's "
+                "partitioned ZeRO-3 loading of a pretrained model uses",
+                "Install the DeepSpeed llmft is tested with (pip install 'deepspeed>=0.17,<0.20'), or use "
+                "distributed.engine=fsdp.",
+            )
+        )
     by_key = {name: key for key, names in slots.by_key().items() for name in names}
     with torch.no_grad():
         init_buffers(model, slots, device)
