@@ -30,7 +30,7 @@ from llmft.data.read import Chunk, Resolved, parse_line, read, resolve
 from llmft.data.records import BadRecord, parse_record
 from llmft.data.sampler import GlobalOrder, ProbabilityOrder, largest_remainder
 from llmft.data.sources import Source, parse_sources
-from llmft.data.stream import StreamDataset, StreamOrder, open_stream
+from llmft.data.stream import MixedStream, StreamDataset, StreamOrder, open_stream
 from llmft.errors import Problem, UserError
 
 if TYPE_CHECKING:
@@ -275,7 +275,7 @@ class DataBundle:
     (``TrainerState.data``) so that a resume does not re-read the stream before it.
     """
 
-    train: TokenDataset | MixedDataset | StreamDataset
+    train: TokenDataset | MixedDataset | StreamDataset | MixedStream
     eval: TokenDataset | MixedDataset | None
     eval_prompts: list[tuple[list[int], str]]  # (prompt ids incl. chat template, reference completion)
     stats: dict = field(default_factory=dict)  # train counts at the top level, eval counts under "eval"
@@ -305,8 +305,20 @@ class DataBundle:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's ``state_at``; a stream without a cursor re-reads from its start."""
-        if self.streaming and state.get("stream") is not None:
-            self.train.restore(state["stream"])
+        cursor = state.get("stream")
+        if not self.streaming or cursor is None:
+            return
+        sources = len(self.train.streams) if isinstance(self.train, MixedStream) else 1
+        saved = len(cursor) if isinstance(cursor, list) else 1
+        if saved != sources:
+            raise UserError(
+                Problem(
+                    "data.train",
+                    f"streams {sources} source(s), but the checkpoint's stream cursor is for {saved}",
+                    "Resume with the data.train the checkpoint was trained on, or set checkpoint.resume=never.",
+                )
+            )
+        self.train.restore(cursor)
 
 
 @dataclass
@@ -398,12 +410,12 @@ def _build_stream(
     """``data.streaming``: the train source as a ``StreamDataset``; eval data is cached as usual."""
     cfg = recipe.data
     problems = []
-    if len(sources) > 1 or sources[0].weight != 1.0:
+    if cfg.mixture == "repeat" and (len(sources) > 1 or sources[0].weight != 1.0):
         problems.append(
             Problem(
-                "data.train",
-                "a streamed run takes one source with weight 1 in this version",
-                "Give one source, or set data.streaming=false to mix cached sources.",
+                "data.mixture",
+                "is 'repeat' (weights as times per epoch), which needs each source's length: a stream's is unknown",
+                "Set data.mixture=probability (each weight a share of the samples), or data.streaming=false.",
             )
         )
     if recipe.train.max_steps is None:
@@ -424,7 +436,12 @@ def _build_stream(
         )
     if problems:
         raise UserError(*problems)
-    train = open_stream(sources[0], cfg, tokenizer, recipe.run.seed)
+    seed = recipe.run.seed
+    if len(sources) == 1:
+        train: StreamDataset | MixedStream = open_stream(sources[0], cfg, tokenizer, seed)
+    else:  # each source with its own seed, as ProbabilityOrder seeds the sources of a cached mixture
+        streams = [open_stream(s, cfg, tokenizer, seed * 1_000_003 + k + 1) for k, s in enumerate(sources)]
+        train = MixedStream(streams, _probabilities(sources), seed)
     eval_ds, prompts, stats, entries = None, [], {"streaming": True}, []
     if cfg.eval is not None:
         eval_sources = parse_sources(cfg.eval, "data.eval", weights=False)
@@ -436,10 +453,11 @@ def _build_stream(
             {"source": s.describe(), "key": s.key, **_entry_info(d)} for s, d in zip(eval_sources, evals, strict=True)
         ]
     if not quiet:
-        log.info(
-            "%s: streamed (%s), blocks of %d records tokenized as training reaches them",
-            sources[0].key, sources[0].describe(), cfg.stream_block,
-        )  # fmt: skip
+        for s in sources:
+            log.info(
+                "%s: streamed (%s), blocks of %d records tokenized as training reaches them",
+                s.key, s.describe(), cfg.stream_block,
+            )  # fmt: skip
     return DataBundle(train, eval_ds, prompts, stats, entries, streaming=True)
 
 
