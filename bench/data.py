@@ -181,6 +181,7 @@ def seconds_to_first_step(recipe_path: Path) -> float:
 
     run_dir = Path(yaml.safe_load(recipe_path.read_text())["run"]["output_dir"])
     metrics = run_dir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # a previous run's rows
     env = {**os.environ, "PYTHONPATH": str(common.ROOT)}
     t0 = time.time()
     proc = subprocess.Popen(
@@ -193,7 +194,6 @@ def seconds_to_first_step(recipe_path: Path) -> float:
         time.sleep(0.05)
     seconds = time.time() - t0
     proc.communicate()
-    metrics.unlink()  # the next run appends to a fresh file
     return seconds
 
 
