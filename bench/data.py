@@ -175,6 +175,13 @@ def train_recipe(tmp: Path, data: Path, tok: Path, cache: Path, num_proc: int) -
     return common.write_recipe(tmp / "recipe-train.yaml", r)
 
 
+def _stepped(metrics: Path) -> bool:
+    try:
+        return any(json.loads(line)["step"] >= 1 for line in metrics.read_text().splitlines())
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return False
+
+
 def seconds_to_first_step(recipe_path: Path) -> float:
     """Wall seconds from starting ``llmft train`` to its first optimizer step's row in metrics.jsonl."""
     import yaml
@@ -183,17 +190,20 @@ def seconds_to_first_step(recipe_path: Path) -> float:
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)  # a previous run's rows
     env = {**os.environ, "PYTHONPATH": str(common.ROOT)}
-    t0 = time.time()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmft", "train", str(recipe_path)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    while not (metrics.exists() and any(json.loads(x).get("step", 0) >= 1 for x in metrics.read_text().splitlines())):
-        if proc.poll() is not None:
-            raise SystemExit(f"llmft train exited {proc.returncode} before its first step:\n{proc.stderr.read()[-3000:]}")
-        time.sleep(0.05)
-    seconds = time.time() - t0
-    proc.communicate()
+    log = run_dir.parent / f"{run_dir.name}.log"  # a file, not a pipe: progress bars would fill a pipe
+    with open(log, "w") as out:
+        t0 = time.time()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmft", "train", str(recipe_path)], env=env, stdout=out, stderr=out
+        )
+        while not _stepped(metrics):
+            if proc.poll() is not None:
+                raise SystemExit(
+                    f"llmft train exited {proc.returncode} before its first step:\n{log.read_text()[-3000:]}"
+                )
+            time.sleep(0.05)
+        seconds = time.time() - t0
+        proc.wait()
     return seconds
 
 
