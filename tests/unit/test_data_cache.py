@@ -262,3 +262,29 @@ def test_mixture_order_resumes_on_any_layout(tmp_path):
     straight = taken(6, 1, 1, 0, 6)
     assert straight == taken(3, 1, 2, 0, 3) + taken(1, 3, 2, 18, 3)  # resumed on another layout
     assert sorted(straight[:15]) == list(range(15))  # an epoch of the mixture is a permutation
+
+
+def test_jsonl_lines_split_by_arrow_are_the_per_line_readers_records(tmp_path):
+    """The vectorised JSONL split keeps every line number, skips the same blank lines, and leaves a
+    file with a non-UTF-8 line to the per-line reader, which names the line."""
+    from llmft.data.read import _jsonl_rows, _read_lines
+
+    cases = [
+        b'{"text": "ok"}\n\n{"text": "x",}\n   \n\xc2\xa0\n{"text": "\xc3\xa9"}',  # no newline at the end
+        b'{"text": "ok"}\r\n{"text": "y"}\n',
+        b'{"text": "ok"}\n\xff\xfe\n{"text": "z"}\n',
+        b"",
+        b"\n\n",
+    ]
+    files = []
+    for k, data in enumerate(cases):
+        files.append(tmp_path / f"f{k}.jsonl")
+        files[-1].write_bytes(data)
+    want = [
+        {"file": i, "pos": pos, "json": text, "error": error}
+        for i, path in enumerate(files)
+        for pos, text, error in _jsonl_rows(path)
+    ]
+    assert _read_lines(files).dataset.to_list() == want
+    assert [r["pos"] for r in want if r["file"] == 0] == [1, 3, 6]
+    assert want[-2] == {"file": 2, "pos": 2, "json": None, "error": "not valid UTF-8 (invalid start byte at byte 0)"}
