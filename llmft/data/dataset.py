@@ -407,7 +407,7 @@ def _probabilities(sources: list[Source]) -> list[float]:
 def _build_stream(
     recipe: Recipe, tokenizer: PreTrainedTokenizerBase, sources: list[Source], common: dict, quiet: bool
 ) -> DataBundle:
-    """``data.streaming``: the train source as a ``StreamDataset``; eval data is cached as usual."""
+    """``data.streaming``: the train source as a ``StreamDataset`` (several: a ``MixedStream``); eval data is cached."""
     cfg = recipe.data
     problems = []
     if cfg.mixture == "repeat" and (len(sources) > 1 or sources[0].weight != 1.0):
