@@ -8,9 +8,15 @@ generated here (text of median ~300 tokens; chat of 2-12 turns):
    num_proc)`` on the same file: the ratio is llmft / datasets.
 2. second build (a resume, requeue or second run): ``build_data`` in a fresh process that finds
    the entry, seconds of data preparation and the CPU time spent tokenizing (none).
-3. RSS: a fresh process that opens the cached dataset and reads every row; its peak RSS above a
-   process that imported the same modules, against the size of the Arrow cache.
-4. chat, assistant-only loss: seconds per record for 2- and 12-turn conversations (one render per
+3. first optimizer step: ``llmft train`` (a small Llama built from ``model.config``, 1 step of 2
+   sequences) from process start to the step's row in ``metrics.jsonl``, into an empty cache,
+   against the same ``datasets.map`` reference; then again with the cache filled (a second run).
+4. RSS: a fresh process that reads every row of the cached dataset the way a training rank does
+   (``build_data``, ``DataBundle.order``, ``MicroBatchSampler``, ``make_loader`` and its collate,
+   in-process loader); its peak RSS above the same process after it imported what a rank imports
+   (torch, ``llmft.run``) and ran the loader once on a tiny batch, against the size of the Arrow
+   cache. Of that: the resident pages of the cache's memory map and the anonymous memory.
+5. chat, assistant-only loss: seconds per record for 2- and 12-turn conversations (one render per
    conversation), and the ratio; linear in turns means ~6x (12 turns hold 6x the tokens).
 
     python bench/data.py                 # 200k text records, 50k chat records (several minutes here)
@@ -107,31 +113,47 @@ def recipe(tmp: Path, data: Path, tok: Path, cache: Path, num_proc: int, seq: in
 
 CHILD = r"""
 import json, os, resource, sys, time
-def rss():
+def status(key):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
+def mapped(prefix):  # resident bytes of the mappings of files under prefix (the cache)
+    total, name = 0, ""
+    for line in open("/proc/self/smaps"):
+        parts = line.split()
+        if not parts[0].endswith(":"):
+            name = parts[5] if len(parts) > 5 else ""
+        elif parts[0] == "Rss:" and name.startswith(prefix):
+            total += int(parts[1]) * 1024
+    return total
 t0, c0 = time.time(), time.process_time()
-from llmft.data import build_data
+import llmft.run  # what a training rank imports
+from llmft.data import GlobalOrder, MicroBatchSampler, TokenDataset, build_data, make_loader
 from llmft.recipe import load_recipe
 from llmft.tokenizer import load_tokenizer
-r = load_recipe(sys.argv[1], [], world_size=1)
+r = load_recipe(sys.argv[1], [])
 tok = load_tokenizer(r.model)
-base_rss = rss()
+tiny = TokenDataset([([1, 2, 3], [-100, 2, 3], None)] * 8)  # the loader's own code pages, before the base
+for _ in make_loader(tiny, MicroBatchSampler(GlobalOrder(8, 0, True), 8, 8, 1, 0, 1, num_steps=2), 0, 0, 2):
+    pass
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM (the peak) restarts from here: imports peak higher
+base_rss, base_anon = status("VmRSS"), status("RssAnon")
 t1, c1 = time.time(), time.process_time()
 data = build_data(r, tok)
 t2, c2 = time.time(), time.process_time()
 children = resource.getrusage(resource.RUSAGE_CHILDREN)
-total = 0
-if sys.argv[2] == "touch":
-    ds = data.train
-    total = int(ds._input_ids.sum()) + int(ds._target.sum())  # every page of the map
-    for i in range(0, len(ds), 50):
-        ds[i]
+rows = 0
+if sys.argv[2] == "read":  # every row, as the training loop's DataLoader takes them
+    ds, g = data.train, r.batch.global_batch_size
+    sampler = MicroBatchSampler(data.order(r.run.seed, r.data.shuffle), g, g, 1, 0, 1, num_steps=-(-len(ds) // g))
+    for batch in make_loader(ds, sampler, tok.pad_token_id, 0, 2):
+        rows += len(batch["input_ids"])
 print(json.dumps({"seconds": t2 - t1, "cpu": c2 - c1 + children.ru_utime + children.ru_stime,
                   "built": data.entries[0]["built"], "bytes": data.entries[0]["bytes"],
-                  "tokens": data.stats["tokens"], "records": data.stats["records"],
-                  "base_rss": base_rss, "rss": rss(), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "tokens": data.stats["tokens"], "records": data.stats["records"], "rows": rows,
+                  "base_rss": base_rss, "rss": status("VmRSS"), "anon": status("RssAnon") - base_anon,
+                  "cache_rss": mapped(r.data.cache_dir),
+                  "peak_rss": status("VmHWM")}))
 """
 
 
@@ -141,6 +163,48 @@ def run_child(recipe_path: Path, mode: str) -> dict:
         [sys.executable, "-c", CHILD, str(recipe_path), mode], capture_output=True, text=True, env=env, check=True
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def train_recipe(tmp: Path, data: Path, tok: Path, cache: Path, num_proc: int) -> Path:
+    """``llmft train`` for one optimizer step of 2 sequences of the bench Llama, with the tokenizer's vocabulary."""
+    r = common.base_recipe(tmp / "train-run", data, seq=2048, micro=1, global_batch=2, steps=1)
+    r["model"]["config"].update(vocab_size=32000, max_position_embeddings=2048)
+    r["model"]["tokenizer"] = str(tok)
+    r["data"].update(cache_dir=str(cache), num_proc=num_proc)
+    r["run"]["tensorboard"] = False
+    return common.write_recipe(tmp / "recipe-train.yaml", r)
+
+
+def _stepped(metrics: Path) -> bool:
+    try:
+        return any(json.loads(line)["step"] >= 1 for line in metrics.read_text().splitlines())
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return False
+
+
+def seconds_to_first_step(recipe_path: Path) -> float:
+    """Wall seconds from starting ``llmft train`` to its first optimizer step's row in metrics.jsonl."""
+    import yaml
+
+    run_dir = Path(yaml.safe_load(recipe_path.read_text())["run"]["output_dir"])
+    metrics = run_dir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # a previous run's rows
+    env = {**os.environ, "PYTHONPATH": str(common.ROOT)}
+    log = run_dir.parent / f"{run_dir.name}.log"  # a file, not a pipe: progress bars would fill a pipe
+    with open(log, "w") as out:
+        t0 = time.time()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmft", "train", str(recipe_path)], env=env, stdout=out, stderr=out
+        )
+        while not _stepped(metrics):
+            if proc.poll() is not None:
+                raise SystemExit(
+                    f"llmft train exited {proc.returncode} before its first step:\n{log.read_text()[-3000:]}"
+                )
+            time.sleep(0.05)
+        seconds = time.time() - t0
+        proc.wait()
+    return seconds
 
 
 def datasets_map(data: Path, tok_dir: Path, num_proc: int, cache: Path) -> tuple[float, float]:
@@ -191,9 +255,11 @@ def main() -> None:
     ref_s, ref_cpu = datasets_map(text, tok_dir, args.num_proc, tmp / "hf")
     r = recipe(tmp, text, tok_dir, tmp / "cache", args.num_proc)
     first = run_child(r, "none")
-    second = run_child(r, "touch")
-    assert first["built"] and not second["built"]
-    rss_over = second["rss"] - second["base_rss"]
+    second = run_child(r, "read")
+    assert first["built"] and not second["built"] and second["rows"] >= second["records"]
+    rss_over = second["peak_rss"] - second["base_rss"]
+    t = train_recipe(tmp, text, tok_dir, tmp / "cache-train", args.num_proc)
+    step_first, step_second = seconds_to_first_step(t), seconds_to_first_step(t)
 
     two, twelve = tmp / "chat2.jsonl", tmp / "chat12.jsonl"
     write_chat(two, args.chat // 2, 2, words)
@@ -210,11 +276,15 @@ def main() -> None:
         ["  datasets load_dataset + map(num_proc), s", f"{ref_s:.1f}", ""],
         ["  ratio llmft / datasets (wall, CPU)", f"{first['seconds'] / ref_s:.2f}", f"{first['cpu'] / ref_cpu:.2f}"],
         ["second run (cache hit): data preparation, s", f"{second['seconds']:.2f}", f"cpu {second['cpu']:.2f} s"],
+        ["llmft train, empty cache: start to first optimizer step, s", f"{step_first:.1f}", ""],
+        ["  ratio to datasets load_dataset + map(num_proc)", f"{step_first / ref_s:.2f}", ""],
+        ["llmft train, cache filled: start to first optimizer step, s", f"{step_second:.1f}", ""],
         ["Arrow cache size, MiB", f"{first['bytes'] / mb:.0f}", f"{first['bytes'] / first['tokens']:.1f} B/token"],
         [
-            "RSS of a rank that read every row, above imports, MiB",
+            "peak RSS of a rank that read every row, above imports, MiB",
             f"{rss_over / mb:.0f}",
-            f"peak RSS {second['peak_rss'] / mb:.0f} MiB in all",
+            f"cache map {second['cache_rss'] / mb:.0f}, anonymous {second['anon'] / mb:.1f}; "
+            f"{second['peak_rss'] / mb:.0f} in all",
         ],
         ["  ratio RSS / cache size", f"{rss_over / first['bytes']:.2f}", ""],
         ["chat, assistant-only: 2 turns, ms/record", f"{per2 * 1e3:.3f}", ""],

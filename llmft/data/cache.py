@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmft.data")
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: a layout file beside each Arrow file
 CACHE_ENV = "LLMFT_CACHE"
 META = "meta.json"
 

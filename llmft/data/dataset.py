@@ -30,7 +30,7 @@ from llmft.data.read import Chunk, Resolved, parse_line, read, resolve
 from llmft.data.records import BadRecord, parse_record
 from llmft.data.sampler import GlobalOrder, ProbabilityOrder, largest_remainder
 from llmft.data.sources import Source, parse_sources
-from llmft.data.stream import StreamDataset, StreamOrder, open_stream
+from llmft.data.stream import MixedStream, StreamDataset, StreamOrder, open_stream
 from llmft.errors import Problem, UserError
 
 if TYPE_CHECKING:
@@ -114,7 +114,9 @@ class TokenDataset:
         return int(self._offsets[-1])
 
     def write(self, path: Path) -> None:
-        """One Arrow IPC stream file (``datasets.Dataset.from_file`` opens it too)."""
+        """One Arrow IPC stream file (``datasets.Dataset.from_file`` opens it too), and beside it
+        ``<name>.layout.json``: where each column's buffers lie in the file, so that ``open`` maps
+        them with numpy alone (importing pyarrow and pandas costs a rank ~66 MiB of RSS)."""
         import pyarrow as pa
 
         columns = {
@@ -126,27 +128,42 @@ class TokenDataset:
         table = pa.table(columns)
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=max(1, len(self)))
+        _layout_path(path).write_text(json.dumps(_layout(path)))
 
     @classmethod
     def open(cls, path: Path) -> TokenDataset:
-        """Memory-map a file written by ``write``: no copy, pages load as rows are read."""
-        import pyarrow as pa
+        """Memory-map a file written by ``write``: no copy, no pyarrow; pages load as rows are read."""
+        import mmap
 
-        table = pa.ipc.open_stream(pa.memory_map(str(path), "r")).read_all()
+        path = Path(path)
+        layout = json.loads(_layout_path(path).read_text())
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != layout["bytes"]:
+                raise UserError(
+                    Problem(
+                        str(path),
+                        f"is {size} bytes, but its layout says {layout['bytes']}: the cache entry was changed",
+                        f"Delete the entry {path.parent} so that it is built again.",
+                    )
+                )
+            view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
 
         def flat(name: str) -> tuple[np.ndarray, np.ndarray]:
-            column = table.column(name)
-            if column.num_chunks == 0:
+            col = layout["columns"].get(name)
+            if col is None:  # no record batch: an empty dataset
                 return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int32)
-            assert column.num_chunks == 1, f"{path}: {column.num_chunks} chunks"
-            arr = column.chunk(0)
-            return arr.offsets.to_numpy(zero_copy_only=True), arr.values.to_numpy(zero_copy_only=True)
+            (o_at, o_n), (v_at, v_n, v_type) = col["offsets"], col["values"]
+            offsets = np.frombuffer(view, dtype=np.int64, count=o_n, offset=o_at)
+            values = np.frombuffer(view, dtype=np.dtype(v_type), count=v_n, offset=v_at)
+            assert offsets[0] == 0 and offsets[-1] == v_n, f"{path}: {name} offsets do not match its values"
+            return offsets, values
 
         offsets, ids = flat("input_ids")
         _, target = flat("target")
-        segs = flat("segments") if "segments" in table.column_names else (None, None)
+        segs = flat("segments") if layout["segments"] else (None, None)
         self = cls.from_arrays(ids, target, offsets, segs[1], segs[0])
-        self.path = Path(path)
+        self.path = path
         return self
 
     def __reduce__(self):
@@ -162,6 +179,34 @@ class TokenDataset:
 def _segments_of(pos: list[int]) -> list[int]:
     starts = [t for t, p in enumerate(pos) if p == 0] + [len(pos)]
     return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+
+
+def _layout_path(path: Path) -> Path:
+    return Path(path).with_suffix(".layout.json")
+
+
+def _layout(path: Path) -> dict[str, Any]:
+    """Byte offset and length of each column's offsets and values in the Arrow file at ``path``."""
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path), "r")
+    base = source.read_buffer(1).address if source.size() else 0
+    source.seek(0)
+    table = pa.ipc.open_stream(source).read_all()
+    columns: dict[str, Any] = {}
+    for name in table.column_names:
+        column = table.column(name)
+        if column.num_chunks == 0:
+            continue
+        assert column.num_chunks == 1, f"{path}: {column.num_chunks} chunks"
+        arr = column.chunk(0)
+        assert arr.offset == 0 and arr.values.offset == 0 and arr.null_count == 0, f"{path}: {name} is sliced"
+        _, offsets, _, values = arr.buffers()
+        columns[name] = {
+            "offsets": [offsets.address - base, len(arr) + 1],
+            "values": [values.address - base, len(arr.values), arr.type.value_type.to_pandas_dtype().__name__],
+        }
+    return {"bytes": source.size(), "columns": columns, "segments": "segments" in table.column_names}
 
 
 def _list_array(offsets: np.ndarray, values: np.ndarray):
@@ -230,7 +275,7 @@ class DataBundle:
     (``TrainerState.data``) so that a resume does not re-read the stream before it.
     """
 
-    train: TokenDataset | MixedDataset | StreamDataset
+    train: TokenDataset | MixedDataset | StreamDataset | MixedStream
     eval: TokenDataset | MixedDataset | None
     eval_prompts: list[tuple[list[int], str]]  # (prompt ids incl. chat template, reference completion)
     stats: dict = field(default_factory=dict)  # train counts at the top level, eval counts under "eval"
@@ -260,8 +305,20 @@ class DataBundle:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's ``state_at``; a stream without a cursor re-reads from its start."""
-        if self.streaming and state.get("stream") is not None:
-            self.train.restore(state["stream"])
+        cursor = state.get("stream")
+        if not self.streaming or cursor is None:
+            return
+        sources = len(self.train.streams) if isinstance(self.train, MixedStream) else 1
+        saved = len(cursor) if isinstance(cursor, list) else 1
+        if saved != sources:
+            raise UserError(
+                Problem(
+                    "data.train",
+                    f"streams {sources} source(s), but the checkpoint's stream cursor is for {saved}",
+                    "Resume with the data.train the checkpoint was trained on, or set checkpoint.resume=never.",
+                )
+            )
+        self.train.restore(cursor)
 
 
 @dataclass
@@ -350,15 +407,15 @@ def _probabilities(sources: list[Source]) -> list[float]:
 def _build_stream(
     recipe: Recipe, tokenizer: PreTrainedTokenizerBase, sources: list[Source], common: dict, quiet: bool
 ) -> DataBundle:
-    """``data.streaming``: the train source as a ``StreamDataset``; eval data is cached as usual."""
+    """``data.streaming``: the train source as a ``StreamDataset`` (several: a ``MixedStream``); eval data is cached."""
     cfg = recipe.data
     problems = []
-    if len(sources) > 1 or sources[0].weight != 1.0:
+    if cfg.mixture == "repeat" and (len(sources) > 1 or sources[0].weight != 1.0):
         problems.append(
             Problem(
-                "data.train",
-                "a streamed run takes one source with weight 1 in this version",
-                "Give one source, or set data.streaming=false to mix cached sources.",
+                "data.mixture",
+                "is 'repeat' (weights as times per epoch), which needs each source's length: a stream's is unknown",
+                "Set data.mixture=probability (each weight a share of the samples), or data.streaming=false.",
             )
         )
     if recipe.train.max_steps is None:
@@ -379,7 +436,12 @@ def _build_stream(
         )
     if problems:
         raise UserError(*problems)
-    train = open_stream(sources[0], cfg, tokenizer, recipe.run.seed)
+    seed = recipe.run.seed
+    if len(sources) == 1:
+        train: StreamDataset | MixedStream = open_stream(sources[0], cfg, tokenizer, seed)
+    else:  # each source with its own seed, as ProbabilityOrder seeds the sources of a cached mixture
+        streams = [open_stream(s, cfg, tokenizer, seed * 1_000_003 + k + 1) for k, s in enumerate(sources)]
+        train = MixedStream(streams, _probabilities(sources), seed)
     eval_ds, prompts, stats, entries = None, [], {"streaming": True}, []
     if cfg.eval is not None:
         eval_sources = parse_sources(cfg.eval, "data.eval", weights=False)
@@ -391,10 +453,11 @@ def _build_stream(
             {"source": s.describe(), "key": s.key, **_entry_info(d)} for s, d in zip(eval_sources, evals, strict=True)
         ]
     if not quiet:
-        log.info(
-            "%s: streamed (%s), blocks of %d records tokenized as training reaches them",
-            sources[0].key, sources[0].describe(), cfg.stream_block,
-        )  # fmt: skip
+        for s in sources:
+            log.info(
+                "%s: streamed (%s), blocks of %d records tokenized as training reaches them",
+                s.key, s.describe(), cfg.stream_block,
+            )  # fmt: skip
     return DataBundle(train, eval_ds, prompts, stats, entries, streaming=True)
 
 

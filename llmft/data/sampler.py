@@ -24,7 +24,7 @@ class GlobalOrder:
         self.seed = seed
         self.shuffle = shuffle
         self._cached_epoch = -1
-        self._perm: list[int] = []
+        self._perm = None  # the current epoch's permutation: int64 numpy (a list would cost ~36 B per sample)
 
     def epoch(self, position: int) -> int:
         return position // self.num_samples
@@ -35,15 +35,15 @@ class GlobalOrder:
         offset = position % self.num_samples
         if not self.shuffle:
             return offset
-        return self._permutation(self.epoch(position))[offset]
+        return int(self._permutation(self.epoch(position))[offset])
 
-    def _permutation(self, epoch: int) -> list[int]:
+    def _permutation(self, epoch: int):
         # Positions are read in increasing order, so caching the current epoch suffices.
         if epoch != self._cached_epoch:
             import torch
 
             gen = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = torch.randperm(self.num_samples, generator=gen).tolist()
+            self._perm = torch.randperm(self.num_samples, generator=gen).numpy()
             self._cached_epoch = epoch
         return self._perm
 
@@ -103,39 +103,42 @@ class MicroBatchSampler:
         return self.num_steps * self.gradient_accumulation_steps
 
 
-class ProbabilityOrder:
-    """``data.mixture: probability``: position -> index of a concatenation of sources, by share.
+class ShareWindows:
+    """Position -> (source, its sample number) by exact shares: the windows of ``data.mixture: probability``.
 
     Positions are cut into windows of ``WINDOW``; window w holds exactly ``counts[k]`` positions
     of source k (its probability times the window, rounded by largest remainder), in an order
-    seeded with (seed, w). The j-th position that falls to source k takes position j of that
-    source's own ``GlobalOrder`` (each source has its own epochs). All of it is a pure function
-    of (seed, position), so resumes, elastic ones too, are exact.
+    seeded with (seed, w). The j-th position that falls to source k is that source's sample j.
+    Cached mixtures (``ProbabilityOrder``) and streamed ones (``stream.MixedStream``) share it.
     """
 
     WINDOW = 10_000
 
-    def __init__(self, lengths: list[int], probabilities: list[float], seed: int, shuffle: bool) -> None:
+    def __init__(self, probabilities: list[float], seed: int) -> None:
         self.counts = largest_remainder(probabilities, self.WINDOW)
         self.seed = seed
-        self.bases = [sum(lengths[:k]) for k in range(len(lengths))]
-        self.orders = [GlobalOrder(n, seed * 1_000_003 + k + 1, shuffle) for k, n in enumerate(lengths)]
         self._window = -1
         self._slots: list[int] = []
         self._rank: list[int] = []  # of each slot among the window's slots of its source
 
-    def index(self, position: int) -> int:
+    def draw(self, position: int) -> tuple[int, int]:
         if position < 0:
             raise ValueError(f"position must be >= 0, got {position}")
         w, o = divmod(position, self.WINDOW)
         if w != self._window:
             self._fill(w)
         k = self._slots[o]
-        return self.bases[k] + self.orders[k].index(w * self.counts[k] + self._rank[o])
+        return k, w * self.counts[k] + self._rank[o]
 
-    def source(self, position: int) -> int:
-        self.index(position)
-        return self._slots[position % self.WINDOW]
+    def taken(self, position: int) -> list[int]:
+        """How many of the positions before ``position`` fall to each source."""
+        w, o = divmod(position, self.WINDOW)
+        out = [w * c for c in self.counts]
+        if o:
+            self.draw(position - 1)
+            for k in self._slots[:o]:
+                out[k] += 1
+        return out
 
     def _fill(self, window: int) -> None:
         import torch
@@ -149,6 +152,30 @@ class ProbabilityOrder:
             self._rank.append(seen[k])
             seen[k] += 1
         self._window = window
+
+
+class ProbabilityOrder:
+    """``data.mixture: probability``: position -> index of a concatenation of sources, by share.
+
+    ``ShareWindows`` deals positions to sources; sample j of source k takes position j of that
+    source's own ``GlobalOrder`` (each source has its own epochs). All of it is a pure function
+    of (seed, position), so resumes, elastic ones too, are exact.
+    """
+
+    WINDOW = ShareWindows.WINDOW
+
+    def __init__(self, lengths: list[int], probabilities: list[float], seed: int, shuffle: bool) -> None:
+        self.windows = ShareWindows(probabilities, seed)
+        self.counts = self.windows.counts
+        self.bases = [sum(lengths[:k]) for k in range(len(lengths))]
+        self.orders = [GlobalOrder(n, seed * 1_000_003 + k + 1, shuffle) for k, n in enumerate(lengths)]
+
+    def index(self, position: int) -> int:
+        k, j = self.windows.draw(position)
+        return self.bases[k] + self.orders[k].index(j)
+
+    def source(self, position: int) -> int:
+        return self.windows.draw(position)[0]
 
 
 def largest_remainder(probabilities: list[float], total: int) -> list[int]:

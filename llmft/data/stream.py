@@ -16,6 +16,10 @@ there: JSONL seeks to the byte, other files and shards before the cursor are ski
 records inside the cursor's Parquet/CSV/hub shard are read again (not tokenized), and one block
 is tokenized again. The cursor lives in the training process, so a streamed run loads its
 micro-batches there (``data.num_workers`` is not used).
+
+Several sources (``data.mixture: probability``) are one ``StreamDataset`` each, dealt positions by
+``MixedStream`` with the windows of cached probability mixtures; the checkpoint keeps one cursor
+per source.
 """
 
 from __future__ import annotations
@@ -138,6 +142,44 @@ class StreamDataset:
             self._perm = torch.randperm(n, generator=gen).tolist()
         else:
             self._perm = list(range(n))
+
+
+class MixedStream:
+    """``data.mixture: probability`` over streamed sources.
+
+    ``sampler.ShareWindows`` deals every window of positions to the sources by their exact
+    shares (as for cached mixtures); the j-th position dealt to source k is row j of that
+    source's own stream (a ``StreamDataset`` shuffled with its own seed, pass after pass). Each
+    source's rows are asked for in increasing order, so each stream is read forward only. The
+    checkpoint keeps one cursor per source: the block holding that source's next sample.
+    """
+
+    def __init__(self, streams: list[StreamDataset], probabilities: list[float], seed: int) -> None:
+        from llmft.data.sampler import ShareWindows
+
+        self.streams = streams
+        self.windows = ShareWindows(probabilities, seed)
+        self.packed = all(s.packed for s in streams)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {k: sum(s.stats[k] for s in self.streams) for k in self.streams[0].stats}
+
+    def __getitem__(self, position: int) -> dict[str, Any]:
+        k, j = self.windows.draw(position)
+        return self.streams[k][j]
+
+    def cursor_at(self, position: int) -> list[dict[str, Any]]:
+        """Each source's cursor: the block that holds its first sample at or after ``position``."""
+        return [s.cursor_at(n) for s, n in zip(self.streams, self.windows.taken(position), strict=True)]
+
+    def restore(self, cursors: list[dict[str, Any]]) -> None:
+        for s, c in zip(self.streams, cursors, strict=True):
+            s.restore(c)
+
+    def epoch(self, position: int) -> float:
+        """The passes every source has begun: the smallest pass among the sources' next samples."""
+        return min(float(c["pass"]) for c in self.cursor_at(position))
 
 
 class _Blocks:
@@ -323,6 +365,7 @@ class _IterableReader(_Reader):
 
 
 def open_stream(src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> StreamDataset:
+    """One source as a stream whose block permutations are seeded with ``seed``."""
     resolved = resolve(src)
     if resolved.kind == "files":
         kinds = {p.suffix in LINE_EXTENSIONS for p in resolved.files}

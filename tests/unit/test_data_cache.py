@@ -127,6 +127,41 @@ def test_token_dataset_round_trips_through_arrow(tmp_path):
     assert rows(pickle.loads(pickle.dumps(back))) == rows(ds)  # workers re-open the map
 
 
+def test_a_rank_maps_the_cache_with_numpy_alone_and_the_file_stays_arrow(tmp_path):
+    """Opening an entry imports neither pyarrow nor pandas (~66 MiB of RSS per rank); the rows are
+    views of one read-only map of the file, which pyarrow (and so datasets) still reads."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "x" * (i % 7 + 2)} for i in range(40)])
+    built = build_data(recipe(tmp_path, str(path), packing=True, max_seq_len=16), byte_tokenizer())
+    file = built.train.path
+    child = (
+        "import sys, json; from llmft.data import TokenDataset; ds = TokenDataset.open(sys.argv[1]); "
+        "print(json.dumps([ds[i] for i in range(len(ds))])); "
+        "print(json.dumps([m for m in ('pyarrow', 'pandas', 'datasets') if m in sys.modules]))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(llmft.__file__))}
+    out = subprocess.run([sys.executable, "-c", child, str(file)], capture_output=True, text=True, check=True, env=env)
+    got, imported = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
+    assert got == rows(built.train) and imported == []
+    assert not built.train._input_ids.flags.writeable and not built.train._input_ids.flags.owndata
+    table = pa.ipc.open_stream(pa.memory_map(str(file))).read_all()
+    assert table.column("input_ids").to_pylist() == [r["input_ids"] for r in got]
+
+
+def test_a_cache_file_changed_after_its_layout_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "abc"}, {"text": "de"}])
+    file = build_data(recipe(tmp_path, str(path)), byte_tokenizer()).train.path
+    with open(file, "ab") as f:
+        f.write(b"\0" * 8)
+    with pytest.raises(UserError) as e:
+        TokenDataset.open(file)
+    assert str(e.value).count("the cache entry was changed") == 1 and f"Delete the entry {file.parent}" in str(e.value)
+
+
 # --- llmft prepare ----------------------------------------------------------------------
 
 
@@ -227,3 +262,29 @@ def test_mixture_order_resumes_on_any_layout(tmp_path):
     straight = taken(6, 1, 1, 0, 6)
     assert straight == taken(3, 1, 2, 0, 3) + taken(1, 3, 2, 18, 3)  # resumed on another layout
     assert sorted(straight[:15]) == list(range(15))  # an epoch of the mixture is a permutation
+
+
+def test_jsonl_lines_split_by_arrow_are_the_per_line_readers_records(tmp_path):
+    """The vectorised JSONL split keeps every line number, skips the same blank lines, and leaves a
+    file with a non-UTF-8 line to the per-line reader, which names the line."""
+    from llmft.data.read import _jsonl_rows, _read_lines
+
+    cases = [
+        b'{"text": "ok"}\n\n{"text": "x",}\n   \n\xc2\xa0\n{"text": "\xc3\xa9"}',  # no newline at the end
+        b'{"text": "ok"}\r\n{"text": "y"}\n',
+        b'{"text": "ok"}\n\xff\xfe\n{"text": "z"}\n',
+        b"",
+        b"\n\n",
+    ]
+    files = []
+    for k, data in enumerate(cases):
+        files.append(tmp_path / f"f{k}.jsonl")
+        files[-1].write_bytes(data)
+    want = [
+        {"file": i, "pos": pos, "json": text, "error": error}
+        for i, path in enumerate(files)
+        for pos, text, error in _jsonl_rows(path)
+    ]
+    assert _read_lines(files).dataset.to_list() == want
+    assert [r["pos"] for r in want if r["file"] == 0] == [1, 3, 6]
+    assert want[-2] == {"file": 2, "pos": 2, "json": None, "error": "not valid UTF-8 (invalid start byte at byte 0)"}

@@ -128,7 +128,7 @@ def test_streaming_refuses_what_it_cannot_do(tmp_path):
             tmp_path, data__streaming=True, data__eval_fraction=0.1, train__max_steps=None, train__epochs=1,
             data__train=[str(tmp_path / "train.jsonl")] * 2,
         )  # fmt: skip
-    assert [p.where for p in e.value.problems] == ["data.train", "train.max_steps", "data.eval_fraction"]
+    assert [p.where for p in e.value.problems] == ["data.mixture", "train.max_steps", "data.eval_fraction"]
     assert "cannot hold out a fraction of records it has not read" in str(e.value)
 
 
