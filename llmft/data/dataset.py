@@ -757,6 +757,26 @@ def _holdout(items: np.ndarray, fraction: float, seed: int, key: str) -> tuple[n
     return items[~held], items[held]
 
 
+def _kept_tokens(
+    ids: np.ndarray, target: np.ndarray, offsets: np.ndarray, starts: np.ndarray, kept_len: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of the kept records (``kept_len`` tokens from each of ``starts``), in that order:
+    ``ids[ranges(starts, kept_len)]``. When the records are in file order (no held-out split), a
+    token mask over the few truncated tails and dropped records avoids the 8-byte index per token."""
+    if len(starts) == len(offsets) - 1 and np.array_equal(kept_len, np.diff(offsets)):
+        return ids, target  # every token of every record, in file order: nothing to copy
+    if len(starts) and np.all(starts[1:] > starts[:-1]):
+        ends = starts + kept_len
+        # +1 at each kept range's start, -1 at its end: the running sum is 1 inside a kept range
+        marks = np.zeros(len(ids) + 1, dtype=np.int8)
+        np.add.at(marks, starts, 1)
+        np.add.at(marks, ends, -1)
+        keep = np.cumsum(marks[:-1], dtype=np.int8).astype(bool)
+        return ids[keep], target[keep]
+    take = ranges(starts, kept_len)
+    return ids[take], target[take]
+
+
 def _rows(
     ids: np.ndarray, target: np.ndarray, offsets: np.ndarray, items: np.ndarray, cfg: DataConfig, pad_id: int, key: str
 ) -> tuple[TokenDataset, dict]:
@@ -786,9 +806,8 @@ def _rows(
             packed.input_ids, packed.target, row_offsets, packed.segments, packed.segment_offsets
         )
     else:
-        take = ranges(starts, kept_len)
         row_offsets = np.concatenate([[0], np.cumsum(kept_len)]).astype(np.int64)
-        rows = TokenDataset.from_arrays(ids[take], target[take], row_offsets)
+        rows = TokenDataset.from_arrays(*_kept_tokens(ids, target, offsets, starts, kept_len), row_offsets)
     stats = {
         "records": len(items),
         "truncated": truncated,

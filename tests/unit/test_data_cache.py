@@ -288,3 +288,29 @@ def test_jsonl_lines_split_by_arrow_are_the_per_line_readers_records(tmp_path):
     assert _read_lines(files).dataset.to_list() == want
     assert [r["pos"] for r in want if r["file"] == 0] == [1, 3, 6]
     assert want[-2] == {"file": 2, "pos": 2, "json": None, "error": "not valid UTF-8 (invalid start byte at byte 0)"}
+
+
+def test_kept_tokens_equal_the_indexed_ranges_for_every_selection():
+    """_rows takes the kept tokens without an index per token where it can (all records whole and in
+    order: the arrays themselves; in order with truncated or dropped records: a mask); every
+    selection gives exactly ``ids[ranges(starts, kept)]``."""
+    from llmft.data.dataset import _kept_tokens
+    from llmft.data.pack import ranges
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n = int(rng.integers(1, 30))
+        lens = rng.integers(0, 9, n)
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        ids = rng.integers(0, 1000, offsets[-1]).astype(np.int32)
+        target = rng.integers(0, 2, offsets[-1]).astype(np.uint8)
+        items = np.arange(n)
+        if trial % 3 == 0:  # records dropped (no target within max_seq_len)
+            items = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False))
+        if trial % 5 == 0:  # a held-out split's shuffled order
+            items = rng.permutation(n)
+        starts = offsets[items]
+        kept = lens[items] if trial % 2 else np.minimum(lens[items], rng.integers(0, 9))  # truncated
+        got_ids, got_target = _kept_tokens(ids, target, offsets, starts, kept)
+        take = ranges(starts, kept)
+        assert np.array_equal(got_ids, ids[take]) and np.array_equal(got_target, target[take]), trial
