@@ -78,7 +78,7 @@ def materialize(
     with torch.no_grad():
         init_buffers(model, slots, device)
         for name, owners in slots.owners.items():
-            param = _partitioned(init, slots, name, owners, device)
+            param = _zero_param(init, slots, name, owners, device)
             start, end, _ = partition_range(param.ds_numel, param.ds_zero_partition_rank, param.ds_zero_partition_world_size)
             if name in slots.packed:
                 values = _quantized_range(slots, name, weights, by_key[name], param, start, end, device)
@@ -97,7 +97,7 @@ def materialize(
             _dora_magnitudes(model)
 
 
-def _partitioned(
+def _zero_param(
     init: Any, slots: ParamSlots, name: str, owners: list[tuple[torch.nn.Module, str]], device: torch.device
 ) -> torch.nn.Parameter:
     """A real parameter of ``name``'s shape made a ZeRO-3 parameter, not yet partitioned, set on
