@@ -179,7 +179,21 @@ def main() -> None:
         extra = peaks["big"]["peak"] - peaks["tiny"]["peak"]
         load = peaks["big"]["load"] - peaks["tiny"]["load"]
         whole = max(host, step)  # on a CPU the step's memory is host memory too
-        rows.append([name, ranks, load / MB, load / b, goal, host / MB, load / host, extra / MB, extra / b, whole / MB, extra / whole])
+        rows.append(
+            [
+                name,
+                ranks,
+                load / MB,
+                load / b,
+                goal,
+                host / MB,
+                load / host,
+                extra / MB,
+                extra / b,
+                whole / MB,
+                extra / whole,
+            ]
+        )
         if name == "FSDP2 + LoRA":  # the merged export of this run, one process
             exports = {}
             for size in ("tiny", "big"):
@@ -188,7 +202,9 @@ def main() -> None:
                 argv = ["export", str(run), "--merge-lora", "--out", str(out)]
                 exports[size] = _run(work / f"{slug}-{size}" / "rss-export", 1, argv)
             extra = exports["big"]["peak"] - exports["tiny"]["peak"]
-            rows.append(["merged export of the FSDP2 LoRA run", 1, "-", "-", 0.5, "-", "-", extra / MB, extra / b, "-", "-"])
+            rows.append(
+                ["merged export of the FSDP2 LoRA run", 1, "-", "-", 0.5, "-", "-", extra / MB, extra / b, "-", "-"]
+            )
     header = [
         "case",
         "ranks",

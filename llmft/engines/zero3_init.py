@@ -79,7 +79,9 @@ def materialize(
         init_buffers(model, slots, device)
         for name, owners in slots.owners.items():
             param = _zero_param(init, slots, name, owners, device)
-            start, end, _ = partition_range(param.ds_numel, param.ds_zero_partition_rank, param.ds_zero_partition_world_size)
+            start, end, _ = partition_range(
+                param.ds_numel, param.ds_zero_partition_rank, param.ds_zero_partition_world_size
+            )
             if name in slots.packed:
                 values = _quantized_range(slots, name, weights, by_key[name], param, start, end, device)
             elif name in by_key:

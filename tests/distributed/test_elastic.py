@@ -89,7 +89,12 @@ def _recipe(root: Path, engine: dict, **keys) -> Path:
     quantization = engine.pop("pretrained", None)
     if quantization is not None:  # the same tiny pretrained model (seeded) for every run of the test
         hf = save_tiny_pretrained(root / "hf", seed=3)
-        engine["model"] = {"name_or_path": str(hf), "dtype": "fp32", "attn_implementation": "eager", "quantization": quantization}
+        engine["model"] = {
+            "name_or_path": str(hf),
+            "dtype": "fp32",
+            "attn_implementation": "eager",
+            "quantization": quantization,
+        }
     return write_recipe(
         root,
         **{

@@ -49,8 +49,14 @@ def _worker(rank: int, world: int, store: str, results) -> None:
         for layout in ("fsdp", "zero3"):
             start, end = _ranges(n, world, layout)[rank]
             part, got = quantize_part(
-                lambda a, b: weight.reshape(-1)[a:b], weight.shape, how, torch.float32, start, end,
-                device=torch.device("cpu"), group=dist.group.WORLD,
+                lambda a, b, w=weight: w.reshape(-1)[a:b],
+                weight.shape,
+                how,
+                torch.float32,
+                start,
+                end,
+                device=torch.device("cpu"),
+                group=dist.group.WORLD,
             )
             same_bytes = torch.equal(part.view(torch.uint8), whole.reshape(-1)[start:end].view(torch.uint8))
             a, b = got.as_dict(packed=True), state.as_dict(packed=True)
