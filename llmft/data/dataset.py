@@ -510,9 +510,16 @@ def _source(
 
         def build(tmp: Path) -> dict[str, Any]:
             nonlocal chunks
-            if chunks is None:
-                chunks, _ = read(resolved, work)
-            return _build_entry(src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp)
+            # Local files are read into the entry's own build dir (on the cache's disk, not /tmp):
+            # the lines of a JSONL file as an Arrow file the tokenizing workers map.
+            scratch = tmp / "read"
+            try:
+                if chunks is None:
+                    chunks, _ = read(resolved, scratch)
+                return _build_entry(src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp)
+            finally:
+                chunks = None  # its datasets map files in scratch
+                shutil.rmtree(scratch, ignore_errors=True)
 
         entry, built = get_or_build(cache_root(cfg), parts, build)
     finally:

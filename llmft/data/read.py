@@ -111,7 +111,8 @@ def resolve(source: Source) -> Resolved:
 def read(resolved: Resolved, work_dir: Path) -> tuple[list[Chunk], str | None]:
     """The chunks of a resolved source, and the hub dataset's fingerprint (None for local data).
 
-    ``work_dir`` receives datasets' own Arrow copies of local Parquet/CSV files; the caller removes it.
+    ``work_dir`` receives datasets' own Arrow copies of local Parquet/CSV files and the lines of
+    JSON/JSONL files (an Arrow file per group, memory-mapped); the caller removes it.
     """
     if resolved.kind == "hub":
         ds = _load_hub(resolved.source)
@@ -124,7 +125,8 @@ def read(resolved: Resolved, work_dir: Path) -> tuple[list[Chunk], str | None]:
     group: list[Path] = []
     for file in [*resolved.files, None]:
         if group and (file is None or _group_of(file) != _group_of(group[0])):
-            chunks.append(_read_lines(group) if _group_of(group[0]) == "lines" else _read_tables(group, work_dir))
+            lines = _group_of(group[0]) == "lines"
+            chunks.append(_read_lines(group, work_dir, len(chunks)) if lines else _read_tables(group, work_dir))
             group = []
         if file is not None:
             group.append(file)
@@ -162,7 +164,9 @@ def _data_files(directory: Path) -> list[Path]:
 # --- JSON and JSONL: records split by llmft, parsed later in the workers -------------
 
 
-def _read_lines(files: list[Path]) -> Chunk:
+def _read_lines(files: list[Path], work_dir: Path, k: int) -> Chunk:
+    """The records' lines as a dataset memory-mapped from an Arrow file in ``work_dir``: tokenizing
+    workers then map their shards from that file instead of receiving them pickled."""
     import datasets
     import pyarrow as pa
 
@@ -180,7 +184,12 @@ def _read_lines(files: list[Path]) -> Chunk:
             table = pa.table({**cols, "error": [r[2] for r in rows]}, schema=schema)
         tables.append(table)
     table = pa.concat_tables(tables) if tables else schema.empty_table()
-    ds = datasets.Dataset(datasets.table.InMemoryTable(table), info=datasets.DatasetInfo(features=features))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = work_dir / f"lines-{k}.arrow"
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    del table, tables
+    ds = datasets.Dataset.from_file(str(path), info=datasets.DatasetInfo(features=features))
     return Chunk(ds, True, Locator(tuple(map(str, files)), tuple(p.suffix == ".jsonl" for p in files)))
 
 

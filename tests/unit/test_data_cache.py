@@ -107,6 +107,9 @@ def test_num_proc_gives_the_same_rows(tmp_path):
     assert two.entries[0]["built"] and one.stats == two.stats
     assert np.array_equal(one.train._input_ids, two.train._input_ids)
     assert np.array_equal(one.train._target, two.train._target)
+    # the lines the workers mapped were written into the build dir, and removed with it
+    entry = two.entries[0]["entry"]
+    assert sorted(os.listdir(entry)) == ["meta.json", "prompts.json", "rows.arrow", "rows.layout.json"]
 
 
 def test_token_dataset_round_trips_through_arrow(tmp_path):
@@ -285,7 +288,7 @@ def test_jsonl_lines_split_by_arrow_are_the_per_line_readers_records(tmp_path):
         for i, path in enumerate(files)
         for pos, text, error in _jsonl_rows(path)
     ]
-    assert _read_lines(files).dataset.to_list() == want
+    assert _read_lines(files, tmp_path / "work", 0).dataset.to_list() == want
     assert [r["pos"] for r in want if r["file"] == 0] == [1, 3, 6]
     assert want[-2] == {"file": 2, "pos": 2, "json": None, "error": "not valid UTF-8 (invalid start byte at byte 0)"}
 
