@@ -60,7 +60,7 @@ class DeepSpeedEngineAdapter:
         )
         self.config = deepspeed_config(plan)
         self._hf_ds = None
-        if plan.zero_init and plan.recipe.model.config is None:
+        if plan.meta_init:
             # A pretrained model: built on the meta device, each rank reads only its partitions.
             from llmft.engines import zero3_init
             from llmft.engines.meta_init import build_on_meta

@@ -467,8 +467,7 @@ def host_memory_per_node(plan: RunPlan, *, device_is_host: bool = False) -> int:
     if not layout.optimizer_on_gpu:
         offloaded += (states["optimizer"] + states["master_weights"]) / layout.optimizer
     q = recipe.model.quantization
-    pretrained = recipe.model.config is None
-    sharded_load = plan.meta_init or (plan.zero_init and (q is None or pretrained))
+    sharded_load = plan.meta_init or (plan.zero_init and q is None)
     loading = states["weights"] / layout.weights if sharded_load else states["weights"]
     if sharded_load:
         # This rank's part of the tensor being read (the embedding or a matrix; a 4-bit one is read

@@ -95,17 +95,24 @@ class RunPlan:
 
     @property
     def meta_init(self) -> bool:
-        """FSDP2 builds the model on the meta device and loads each rank's shards; a pretrained 4-bit
-        base too (each rank quantizes the weights one at a time and keeps its part of the packed bytes)."""
-        if self.engine != "fsdp" or self.builds_whole:
+        """The model is built on the meta device and each rank loads only its shards: FSDP2 (a
+        pretrained model, a 4-bit one included, or a fresh one too big to build whole) and ZeRO-3
+        (a pretrained model, a 4-bit one included: ``engines/zero3_init.py``)."""
+        if self.builds_whole:
             return False
         q = self.recipe.model.quantization
-        return q is None or (q.bits == 4 and self.recipe.model.config is None)
+        pretrained = self.recipe.model.config is None
+        if self.engine == "fsdp":
+            return q is None or (q.bits == 4 and pretrained)
+        if self.engine == "deepspeed" and self.zero_stage == 3:
+            return pretrained and (q is None or q.bits == 4)
+        return False
 
     @property
     def zero_init(self) -> bool:
-        """ZeRO-3 builds the model partitioned under ``zero.Init``."""
-        return self.engine == "deepspeed" and self.zero_stage == 3 and not self.builds_whole
+        """ZeRO-3 builds the model partitioned under ``zero.Init``: a fresh model too big to build
+        whole (a quantized one is still built whole: transformers does not enter ``zero.Init`` then)."""
+        return self.engine == "deepspeed" and self.zero_stage == 3 and not self.builds_whole and not self.meta_init
 
     @property
     def shards_params(self) -> bool:
