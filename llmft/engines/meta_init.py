@@ -262,11 +262,6 @@ def materialize(
     ``device``, and fill them: from ``weights`` for a pretrained model, from the seeded
     ``_init_weights`` for a fresh one."""
     model.to_empty(device=shards_on)
-    if shards_on != device:  # as fully_shard does for a model built whole: buffers live where compute runs
-        for module in model.modules():
-            for name, b in module._buffers.items():
-                if b is not None:
-                    module._buffers[name] = torch.empty_like(b, device=device)
     written: set[str] = set()
     with torch.no_grad():
         init_buffers(model, slots, device)
@@ -292,27 +287,44 @@ def materialize(
 def _quantize_into_shard(
     slots: ParamSlots, name: str, weights: SafetensorsWeights, key: str, device: torch.device
 ) -> None:
-    """A 4-bit weight: this rank's rows of the packed bytes, quantized from only the NF4 blocks that
-    cover them (``llmft.engines.quant_shard``), exactly as bitsandbytes' ``Params4bit`` quantizes
-    the whole weight while ``from_pretrained`` loads (in the compute dtype, statistics over the whole
-    matrix, gathered from the ranks that share it). The statistics (small: about 1/64 of the weight)
-    go to the module, where bitsandbytes finds them under FSDP."""
-    from llmft.engines.quant_shard import quantize_part, values_per_element
+    """A 4-bit weight: this rank's rows of the packed bytes (``quantized_part``)."""
+    from llmft.engines.quant_shard import values_per_element
 
     module, how = slots.packed[name]
     param = slots.param(name)
     local, index = local_shard(param)
+    assert values_per_element(how["quant_storage"]) * param.shape[0] >= module.out_features * module.in_features
+    part, _ = quantized_part(slots, name, weights, key, index[0].start, index[0].stop, device, _shard_group(param))
+    local.reshape(-1)[: part.numel()].copy_(part)
+
+
+def quantized_part(
+    slots: ParamSlots,
+    name: str,
+    weights: SafetensorsWeights,
+    key: str,
+    start: int,
+    end: int,
+    device: torch.device,
+    group: Any,
+) -> tuple[torch.Tensor, Any]:
+    """The packed storage elements ``[start, end)`` of the 4-bit weight ``name``, quantized from only
+    the NF4 blocks that cover them (``llmft.engines.quant_shard``), exactly as bitsandbytes'
+    ``Params4bit`` quantizes the whole weight while ``from_pretrained`` loads (in the compute dtype,
+    statistics over the whole matrix, gathered from the ``group`` of ranks that share it), and its
+    whole statistics (small: about 1/64 of the weight), also set on the module, where bitsandbytes
+    finds them when the engine has gathered (FSDP2: swapped) the parameter."""
+    from llmft.engines.quant_shard import quantize_part
+
+    module, how = slots.packed[name]
     shape = torch.Size((module.out_features, module.in_features))
 
     def read(a: int, b: int) -> torch.Tensor:
         return weights.read_flat(key, shape, a, b)
 
-    group = _shard_group(param)
-    start, end = index[0].start, index[0].stop
-    assert values_per_element(how["quant_storage"]) * param.shape[0] >= shape.numel()
     part, state = quantize_part(read, shape, how, module.compute_dtype, start, end, device=device, group=group)
-    local.reshape(-1)[: part.numel()].copy_(part)
     module.quant_state = state
+    return part, state
 
 
 def _shard_group(param: torch.Tensor):
@@ -342,14 +354,17 @@ def _full_size(module: torch.nn.Module, slots: ParamSlots, prefix: str, device: 
 
 
 def init_buffers(model: torch.nn.Module, slots: ParamSlots, device: torch.device) -> None:
-    """Recompute buffers (rotary ``inv_freq``...) as ``from_pretrained`` does: ``_init_weights``."""
+    """Allocate every buffer on ``device`` (where compute runs, as ``fully_shard`` puts the buffers
+    of a model built whole, also when the parameters are offloaded) and recompute it (rotary
+    ``inv_freq``...) as ``from_pretrained`` does: ``_init_weights``."""
     for module_name, module in model.named_modules():
         buffers = {n: b for n, b in module._buffers.items() if b is not None}
         if not buffers:
             continue
-        for b in buffers.values():
+        for n, b in buffers.items():
+            module._buffers[n] = torch.empty_like(b, device=device)
             if b.is_floating_point():
-                b.fill_(float("nan"))
+                module._buffers[n].fill_(float("nan"))
         with _full_size(module, slots, f"{module_name}." if module_name else "", device):
             slots.base._init_weights(module)
         unset = [n for n, b in module._buffers.items() if b is not None and b.is_floating_point() and b.isnan().any()]

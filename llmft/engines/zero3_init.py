@@ -13,7 +13,7 @@ the meta device exactly as for FSDP2, and then, one parameter at a time:
 - that range is read from the safetensors files: only the rows that cover it
   (``meta_init.SafetensorsWeights.read_flat``), so a rank reads and holds about its share of the model;
 - a 4-bit weight: only the NF4 blocks that cover this rank's partition of the packed bytes are
-  read and quantized (``llmft.engines.quant_shard``), bit-identical to bitsandbytes quantizing
+  read and quantized (``meta_init.quantized_part``, as for FSDP2), bit-identical to bitsandbytes quantizing
   it whole on load; the whole statistics go on the parameter and its module, where bitsandbytes
   finds them when DeepSpeed gathers the weight for a forward;
 - adapters get llmft's seeded init (``llmft.model.initial_adapter_weights``); DoRA magnitudes the
@@ -31,16 +31,16 @@ from typing import Any
 
 import torch
 
-from llmft.engines.meta_init import ParamSlots, SafetensorsWeights, init_buffers
+from llmft.engines.meta_init import ParamSlots, SafetensorsWeights, init_buffers, quantized_part
 from llmft.errors import Problem, UserError
 
 
-def partition_range(numel: int, rank: int, world: int) -> tuple[int, int, int]:
-    """``(start, end, size)``: the flat elements ``[start, end)`` of a tensor of ``numel`` elements
-    this rank keeps under ZeRO-3, and the size of its (zero-padded) partition."""
+def partition_range(numel: int, rank: int, world: int) -> tuple[int, int]:
+    """``(start, end)``: the flat elements of a tensor of ``numel`` elements this rank keeps under
+    ZeRO-3 (partitions of ``ceil(numel / world)``, the last one zero-padded by DeepSpeed)."""
     size = -(-numel // world)
     start = min(size * rank, numel)
-    return start, min(start + size, numel), size
+    return start, min(start + size, numel)
 
 
 def materialize(
@@ -59,10 +59,6 @@ def materialize(
     from llmft.model import initial_adapter_weights
 
     adapters = dict(initial_adapter_weights(model, seed)) if slots.peft else {}  # shapes: before partitioning
-    for module in model.modules():
-        for name, b in module._buffers.items():
-            if b is not None:
-                module._buffers[name] = torch.empty_like(b, device=device)
     init = deepspeed.zero.Init(config_dict_or_path=ds_config)  # not entered: its partitioner only
     if not hasattr(init, "_convert_to_deepspeed_param"):
         raise UserError(
@@ -79,11 +75,13 @@ def materialize(
         init_buffers(model, slots, device)
         for name, owners in slots.owners.items():
             param = _zero_param(init, slots, name, owners, device)
-            start, end, _ = partition_range(
+            start, end = partition_range(
                 param.ds_numel, param.ds_zero_partition_rank, param.ds_zero_partition_world_size
             )
             if name in slots.packed:
-                values = _quantized_range(slots, name, weights, by_key[name], param, start, end, device)
+                values, param.quant_state = quantized_part(
+                    slots, name, weights, by_key[name], start, end, device, param.ds_process_group
+                )
             elif name in by_key:
                 values = weights.read_flat(by_key[name], param.ds_shape, start, end).to(slots.dtype[name])
             elif name in adapters:
@@ -119,34 +117,6 @@ def _zero_param(
         module._parameters[attr] = param
     init._convert_to_deepspeed_param(param)
     return param
-
-
-def _quantized_range(
-    slots: ParamSlots,
-    name: str,
-    weights: SafetensorsWeights,
-    key: str,
-    param: torch.nn.Parameter,
-    start: int,
-    end: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """This rank's range of a 4-bit weight's packed bytes, quantized from only the blocks that cover
-    it (``llmft.engines.quant_shard``); the whole statistics set where bitsandbytes looks for them."""
-    from llmft.engines.quant_shard import quantize_part
-
-    module, how = slots.packed[name]
-    shape = torch.Size((module.out_features, module.in_features))
-
-    def read(a: int, b: int) -> torch.Tensor:
-        return weights.read_flat(key, shape, a, b)
-
-    part, state = quantize_part(
-        read, shape, how, module.compute_dtype, start, end, device=device, group=param.ds_process_group
-    )
-    param.quant_state = state
-    module.quant_state = state
-    return part
 
 
 def _dora_magnitudes(model: torch.nn.Module) -> None:
