@@ -183,3 +183,27 @@ def save_tiny_pretrained(out: Path, seed: int, dtype: torch.dtype = torch.float3
     model.to(dtype).save_pretrained(out, **shard)
     byte_tokenizer().save_pretrained(out)
     return out
+
+
+def pretrained_model(path: Path) -> dict:
+    """The recipe's ``model`` section for a saved tiny pretrained model."""
+    return {"name_or_path": str(path), "dtype": "fp32", "attn_implementation": "eager"}
+
+
+def run_sharded_load_probe(script: str, work: Path, variants: list[str], marker: str, timeout: int) -> dict:
+    """The sharded-load probes (tests/distributed/*_meta_probe.py), one 2-rank launch: WORK/pretrained
+    (fp32, one file) and WORK/tied (bf16, tied embeddings, an odd vocabulary, several files + index)
+    recipes are written, ``script`` compares each variant; its JSON report (the ``marker`` line)."""
+    plain = save_tiny_pretrained(work / "hf_plain", seed=1)
+    tied = save_tiny_pretrained(
+        work / "hf_tied", seed=2, dtype=torch.bfloat16, vocab_size=323, tie_word_embeddings=True
+    )
+    assert (tied / "model.safetensors.index.json").exists()
+    write_recipe(work / "pretrained", model=pretrained_model(plain))
+    write_recipe(work / "tied", model=pretrained_model(tied))
+    cmd = [*torchrun_cmd(), str(ROOT / "tests/distributed" / script), str(work), *variants]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-6000:]
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith(f"{marker} "))
+    return json.loads(line.split(" ", 1)[1])

@@ -29,6 +29,7 @@ from helpers import (
     INSTRUMENTED,
     ROOT,
     metrics,
+    pretrained_model,
     sample_log,
     save_tiny_pretrained,
     torchrun,
@@ -89,12 +90,7 @@ def _recipe(root: Path, engine: dict, **keys) -> Path:
     quantization = engine.pop("pretrained", None)
     if quantization is not None:  # the same tiny pretrained model (seeded) for every run of the test
         hf = save_tiny_pretrained(root / "hf", seed=3)
-        engine["model"] = {
-            "name_or_path": str(hf),
-            "dtype": "fp32",
-            "attn_implementation": "eager",
-            "quantization": quantization,
-        }
+        engine["model"] = {**pretrained_model(hf), "quantization": quantization}
     return write_recipe(
         root,
         **{

@@ -13,47 +13,31 @@ gets a seeded init that differs between shards; and 2 training steps give the si
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, metrics, save_tiny_pretrained, torchrun, torchrun_cmd, train_inproc, write_recipe
+from helpers import (
+    metrics,
+    pretrained_model,
+    run_sharded_load_probe,
+    save_tiny_pretrained,
+    torchrun,
+    train_inproc,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.distributed
 
 VARIANTS = ["full", "lora", "dora_bf16", "lora_save_head", "tied_sharded", "fresh_big", "qlora"]
 
 
-def _model(path: Path) -> dict:
-    return {"name_or_path": str(path), "dtype": "fp32", "attn_implementation": "eager"}
-
-
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     """The one launch: builds, compares and trains on 2 ranks. Returns (workdir, report)."""
     work = tmp_path_factory.mktemp("fsdp_meta")
-    plain = save_tiny_pretrained(work / "hf_plain", seed=1)
-    tied = save_tiny_pretrained(
-        work / "hf_tied", seed=2, dtype=torch.bfloat16, vocab_size=323, tie_word_embeddings=True
-    )
-    assert (tied / "model.safetensors.index.json").exists()
-    write_recipe(work / "pretrained", model=_model(plain))
-    write_recipe(work / "tied", model=_model(tied))
     write_recipe(work / "fresh")
-    cmd = [
-        *torchrun_cmd(),
-        str(ROOT / "tests/distributed/fsdp_meta_probe.py"),
-        str(work),
-        *VARIANTS,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-6000:]
-    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("FSDP_META "))
-    return work, json.loads(line.split(" ", 1)[1])
+    return work, run_sharded_load_probe("fsdp_meta_probe.py", work, VARIANTS, "FSDP_META", timeout=500)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -109,7 +93,7 @@ def test_two_fsdp_steps_match_single_process(probe, tmp_path):
 def test_two_fsdp_lora_steps_match_single_process(tmp_path):
     """Adapters drawn from run.seed, not the global RNG: after one update the engines still agree."""
     hf = save_tiny_pretrained(tmp_path / "hf", seed=4)
-    recipe = write_recipe(tmp_path, model=_model(hf), peft={"method": "lora", "r": 4})
+    recipe = write_recipe(tmp_path, model=pretrained_model(hf), peft={"method": "lora", "r": 4})
     done = torchrun(["train", str(recipe), "distributed.engine=fsdp", "batch.micro_batch_size=2"])
     assert done.returncode == 0, done.stderr[-4000:]
     assert train_inproc(recipe, "distributed.engine=single", f"run.output_dir={tmp_path / 'single'}") == 0
@@ -125,7 +109,10 @@ def test_three_fsdp_qlora_steps_on_a_sharded_4bit_load_match_single_process(tmp_
     (bitsandbytes finds each module's statistics once FSDP has gathered the packed bytes)."""
     hf = save_tiny_pretrained(tmp_path / "hf", seed=5)
     recipe = write_recipe(
-        tmp_path, model={**_model(hf), "quantization": {"bits": 4}}, peft={"method": "lora", "r": 4}, train__max_steps=3
+        tmp_path,
+        model={**pretrained_model(hf), "quantization": {"bits": 4}},
+        peft={"method": "lora", "r": 4},
+        train__max_steps=3,
     )
     done = torchrun(["train", str(recipe), "distributed.engine=fsdp", "batch.micro_batch_size=2"])
     assert done.returncode == 0, done.stderr[-4000:]
@@ -190,7 +177,7 @@ def test_weights_the_model_lacks_are_a_user_error(tmp_path):
     state = load_file(hf / "model.safetensors")
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, hf / "model.safetensors", metadata={"format": "pt"})
-    recipe, slots = _meta_slots(write_recipe(tmp_path, model=_model(hf)))
+    recipe, slots = _meta_slots(write_recipe(tmp_path, model=pretrained_model(hf)))
     with pytest.raises(UserError) as e:
         SafetensorsWeights.of(recipe, slots)
     assert "model.name_or_path" in str(e.value) and "model.layers.1.mlp.up_proj.weight" in str(e.value)
@@ -202,6 +189,6 @@ def test_weights_without_safetensors_are_a_user_error(tmp_path):
 
     hf = save_tiny_pretrained(tmp_path / "hf", seed=3)
     (hf / "model.safetensors").rename(hf / "weights.bin")
-    recipe, slots = _meta_slots(write_recipe(tmp_path, model=_model(hf)))
+    recipe, slots = _meta_slots(write_recipe(tmp_path, model=pretrained_model(hf)))
     with pytest.raises(UserError, match="no model.safetensors or model.safetensors.index.json"):
         SafetensorsWeights.of(recipe, slots)

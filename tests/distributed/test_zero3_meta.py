@@ -13,38 +13,18 @@ and 3 QLoRA steps on ZeRO-3 give the single-process losses.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-
 import pytest
-import torch
-from helpers import ROOT, metrics, save_tiny_pretrained, torchrun_cmd, train_inproc, write_recipe
+from helpers import metrics, run_sharded_load_probe, train_inproc
 
 pytestmark = pytest.mark.distributed
 
 VARIANTS = ["full", "lora", "dora", "lora_save_head", "tied_sharded", "qlora", "qlora_offload"]
 
 
-def _model(path) -> dict:
-    return {"name_or_path": str(path), "dtype": "fp32", "attn_implementation": "eager"}
-
-
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     work = tmp_path_factory.mktemp("zero3_meta")
-    plain = save_tiny_pretrained(work / "hf_plain", seed=1)
-    tied = save_tiny_pretrained(
-        work / "hf_tied", seed=2, dtype=torch.bfloat16, vocab_size=323, tie_word_embeddings=True
-    )
-    write_recipe(work / "pretrained", model=_model(plain))
-    write_recipe(work / "tied", model=_model(tied))
-    cmd = [*torchrun_cmd(), str(ROOT / "tests/distributed/zero3_meta_probe.py"), str(work), *VARIANTS]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-6000:]
-    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("ZERO3_META "))
-    return work, json.loads(line.split(" ", 1)[1])
+    return work, run_sharded_load_probe("zero3_meta_probe.py", work, VARIANTS, "ZERO3_META", timeout=600)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
