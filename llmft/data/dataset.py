@@ -28,7 +28,7 @@ from llmft.data.encode import IGNORE_INDEX, Encoder
 from llmft.data.pack import pack_arrays, positions, ranges
 from llmft.data.read import Chunk, Resolved, parse_line, read, resolve
 from llmft.data.records import BadRecord, parse_record
-from llmft.data.sampler import GlobalOrder, ProbabilityOrder, largest_remainder
+from llmft.data.sampler import GlobalOrder, ProbabilityOrder, largest_remainder, source_seed
 from llmft.data.sources import Source, parse_sources
 from llmft.data.stream import MixedStream, StreamDataset, StreamOrder, open_stream
 from llmft.errors import Problem, UserError
@@ -440,7 +440,7 @@ def _build_stream(
     if len(sources) == 1:
         train: StreamDataset | MixedStream = open_stream(sources[0], cfg, tokenizer, seed)
     else:  # each source with its own seed, as ProbabilityOrder seeds the sources of a cached mixture
-        streams = [open_stream(s, cfg, tokenizer, seed * 1_000_003 + k + 1) for k, s in enumerate(sources)]
+        streams = [open_stream(s, cfg, tokenizer, source_seed(seed, k)) for k, s in enumerate(sources)]
         train = MixedStream(streams, _probabilities(sources), seed)
     eval_ds, prompts, stats, entries = None, [], {"streaming": True}, []
     if cfg.eval is not None:

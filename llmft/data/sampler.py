@@ -168,7 +168,7 @@ class ProbabilityOrder:
         self.windows = ShareWindows(probabilities, seed)
         self.counts = self.windows.counts
         self.bases = [sum(lengths[:k]) for k in range(len(lengths))]
-        self.orders = [GlobalOrder(n, seed * 1_000_003 + k + 1, shuffle) for k, n in enumerate(lengths)]
+        self.orders = [GlobalOrder(n, source_seed(seed, k), shuffle) for k, n in enumerate(lengths)]
 
     def index(self, position: int) -> int:
         k, j = self.windows.draw(position)
@@ -176,6 +176,11 @@ class ProbabilityOrder:
 
     def source(self, position: int) -> int:
         return self.windows.draw(position)[0]
+
+
+def source_seed(seed: int, k: int) -> int:
+    """The seed of source k's own sample order in a probability mixture (cached or streamed)."""
+    return seed * 1_000_003 + k + 1
 
 
 def largest_remainder(probabilities: list[float], total: int) -> list[int]:
