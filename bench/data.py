@@ -5,12 +5,17 @@ generated here (text of median ~300 tokens; chat of 2-12 turns):
 
 1. first build: ``build_data`` into an empty cache (read, tokenize with ``data.num_proc``, pack,
    write Arrow) against the same tokenizer run by ``load_dataset("json") + Dataset.map(batched,
-   num_proc)`` on the same file: the ratio is llmft / datasets.
+   num_proc)`` on the same file: the ratio is llmft / datasets. Two references: ``tokenizer(texts)``
+   (what TRL and LLaMA-Factory run) and the Rust tokenizer's ``encode_batch_fast`` (the call llmft
+   makes, without offsets): the second ratio is what llmft's pipeline costs beyond the tokenizer.
 2. second build (a resume, requeue or second run): ``build_data`` in a fresh process that finds
    the entry, seconds of data preparation and the CPU time spent tokenizing (none).
 3. first optimizer step: ``llmft train`` (a small Llama built from ``model.config``, 1 step of 2
    sequences) from process start to the step's row in ``metrics.jsonl``, into an empty cache,
    against the same ``datasets.map`` reference; then again with the cache filled (a second run).
+   Then the same with 2 ranks under ``torchrun`` into another empty cache: one rank tokenizes,
+   the other waits and maps the entry, so the whole command's CPU time is about the 1-rank
+   command's, not twice it.
 4. RSS: a fresh process that reads every row of the cached dataset the way a training rank does
    (``build_data``, ``DataBundle.order``, ``MicroBatchSampler``, ``make_loader`` and its collate,
    in-process loader); its peak RSS above the same process after it imported what a rank imports
@@ -165,14 +170,14 @@ def run_child(recipe_path: Path, mode: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def train_recipe(tmp: Path, data: Path, tok: Path, cache: Path, num_proc: int) -> Path:
+def train_recipe(tmp: Path, data: Path, tok: Path, cache: Path, num_proc: int, name: str = "train") -> Path:
     """``llmft train`` for one optimizer step of 2 sequences of the bench Llama, with the tokenizer's vocabulary."""
-    r = common.base_recipe(tmp / "train-run", data, seq=2048, micro=1, global_batch=2, steps=1)
+    r = common.base_recipe(tmp / f"{name}-run", data, seq=2048, micro=1, global_batch=2, steps=1)
     r["model"]["config"].update(vocab_size=32000, max_position_embeddings=2048)
     r["model"]["tokenizer"] = str(tok)
     r["data"].update(cache_dir=str(cache), num_proc=num_proc)
     r["run"]["tensorboard"] = False
-    return common.write_recipe(tmp / "recipe-train.yaml", r)
+    return common.write_recipe(tmp / f"recipe-{name}.yaml", r)
 
 
 def _stepped(metrics: Path) -> bool:
@@ -182,8 +187,10 @@ def _stepped(metrics: Path) -> bool:
         return False
 
 
-def seconds_to_first_step(recipe_path: Path) -> float:
-    """Wall seconds from starting ``llmft train`` to its first optimizer step's row in metrics.jsonl."""
+def seconds_to_first_step(recipe_path: Path, nproc: int = 1) -> tuple[float, float]:
+    """Wall seconds from starting ``llmft train`` (under ``torchrun`` for ``nproc`` > 1) to its first
+    optimizer step's row in metrics.jsonl, and the CPU seconds of the whole command (every rank and
+    tokenizing worker, to its end)."""
     import yaml
 
     run_dir = Path(yaml.safe_load(recipe_path.read_text())["run"]["output_dir"])
@@ -191,11 +198,15 @@ def seconds_to_first_step(recipe_path: Path) -> float:
     metrics.unlink(missing_ok=True)  # a previous run's rows
     env = {**os.environ, "PYTHONPATH": str(common.ROOT)}
     log = run_dir.parent / f"{run_dir.name}.log"  # a file, not a pipe: progress bars would fill a pipe
+    launcher = [sys.executable]
+    if nproc > 1:
+        port = 29500 + os.getpid() % 1000
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1"]
+        launcher += [f"--master_port={port}"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "w") as out:
         t0 = time.time()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llmft", "train", str(recipe_path)], env=env, stdout=out, stderr=out
-        )
+        proc = subprocess.Popen([*launcher, "-m", "llmft", "train", str(recipe_path)], env=env, stdout=out, stderr=out)
         while not _stepped(metrics):
             if proc.poll() is not None:
                 raise SystemExit(
@@ -203,21 +214,33 @@ def seconds_to_first_step(recipe_path: Path) -> float:
                 )
             time.sleep(0.05)
         seconds = time.time() - t0
-        proc.wait()
-    return seconds
+        if proc.wait():
+            raise SystemExit(f"llmft train exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the launcher's waited-for descendants included
+    return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def datasets_map(data: Path, tok_dir: Path, num_proc: int, cache: Path) -> tuple[float, float]:
-    """The reference: load_dataset("json") + map(tokenize, batched, num_proc), seconds and CPU seconds."""
+def datasets_map(data: Path, tok_dir: Path, num_proc: int, cache: Path, fast: bool = False) -> tuple[float, float]:
+    """The reference: load_dataset("json") + map(tokenize, batched, num_proc), seconds and CPU seconds.
+
+    ``tokenize`` is ``tokenizer(texts)``, as TRL and LLaMA-Factory call it; with ``fast``, the Rust
+    tokenizer's ``encode_batch_fast`` (no offsets), the call llmft makes: that reference shows
+    what llmft's pipeline costs beyond the tokenizer."""
     import datasets
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     datasets.disable_progress_bars()
+
+    def tokenize(batch):
+        if fast:
+            return {"input_ids": [e.ids for e in tok.backend_tokenizer.encode_batch_fast(batch["text"])]}
+        return tok(batch["text"])
+
     t0, c0 = time.time(), time.process_time()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(cache))
-    ds.map(lambda b: tok(b["text"]), batched=True, num_proc=num_proc, remove_columns=["text"])
+    ds.map(tokenize, batched=True, num_proc=num_proc, remove_columns=["text"])
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = time.process_time() - c0 + (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return time.time() - t0, cpu
@@ -253,13 +276,16 @@ def main() -> None:
     tok_dir = train_tokenizer(text, tmp / "tok")
 
     ref_s, ref_cpu = datasets_map(text, tok_dir, args.num_proc, tmp / "hf")
+    fast_s, fast_cpu = datasets_map(text, tok_dir, args.num_proc, tmp / "hf-fast", fast=True)
     r = recipe(tmp, text, tok_dir, tmp / "cache", args.num_proc)
     first = run_child(r, "none")
     second = run_child(r, "read")
     assert first["built"] and not second["built"] and second["rows"] >= second["records"]
     rss_over = second["peak_rss"] - second["base_rss"]
     t = train_recipe(tmp, text, tok_dir, tmp / "cache-train", args.num_proc)
-    step_first, step_second = seconds_to_first_step(t), seconds_to_first_step(t)
+    (step_first, cpu_first), (step_second, _) = seconds_to_first_step(t), seconds_to_first_step(t)
+    t2 = train_recipe(tmp, text, tok_dir, tmp / "cache-train-2", args.num_proc, name="train-2")
+    (step_two, cpu_two), (step_two_second, _) = seconds_to_first_step(t2, 2), seconds_to_first_step(t2, 2)
 
     two, twelve = tmp / "chat2.jsonl", tmp / "chat12.jsonl"
     write_chat(two, args.chat // 2, 2, words)
@@ -275,10 +301,24 @@ def main() -> None:
         ["first build: llmft build_data, s", f"{first['seconds']:.1f}", ""],
         ["  datasets load_dataset + map(num_proc), s", f"{ref_s:.1f}", ""],
         ["  ratio llmft / datasets (wall, CPU)", f"{first['seconds'] / ref_s:.2f}", f"{first['cpu'] / ref_cpu:.2f}"],
+        ["  datasets load_dataset + map(num_proc), encode_batch_fast, s", f"{fast_s:.1f}", ""],
+        [
+            "  ratio llmft / that (wall, CPU): the pipeline beyond the tokenizer",
+            f"{first['seconds'] / fast_s:.2f}",
+            f"{first['cpu'] / fast_cpu:.2f}",
+        ],
         ["second run (cache hit): data preparation, s", f"{second['seconds']:.2f}", f"cpu {second['cpu']:.2f} s"],
         ["llmft train, empty cache: start to first optimizer step, s", f"{step_first:.1f}", ""],
         ["  ratio to datasets load_dataset + map(num_proc)", f"{step_first / ref_s:.2f}", ""],
+        ["  ratio to the same with encode_batch_fast", f"{step_first / fast_s:.2f}", ""],
         ["llmft train, cache filled: start to first optimizer step, s", f"{step_second:.1f}", ""],
+        ["llmft train, 2 ranks (torchrun), empty cache: to first step, s", f"{step_two:.1f}", ""],
+        [
+            "  CPU of the whole command, 2 ranks / 1 rank",
+            f"{cpu_two / cpu_first:.2f}",
+            f"{cpu_two:.0f} s / {cpu_first:.0f} s (tokenizing: once)",
+        ],
+        ["llmft train, 2 ranks, cache filled: to first step, s", f"{step_two_second:.1f}", ""],
         ["Arrow cache size, MiB", f"{first['bytes'] / mb:.0f}", f"{first['bytes'] / first['tokens']:.1f} B/token"],
         [
             "peak RSS of a rank that read every row, above imports, MiB",

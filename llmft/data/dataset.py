@@ -617,7 +617,10 @@ class _Tokenize:
                 errors[k] = str(ex)
             else:
                 ids[k] = np.asarray(ex.input_ids, dtype=np.int32)
-                target[k] = (np.asarray(ex.labels) != IGNORE_INDEX).astype(np.uint8)
+                if ex.labels is ex.input_ids:  # every token a target
+                    target[k] = np.ones(len(ids[k]), dtype=np.uint8)
+                else:
+                    target[k] = (np.asarray(ex.labels) != IGNORE_INDEX).astype(np.uint8)
         return {"input_ids": ids, "target": target, "error": errors}
 
 

@@ -50,7 +50,7 @@ _OPEN, _CLOSE = "\U000f0000", "\U000f0001"
 @dataclass
 class Example:
     input_ids: list[int]
-    labels: list[int]
+    labels: list[int]  # where every token is a target: the ``input_ids`` list itself (not a copy)
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,10 @@ class Encoder:
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self._layouts: dict[tuple, _Layout | None] = {}
         self.prefix_renders = 0  # conversations that needed the quadratic fallback (for tests and stats)
+        # The Rust tokenizer, called without offsets, where that is what tokenizer(texts) runs;
+        # checked against tokenizer(texts) on the first batch (``_ids_batch``).
+        self._backend = _direct_backend(tokenizer)
+        self._backend_checked = False
 
     def encode(self, record: Record) -> Example:
         (out,) = self.encode_batch([record])
@@ -89,7 +93,7 @@ class Encoder:
         if texts:
             for i, ids in zip(texts, self._ids_batch([records[i].text for i in texts], special=True), strict=True):
                 ids = self._with_eos(ids)
-                out[i] = Example(ids, list(ids))
+                out[i] = Example(ids, ids)
         if pcs:
             prompts = self._ids_batch([records[i].prompt for i in pcs], special=True)
             completions = self._ids_batch([records[i].completion for i in pcs], special=False)
@@ -117,12 +121,24 @@ class Encoder:
 
     def _with_eos(self, ids: list[int]) -> list[int]:
         # Some tokenizers already append eos themselves (add_eos_token=True); never write it twice.
-        return ids if ids[-1:] == self.eos else ids + self.eos
+        if ids[-1:] != self.eos:
+            ids.extend(self.eos)  # a fresh list from _ids_batch
+        return ids
 
     def _ids(self, text: str, special: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
     def _ids_batch(self, texts: list[str], special: bool) -> list[list[int]]:
+        if self._backend is not None and _backend_ready(self.tokenizer, self._backend):
+            # encode_batch_fast: the same ids as tokenizer(texts) without tracking character
+            # offsets or building a BatchEncoding, ~25% less CPU on byte-level BPE.
+            ids = [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=special)]
+            if self._backend_checked:
+                return ids
+            self._backend_checked = True
+            if ids == [list(x) for x in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]:
+                return ids
+            self._backend = None  # a tokenizer that does more than its backend: always the full call
         return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
 
     # --- chat ---------------------------------------------------------------
@@ -146,7 +162,7 @@ class Encoder:
         texts = [fulls[k][0] for k in order]
         if self.train_on == "all":
             for k, ids in zip(order, self._ids_batch(texts, special=False), strict=True):  # the template writes bos
-                out[k] = Example(ids, list(ids))
+                out[k] = Example(ids, ids)
             return out  # type: ignore[return-value]
         enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         for k, ids, offsets in zip(order, enc["input_ids"], enc["offset_mapping"], strict=True):
@@ -242,6 +258,37 @@ class Encoder:
                     "Use a tokenizer with a tokenizer.json, or set data.train_on=all.",
                 )
             )
+
+
+def _direct_backend(tokenizer):
+    """The ``tokenizers.Tokenizer`` under ``tokenizer`` where ``tokenizer(texts)`` is only its
+    ``encode_batch`` (transformers' own ``TokenizersBackend`` path, not overridden), else None."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: the full call only
+        return None
+    kind = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (
+        not isinstance(tokenizer, TokenizersBackend)
+        or kind.__call__ is not PreTrainedTokenizerBase.__call__
+        or kind._encode_plus is not TokenizersBackend._encode_plus
+        or hasattr(tokenizer, "_switch_to_input_mode")
+        or not hasattr(backend, "encode_batch_fast")
+    ):
+        return None
+    return backend
+
+
+def _backend_ready(tokenizer, backend) -> bool:
+    """Set the backend as ``tokenizer(texts)`` would; False if it truncates or pads (then the full call)."""
+    if backend.truncation is not None or backend.padding is not None:
+        return False
+    split = bool(tokenizer.split_special_tokens)
+    if backend.encode_special_tokens != split:
+        backend.encode_special_tokens = split
+    return True
 
 
 def _spans_from_layout(layout: _Layout, chat: Chat, full: str) -> list[tuple[int, int]] | None:
