@@ -21,6 +21,7 @@ The padded tail gets its own positions 0, 1, ... so it is a separate
 from __future__ import annotations
 
 import bisect
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,21 +30,35 @@ from llmft.data.encode import IGNORE_INDEX, Example
 
 
 def plan_rows(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Indices of the examples in each row, by best-fit in order."""
+    """Indices of the examples in each row, by best-fit in order.
+
+    Open rows are kept in buckets by the space they have left (at most ``capacity`` distinct
+    values), each bucket a heap of row indices: the best fit is the oldest row of the smallest
+    space that holds the example, found in O(log) time whatever the number of open rows.
+    """
     rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (space left, row), sorted, so bisect finds the best fit
+    buckets: dict[int, list[int]] = {}  # space left -> heap of the rows with that space (oldest first)
+    spaces: list[int] = []  # the space values that have a bucket, sorted
     for i, length in enumerate(lengths):
         assert 0 < length <= capacity, (length, capacity)
-        k = bisect.bisect_left(free, (length, -1))
-        if k == len(free):
+        k = bisect.bisect_left(spaces, length)
+        if k == len(spaces):
             rows.append([i])
             row, space = len(rows) - 1, capacity - length
         else:
-            space, row = free.pop(k)
+            space = spaces[k]
+            bucket = buckets[space]
+            row = heapq.heappop(bucket)
+            if not bucket:
+                del buckets[space], spaces[k]
             rows[row].append(i)
             space -= length
         if space > 0:
-            bisect.insort(free, (space, row))
+            if space in buckets:
+                heapq.heappush(buckets[space], row)
+            else:
+                buckets[space] = [row]
+                bisect.insort(spaces, space)
     return rows
 
 

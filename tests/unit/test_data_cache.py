@@ -317,3 +317,16 @@ def test_kept_tokens_equal_the_indexed_ranges_for_every_selection():
         got_ids, got_target = _kept_tokens(ids, target, offsets, starts, kept)
         take = ranges(starts, kept)
         assert np.array_equal(got_ids, ids[take]) and np.array_equal(got_target, target[take]), trial
+
+
+def test_prefix_counts_equal_the_running_count_across_blocks():
+    """_rows counts each record's targets from prefix sums taken a block of tokens at a time."""
+    from llmft.data.dataset import _prefix_counts
+
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        mask = rng.integers(0, 2, int(rng.integers(0, 60))).astype(np.uint8)
+        at = rng.integers(0, len(mask) + 1, int(rng.integers(0, 40)))
+        expected = np.concatenate([[0], np.cumsum(mask)])[at]
+        for block in (1, 3, 7, 1 << 24):
+            assert np.array_equal(_prefix_counts(mask, at, block=block), expected), (trial, block)

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,31 @@ def test_best_fit_in_order():
     assert plan_rows([5, 3, 4, 2, 6], 8) == [[0, 1], [2, 3], [4]]
     # best fit, not first fit: 2 goes to the row with 2 left, not the older one with 3 left
     assert plan_rows([5, 6, 2], 8) == [[0], [1, 2]]
+    # equal space: the oldest row
+    assert plan_rows([6, 6, 2], 8) == [[0, 2], [1]]
+
+
+def best_fit_by_definition(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Each example to the open row with the least space that holds it, ties to the oldest, else a new row."""
+    rows, space = [], []
+    for i, n in enumerate(lengths):
+        fits = [(space[r], r) for r in range(len(rows)) if space[r] >= n]
+        if fits:
+            _, r = min(fits)
+            rows[r].append(i)
+            space[r] -= n
+        else:
+            rows.append([i])
+            space.append(capacity - n)
+    return rows
+
+
+@pytest.mark.parametrize("capacity", [1, 7, 64, 300])
+def test_bucketed_best_fit_is_the_definition(capacity):
+    rng = np.random.default_rng(capacity)
+    for _ in range(20):
+        lengths = rng.integers(1, capacity + 1, size=int(rng.integers(0, 200))).tolist()
+        assert plan_rows(lengths, capacity) == best_fit_by_definition(lengths, capacity)
 
 
 def test_packed_rows_keep_every_token_and_never_cross_a_boundary(tmp_path):
