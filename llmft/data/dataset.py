@@ -677,18 +677,17 @@ def _build_entry(
     (tmp / "map").mkdir()
     chunks = [c for c in chunks if len(c.dataset)]
     tokenized = [_tokenize_chunk(c, encoder, src, cfg, tmp, i) for i, c in enumerate(chunks)]
-    errors = [e for t in tokenized for e in t.data.column("error").to_pylist()]
+    bad, errors = _errors(tokenized)
     ids, target, offsets = _flat(tokenized)
-    bad = [i for i, e in enumerate(errors) if e is not None]
-    for i in bad:
-        if errors[i].startswith(_FATAL):
-            raise UserError(Problem(*json.loads(errors[i][len(_FATAL) :])))
+    for e in errors:
+        if e.startswith(_FATAL):
+            raise UserError(Problem(*json.loads(e[len(_FATAL) :])))
     locate = _Locate(chunks)
-    if bad and cfg.on_bad_record == "error":
-        raise UserError(Problem(locate(bad[0]), errors[bad[0]], SKIP_FIX))
-    items = np.array([i for i, e in enumerate(errors) if e is None], dtype=np.int64)
+    if len(bad) and cfg.on_bad_record == "error":
+        raise UserError(Problem(locate(int(bad[0])), errors[0], SKIP_FIX))
+    items = np.setdiff1d(np.arange(len(offsets) - 1, dtype=np.int64), bad, assume_unique=True)
     if len(items) == 0:
-        why = f" usable ({len(bad)} malformed, skipped)" if bad else ""
+        why = f" usable ({len(bad)} malformed, skipped)" if len(bad) else ""
         raise UserError(
             Problem(
                 src.key, f"'{src.path}' holds no{why} records", f"Point {src.key} at data with at least one record."
@@ -697,7 +696,7 @@ def _build_entry(
     held_items = None
     if holdout > 0:
         items, held_items = _holdout(items, holdout, seed, src.key)
-    meta: dict[str, Any] = {"skipped": f"{locate(bad[0])}: {errors[bad[0]]}" if bad else None}
+    meta: dict[str, Any] = {"skipped": f"{locate(int(bad[0]))}: {errors[0]}" if len(bad) else None}
     rows, meta["stats"] = _rows(ids, target, offsets, items, cfg, tokenizer.pad_token_id, src.key)
     meta["stats"]["skipped"] = len(bad)
     rows.write(tmp / "rows.arrow")
@@ -710,6 +709,15 @@ def _build_entry(
     (tmp / "prompts.json").write_text(json.dumps(prompts))
     shutil.rmtree(tmp / "map", ignore_errors=True)
     return meta
+
+
+def _errors(tokenized: list) -> tuple[np.ndarray, list[str]]:
+    """The indices of the records that have an error, and those errors (no per-record Python list)."""
+    import pyarrow as pa
+
+    column = pa.chunked_array([c for t in tokenized for c in t.data.column("error").chunks], type=pa.string())
+    bad = np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False)).astype(np.int64)
+    return bad, column.take(pa.array(bad)).to_pylist()
 
 
 def _flat(tokenized: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
