@@ -25,7 +25,7 @@ import numpy as np
 
 from llmft.data.cache import CACHE_FORMAT, default_cache_dir, get_or_build, read_meta, size_of, tokenizer_fingerprint
 from llmft.data.encode import IGNORE_INDEX, Encoder
-from llmft.data.pack import pack_arrays, positions, ranges
+from llmft.data.pack import pack_arrays, positions, ranges, take_ranges
 from llmft.data.read import Chunk, Resolved, parse_line, read, resolve
 from llmft.data.records import BadRecord, parse_record
 from llmft.data.sampler import GlobalOrder, ProbabilityOrder, largest_remainder, source_seed
@@ -791,8 +791,7 @@ def _kept_tokens(
         keep = np.ones(len(ids), dtype=bool)
         keep[ranges(gap_starts, gap_lens)] = False
         return ids[keep], target[keep]
-    take = ranges(starts, kept_len)
-    return ids[take], target[take]
+    return take_ranges((ids, target), starts, kept_len)
 
 
 def _prefix_counts(mask: np.ndarray, at: np.ndarray, block: int = 1 << 20) -> np.ndarray:

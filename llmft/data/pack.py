@@ -72,6 +72,23 @@ def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - first, lengths)
 
 
+def take_ranges(
+    arrays: tuple[np.ndarray, ...], starts: np.ndarray, lengths: np.ndarray, block_tokens: int = 1 << 22
+) -> tuple[np.ndarray, ...]:
+    """``a[ranges(starts, lengths)]`` for each array, gathered about ``block_tokens`` at a time: the
+    8-byte index of each token exists for one block only."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    outs = tuple(np.empty(int(ends[-1]) if len(ends) else 0, dtype=a.dtype) for a in arrays)
+    step = max(1, block_tokens // max(1, int(lengths.max(initial=0))))
+    for lo in range(0, len(lengths), step):
+        take = ranges(starts[lo : lo + step], lengths[lo : lo + step])
+        at = int(ends[lo] - lengths[lo])
+        for out, a in zip(outs, arrays, strict=True):
+            out[at : at + len(take)] = a[take]
+    return outs
+
+
 @dataclass
 class PackedRows:
     """Rows of exactly ``max_seq_len`` tokens as flat arrays: row r is ``[r * max_seq_len, (r + 1) * max_seq_len)``.
@@ -87,9 +104,18 @@ class PackedRows:
 
 
 def pack_arrays(
-    input_ids: np.ndarray, target: np.ndarray, starts: np.ndarray, lengths: np.ndarray, max_seq_len: int, pad_id: int
+    input_ids: np.ndarray,
+    target: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    max_seq_len: int,
+    pad_id: int,
+    block_tokens: int = 1 << 22,
 ) -> PackedRows:
-    """Pack examples ``input_ids[starts[i] : starts[i] + lengths[i]]`` (same for ``target``) by ``plan_rows``."""
+    """Pack examples ``input_ids[starts[i] : starts[i] + lengths[i]]`` (same for ``target``) by ``plan_rows``.
+
+    Tokens are copied ``block_tokens`` at a time, so the 8-byte source and destination index of
+    each token exists for one block only, not for the whole dataset."""
     plan = plan_rows([int(n) for n in lengths], max_seq_len)
     members = np.fromiter((i for row in plan for i in row), dtype=np.int64, count=len(lengths))
     row_of = np.repeat(np.arange(len(plan), dtype=np.int64), [len(row) for row in plan])
@@ -102,9 +128,12 @@ def pack_arrays(
     src = np.asarray(starts, dtype=np.int64)[members]
     ids = np.full(len(plan) * max_seq_len, pad_id, dtype=input_ids.dtype)
     tgt = np.zeros(len(plan) * max_seq_len, dtype=np.uint8)
-    d, s = ranges(dest, member_lens), ranges(src, member_lens)
-    ids[d] = input_ids[s]
-    tgt[d] = target[s]
+    step = max(1, block_tokens // max_seq_len)  # members per block: each holds at most max_seq_len tokens
+    for lo in range(0, len(members), step):
+        d = ranges(dest[lo : lo + step], member_lens[lo : lo + step])
+        s = ranges(src[lo : lo + step], member_lens[lo : lo + step])
+        ids[d] = input_ids[s]
+        tgt[d] = target[s]
     tgt[dest] = 0  # an example's first token would be predicted from the previous example's last
     used = np.bincount(row_of, weights=member_lens, minlength=len(plan)).astype(np.int64)
     tails = max_seq_len - used

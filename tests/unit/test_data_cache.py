@@ -330,3 +330,20 @@ def test_prefix_counts_equal_the_running_count_across_blocks():
         expected = np.concatenate([[0], np.cumsum(mask)])[at]
         for block in (1, 3, 7, 1 << 24):
             assert np.array_equal(_prefix_counts(mask, at, block=block), expected), (trial, block)
+
+
+def test_take_ranges_gathers_a_block_at_a_time_as_one_index():
+    from llmft.data.pack import ranges, take_ranges
+
+    rng = np.random.default_rng(2)
+    for trial in range(100):
+        a = rng.integers(0, 1000, 80).astype(np.int32)
+        b = rng.integers(0, 2, 80).astype(np.uint8)
+        n = int(rng.integers(0, 12))
+        lengths = rng.integers(0, 9, n)
+        starts = rng.integers(0, 80 - 8, n)  # any order, overlaps allowed
+        take = ranges(starts, lengths)
+        for block in (1, 5, 1 << 22):
+            got_a, got_b = take_ranges((a, b), starts, lengths, block_tokens=block)
+            assert np.array_equal(got_a, a[take]) and np.array_equal(got_b, b[take]), (trial, block)
+            assert got_a.dtype == np.int32 and got_b.dtype == np.uint8

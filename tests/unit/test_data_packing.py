@@ -48,6 +48,21 @@ def test_bucketed_best_fit_is_the_definition(capacity):
         assert plan_rows(lengths, capacity) == best_fit_by_definition(lengths, capacity)
 
 
+def test_packing_a_block_of_tokens_at_a_time_gives_the_same_rows():
+    from llmft.data.pack import pack_arrays
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 17, 300)
+    starts = np.cumsum(lengths) - lengths
+    ids = rng.integers(0, 256, int(lengths.sum())).astype(np.int32)
+    target = rng.integers(0, 2, len(ids)).astype(np.uint8)
+    whole = pack_arrays(ids, target, starts, lengths, 16, PAD, block_tokens=1 << 30)
+    for block in (1, 16, 50, 1000):
+        part = pack_arrays(ids, target, starts, lengths, 16, PAD, block_tokens=block)
+        for name in ("input_ids", "target", "segments", "segment_offsets"):
+            assert np.array_equal(getattr(part, name), getattr(whole, name)), (block, name)
+
+
 def test_packed_rows_keep_every_token_and_never_cross_a_boundary(tmp_path):
     tok = byte_tokenizer()
     records = [{"prompt": "p" * (i % 5), "completion": "c" * (1 + i * 7 % 11)} for i in range(30)]
