@@ -20,7 +20,8 @@ generated here (text of median ~300 tokens; chat of 2-12 turns):
    (``build_data``, ``DataBundle.order``, ``MicroBatchSampler``, ``make_loader`` and its collate,
    in-process loader); its peak RSS above the same process after it imported what a rank imports
    (torch, ``llmft.run``) and ran the loader once on a tiny batch, against the size of the Arrow
-   cache. Of that: the resident pages of the cache's memory map and the anonymous memory.
+   cache. Of that: the resident pages of the cache's memory map and the anonymous memory. And the
+   same peak of the process that built the entry (step 1; its tokenizing workers are other processes).
 5. chat, assistant-only loss: seconds per record for 2- and 12-turn conversations (one render per
    conversation), and the ratio; linear in turns means ~6x (12 turns hold 6x the tokens).
 
@@ -282,6 +283,7 @@ def main() -> None:
     second = run_child(r, "read")
     assert first["built"] and not second["built"] and second["rows"] >= second["records"]
     rss_over = second["peak_rss"] - second["base_rss"]
+    build_over = first["peak_rss"] - first["base_rss"]
     t = train_recipe(tmp, text, tok_dir, tmp / "cache-train", args.num_proc)
     (step_first, cpu_first), (step_second, _) = seconds_to_first_step(t), seconds_to_first_step(t)
     t2 = train_recipe(tmp, text, tok_dir, tmp / "cache-train-2", args.num_proc, name="train-2")
@@ -327,6 +329,11 @@ def main() -> None:
             f"{second['peak_rss'] / mb:.0f} in all",
         ],
         ["  ratio RSS / cache size", f"{rss_over / first['bytes']:.2f}", ""],
+        [
+            "peak RSS of the process that built the entry, above imports, MiB",
+            f"{build_over / mb:.0f}",
+            f"{build_over / first['bytes']:.2f}x the cache (the tokenizing workers are other processes)",
+        ],
         ["chat, assistant-only: 2 turns, ms/record", f"{per2 * 1e3:.3f}", ""],
         ["chat, assistant-only: 12 turns, ms/record", f"{per12 * 1e3:.3f}", ""],
         ["  ratio 12 / 2 turns (6x the tokens)", f"{per12 / per2:.2f}", ""],
