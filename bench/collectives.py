@@ -151,12 +151,7 @@ def worker(recipe: str, engine: str, skip: bool, steps: int) -> None:
 
 def start_case(recipe: Path, engine: str, skip: bool, steps: int, out: Path) -> subprocess.Popen:
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
+        *common.torchrun(2),
         __file__,
         "--worker",
         str(recipe),
@@ -180,14 +175,6 @@ def finish_case(proc: subprocess.Popen, engine: str, skip: bool, out: Path) -> l
         )
     lines = (out / "stdout.txt").read_text().splitlines()
     return json.loads(next(ln for ln in lines if ln.startswith("COLLECTIVES ")).split(" ", 1)[1])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def summarise(events: list[dict], steps: int) -> dict:

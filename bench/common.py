@@ -79,6 +79,20 @@ def scratch_dir(prefix: str) -> Path:
     return path
 
 
+def torchrun(nproc: int) -> list[str]:
+    """The command prefix that starts ``nproc`` ranks on this machine: ``torchrun`` with the
+    rendezvous on loopback at a free port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1", f"--master_port={port}",
+    ]  # fmt: skip
+
+
 def write_text_records(path: Path, lengths: Iterable[int], seed: int = 0) -> Path:
     """``{"text": ...}`` records of lowercase words, ``n`` bytes each (the byte tokenizer adds bos
     and eos, so a record of ``n`` bytes is ``n + 2`` tokens)."""

@@ -199,11 +199,7 @@ def seconds_to_first_step(recipe_path: Path, nproc: int = 1) -> tuple[float, flo
     metrics.unlink(missing_ok=True)  # a previous run's rows
     env = {**os.environ, "PYTHONPATH": str(common.ROOT)}
     log = run_dir.parent / f"{run_dir.name}.log"  # a file, not a pipe: progress bars would fill a pipe
-    launcher = [sys.executable]
-    if nproc > 1:
-        port = 29500 + os.getpid() % 1000
-        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1"]
-        launcher += [f"--master_port={port}"]
+    launcher = common.torchrun(nproc) if nproc > 1 else [sys.executable]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "w") as out:
         t0 = time.time()

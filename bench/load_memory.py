@@ -103,22 +103,12 @@ def _run(out: Path, ranks: int, argv: list[str]) -> dict[str, int]:
     if ranks == 1:
         cmd = [sys.executable, *entry, *argv]
     else:
-        port = common_port()
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}"]
-        cmd += ["--master_addr=127.0.0.1", f"--master_port={port}", *entry, *argv]
+        cmd = [*common.torchrun(ranks), *entry, *argv]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=common.ROOT, timeout=3600)
     reports = [json.loads(f.read_text()) for f in sorted(out.glob("rank-*.json"))]
     if done.returncode != 0 or len(reports) != ranks or any(r["code"] for r in reports):
         raise SystemExit(f"{' '.join(argv)} failed:\n{done.stderr[-4000:]}")
     return {k: max(r[k] for r in reports) for k in ("peak", "load")}
-
-
-def common_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _planned(recipe: Path, ranks: int, overrides: list[str]) -> tuple[int, int]:

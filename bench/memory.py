@@ -117,8 +117,7 @@ def start_case(recipe: Path, engine: str, micro: int, out: Path) -> subprocess.P
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-        cmd += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}", *args]
+        cmd = [*common.torchrun(nproc), *args]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -142,14 +141,6 @@ def finish_case(proc: subprocess.Popen, engine: str, micro: int, out: Path) -> d
     cpu = got["cpu"]
     got["step_cpu"] = common.median([b - a for a, b in zip(cpu, cpu[1:], strict=False)])
     return got
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def estimate(recipe: Path, engine: str, micro: int):

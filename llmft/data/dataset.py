@@ -25,7 +25,7 @@ import numpy as np
 
 from llmft.data.cache import CACHE_FORMAT, default_cache_dir, get_or_build, read_meta, size_of, tokenizer_fingerprint
 from llmft.data.encode import IGNORE_INDEX, Encoder
-from llmft.data.pack import pack_arrays, positions, ranges, take_ranges
+from llmft.data.pack import pack_arrays, positions, take_ranges
 from llmft.data.read import Chunk, Resolved, parse_line, read, resolve
 from llmft.data.records import BadRecord, parse_record
 from llmft.data.sampler import GlobalOrder, ProbabilityOrder, largest_remainder, source_seed
@@ -779,18 +779,10 @@ def _kept_tokens(
     ids: np.ndarray, target: np.ndarray, offsets: np.ndarray, starts: np.ndarray, kept_len: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """The tokens of the kept records (``kept_len`` tokens from each of ``starts``), in that order:
-    ``ids[ranges(starts, kept_len)]``. When the records are in file order (no held-out split), a
-    token mask that clears only the gaps (truncated tails, dropped records) avoids the 8-byte index
-    per kept token."""
+    ``ids[ranges(starts, kept_len)]``, gathered a block at a time (``take_ranges``), or the arrays
+    themselves when every token of every record is kept in file order."""
     if len(starts) == len(offsets) - 1 and np.array_equal(kept_len, np.diff(offsets)):
         return ids, target  # every token of every record, in file order: nothing to copy
-    if len(starts) and np.all(starts[1:] > starts[:-1]):
-        ends = starts + kept_len
-        gap_starts = np.concatenate([[0], ends])
-        gap_lens = np.concatenate([starts, [len(ids)]]) - gap_starts
-        keep = np.ones(len(ids), dtype=bool)
-        keep[ranges(gap_starts, gap_lens)] = False
-        return ids[keep], target[keep]
     return take_ranges((ids, target), starts, kept_len)
 
 

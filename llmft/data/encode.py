@@ -129,16 +129,20 @@ class Encoder:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
     def _ids_batch(self, texts: list[str], special: bool) -> list[list[int]]:
-        if self._backend is not None and _backend_ready(self.tokenizer, self._backend):
-            # encode_batch_fast: the same ids as tokenizer(texts) without tracking character
-            # offsets or building a BatchEncoding, ~25% less CPU on byte-level BPE.
-            ids = [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=special)]
-            if self._backend_checked:
-                return ids
-            self._backend_checked = True
-            if ids == [list(x) for x in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]:
-                return ids
+        if self._backend is None or not _backend_ready(self.tokenizer, self._backend):
+            return self._full_ids_batch(texts, special)
+        # encode_batch_fast: the same ids as tokenizer(texts) without tracking character
+        # offsets or building a BatchEncoding, ~25% less CPU on byte-level BPE.
+        ids = [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=special)]
+        if self._backend_checked:
+            return ids
+        self._backend_checked = True
+        reference = self._full_ids_batch(texts, special)
+        if ids != reference:
             self._backend = None  # a tokenizer that does more than its backend: always the full call
+        return reference
+
+    def _full_ids_batch(self, texts: list[str], special: bool) -> list[list[int]]:
         return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
 
     # --- chat ---------------------------------------------------------------

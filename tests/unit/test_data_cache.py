@@ -294,9 +294,8 @@ def test_jsonl_lines_split_by_arrow_are_the_per_line_readers_records(tmp_path):
 
 
 def test_kept_tokens_equal_the_indexed_ranges_for_every_selection():
-    """_rows takes the kept tokens without an index per token where it can (all records whole and in
-    order: the arrays themselves; in order with truncated or dropped records: a mask); every
-    selection gives exactly ``ids[ranges(starts, kept)]``."""
+    """_rows takes the kept tokens as the arrays themselves where all records are whole and in order,
+    else gathered a block at a time; every selection gives exactly ``ids[ranges(starts, kept)]``."""
     from llmft.data.dataset import _kept_tokens
     from llmft.data.pack import ranges
 
