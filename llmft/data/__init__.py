@@ -12,7 +12,7 @@
 - ``loader``: ``collate``, ``count_targets``, ``make_loader``
 """
 
-from llmft.data.dataset import DataBundle, MixedDataset, TokenDataset, build_data
+from llmft.data.build import DataBundle, MixedDataset, TokenDataset, build_data
 from llmft.data.encode import IGNORE_INDEX
 from llmft.data.loader import collate, count_targets, make_loader
 from llmft.data.sampler import GlobalOrder, MicroBatchSampler

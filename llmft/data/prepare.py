@@ -14,7 +14,7 @@ import time
 
 def prepare(recipe_path: str, overrides: list[str]) -> str:
     """Build (or find) the cache entries of the recipe's data; the report to print."""
-    from llmft.data.dataset import build_data, cache_root
+    from llmft.data.build import build_data, cache_root
     from llmft.recipe import load_recipe
     from llmft.tokenizer import load_tokenizer
 

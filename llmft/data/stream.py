@@ -38,7 +38,7 @@ from llmft.errors import Problem, UserError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from llmft.data.dataset import TokenDataset
+    from llmft.data.build import TokenDataset
     from llmft.data.sources import Source
     from llmft.recipe.schema import DataConfig
 
@@ -186,14 +186,14 @@ class _Blocks:
     """Raw records of one block -> rows, by the cache's own tokenizer, truncation and packing."""
 
     def __init__(self, src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, train_on: str) -> None:
-        from llmft.data.dataset import _Tokenize
+        from llmft.data.build import _Tokenize
 
         self.key, self.cfg, self.pad_id = src.key, cfg, tokenizer.pad_token_id
         self.lines = _Tokenize(Encoder(tokenizer, train_on), True, src.fields)
         self.tables = _Tokenize(Encoder(tokenizer, train_on), False, src.fields)
 
     def rows(self, records: list[tuple[Any, str | None, str, bool]]) -> tuple[TokenDataset, dict]:
-        from llmft.data.dataset import _FATAL, SKIP_FIX, TokenDataset, _rows
+        from llmft.data.build import _FATAL, SKIP_FIX, TokenDataset, _rows
 
         empty = TokenDataset.from_arrays(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64))
         if not records:

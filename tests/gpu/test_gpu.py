@@ -112,7 +112,7 @@ def _tiny(attn: str, dtype: torch.dtype):
 
 def _packed_and_plain() -> tuple[dict, dict]:
     from llmft.data import collate
-    from llmft.data.dataset import TokenDataset
+    from llmft.data.build import TokenDataset
     from llmft.data.encode import IGNORE_INDEX, Example
     from llmft.data.pack import pack
 

@@ -87,7 +87,7 @@ def test_changed_file_tokenizer_or_llmft_version_rebuilds(tmp_path, data, monkey
 
 
 def test_a_crashed_build_leaves_no_entry_and_the_next_one_builds(tmp_path, data, monkeypatch):
-    import llmft.data.dataset as dataset
+    import llmft.data.build as dataset
 
     def boom(*a, **k):
         raise RuntimeError("killed")
@@ -296,7 +296,7 @@ def test_jsonl_lines_split_by_arrow_are_the_per_line_readers_records(tmp_path):
 def test_kept_tokens_equal_the_indexed_ranges_for_every_selection():
     """_rows takes the kept tokens as the arrays themselves where all records are whole and in order,
     else gathered a block at a time; every selection gives exactly ``ids[ranges(starts, kept)]``."""
-    from llmft.data.dataset import _kept_tokens
+    from llmft.data.build import _kept_tokens
     from llmft.data.pack import ranges
 
     rng = np.random.default_rng(0)
@@ -320,7 +320,7 @@ def test_kept_tokens_equal_the_indexed_ranges_for_every_selection():
 
 def test_prefix_counts_equal_the_running_count_across_blocks():
     """_rows counts each record's targets from prefix sums taken a block of tokens at a time."""
-    from llmft.data.dataset import _prefix_counts
+    from llmft.data.build import _prefix_counts
 
     rng = np.random.default_rng(1)
     for trial in range(200):

@@ -20,7 +20,7 @@ from helpers import TINY_LLAMA, max_rel_diff, metrics, train_inproc, write_recip
 
 from llmft import kernels
 from llmft.data import collate, count_targets
-from llmft.data.dataset import TokenDataset
+from llmft.data.build import TokenDataset
 from llmft.data.encode import IGNORE_INDEX, Example
 from llmft.data.pack import pack
 from llmft.errors import UserError
