@@ -134,13 +134,16 @@ def mapped(prefix):  # resident bytes of the mappings of files under prefix (the
     return total
 t0, c0 = time.time(), time.process_time()
 import llmft.run  # what a training rank imports
-from llmft.data import GlobalOrder, MicroBatchSampler, TokenDataset, build_data, make_loader
+from llmft.data import MicroBatchSampler, build_data, make_loader
+from llmft.data.sampler import GlobalOrder
+from llmft.data.tokens import TokenDataset
+from llmft.plan.batch import BatchPlan
 from llmft.recipe import load_recipe
 from llmft.tokenizer import load_tokenizer
 r = load_recipe(sys.argv[1], [])
 tok = load_tokenizer(r.model)
 tiny = TokenDataset([([1, 2, 3], [-100, 2, 3], None)] * 8)  # the loader's own code pages, before the base
-for _ in make_loader(tiny, MicroBatchSampler(GlobalOrder(8, 0, True), 8, 8, 1, 0, 1, num_steps=2), 0, 0, 2):
+for _ in make_loader(tiny, MicroBatchSampler(GlobalOrder(8, 0, True), BatchPlan(8, 8, 1, 1), 0, num_steps=2), 0, 0, 2):
     pass
 open("/proc/self/clear_refs", "w").write("5")  # VmHWM (the peak) restarts from here: imports peak higher
 base_rss, base_anon = status("VmRSS"), status("RssAnon")
@@ -151,7 +154,7 @@ children = resource.getrusage(resource.RUSAGE_CHILDREN)
 rows = 0
 if sys.argv[2] == "read":  # every row, as the training loop's DataLoader takes them
     ds, g = data.train, r.batch.global_batch_size
-    sampler = MicroBatchSampler(data.order(r.run.seed, r.data.shuffle), g, g, 1, 0, 1, num_steps=-(-len(ds) // g))
+    sampler = MicroBatchSampler(data.order(r.run.seed, r.data.shuffle), BatchPlan(g, g, 1, 1), 0, num_steps=-(-len(ds) // g))
     for batch in make_loader(ds, sampler, tok.pad_token_id, 0, 2):
         rows += len(batch["input_ids"])
 print(json.dumps({"seconds": t2 - t1, "cpu": c2 - c1 + children.ru_utime + children.ru_stime,

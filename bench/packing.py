@@ -33,7 +33,9 @@ def lognormal_lengths(n: int, seed: int, median: float, sigma: float) -> list[in
 
 def fractions(recipe_path: Path, packing: bool, micro: int) -> dict[str, float]:
     """Non-pad and target fractions of the micro-batch tensors over one epoch."""
-    from llmft.data import GlobalOrder, MicroBatchSampler, build_data, collate
+    from llmft.data import MicroBatchSampler, build_data, collate
+    from llmft.data.sampler import GlobalOrder
+    from llmft.plan.batch import BatchPlan
     from llmft.recipe import load_recipe
     from llmft.tokenizer import load_tokenizer
 
@@ -42,7 +44,7 @@ def fractions(recipe_path: Path, packing: bool, micro: int) -> dict[str, float]:
     data = build_data(recipe, tok)
     ds = data.train
     steps = len(ds) // micro
-    sampler = MicroBatchSampler(GlobalOrder(len(ds), 0, True), micro, micro, 1, 0, 1, num_steps=steps)
+    sampler = MicroBatchSampler(GlobalOrder(len(ds), 0, True), BatchPlan(micro, micro, 1, 1), 0, num_steps=steps)
     cells = real = targets = 0
     for indices in sampler:
         batch = collate([ds[i] for i in indices], tok.pad_token_id)

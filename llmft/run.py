@@ -211,15 +211,7 @@ class Run:
 
         b, d = self.plan.batch, self.recipe.data
         order = self.data.order(self.recipe.run.seed, d.shuffle)  # a stream orders itself
-        sampler = MicroBatchSampler(
-            order,
-            b.global_batch_size,
-            b.micro_batch_size,
-            b.gradient_accumulation_steps,
-            self.env.rank,
-            self.env.world_size,
-            start_position=position,
-        )
+        sampler = MicroBatchSampler(order, b, self.env.rank, start_position=position)
         sampler = self.hooks.wrap_sampler(sampler, first_step, self.env)
         workers = 0 if self.data.streaming else d.num_workers  # the stream's cursor lives here
         return make_loader(self.data.train, sampler, self.tokenizer.pad_token_id, workers, d.prefetch_factor)

@@ -182,19 +182,12 @@ def _first_step(dataset, order, plan: BatchPlan, pad_id: int):
 
     ranks, indices = [], []
     for rank in range(plan.dp_size):
-        sampler = MicroBatchSampler(
-            order,
-            plan.global_batch_size,
-            plan.micro_batch_size,
-            plan.gradient_accumulation_steps,
-            rank,
-            plan.dp_size,
-            num_steps=1,
-        )
+        sampler = MicroBatchSampler(order, plan, rank, num_steps=1)
         lists = list(sampler)
         indices += [i for micro in lists for i in micro]
         ranks.append([collate([dataset[i] for i in micro], pad_id) for micro in lists])
-    (whole,) = MicroBatchSampler(order, plan.global_batch_size, plan.global_batch_size, 1, 0, 1, num_steps=1)
+    one_batch = BatchPlan(plan.global_batch_size, plan.global_batch_size, 1, 1)
+    (whole,) = MicroBatchSampler(order, one_batch, 0, num_steps=1)
     assert whole == indices, "the ranks' micro-batches must tile the global batch in order"
     return ranks, collate([dataset[i] for i in whole], pad_id)
 

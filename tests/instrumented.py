@@ -35,7 +35,7 @@ class SampleLog:
         self.first_step = first_step
 
     def __iter__(self):
-        accumulation = self.sampler.gradient_accumulation_steps
+        accumulation = self.sampler.plan.gradient_accumulation_steps
         for i, indices in enumerate(self.sampler):
             row = {
                 "step": self.first_step + i // accumulation + 1,

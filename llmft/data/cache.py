@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmft.errors import Problem, UserError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -94,8 +96,6 @@ def get_or_build(root: Path, parts: dict[str, Any], build: Callable[[Path], dict
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        from llmft.errors import Problem, UserError
-
         raise UserError(
             Problem("data.cache_dir", f"cannot create '{root}' ({e.strerror})", "Set data.cache_dir to a writable dir.")
         ) from e

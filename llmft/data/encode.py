@@ -234,7 +234,9 @@ class Encoder:
         return _Layout(tuple(literals), tuple(rel))
 
     def _render(self, chat: Chat, end: int | None, generation_prompt: bool) -> str:
-        from jinja2.exceptions import TemplateError
+        from jinja2.exceptions import (
+            TemplateError,
+        )  # optional for transformers: needed only where a chat template renders
 
         try:
             return self.tokenizer.apply_chat_template(
@@ -267,7 +269,7 @@ class Encoder:
 def _direct_backend(tokenizer):
     """The ``tokenizers.Tokenizer`` under ``tokenizer`` where ``tokenizer(texts)`` is only its
     ``encode_batch`` (transformers' own ``TokenizersBackend`` path, not overridden), else None."""
-    try:
+    try:  # transformers' internals, whose layout changes between versions: looked up, never required
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another transformers layout: the full call only

@@ -9,6 +9,7 @@ import torch
 
 from llmft.data.encode import IGNORE_INDEX
 from llmft.data.sampler import MicroBatchSampler
+from llmft.data.workers import StopSafeDataLoader, ignore_stop_signals
 
 
 def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -49,8 +50,6 @@ def make_loader(
 ) -> torch.utils.data.DataLoader:
     """A DataLoader over ``sampler``'s micro-batches; workers stay alive across the (endless) iteration
     and leave the stop signals to the training process (``llmft.data.workers``)."""
-    from llmft.data.workers import StopSafeDataLoader, ignore_stop_signals
-
     workers = num_workers > 0
     return StopSafeDataLoader(
         dataset,

@@ -11,18 +11,17 @@ import logging
 import sys
 import time
 
+from llmft.data.build import build_data, cache_root
+from llmft.errors import Problem, UserError
+from llmft.recipe import load_recipe
+from llmft.tokenizer import load_tokenizer
+
 
 def prepare(recipe_path: str, overrides: list[str]) -> str:
     """Build (or find) the cache entries of the recipe's data; the report to print."""
-    from llmft.data.build import build_data, cache_root
-    from llmft.recipe import load_recipe
-    from llmft.tokenizer import load_tokenizer
-
     _log_to_stderr()
     recipe = load_recipe(recipe_path, overrides)
     if recipe.data.streaming:
-        from llmft.errors import Problem, UserError
-
         raise UserError(
             Problem(
                 "data.streaming",

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from llmft.data.sources import Source
 from llmft.errors import Problem, UserError
 
@@ -115,11 +117,11 @@ def read(resolved: Resolved, work_dir: Path) -> tuple[list[Chunk], str | None]:
     JSON/JSONL files (an Arrow file per group, memory-mapped); the caller removes it.
     """
     if resolved.kind == "hub":
-        ds = _load_hub(resolved.source)
+        ds = load_hub(resolved.source)
         split = resolved.source.split or "train"
         return [Chunk(ds, False, Locator((f"{resolved.source.path}[{split}]",), (False,)))], ds._fingerprint
     if resolved.kind == "saved":
-        ds = _load_saved(resolved.files[0], resolved.source)
+        ds = load_saved(resolved.files[0], resolved.source)
         return [Chunk(ds, False, Locator((str(resolved.files[0]),), (False,)))], None
     chunks: list[Chunk] = []
     group: list[Path] = []
@@ -167,7 +169,7 @@ def _data_files(directory: Path) -> list[Path]:
 def _read_lines(files: list[Path], work_dir: Path, k: int) -> Chunk:
     """The records' lines as a dataset memory-mapped from an Arrow file in ``work_dir``: tokenizing
     workers then map their shards from that file instead of receiving them pickled."""
-    import datasets
+    import datasets  # heavy: imported only where records are read (a cache build, a stream)
     import pyarrow as pa
 
     features = datasets.Features(
@@ -179,7 +181,7 @@ def _read_lines(files: list[Path], work_dir: Path, k: int) -> Chunk:
     for i, path in enumerate(files):
         table = _jsonl_table(path, i, schema) if path.suffix == ".jsonl" else None
         if table is None:  # a .json file, or a line that is not UTF-8: record by record, to say which
-            rows = list(_jsonl_rows(path) if path.suffix == ".jsonl" else _json_rows(path))
+            rows = list(_jsonl_rows(path) if path.suffix == ".jsonl" else json_rows(path))
             cols = {"file": [i] * len(rows), "pos": [r[0] for r in rows], "json": [r[1] for r in rows]}
             table = pa.table({**cols, "error": [r[2] for r in rows]}, schema=schema)
         tables.append(table)
@@ -196,8 +198,7 @@ def _read_lines(files: list[Path], work_dir: Path, k: int) -> Chunk:
 def _jsonl_table(path: Path, i: int, schema):
     """A JSONL file's non-blank lines as Arrow columns, split and checked without a Python loop over
     lines (4x faster than ``_jsonl_rows``); None if a line is not UTF-8."""
-    import numpy as np
-    import pyarrow as pa
+    import pyarrow as pa  # heavy: only a cache build reads JSONL this way
     import pyarrow.compute as pc
 
     data = path.read_bytes()
@@ -239,7 +240,7 @@ def _jsonl_rows(path: Path):
                 yield lineno, line, None
 
 
-def _json_rows(path: Path):
+def json_rows(path: Path):
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -277,7 +278,7 @@ def parse_line(text: str | None, error: str | None) -> Any:
 
 
 def _read_tables(files: list[Path], work_dir: Path) -> Chunk:
-    import datasets
+    import datasets  # heavy: imported only where records are read (a cache build, a stream)
 
     parts, starts, row = [], [], 0
     for path in files:
@@ -302,8 +303,8 @@ def _read_tables(files: list[Path], work_dir: Path) -> Chunk:
     return Chunk(ds, False, Locator(tuple(map(str, files)), (False,) * len(files), tuple(starts)))
 
 
-def _load_saved(path: Path, source: Source) -> datasets.Dataset:
-    import datasets
+def load_saved(path: Path, source: Source) -> datasets.Dataset:
+    import datasets  # heavy: imported only where records are read (a cache build, a stream)
 
     if (path / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in path.iterdir() if p.is_dir())
@@ -313,8 +314,8 @@ def _load_saved(path: Path, source: Source) -> datasets.Dataset:
     return datasets.load_from_disk(str(path))
 
 
-def _load_hub(source: Source, streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
-    import datasets
+def load_hub(source: Source, streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
+    import datasets  # heavy: imported only where records are read (a cache build, a stream)
 
     split = source.split or "train"
     try:

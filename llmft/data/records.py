@@ -16,6 +16,7 @@ clear reason, since llmft trains text-only models.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -96,8 +97,6 @@ RECORD_FIELDS = ("text", "prompt", "completion", "messages")
 
 def _did_you_mean(value: dict[str, Any], wanted: tuple[str, ...]) -> str:
     """' (did you mean 'prompt' for 'promt')' for the record keys that look like a misspelt field."""
-    import difflib
-
     hints = []
     for key in sorted(map(str, value)):
         if key in RECORD_FIELDS:

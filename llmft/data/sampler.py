@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
+
+from llmft.plan.batch import BatchPlan
+
 
 class GlobalOrder:
     """Position -> dataset index; epoch e is a permutation seeded with ``seed + e`` (or identity)."""
@@ -40,8 +44,6 @@ class GlobalOrder:
     def _permutation(self, epoch: int):
         # Positions are read in increasing order, so caching the current epoch suffices.
         if epoch != self._cached_epoch:
-            import torch
-
             gen = torch.Generator().manual_seed(self.seed + epoch)
             self._perm = torch.randperm(self.num_samples, generator=gen).numpy()
             self._cached_epoch = epoch
@@ -53,54 +55,45 @@ class MicroBatchSampler:
 
     Within step s, rank r takes the contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of
     the step's positions, and micro-step k takes the k-th ``micro_batch_size``
-    chunk of that slice. Usable as a DataLoader ``batch_sampler``.
+    chunk of that slice. ``plan`` holds G, the micro-batch size, the accumulation
+    steps and dp; it has already checked that they multiply out. Usable as a
+    DataLoader ``batch_sampler``.
     """
 
     def __init__(
         self,
         order: GlobalOrder,
-        global_batch_size: int,
-        micro_batch_size: int,
-        gradient_accumulation_steps: int,
+        plan: BatchPlan,
         dp_rank: int,
-        dp_size: int,
         start_position: int = 0,
         num_steps: int | None = None,
     ) -> None:
-        if micro_batch_size * gradient_accumulation_steps * dp_size != global_batch_size:
-            raise ValueError(
-                f"micro_batch_size {micro_batch_size} x gradient_accumulation_steps {gradient_accumulation_steps} "
-                f"x dp_size {dp_size} != global_batch_size {global_batch_size}"
-            )
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
+        if not 0 <= dp_rank < plan.dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is not in [0, {plan.dp_size})")
         self.order = order
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.plan = plan
         self.dp_rank = dp_rank
-        self.dp_size = dp_size
         self.start_position = start_position
         self.num_steps = num_steps
 
     def position_after(self, steps: int) -> int:
         """The resume state after ``steps`` optimizer steps from the start position."""
-        return self.start_position + steps * self.global_batch_size
+        return self.start_position + steps * self.plan.global_batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
-        per_rank = self.global_batch_size // self.dp_size
+        micro, first_of_rank = self.plan.micro_batch_size, self.dp_rank * self.plan.local_batch_size
         step = 0
         while self.num_steps is None or step < self.num_steps:
-            first = self.position_after(step) + self.dp_rank * per_rank
-            for k in range(self.gradient_accumulation_steps):
-                lo = first + k * self.micro_batch_size
-                yield [self.order.index(p) for p in range(lo, lo + self.micro_batch_size)]
+            first = self.position_after(step) + first_of_rank
+            for k in range(self.plan.gradient_accumulation_steps):
+                lo = first + k * micro
+                yield [self.order.index(p) for p in range(lo, lo + micro)]
             step += 1
 
     def __len__(self) -> int:
         if self.num_steps is None:
             raise TypeError("an endless MicroBatchSampler has no length; pass num_steps")
-        return self.num_steps * self.gradient_accumulation_steps
+        return self.num_steps * self.plan.gradient_accumulation_steps
 
 
 class ShareWindows:
@@ -141,8 +134,6 @@ class ShareWindows:
         return out
 
     def _fill(self, window: int) -> None:
-        import torch
-
         slots = torch.tensor([k for k, c in enumerate(self.counts) for _ in range(c)])
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + 999_983 * (window + 1))
         self._slots = slots[torch.randperm(self.WINDOW, generator=gen)].tolist()

@@ -1,7 +1,7 @@
 """``data.streaming``: read, tokenize and pack ``data.train`` on the fly, resumable from a cursor.
 
 The source is read in *blocks* of ``data.stream_block`` raw records. Each block is tokenized,
-truncated and packed (or left padded) by the same code as the cache (``dataset._rows``), and
+truncated and packed (or left padded) by the same code as the cache (``rows.build_rows``), and
 its rows are shuffled within the block by a permutation seeded with ``(run.seed, block)``.
 The training stream is the concatenation of the blocks' rows, pass after pass over the source
 (a block never spans two passes). So row ``p`` of the stream is a pure function of
@@ -24,22 +24,24 @@ per source.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
+import torch
 
 from llmft.data.encode import Encoder
-from llmft.data.read import LINE_EXTENSIONS, Resolved, _json_rows, _load_hub, _load_saved, resolve
+from llmft.data.read import LINE_EXTENSIONS, Resolved, json_rows, load_hub, load_saved, resolve
+from llmft.data.rows import SKIP_FIX, Tokenize, build_rows, raise_if_fatal
+from llmft.data.sampler import ShareWindows
+from llmft.data.sources import Source
+from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from llmft.data.build import TokenDataset
-    from llmft.data.sources import Source
     from llmft.recipe.schema import DataConfig
 
 log = logging.getLogger("llmft.data")
@@ -136,8 +138,6 @@ class StreamDataset:
             self._next = {"pass": cur["pass"], "block": cur["block"] + 1, "source": self.reader.cursor()}
         self._rows = rows
         if self.shuffle and n > 1:
-            import torch
-
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + cur["block"])
             self._perm = torch.randperm(n, generator=gen).tolist()
         else:
@@ -155,8 +155,6 @@ class MixedStream:
     """
 
     def __init__(self, streams: list[StreamDataset], probabilities: list[float], seed: int) -> None:
-        from llmft.data.sampler import ShareWindows
-
         self.streams = streams
         self.windows = ShareWindows(probabilities, seed)
         self.packed = all(s.packed for s in streams)
@@ -186,15 +184,11 @@ class _Blocks:
     """Raw records of one block -> rows, by the cache's own tokenizer, truncation and packing."""
 
     def __init__(self, src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, train_on: str) -> None:
-        from llmft.data.build import _Tokenize
-
         self.key, self.cfg, self.pad_id = src.key, cfg, tokenizer.pad_token_id
-        self.lines = _Tokenize(Encoder(tokenizer, train_on), True, src.fields)
-        self.tables = _Tokenize(Encoder(tokenizer, train_on), False, src.fields)
+        self.lines = Tokenize(Encoder(tokenizer, train_on), True, src.fields)
+        self.tables = Tokenize(Encoder(tokenizer, train_on), False, src.fields)
 
     def rows(self, records: list[tuple[Any, str | None, str, bool]]) -> tuple[TokenDataset, dict]:
-        from llmft.data.build import _FATAL, SKIP_FIX, TokenDataset, _rows
-
         empty = TokenDataset.from_arrays(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64))
         if not records:
             return empty, {"skipped": 0}
@@ -211,8 +205,7 @@ class _Blocks:
             ids += out["input_ids"]
             target += out["target"]
         for k, e in enumerate(errors):
-            if e is not None and e.startswith(_FATAL):
-                raise UserError(Problem(*json.loads(e[len(_FATAL) :])))
+            raise_if_fatal(e)
             if e is not None and self.cfg.on_bad_record == "error":
                 raise UserError(Problem(records[k][2], e, SKIP_FIX))
         items = np.array([k for k, e in enumerate(errors) if e is None], dtype=np.int64)
@@ -223,7 +216,7 @@ class _Blocks:
         flat_target = np.concatenate(target).astype(np.uint8) if target else np.zeros(0, np.uint8)
         if len(items) == 0 or not _any_target(flat_target, offsets, items, self.cfg.max_seq_len):
             return empty, {"skipped": skipped}
-        rows, _ = _rows(flat_ids, flat_target, offsets, items, self.cfg, self.pad_id, self.key)
+        rows, _ = build_rows(flat_ids, flat_target, offsets, items, self.cfg, self.pad_id, self.key)
         return rows, {"skipped": skipped}
 
 
@@ -295,7 +288,7 @@ class _LineReader(_Reader):
             if path.suffix == ".jsonl":
                 yield from self._jsonl(path, f)
             else:
-                for i, text, error in _json_rows(path):
+                for i, text, error in json_rows(path):
                     if i < self.pos["line"]:
                         continue
                     self.pos = {"file": f, "byte": 0, "line": i + 1}
@@ -328,13 +321,13 @@ class _IterableReader(_Reader):
         self.name = f"{s.path}[{s.split or 'train'}]" if resolved.kind == "hub" else str(s.path)
 
     def _dataset(self):
-        import datasets
+        import datasets  # here, not at the top: only a stream of Parquet/CSV/saved/hub data needs it
 
         r, s = self.resolved, self.resolved.source
         if r.kind == "hub":
-            return _load_hub(s, streaming=True)
+            return load_hub(s, streaming=True)
         if r.kind == "saved":
-            return _load_saved(r.files[0], s).to_iterable_dataset()
+            return load_saved(r.files[0], s).to_iterable_dataset()
         builder = {".parquet": "parquet", ".csv": "csv"}[r.files[0].suffix]
         return datasets.load_dataset(builder, data_files=[str(p) for p in r.files], split="train", streaming=True)
 

@@ -112,9 +112,9 @@ def _tiny(attn: str, dtype: torch.dtype):
 
 def _packed_and_plain() -> tuple[dict, dict]:
     from llmft.data import collate
-    from llmft.data.build import TokenDataset
     from llmft.data.encode import IGNORE_INDEX, Example
     from llmft.data.pack import pack
+    from llmft.data.tokens import TokenDataset
 
     gen = torch.Generator().manual_seed(1)
     exs = []

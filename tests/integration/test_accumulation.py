@@ -54,8 +54,10 @@ def test_every_split_gives_the_big_batch_update(tmp_path, peft, packing):
 def test_per_micro_batch_mean_would_fail(tmp_path):
     """The naive rule (mean loss per micro-batch, divided by accumulation) is measurably different,
     so the equivalence test above can fail."""
-    from llmft.data import GlobalOrder, MicroBatchSampler, build_data, collate
+    from llmft.data import MicroBatchSampler, build_data, collate
+    from llmft.data.sampler import GlobalOrder
     from llmft.model import build_model
+    from llmft.plan.batch import BatchPlan
     from llmft.recipe import load_recipe
     from llmft.tokenizer import load_tokenizer
 
@@ -66,7 +68,7 @@ def test_per_micro_batch_mean_would_fail(tmp_path):
     torch.manual_seed(r.run.seed)
     model = build_model(r, tok)
     data = build_data(r, tok)
-    sampler = MicroBatchSampler(GlobalOrder(len(data.train), r.run.seed, r.data.shuffle), 8, 2, 4, 0, 1)
+    sampler = MicroBatchSampler(GlobalOrder(len(data.train), r.run.seed, r.data.shuffle), BatchPlan(8, 2, 4, 1), 0)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     it = iter(sampler)
     for _ in range(4):

@@ -7,7 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llmft.data import IGNORE_INDEX, build_data
+from llmft.data import build_data
+from llmft.data.encode import IGNORE_INDEX
 from llmft.errors import UserError
 from llmft.recipe.schema import Recipe
 from llmft.tokenizer import byte_tokenizer

@@ -11,8 +11,12 @@ from helpers import write_recipe
 
 import llmft
 from llmft.cli import main
-from llmft.data import GlobalOrder, MicroBatchSampler, MixedDataset, TokenDataset, build_data
+from llmft.data import MicroBatchSampler, build_data
+from llmft.data.mixture import MixedDataset
+from llmft.data.sampler import GlobalOrder
+from llmft.data.tokens import TokenDataset
 from llmft.errors import UserError
+from llmft.plan.batch import BatchPlan
 from llmft.recipe.schema import Recipe
 from llmft.tokenizer import byte_tokenizer
 
@@ -87,12 +91,12 @@ def test_changed_file_tokenizer_or_llmft_version_rebuilds(tmp_path, data, monkey
 
 
 def test_a_crashed_build_leaves_no_entry_and_the_next_one_builds(tmp_path, data, monkeypatch):
-    import llmft.data.build as dataset
+    import llmft.data.entry as entry
 
     def boom(*a, **k):
         raise RuntimeError("killed")
 
-    monkeypatch.setattr(dataset, "_rows", boom)
+    monkeypatch.setattr(entry, "build_rows", boom)
     with pytest.raises(RuntimeError):
         build_data(recipe(tmp_path, str(data)), byte_tokenizer())
     assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".lock"]
@@ -142,7 +146,7 @@ def test_a_rank_maps_the_cache_with_numpy_alone_and_the_file_stays_arrow(tmp_pat
     built = build_data(recipe(tmp_path, str(path), packing=True, max_seq_len=16), byte_tokenizer())
     file = built.train.path
     child = (
-        "import sys, json; from llmft.data import TokenDataset; ds = TokenDataset.open(sys.argv[1]); "
+        "import sys, json; from llmft.data.tokens import TokenDataset; ds = TokenDataset.open(sys.argv[1]); "
         "print(json.dumps([ds[i] for i in range(len(ds))])); "
         "print(json.dumps([m for m in ('pyarrow', 'pandas', 'datasets') if m in sys.modules]))"
     )
@@ -258,7 +262,8 @@ def test_mixture_order_resumes_on_any_layout(tmp_path):
         out = []
         for step in range(steps):
             for rank in range(dp):
-                s = MicroBatchSampler(order, 6, micro, acc, rank, dp, start_position=start + 6 * step, num_steps=1)
+                plan = BatchPlan(6, micro, acc, dp)
+                s = MicroBatchSampler(order, plan, rank, start_position=start + 6 * step, num_steps=1)
                 out += [i for mb in s for i in mb]
         return out
 
@@ -296,8 +301,8 @@ def test_jsonl_lines_split_by_arrow_are_the_per_line_readers_records(tmp_path):
 def test_kept_tokens_equal_the_indexed_ranges_for_every_selection():
     """_rows takes the kept tokens as the arrays themselves where all records are whole and in order,
     else gathered a block at a time; every selection gives exactly ``ids[ranges(starts, kept)]``."""
-    from llmft.data.build import _kept_tokens
     from llmft.data.pack import ranges
+    from llmft.data.rows import kept_tokens
 
     rng = np.random.default_rng(0)
     for trial in range(300):
@@ -313,14 +318,14 @@ def test_kept_tokens_equal_the_indexed_ranges_for_every_selection():
             items = rng.permutation(n)
         starts = offsets[items]
         kept = lens[items] if trial % 2 else np.minimum(lens[items], rng.integers(0, 9))  # truncated
-        got_ids, got_target = _kept_tokens(ids, target, offsets, starts, kept)
+        got_ids, got_target = kept_tokens(ids, target, offsets, starts, kept)
         take = ranges(starts, kept)
         assert np.array_equal(got_ids, ids[take]) and np.array_equal(got_target, target[take]), trial
 
 
 def test_prefix_counts_equal_the_running_count_across_blocks():
     """_rows counts each record's targets from prefix sums taken a block of tokens at a time."""
-    from llmft.data.build import _prefix_counts
+    from llmft.data.rows import prefix_counts
 
     rng = np.random.default_rng(1)
     for trial in range(200):
@@ -328,7 +333,7 @@ def test_prefix_counts_equal_the_running_count_across_blocks():
         at = rng.integers(0, len(mask) + 1, int(rng.integers(0, 40)))
         expected = np.concatenate([[0], np.cumsum(mask)])[at]
         for block in (1, 3, 7, 1 << 24):
-            assert np.array_equal(_prefix_counts(mask, at, block=block), expected), (trial, block)
+            assert np.array_equal(prefix_counts(mask, at, block=block), expected), (trial, block)
 
 
 def test_take_ranges_gathers_a_block_at_a_time_as_one_index():

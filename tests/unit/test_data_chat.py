@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from llmft.data import IGNORE_INDEX, build_data
-from llmft.data.encode import Encoder
+from llmft.data import build_data
+from llmft.data.encode import IGNORE_INDEX, Encoder
 from llmft.data.records import BadRecord, parse_record
 from llmft.errors import UserError
 from llmft.recipe.schema import Recipe

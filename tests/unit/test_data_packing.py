@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmft.data import IGNORE_INDEX, TokenDataset, build_data, collate, count_targets
-from llmft.data.encode import Example
+from llmft.data import build_data, collate, count_targets
+from llmft.data.encode import IGNORE_INDEX, Example
 from llmft.data.pack import pack, plan_rows
+from llmft.data.tokens import TokenDataset
 from llmft.recipe.schema import Recipe
 from llmft.tokenizer import byte_tokenizer
 

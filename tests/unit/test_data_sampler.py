@@ -5,7 +5,10 @@ import itertools
 import pytest
 import torch
 
-from llmft.data import GlobalOrder, MicroBatchSampler, TokenDataset, collate, count_targets, make_loader
+from llmft.data import MicroBatchSampler, collate, count_targets, make_loader
+from llmft.data.sampler import GlobalOrder
+from llmft.data.tokens import TokenDataset
+from llmft.plan.batch import BatchPlan
 
 G = 8
 LAYOUTS = [(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)]  # (micro, acc, dp)
@@ -32,7 +35,7 @@ def test_global_order_without_shuffle_is_file_order():
 def step_batches(order, micro, acc, dp, steps, start=0) -> list[list[list[int]]]:
     """For each step, the micro-batches of all ranks, rank-major."""
     per_rank = [
-        list(MicroBatchSampler(order, G, micro, acc, rank, dp, start_position=start, num_steps=steps))
+        list(MicroBatchSampler(order, BatchPlan(G, micro, acc, dp), rank, start_position=start, num_steps=steps))
         for rank in range(dp)
     ]
     return [[b for rank in range(dp) for b in per_rank[rank][s * acc : (s + 1) * acc]] for s in range(steps)]
@@ -52,7 +55,7 @@ def test_a_step_holds_the_same_samples_for_every_layout(micro, acc, dp):
 def test_resume_from_a_position_continues_exactly(micro, acc, dp):
     order = GlobalOrder(13, seed=1, shuffle=True)
     straight = step_batches(order, micro, acc, dp, steps=6)
-    sampler = MicroBatchSampler(order, G, micro, acc, 0, dp)
+    sampler = MicroBatchSampler(order, BatchPlan(G, micro, acc, dp), 0)
     resumed = step_batches(order, micro, acc, dp, steps=4, start=sampler.position_after(2))
     assert resumed == straight[2:]
     # resuming on another layout: the same samples per step
@@ -60,9 +63,13 @@ def test_resume_from_a_position_continues_exactly(micro, acc, dp):
     assert [sorted(sum(s, [])) for s in other] == [sorted(sum(s, [])) for s in straight[2:]]
 
 
-def test_sampler_checks_the_batch_equation():
-    with pytest.raises(ValueError, match="micro_batch_size 3 x gradient_accumulation_steps 2 x dp_size 1 != "):
-        MicroBatchSampler(GlobalOrder(4, 0, False), 8, 3, 2, 0, 1)
+def test_sampler_takes_the_batch_plan_and_checks_the_rank():
+    plan = BatchPlan(8, 2, 2, 2)  # the plan asserts the batch equation; the sampler does not repeat it
+    sampler = MicroBatchSampler(GlobalOrder(16, 0, False), plan, 1, num_steps=2)
+    assert list(sampler) == [[4, 5], [6, 7], [12, 13], [14, 15]]
+    assert len(sampler) == 4 and sampler.position_after(2) == 16
+    with pytest.raises(ValueError, match=r"dp_rank 2 is not in \[0, 2\)"):
+        MicroBatchSampler(GlobalOrder(4, 0, False), plan, 2)
 
 
 def test_collate_unpacked_pads_right_with_attention_mask():
@@ -93,7 +100,7 @@ def test_collate_packed_has_positions_and_no_attention_mask():
 def test_loader_yields_the_sampler_batches(num_workers):
     ds = TokenDataset([([i] * (1 + i % 3), [i] * (1 + i % 3), None) for i in range(6)])
     order = GlobalOrder(len(ds), seed=0, shuffle=True)
-    sampler = MicroBatchSampler(order, 4, 2, 2, 0, 1, num_steps=3)
+    sampler = MicroBatchSampler(order, BatchPlan(4, 2, 2, 1), 0, num_steps=3)
     loader = make_loader(ds, sampler, pad_id=0, num_workers=num_workers, prefetch_factor=2)
     got = list(itertools.islice(loader, 6))
     for batch, idx in zip(got, sampler, strict=True):

@@ -13,6 +13,7 @@ from llmft.checkpoint.layout import TrainerState
 from llmft.data import MicroBatchSampler, build_data
 from llmft.data.stream import StreamOrder
 from llmft.errors import UserError
+from llmft.plan.batch import BatchPlan
 from llmft.recipe import load_recipe
 from llmft.tokenizer import load_tokenizer
 
@@ -76,7 +77,7 @@ def test_two_ranks_take_disjoint_shares_covering_each_global_batch(tmp_path):
 
     def taken(rank: int, dp: int, acc: int) -> list[list[int]]:
         ds = _bundle(tmp_path, **over).train
-        sampler = MicroBatchSampler(StreamOrder(), 8, 8 // dp // acc, acc, rank, dp, num_steps=6)
+        sampler = MicroBatchSampler(StreamOrder(), BatchPlan(8, 8 // dp // acc, acc, dp), rank, num_steps=6)
         return [positions for positions in sampler], ds
 
     one, ds1 = taken(0, 1, 1)

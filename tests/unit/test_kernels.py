@@ -20,9 +20,9 @@ from helpers import TINY_LLAMA, max_rel_diff, metrics, train_inproc, write_recip
 
 from llmft import kernels
 from llmft.data import collate, count_targets
-from llmft.data.build import TokenDataset
 from llmft.data.encode import IGNORE_INDEX, Example
 from llmft.data.pack import pack
+from llmft.data.tokens import TokenDataset
 from llmft.errors import UserError
 from llmft.plan.resolve import load_plan
 from llmft.recipe import RecipeError

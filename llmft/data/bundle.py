@@ -1,0 +1,67 @@
+"""``DataBundle``: the data of a run as the training loop consumes it, and how its order and position work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmft.data.mixture import MixedDataset
+from llmft.data.sampler import GlobalOrder, ProbabilityOrder
+from llmft.data.stream import MixedStream, StreamDataset, StreamOrder
+from llmft.data.tokens import TokenDataset
+from llmft.errors import Problem, UserError
+
+
+@dataclass
+class DataBundle:
+    """The data of a run, and the one place that knows how its order and position work.
+
+    Cached data is indexed by ``GlobalOrder`` and its position is the sample count alone; streamed
+    data (``stream.StreamDataset``) orders itself and also keeps a cursor in the checkpoint
+    (``TrainerState.data``) so that a resume does not re-read the stream before it.
+    """
+
+    train: TokenDataset | MixedDataset | StreamDataset | MixedStream
+    eval: TokenDataset | MixedDataset | None
+    eval_prompts: list[tuple[list[int], str]]  # (prompt ids incl. chat template, reference completion)
+    stats: dict = field(default_factory=dict)  # train counts at the top level, eval counts under "eval"
+    entries: list[dict] = field(default_factory=list)  # one per source: cache entry, built or reused, stats
+    streaming: bool = False
+    probabilities: list[float] | None = None  # data.mixture=probability: the sources' shares of ``train``
+
+    @property
+    def num_rows(self) -> int | None:
+        """Training rows per epoch; None for a stream (its length is unknown until it is read)."""
+        return None if self.streaming else len(self.train)
+
+    def order(self, seed: int, shuffle: bool):
+        """Position -> index into ``train``."""
+        if self.streaming:
+            return StreamOrder()
+        if self.probabilities is not None:
+            return ProbabilityOrder([len(p) for p in self.train.parts], self.probabilities, seed, shuffle)
+        return GlobalOrder(len(self.train), seed, shuffle)
+
+    def epoch(self, samples: int) -> float:
+        return self.train.epoch(samples) if self.streaming else samples / len(self.train)
+
+    def state_at(self, samples: int) -> dict[str, Any]:
+        """What a checkpoint at ``samples`` consumed samples keeps besides the count (``TrainerState.data``)."""
+        return {"stream": self.train.cursor_at(samples)} if self.streaming else {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's ``state_at``; a stream without a cursor re-reads from its start."""
+        cursor = state.get("stream")
+        if not self.streaming or cursor is None:
+            return
+        sources = len(self.train.streams) if isinstance(self.train, MixedStream) else 1
+        saved = len(cursor) if isinstance(cursor, list) else 1
+        if saved != sources:
+            raise UserError(
+                Problem(
+                    "data.train",
+                    f"streams {sources} source(s), but the checkpoint's stream cursor is for {saved}",
+                    "Resume with the data.train the checkpoint was trained on, or set checkpoint.resume=never.",
+                )
+            )
+        self.train.restore(cursor)

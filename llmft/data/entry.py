@@ -1,0 +1,196 @@
+"""Building one cache entry: tokenize a source's records in worker processes, hold out, make rows, write.
+
+``build_entry`` runs inside ``cache.get_or_build`` in the one process that builds the entry: the
+records (``read.Chunk`` s) go through ``rows.Tokenize`` with ``Dataset.map(batched=True,
+num_proc=data.num_proc)``; malformed records stop the build or are skipped (``data.on_bad_record``);
+a seeded ``data.eval_fraction`` is held out; ``rows.build_rows`` truncates and packs; the rows,
+the held-out rows and the eval prompts are written into the entry's build directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from llmft.data.encode import Encoder
+from llmft.data.read import Chunk, parse_line
+from llmft.data.records import parse_record
+from llmft.data.rows import SKIP_FIX, Tokenize, build_rows, raise_if_fatal
+from llmft.data.sources import Source
+from llmft.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from llmft.recipe.schema import DataConfig
+
+# Below this many records per process, starting worker processes costs more than it saves.
+_RECORDS_PER_PROC = 4000
+
+
+def _num_proc(cfg: DataConfig, records: int) -> int:
+    wanted = cfg.num_proc or len(os.sched_getaffinity(0))
+    return max(1, min(wanted, records // _RECORDS_PER_PROC))
+
+
+def _tokenize_chunk(chunk: Chunk, encoder: Encoder, src: Source, cfg: DataConfig, tmp: Path, i: int):
+    import datasets  # here, not at the top: only the process that builds an entry needs it
+
+    features = datasets.Features(
+        input_ids=datasets.List(datasets.Value("int32")),
+        target=datasets.List(datasets.Value("uint8")),
+        error=datasets.Value("string"),
+    )
+    ds = chunk.dataset
+    procs = _num_proc(cfg, len(ds))
+    quiet = len(ds) < 10 * _RECORDS_PER_PROC  # a progress bar only where tokenizing takes a while
+    was = datasets.is_progress_bar_enabled()
+    if quiet:
+        datasets.disable_progress_bars()
+    try:
+        return ds.map(
+            Tokenize(encoder, chunk.lines, src.fields),
+            batched=True,
+            batch_size=256,
+            num_proc=procs if procs > 1 else None,
+            remove_columns=ds.column_names,
+            features=features,
+            new_fingerprint=f"llmft-{tmp.name}-{i}"[-64:],
+            cache_file_name=str(tmp / "map" / f"chunk{i}.arrow") if procs > 1 else None,
+            keep_in_memory=procs == 1,
+            load_from_cache_file=False,
+            desc=f"tokenizing {src.key} ({procs} process{'es' if procs > 1 else ''})",
+        )
+    finally:
+        if quiet and was:
+            datasets.enable_progress_bars()
+
+
+def build_entry(
+    src: Source,
+    chunks: list[Chunk],
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    train_on: str,
+    holdout: float,
+    seed: int,
+    eval_role: bool,
+    tmp: Path,
+) -> dict[str, Any]:
+    encoder = Encoder(tokenizer, train_on)
+    (tmp / "map").mkdir()
+    chunks = [c for c in chunks if len(c.dataset)]
+    tokenized = [_tokenize_chunk(c, encoder, src, cfg, tmp, i) for i, c in enumerate(chunks)]
+    bad, errors = _errors(tokenized)
+    ids, target, offsets = _flat(tokenized)
+    for e in errors:
+        raise_if_fatal(e)
+    locate = _Locate(chunks)
+    if len(bad) and cfg.on_bad_record == "error":
+        raise UserError(Problem(locate(int(bad[0])), errors[0], SKIP_FIX))
+    items = np.setdiff1d(np.arange(len(offsets) - 1, dtype=np.int64), bad, assume_unique=True)
+    if len(items) == 0:
+        why = f" usable ({len(bad)} malformed, skipped)" if len(bad) else ""
+        raise UserError(
+            Problem(
+                src.key, f"'{src.path}' holds no{why} records", f"Point {src.key} at data with at least one record."
+            )
+        )
+    held_items = None
+    if holdout > 0:
+        items, held_items = _holdout(items, holdout, seed, src.key)
+    meta: dict[str, Any] = {"skipped": f"{locate(int(bad[0]))}: {errors[0]}" if len(bad) else None}
+    rows, meta["stats"] = build_rows(ids, target, offsets, items, cfg, tokenizer.pad_token_id, src.key)
+    meta["stats"]["skipped"] = len(bad)
+    rows.write(tmp / "rows.arrow")
+    prompt_items = items if eval_role else held_items
+    if held_items is not None:
+        held, meta["held_stats"] = build_rows(ids, target, offsets, held_items, cfg, tokenizer.pad_token_id, src.key)
+        meta["held_stats"]["skipped"] = 0
+        held.write(tmp / "held.arrow")
+    prompts = _eval_prompts(chunks, prompt_items, encoder, src, cfg) if prompt_items is not None else []
+    (tmp / "prompts.json").write_text(json.dumps(prompts))
+    shutil.rmtree(tmp / "map", ignore_errors=True)
+    return meta
+
+
+def _errors(tokenized: list) -> tuple[np.ndarray, list[str]]:
+    """The indices of the records that have an error, and those errors (no per-record Python list)."""
+    import pyarrow as pa  # only the building process: a rank that reads rows stays without it
+
+    column = pa.chunked_array([c for t in tokenized for c in t.data.column("error").chunks], type=pa.string())
+    bad = np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False)).astype(np.int64)
+    return bad, column.take(pa.array(bad)).to_pylist()
+
+
+def _flat(tokenized: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All chunks' input_ids and target masks as flat arrays with record offsets."""
+    import pyarrow as pa  # only the building process: a rank that reads rows stays without it
+
+    def column(name: str) -> tuple[np.ndarray, np.ndarray]:
+        pieces = [chunk for t in tokenized for chunk in t.data.column(name).chunks]
+        arr = pa.concat_arrays(pieces) if pieces else pa.array([], type=pa.list_(pa.int32()))
+        arr = arr.cast(pa.large_list(arr.type.value_type))
+        offsets = arr.offsets.to_numpy()
+        values = arr.values.to_numpy()[int(offsets[0]) :] if len(arr.values) else np.zeros(0)
+        return (offsets - offsets[0]).astype(np.int64), values
+
+    offsets, ids = column("input_ids")
+    _, target = column("target")
+    return ids.astype(np.int32, copy=False), target.astype(np.uint8, copy=False), offsets
+
+
+class _Locate:
+    """Record index over all chunks -> its location."""
+
+    def __init__(self, chunks: list[Chunk]) -> None:
+        self.chunks = chunks
+        self.starts = np.cumsum([0] + [len(c.dataset) for c in chunks])
+
+    def record(self, i: int) -> tuple[Chunk, int]:
+        c = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.chunks[c], i - int(self.starts[c])
+
+    def __call__(self, i: int) -> str:
+        chunk, row = self.record(i)
+        if chunk.lines:
+            raw = chunk.dataset[row]
+            return chunk.locator.where(row, raw["file"], raw["pos"])
+        return chunk.locator.where(row)
+
+
+def _holdout(items: np.ndarray, fraction: float, seed: int, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded random ``fraction`` of the records for eval; both parts keep file order."""
+    num_eval = max(1, round(fraction * len(items)))
+    if num_eval >= len(items):
+        raise UserError(
+            Problem(
+                "data.eval_fraction",
+                f"{fraction} of {len(items)} records of {key} leaves nothing to train on",
+                "Lower data.eval_fraction, add records, or set data.eval.",
+            )
+        )
+    perm = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).numpy()
+    held = np.zeros(len(items), dtype=bool)
+    held[perm[:num_eval]] = True
+    return items[~held], items[held]
+
+
+def _eval_prompts(chunks: list[Chunk], items: np.ndarray, encoder: Encoder, src: Source, cfg: DataConfig) -> list:
+    """(prompt ids, reference) of the eval records that have a prompt shorter than max_seq_len."""
+    locate, out = _Locate(chunks), []
+    for i in items.tolist():
+        chunk, row = locate.record(i)
+        raw = chunk.dataset[row]
+        value = parse_line(raw["json"], raw["error"]) if chunk.lines else raw
+        prompt = encoder.eval_prompt(parse_record(value, src.fields))
+        # A prompt must leave room to generate at least one token within the context.
+        if prompt is not None and len(prompt[0]) < cfg.max_seq_len:
+            out.append(prompt)
+    return out

@@ -1,0 +1,186 @@
+"""``TokenDataset``: rows of token ids as flat arrays, written to and memory-mapped from a cache entry.
+
+This is what a rank reads of cached data: ``TokenDataset.open`` maps an entry's Arrow file with
+numpy alone, so N ranks (and their DataLoader workers) share one copy of the tokens in the page cache.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmft.data.encode import IGNORE_INDEX
+from llmft.data.pack import positions
+from llmft.errors import Problem, UserError
+
+Row = tuple[list[int], list[int], "list[int] | None"]
+
+
+class TokenDataset:
+    """Rows of token ids, labels and (packed rows only) position ids, as flat arrays plus offsets.
+
+    Labels are stored as a one-byte target mask (a label is either the token
+    itself or IGNORE_INDEX) and position ids as each packed row's sequence
+    lengths, so a token costs 5 bytes. ``open`` memory-maps a cache file:
+    every process (ranks, DataLoader workers) shares the same pages.
+    """
+
+    def __init__(self, rows: list[Row]) -> None:
+        lengths = np.array([len(ids) for ids, _, _ in rows], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        ids = np.array([t for r in rows for t in r[0]], dtype=np.int32)
+        labels = np.array([t for r in rows for t in r[1]], dtype=np.int64)
+        target = labels != IGNORE_INDEX
+        assert (labels[target] == ids[target]).all(), "a label is either its token or IGNORE_INDEX"
+        packed = bool(rows) and rows[0][2] is not None
+        segments = seg_offsets = None
+        if packed:
+            segs = [_segments_of(pos) for _, _, pos in rows]
+            seg_offsets = np.concatenate([[0], np.cumsum([len(s) for s in segs])]).astype(np.int64)
+            segments = np.array([n for s in segs for n in s], dtype=np.int32)
+        self._set(ids, target.astype(np.uint8), offsets, segments, seg_offsets)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        input_ids: np.ndarray,
+        target: np.ndarray,
+        offsets: np.ndarray,
+        segments: np.ndarray | None = None,
+        segment_offsets: np.ndarray | None = None,
+    ) -> TokenDataset:
+        self = cls.__new__(cls)
+        self._set(input_ids, target, offsets, segments, segment_offsets)
+        return self
+
+    def _set(self, ids, target, offsets, segments, seg_offsets) -> None:
+        self._input_ids, self._target, self._offsets = ids, target, offsets
+        self._segments, self._seg_offsets = segments, seg_offsets
+        self.packed = segments is not None
+        self.path: Path | None = None
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        lo, hi = int(self._offsets[i]), int(self._offsets[i + 1])
+        ids = self._input_ids[lo:hi]
+        item = {
+            "input_ids": ids.tolist(),
+            "labels": np.where(self._target[lo:hi] != 0, ids, IGNORE_INDEX).tolist(),
+            "position_ids": None,
+        }
+        if self._segments is not None:
+            segs = self._segments[self._seg_offsets[i] : self._seg_offsets[i + 1]]
+            item["position_ids"] = positions(segs).tolist()
+        return item
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._offsets[-1])
+
+    def write(self, path: Path) -> None:
+        """One Arrow IPC stream file (``datasets.Dataset.from_file`` opens it too), and beside it
+        ``<name>.layout.json``: where each column's buffers lie in the file, so that ``open`` maps
+        them with numpy alone (importing pyarrow and pandas costs a rank ~66 MiB of RSS)."""
+        import pyarrow as pa  # here, not at the top: a rank that only reads rows never imports it
+
+        columns = {
+            "input_ids": _list_array(self._offsets, self._input_ids),
+            "target": _list_array(self._offsets, self._target),
+        }
+        if self._segments is not None:
+            columns["segments"] = _list_array(self._seg_offsets, self._segments)
+        table = pa.table(columns)
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=max(1, len(self)))
+        _layout_path(path).write_text(json.dumps(_layout(path)))
+
+    @classmethod
+    def open(cls, path: Path) -> TokenDataset:
+        """Memory-map a file written by ``write``: no copy, no pyarrow; pages load as rows are read."""
+        path = Path(path)
+        layout = json.loads(_layout_path(path).read_text())
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != layout["bytes"]:
+                raise UserError(
+                    Problem(
+                        str(path),
+                        f"is {size} bytes, but its layout says {layout['bytes']}: the cache entry was changed",
+                        f"Delete the entry {path.parent} so that it is built again.",
+                    )
+                )
+            view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+
+        def flat(name: str) -> tuple[np.ndarray, np.ndarray]:
+            col = layout["columns"].get(name)
+            if col is None:  # no record batch: an empty dataset
+                return np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int32)
+            (o_at, o_n), (v_at, v_n, v_type) = col["offsets"], col["values"]
+            offsets = np.frombuffer(view, dtype=np.int64, count=o_n, offset=o_at)
+            values = np.frombuffer(view, dtype=np.dtype(v_type), count=v_n, offset=v_at)
+            assert offsets[0] == 0 and offsets[-1] == v_n, f"{path}: {name} offsets do not match its values"
+            return offsets, values
+
+        offsets, ids = flat("input_ids")
+        _, target = flat("target")
+        segs = flat("segments") if layout["segments"] else (None, None)
+        self = cls.from_arrays(ids, target, offsets, segs[1], segs[0])
+        self.path = path
+        return self
+
+    def __reduce__(self):
+        # Spawned DataLoader workers re-open the memory map instead of receiving a copy of the tokens.
+        if self.path is not None:
+            return (TokenDataset.open, (self.path,))
+        return (
+            TokenDataset.from_arrays,
+            (self._input_ids, self._target, self._offsets, self._segments, self._seg_offsets),
+        )
+
+
+def _segments_of(pos: list[int]) -> list[int]:
+    starts = [t for t, p in enumerate(pos) if p == 0] + [len(pos)]
+    return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+
+
+def _layout_path(path: Path) -> Path:
+    return Path(path).with_suffix(".layout.json")
+
+
+def _layout(path: Path) -> dict[str, Any]:
+    """Byte offset and length of each column's offsets and values in the Arrow file at ``path``."""
+    import pyarrow as pa  # only the writer: ranks that read rows stay without it
+
+    source = pa.memory_map(str(path), "r")
+    base = source.read_buffer(1).address if source.size() else 0
+    source.seek(0)
+    table = pa.ipc.open_stream(source).read_all()
+    columns: dict[str, Any] = {}
+    for name in table.column_names:
+        column = table.column(name)
+        if column.num_chunks == 0:
+            continue
+        assert column.num_chunks == 1, f"{path}: {column.num_chunks} chunks"
+        arr = column.chunk(0)
+        assert arr.offset == 0 and arr.values.offset == 0 and arr.null_count == 0, f"{path}: {name} is sliced"
+        _, offsets, _, values = arr.buffers()
+        columns[name] = {
+            "offsets": [offsets.address - base, len(arr) + 1],
+            "values": [values.address - base, len(arr.values), arr.type.value_type.to_pandas_dtype().__name__],
+        }
+    return {"bytes": source.size(), "columns": columns, "segments": "segments" in table.column_names}
+
+
+def _list_array(offsets: np.ndarray, values: np.ndarray):
+    import pyarrow as pa  # only the writer: ranks that read rows stay without it
+
+    return pa.LargeListArray.from_arrays(pa.array(np.asarray(offsets, dtype=np.int64)), pa.array(values))
