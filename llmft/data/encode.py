@@ -234,9 +234,8 @@ class Encoder:
         return _Layout(tuple(literals), tuple(rel))
 
     def _render(self, chat: Chat, end: int | None, generation_prompt: bool) -> str:
-        from jinja2.exceptions import (
-            TemplateError,
-        )  # optional for transformers: needed only where a chat template renders
+        # jinja2 is optional for transformers: imported only where a chat template is rendered
+        from jinja2.exceptions import TemplateError
 
         try:
             return self.tokenizer.apply_chat_template(
