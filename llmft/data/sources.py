@@ -6,7 +6,7 @@ A source is a string (a file, directory, glob or hub dataset id) or a mapping::
      train_on: all, fields: {prompt: question, completion: answer}}
 
 ``weight`` is a repeat count per epoch: 2 shows every record of the source
-twice, 0.5 a seeded half of them (see ``dataset.MixedDataset``); with
+twice, 0.5 a seeded half of them (see ``mixture.MixedDataset``); with
 ``data.mixture: probability``, weight / sum of weights is the source's share
 of every window of samples (``sampler.ProbabilityOrder``).
 """

@@ -299,7 +299,7 @@ def test_jsonl_lines_split_by_arrow_are_the_per_line_readers_records(tmp_path):
 
 
 def test_kept_tokens_equal_the_indexed_ranges_for_every_selection():
-    """_rows takes the kept tokens as the arrays themselves where all records are whole and in order,
+    """build_rows takes the kept tokens as the arrays themselves where all records are whole and in order,
     else gathered a block at a time; every selection gives exactly ``ids[ranges(starts, kept)]``."""
     from llmft.data.pack import ranges
     from llmft.data.rows import kept_tokens
@@ -324,7 +324,7 @@ def test_kept_tokens_equal_the_indexed_ranges_for_every_selection():
 
 
 def test_prefix_counts_equal_the_running_count_across_blocks():
-    """_rows counts each record's targets from prefix sums taken a block of tokens at a time."""
+    """build_rows counts each record's targets from prefix sums taken a block of tokens at a time."""
     from llmft.data.rows import prefix_counts
 
     rng = np.random.default_rng(1)
