@@ -42,6 +42,8 @@ log = logging.getLogger("llmft.data")
 
 @dataclass
 class _SourceData:
+    """One source's cache entry, opened: its rows, the held-out rows, eval prompts and the entry's meta."""
+
     rows: TokenDataset
     held: TokenDataset | None
     prompts: list[tuple[list[int], str]]
