@@ -17,7 +17,7 @@ SGD_ONE_STEP = ["optim.name=sgd", "optim.lr=1.0", "optim.max_grad_norm=null", "t
 
 
 def _initial(recipe_path) -> dict[str, torch.Tensor]:
-    from llmft.model import build_model
+    from llmft.model.build import build_model
     from llmft.recipe import load_recipe
     from llmft.tokenizer import load_tokenizer
 
@@ -55,7 +55,7 @@ def test_per_micro_batch_mean_would_fail(tmp_path):
     """The naive rule (mean loss per micro-batch, divided by accumulation) is measurably different,
     so the equivalence test above can fail."""
     from llmft.data import GlobalOrder, MicroBatchSampler, build_data, collate
-    from llmft.model import build_model
+    from llmft.model.build import build_model
     from llmft.recipe import load_recipe
     from llmft.tokenizer import load_tokenizer
 
