@@ -8,8 +8,6 @@ import math
 from typing import TYPE_CHECKING, Iterator
 
 import torch
-from peft import LoraConfig, get_peft_model
-from peft.tuners.lora import LoraLayer
 
 from llmft.errors import Problem, UserError
 from llmft.model.source import first_line
@@ -26,6 +24,9 @@ def is_peft(model: torch.nn.Module) -> bool:
 
 def apply_peft(model: PreTrainedModel, p: PeftConfig) -> torch.nn.Module:
     """Wrap in a LoRA (or DoRA) adapter; only adapter weights (and modules_to_save) stay trainable."""
+    # peft imports bitsandbytes where installed (seconds): only a PEFT run pays for it
+    from peft import LoraConfig, get_peft_model
+
     targets = p.target_modules if isinstance(p.target_modules, str) else list(p.target_modules)
     lora = LoraConfig(
         r=p.r,
@@ -87,6 +88,9 @@ def initial_adapter_weights(model: torch.nn.Module, seed: int) -> Iterator[tuple
     adapters, on every engine and world size. DoRA magnitudes are not here: they are the norms
     of the base weights, which PEFT computes (or the sharding engine, once the weights are loaded).
     """
+    # peft imports bitsandbytes where installed (seconds): only a PEFT run pays for it
+    from peft.tuners.lora import LoraLayer
+
     generator = torch.Generator().manual_seed(seed)
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer):

@@ -38,7 +38,6 @@ from typing import Any, ContextManager, Iterator
 
 import torch
 from huggingface_hub import snapshot_download
-from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -413,6 +412,9 @@ def _init_fresh(model: torch.nn.Module, slots: ParamSlots, seed: int, device: to
 def _init_adapters(model: torch.nn.Module, slots: ParamSlots, seed: int) -> set[str]:
     """LoRA weights as ``llmft.model.adapters.init_adapters`` gives a model built whole; DoRA magnitudes as
     PEFT computes them from the base weight (B is zero, so they are its row norms)."""
+    # peft imports bitsandbytes where installed (seconds): only a PEFT run pays for it
+    from peft.tuners.lora import LoraLayer
+
     written: set[str] = set()
     for name, value in initial_adapter_weights(model, seed):
         local, index = local_shard(slots.param(name))

@@ -9,9 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import prepare_model_for_kbit_training
 from transformers import BitsAndBytesConfig
-from transformers.quantizers import AutoHfQuantizer
 
 from llmft.model.precision import DTYPES
 
@@ -53,6 +51,9 @@ def prepare_kbit(model: PreTrainedModel, checkpointing: dict[str, Any] | None, *
     """
     keep_4bit_layout(model)
     if upcast_unquantized:
+        # peft imports bitsandbytes where installed (seconds): only a PEFT run pays for it
+        from peft import prepare_model_for_kbit_training
+
         prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=checkpointing is not None,
@@ -75,6 +76,7 @@ def quantized_skeleton(model: PreTrainedModel, quant: BitsAndBytesConfig, dtype:
     where bitsandbytes looks for them once FSDP has swapped the parameter.
     """
     import bitsandbytes as bnb  # optional (the qlora extra): imported only when a model is quantized
+    from transformers.quantizers import AutoHfQuantizer  # imports every quantization backend (seconds)
 
     quantizer = AutoHfQuantizer.from_config(quant, pre_quantized=False)
     quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None, use_kernels=False)

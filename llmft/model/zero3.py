@@ -30,8 +30,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from peft.tuners.lora import LoraLayer
-from peft.utils.integrations import dequantize_module_weight
 
 from llmft.errors import Problem, UserError
 from llmft.model.adapters import initial_adapter_weights
@@ -124,6 +122,10 @@ def _dora_magnitudes(model: torch.nn.Module) -> None:
     """DoRA magnitudes: the row norms of each base weight (LoRA B is zero), as PEFT computes them,
     with the base weight and the magnitude gathered, one layer at a time."""
     import deepspeed  # optional (the deepspeed extra): only a ZeRO-3 run gets here
+
+    # peft imports bitsandbytes where installed (seconds): only a PEFT run pays for it
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.integrations import dequantize_module_weight
 
     for module in model.modules():
         if not isinstance(module, LoraLayer):
