@@ -1,6 +1,7 @@
 """Model folders of a checkpoint, and ``llmft export``: a Hugging Face directory from a checkpoint.
 
-The model part of a (single-process) checkpoint ``checkpoints/step-N/``::
+The model part of a (single-process) checkpoint ``checkpoints/step-N/`` (written by
+``llmft.model.save.save_model_dir``)::
 
     model/          exactly what ``save_pretrained`` writes: a PEFT adapter dir
                     (adapter_config.json + adapter_model.safetensors) or a full HF model dir
