@@ -69,7 +69,7 @@ def worker(recipe: str) -> None:
     import torch
 
     from llmft.loop import micro_loss
-    from llmft.model import prepare_model
+    from llmft.model.build import prepare_model
     from llmft.plan.memory import estimate_memory
     from llmft.plan.resolve import load_plan
     from llmft.tokenizer import byte_tokenizer

@@ -69,7 +69,8 @@ def worker(recipe: str, overrides: list[str]) -> None:
     import llmft.engines.ddp  # noqa: F401
     import llmft.engines.fsdp  # noqa: F401
     import llmft.engines.single  # noqa: F401
-    import llmft.model  # noqa: F401
+    import llmft.model.build  # noqa: F401
+    import llmft.model.meta  # noqa: F401
     from llmft import loop as llmft_loop
     from llmft import metrics as llmft_metrics
     from llmft import run as llmft_run

@@ -44,7 +44,7 @@ def load_checkpoint_model(
     ``trust_remote_code``: the caller's (command line), never the checkpoint's recipe (SPEC 8).
     """
     from llmft.engines import read_checkpoint
-    from llmft.model import build_model
+    from llmft.model.build import build_model
     from llmft.safe_load import without_remote_code
     from llmft.tokenizer import load_tokenizer
 

@@ -1,6 +1,7 @@
 """Model folders of a checkpoint, and ``llmft export``: a Hugging Face directory from a checkpoint.
 
-The model part of a (single-process) checkpoint ``checkpoints/step-N/``::
+The model part of a (single-process) checkpoint ``checkpoints/step-N/`` (written by
+``llmft.model.save.save_model_dir``)::
 
     model/          exactly what ``save_pretrained`` writes: a PEFT adapter dir
                     (adapter_config.json + adapter_model.safetensors) or a full HF model dir
@@ -12,7 +13,7 @@ Sharded engines write no ``model/``: an FSDP2 step dir holds ``dcp/``, a DeepSpe
 
 An adapter needs its base. A base named by ``model.name_or_path`` is found by that
 name. A base built from ``model.config`` exists only as random weights in memory, so
-``llmft train`` writes it once with ``save_base_model`` to ``checkpoints/base_model/``
+``llmft train`` writes it once with ``llmft.model.save.save_base_model`` to ``checkpoints/base_model/``
 (beside the step dirs, so pruning never removes it), from rank 0's model right after the
 engine is built: single, DDP and DeepSpeed ZeRO 0-2, where rank 0 holds the whole model.
 Under FSDP2 and ZeRO-3 no rank holds it whole after sharding, and gathering it would
@@ -28,7 +29,6 @@ checkpoint is read by DeepSpeed's own code, the one exception (see ``llmft.conso
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -37,7 +37,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -54,117 +54,15 @@ from llmft.checkpoint.layout import (
     resolve_checkpoint,
 )
 from llmft.errors import Problem, UserError
-from llmft.model import base_key
+from llmft.model.save import plain_config, staged
 from llmft.modelcard import export_model_card
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers import PreTrainedModel
 
     from llmft.recipe.schema import Recipe
 
 log = logging.getLogger("llmft")
-
-
-# --- checkpoint time ----------------------------------------------------------------------------
-
-
-def save_model_dir(model: torch.nn.Module, tokenizer: Any, out: Path, *, state_dict: dict | None = None) -> Path:
-    """Write ``out/model`` (``save_pretrained``: adapter dir or full model dir) and ``out/tokenizer``.
-
-    ``state_dict``: a consolidated state dict from a sharding engine (gathered on this rank).
-    """
-    out = Path(out)
-    model_dir = out / MODEL_DIR
-    model.save_pretrained(model_dir, safe_serialization=True, state_dict=state_dict)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out / TOKENIZER_DIR)
-    return model_dir
-
-
-def save_base_model(model: torch.nn.Module, out: Path, *, dtype: torch.dtype | None = None) -> Path:
-    """Write the frozen base of a (PEFT) model as a HF model dir that ``from_pretrained`` loads.
-
-    Adapter weights are left out; quantized weights are dequantized, so an adapter
-    trained with QLoRA sees, on this base, the weights it was trained against. Written
-    into a temporary sibling and renamed, so ``out`` is complete or absent. Call it on
-    an unsharded model (single process, or DDP rank 0).
-    """
-    from safetensors.torch import save_file
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    dtype = dtype or _config_dtype(base.config)
-    state = base_state_dict(base, dtype)
-    config = plain_config(base.config, dtype)
-    _check_keys(state, config)
-
-    out = Path(out)
-    with _staged(out, replace=True) as tmp:
-        config.save_pretrained(tmp)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
-def base_state_dict(base: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The base model's weights under their original names, dequantized, on CPU, in ``dtype``."""
-    state: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()  # tied weights are one tensor under two names: keep the first
-    for module_name, module in base.named_modules():
-        persistent = [
-            (n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set
-        ]
-        for name, tensor in [*module.named_parameters(recurse=False), *persistent]:
-            # the frozen base: adapter weights and trained modules_to_save copies are not part of it
-            key = base_key(f"{module_name}.{name}" if module_name else name, trained_copies=False)
-            if key is None or id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            state[key] = _dequantized(tensor).to("cpu", dtype).contiguous()
-    return state
-
-
-def _dequantized(t: torch.Tensor) -> torch.Tensor:
-    kind = type(t).__name__
-    if kind == "Params4bit" and getattr(t, "bnb_quantized", False):
-        import bitsandbytes.functional as bnb_f
-
-        return bnb_f.dequantize_4bit(t.data, t.quant_state)
-    if kind == "Int8Params" and getattr(t, "SCB", None) is not None:
-        import bitsandbytes.functional as bnb_f
-
-        return bnb_f.int8_vectorwise_dequant(t.data, t.SCB)
-    return t.detach()
-
-
-def plain_config(config: PretrainedConfig, dtype: torch.dtype) -> PretrainedConfig:
-    """The config of the unquantized model in ``dtype``, ready for inference (KV cache on)."""
-    config = copy.deepcopy(config)
-    for attr in ("quantization_config", "_pre_quantization_dtype"):
-        if hasattr(config, attr):
-            delattr(config, attr)
-    config.dtype = dtype
-    config.use_cache = True
-    return config
-
-
-def _check_keys(state: dict[str, torch.Tensor], config: PretrainedConfig) -> None:
-    """Our renaming of PEFT's parameter paths must give exactly the plain model's names."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        expected_model = AutoModelForCausalLM.from_config(config)
-    expected = set(expected_model.state_dict())
-    unexpected = sorted(set(state) - expected)
-    missing = expected - set(state)
-    tied = set(getattr(expected_model, "_tied_weights_keys", None) or ())  # a dict (v5) or a list: the names
-    assert not unexpected, f"base weights with names the model does not have: {unexpected[:5]}"
-    assert missing <= tied, f"base weights missing: {sorted(missing)[:5]}"
-
-
-def _config_dtype(config: PretrainedConfig) -> torch.dtype:
-    dtype = getattr(config, "dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 # --- export -------------------------------------------------------------------------------------
@@ -200,7 +98,7 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool, trust_remot
     merged into the unquantized base in the compute dtype (``model.dtype``). A full
     fine-tune: the model in the compute dtype.
     """
-    from llmft.model import DTYPES
+    from llmft.model.precision import DTYPES
 
     step_dir, out = Path(step_dir), Path(out)
     recipe = _checkpoint_recipe(step_dir, trust_remote_code)
@@ -297,7 +195,7 @@ def write_full_streamed(step_dir: Path, recipe: Recipe, dtype: torch.dtype, out:
     from safetensors.torch import save_file
 
     from llmft.consolidate import checkpoint_engine, offline_recipe
-    from llmft.model import build_model
+    from llmft.model.build import build_model
 
     engine = checkpoint_engine(step_dir)
     if engine == "fsdp":
@@ -348,21 +246,12 @@ def _check_out(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def _staged(out: Path, *, replace: bool = False) -> Iterator[Path]:
-    """Build ``out`` in a temporary sibling and rename it into place: complete or absent."""
-    if not replace:
-        _check_out(out)
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+def _staged(out: Path) -> Iterator[Path]:
+    """``out`` built in a temporary sibling and renamed into place (complete or absent); refused
+    when it exists and is not empty."""
+    _check_out(out)
+    with staged(out) as tmp:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.is_dir():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
 
 
 def _write_full(model_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path) -> None:
@@ -495,7 +384,7 @@ def _base_weights_dir(step_dir: Path, recipe: Recipe) -> Path | None:
     if m.config is not None:
         found = _saved_base(step_dir)
     else:
-        from llmft.model import resolve_name
+        from llmft.model.source import resolve_name
 
         name = resolve_name(m.name_or_path)
         found = Path(name) if Path(name).is_dir() else _cached_snapshot(name, m.revision)
@@ -520,7 +409,7 @@ def _write_adapter(
     config = json.loads((out / ADAPTER_CONFIG).read_text())
     m = recipe.model
     if m.config is None:
-        from llmft.model import resolve_name
+        from llmft.model.source import resolve_name
 
         name = resolve_name(m.name_or_path)
         config["base_model_name_or_path"] = str(Path(name).resolve()) if Path(name).is_dir() else name
@@ -550,7 +439,7 @@ def _write_base(step_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path) -
 def _load_base(step_dir: Path, recipe: Recipe, dtype: torch.dtype) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
-    from llmft.model import load_base_model
+    from llmft.model.build import load_base_model
 
     saved = _saved_base(step_dir) if recipe.model.config is not None else None
     if saved is not None:

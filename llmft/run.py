@@ -456,8 +456,8 @@ def save_base_once(plan: RunPlan, engine, run_dir: Path, env: DistEnv, *, resumi
         return
     from torch.distributed.tensor import DTensor
 
-    from llmft.export import save_base_model
-    from llmft.model import compute_dtype
+    from llmft.model.precision import compute_dtype
+    from llmft.model.save import save_base_model
 
     target = run_dir / CHECKPOINTS / BASE_DIR
     if resuming and (target / "config.json").is_file():  # written by the run this one resumes
@@ -473,7 +473,7 @@ def save_base_once(plan: RunPlan, engine, run_dir: Path, env: DistEnv, *, resumi
 
 
 def banner(plan: RunPlan, env: DistEnv, steps: int, engine, data) -> str:
-    from llmft.model import describe
+    from llmft.model.structure import describe
 
     recipe, b = plan.recipe, plan.batch
     seq = recipe.data.max_seq_len

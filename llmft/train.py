@@ -10,8 +10,8 @@ import logging
 import os
 import sys
 
-from llmft import kernels
 from llmft.dist import DistEnv, init_distributed, read_env, shutdown
+from llmft.model import kernels
 from llmft.plan.memory import check_fits
 from llmft.plan.resolve import load_plan
 from llmft.run import Run, RunHooks

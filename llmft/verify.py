@@ -133,7 +133,9 @@ def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult
     from llmft.data import build_data
     from llmft.dist import DistEnv
     from llmft.engines import autocast_for
-    from llmft.model import compute_dtype, describe, prepare_model
+    from llmft.model.build import prepare_model
+    from llmft.model.precision import compute_dtype
+    from llmft.model.structure import describe
     from llmft.run import seed_everything
     from llmft.tokenizer import load_tokenizer
 

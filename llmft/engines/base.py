@@ -13,7 +13,8 @@ import torch
 from llmft.checkpoint.layout import ADAPTER_WEIGHTS, MODEL_DIR, OPTIMIZER_FILE
 from llmft.dist import DistEnv
 from llmft.engines import autocast_for
-from llmft.model import compute_dtype, is_peft
+from llmft.model.adapters import is_peft
+from llmft.model.precision import compute_dtype
 from llmft.plan.resolve import RunPlan
 from llmft.safe_load import torch_load
 

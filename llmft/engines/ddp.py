@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from llmft.dist import DistEnv, barrier
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import LocalEngine, load_plain, save_plain
-from llmft.model import prepare_model
+from llmft.model.build import prepare_model
 from llmft.plan.resolve import RunPlan
 
 

@@ -39,7 +39,8 @@ from llmft.engines import OptimizerFactory
 from llmft.engines.base import check_loaded_keys, trainable_names
 from llmft.engines.safe_deepspeed import check_deepspeed_files
 from llmft.errors import Problem, UserError
-from llmft.model import is_peft, prepare_model
+from llmft.model.adapters import is_peft
+from llmft.model.build import prepare_model
 from llmft.plan.resolve import RunPlan
 from llmft.safe_load import torch_load
 
@@ -62,11 +63,11 @@ class DeepSpeedEngineAdapter:
         self._hf_ds = None
         if plan.meta_init:
             # A pretrained model: built on the meta device, each rank reads only its partitions.
-            from llmft.engines import zero3_init
-            from llmft.engines.meta_init import build_on_meta
+            from llmft.model import zero3
+            from llmft.model.meta import build_on_meta
 
             model, slots, weights = build_on_meta(plan, tokenizer)
-            zero3_init.materialize(model, slots, weights, self.config, seed=plan.recipe.run.seed, device=env.device)
+            zero3.materialize(model, slots, weights, self.config, seed=plan.recipe.run.seed, device=env.device)
         else:
             if plan.zero_init:  # a fresh model too big to build whole: transformers' zero.Init
                 from transformers.integrations import HfDeepSpeedConfig

@@ -31,7 +31,9 @@ from llmft.checkpoint.layout import DCP_DIR
 from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory, safe_dcp
 from llmft.engines.base import LocalEngine, trainable_names
-from llmft.model import DTYPES, decoder_layer_classes, prepare_model
+from llmft.model.build import prepare_model
+from llmft.model.precision import DTYPES
+from llmft.model.structure import decoder_layer_classes
 from llmft.plan.fsdp import fsdp_plan
 from llmft.plan.resolve import RunPlan
 
@@ -40,7 +42,7 @@ class FSDPEngine(LocalEngine):
     name = "fsdp"
 
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
-        from llmft.engines.meta_init import build_on_meta, materialize
+        from llmft.model.meta import build_on_meta, materialize
 
         super().__init__(plan, env)
         sharding = fsdp_plan(plan)

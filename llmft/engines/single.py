@@ -8,7 +8,7 @@ from typing import Any
 from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import LocalEngine, load_plain, save_plain
-from llmft.model import prepare_model
+from llmft.model.build import prepare_model
 from llmft.plan.resolve import RunPlan
 
 

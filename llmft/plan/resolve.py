@@ -304,7 +304,7 @@ def _planned_micro(recipe: Recipe, engine: str, global_batch_size: int, dp_size:
 
 def engine_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str], str]) -> list[Problem]:
     """What this engine cannot do with this recipe on ``dp_size`` processes."""
-    from llmft.kernels import recipe_problems  # the speed switches' own refusals
+    from llmft.plan.kernels import recipe_problems  # the speed switches' own refusals
 
     kernels = [Problem(where(pr.where), pr.what, pr.fix) for pr in recipe_problems(r, engine)]
     return (

@@ -72,7 +72,7 @@ ENGINES = {
         "model__quantization": {"bits": 4},
     },
     # ... on a pretrained base: built on the meta device, each rank quantizing only its partition
-    # (llmft.engines.zero3_init), rebuilt that way again by the resumed run
+    # (llmft.model.zero3), rebuilt that way again by the resumed run
     "zero3-qlora-pretrained": {
         "distributed__engine": "deepspeed",
         "distributed__zero_stage": 3,

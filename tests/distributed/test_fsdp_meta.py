@@ -142,14 +142,14 @@ def test_three_fsdp_qlora_steps_on_a_sharded_4bit_load_match_single_process(tmp_
     ],
 )
 def test_base_key(name, key):
-    from llmft.model import base_key
+    from llmft.model.adapters import base_key
 
     assert base_key(name) == key
 
 
 def test_base_key_of_the_frozen_base():
     """Export's view: a trained modules_to_save copy is not part of the frozen base; the original is."""
-    from llmft.model import base_key
+    from llmft.model.adapters import base_key
 
     assert base_key("lm_head.modules_to_save.default.weight", trained_copies=False) is None
     assert base_key("lm_head.original_module.weight", trained_copies=False) == "lm_head.weight"
@@ -157,8 +157,8 @@ def test_base_key_of_the_frozen_base():
 
 
 def _meta_slots(recipe_path: Path):
-    from llmft.engines.meta_init import ParamSlots
-    from llmft.model import build_model
+    from llmft.model.build import build_model
+    from llmft.model.meta import ParamSlots
     from llmft.recipe import load_recipe
 
     recipe = load_recipe(str(recipe_path), [])
@@ -170,8 +170,8 @@ def _meta_slots(recipe_path: Path):
 def test_weights_the_model_lacks_are_a_user_error(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from llmft.engines.meta_init import SafetensorsWeights
     from llmft.errors import UserError
+    from llmft.model.meta import SafetensorsWeights
 
     hf = save_tiny_pretrained(tmp_path / "hf", seed=3)
     state = load_file(hf / "model.safetensors")
@@ -184,8 +184,8 @@ def test_weights_the_model_lacks_are_a_user_error(tmp_path):
 
 
 def test_weights_without_safetensors_are_a_user_error(tmp_path):
-    from llmft.engines.meta_init import SafetensorsWeights
     from llmft.errors import UserError
+    from llmft.model.meta import SafetensorsWeights
 
     hf = save_tiny_pretrained(tmp_path / "hf", seed=3)
     (hf / "model.safetensors").rename(hf / "weights.bin")

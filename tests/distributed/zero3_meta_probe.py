@@ -56,7 +56,7 @@ def _gathered(param: torch.Tensor) -> torch.Tensor:
 
 def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     from llmft.engines.deepspeed import DeepSpeedEngineAdapter
-    from llmft.model import prepare_model
+    from llmft.model.build import prepare_model
     from llmft.optim import build_optimizer
     from llmft.plan.resolve import load_plan
     from llmft.tokenizer import load_tokenizer

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from helpers import ROOT, TINY_LLAMA, checkpoint_weights, metrics, train_inproc, write_data, write_recipe
 
-from llmft import kernels
+from llmft.model import kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -74,7 +74,7 @@ def test_qlora_runs_bitsandbytes_cuda_kernels(tmp_path):
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbf
 
-    from llmft.model import prepare_model
+    from llmft.model.build import prepare_model
     from llmft.plan.resolve import load_plan
     from llmft.tokenizer import load_tokenizer
 

@@ -17,7 +17,7 @@ SGD_ONE_STEP = ["optim.name=sgd", "optim.lr=1.0", "optim.max_grad_norm=null", "t
 
 
 def _initial(recipe_path) -> dict[str, torch.Tensor]:
-    from llmft.model import build_model
+    from llmft.model.build import build_model
     from llmft.recipe import load_recipe
     from llmft.tokenizer import load_tokenizer
 
@@ -56,7 +56,7 @@ def test_per_micro_batch_mean_would_fail(tmp_path):
     so the equivalence test above can fail."""
     from llmft.data import MicroBatchSampler, build_data, collate
     from llmft.data.sampler import GlobalOrder
-    from llmft.model import build_model
+    from llmft.model.build import build_model
     from llmft.plan.batch import BatchPlan
     from llmft.recipe import load_recipe
     from llmft.tokenizer import load_tokenizer

@@ -205,7 +205,7 @@ def test_resume_with_a_new_lr_and_length_applies_them(tmp_path):
     """LoRA on a model.config base: the base is saved once; a resume takes the new lr and max_steps."""
     from safetensors.torch import load_file
 
-    from llmft.model import load_base_model
+    from llmft.model.build import load_base_model
     from llmft.recipe import load_recipe
 
     recipe = write_recipe(tmp_path, peft__method="lora", peft__r=4, optim__scheduler="constant")

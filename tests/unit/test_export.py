@@ -16,8 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from llmft.checkpoint.layout import TrainerState
 from llmft.errors import UserError
-from llmft.export import BASE_DIR, export, export_model_dir, save_base_model, save_model_dir
-from llmft.model import build_model, keep_4bit_layout, load_base_model
+from llmft.export import BASE_DIR, export, export_model_dir
+from llmft.model.build import build_model, load_base_model
+from llmft.model.quant import keep_4bit_layout
+from llmft.model.save import save_base_model, save_model_dir
 from llmft.recipe import load_recipe, to_yaml
 from llmft.tokenizer import byte_tokenizer
 
@@ -253,7 +255,7 @@ def test_qlora_on_a_fresh_base_merges_into_the_dequantized_weights(tmp_path, tok
 
 
 def test_8bit_base_dequantizes_to_the_original_weights(tmp_path, tok):
-    from llmft.export import base_state_dict
+    from llmft.model.save import base_state_dict
 
     recipe = make_recipe(tmp_path, {"config": TINY, "quantization": {"bits": 8}})
     state = base_state_dict(build_model(recipe, tok).get_base_model(), torch.float32)

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from helpers import TINY_LLAMA, max_rel_diff, metrics, train_inproc, write_recipe
 
-from llmft import kernels
 from llmft.data import collate, count_targets
 from llmft.data.encode import IGNORE_INDEX, Example
 from llmft.data.pack import pack
 from llmft.data.tokens import TokenDataset
 from llmft.errors import UserError
+from llmft.model import kernels
 from llmft.plan.resolve import load_plan
 from llmft.recipe import RecipeError
 
@@ -186,7 +186,7 @@ def test_compile_composes_with_lora_and_gradient_checkpointing(tmp_path):
 def test_compile_wraps_each_decoder_layer_and_keeps_names(tmp_path):
     import dataclasses
 
-    from llmft.model import prepare_model
+    from llmft.model.build import prepare_model
     from llmft.plan.resolve import load_plan
     from llmft.tokenizer import load_tokenizer
 
@@ -242,12 +242,12 @@ def test_possible_combinations_load(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_liger_without_cuda_fails_before_the_model_is_built(tmp_path, monkeypatch):
-    import llmft.model
+    import llmft.model.build
 
     def never(*args, **kwargs):
         raise AssertionError("the model was built before the check")
 
-    monkeypatch.setattr(llmft.model, "build_model", never)
+    monkeypatch.setattr(llmft.model.build, "build_model", never)
     with pytest.raises(UserError) as e:
         train_inproc(write_recipe(tmp_path, model__liger_kernels=True))
     assert str(e.value).startswith("model.liger_kernels: is true, but this machine has no CUDA GPU")

@@ -58,7 +58,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("method", ["none", "lora"])
 @pytest.mark.parametrize("num_items", [None, 123.0], ids=["token_mean", "global_count"])
 def test_chunked_loss_equals_plain(tmp_path, method, num_items):
-    from llmft.model import build_model
+    from llmft.model.build import build_model
     from llmft.tokenizer import byte_tokenizer
 
     recipe = _recipe(tmp_path, f"peft.method={method}")
@@ -84,7 +84,7 @@ def test_chunked_loss_equals_plain(tmp_path, method, num_items):
 
 def test_chunks_are_recomputed_not_kept(tmp_path):
     """Forward keeps no logits: the tensors saved for backward hold no (rows x vocab) block."""
-    from llmft.model import build_model
+    from llmft.model.build import build_model
     from llmft.tokenizer import byte_tokenizer
 
     model = build_model(_recipe(tmp_path), byte_tokenizer())

@@ -247,7 +247,7 @@ def test_plan_solves_micro_batch_auto(base):
 def test_train_refuses_a_run_that_cannot_fit_before_loading(base, monkeypatch):
     """gpu_memory_gb set and the planner says no: `llmft train` fails with the numbers and the
     settings that would fit, before any model or data is touched."""
-    from llmft import model as model_mod
+    from llmft.model import build as model_mod
     from llmft.train import train
 
     monkeypatch.setattr(model_mod, "build_model", lambda *a, **k: pytest.fail("loaded a model"))

@@ -10,7 +10,8 @@ import torch
 import yaml
 
 from llmft.errors import UserError
-from llmft.model import build_model, decoder_layer_classes, describe, param_counts, warn_batchnorm
+from llmft.model.build import build_model, warn_batchnorm
+from llmft.model.structure import decoder_layer_classes, describe, param_counts
 from llmft.recipe import load_recipe
 from llmft.tokenizer import byte_tokenizer
 

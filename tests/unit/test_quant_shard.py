@@ -1,4 +1,4 @@
-"""Each rank quantizes only its part of a 4-bit weight (llmft.engines.quant_shard, docs/design.md G6):
+"""Each rank quantizes only its part of a 4-bit weight (llmft.model.quant_shard, docs/design.md G6):
 the parts put together, and every rank's statistics, equal bitsandbytes quantizing the whole
 weight, to the bit, for uneven splits whose boundaries fall inside NF4 blocks and between rows.
 
@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, store: str, results) -> None:
     import bitsandbytes.functional as bnb_f
     import torch.distributed as dist
 
-    from llmft.engines.quant_shard import quantize_part, values_per_element
+    from llmft.model.quant_shard import quantize_part, values_per_element
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)

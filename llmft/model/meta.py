@@ -11,12 +11,12 @@ included, sharded by ``fully_shard`` while still empty, and only then materialis
   trainable ones are upcast, exactly like ``from_pretrained`` + ``upcast_trainable``;
 - buffers the checkpoint does not hold (rotary ``inv_freq``) are recomputed by the model's own
   ``_init_weights``, which is what ``from_pretrained`` does for them too;
-- a pretrained 4-bit (QLoRA) base is built in its packed layout (``llmft.model.quantized_skeleton``);
+- a pretrained 4-bit (QLoRA) base is built in its packed layout (``llmft.model.quant.quantized_skeleton``);
   for each 4-bit weight, a rank reads and quantizes only the NF4 blocks that cover its part of
   the packed bytes, bit-identical to bitsandbytes quantizing the whole weight on load
-  (``llmft.engines.quant_shard``; the statistics, about 1/64 of the matrix, are gathered and stay
+  (``llmft.model.quant_shard``; the statistics, about 1/64 of the matrix, are gathered and stay
   whole on the module);
-- LoRA weights get llmft's seeded init (``llmft.model.initial_adapter_weights``) and DoRA
+- LoRA weights get llmft's seeded init (``llmft.model.adapters.initial_adapter_weights``) and DoRA
   magnitudes the row norms of the loaded weights, as PEFT computes them.
 
 The result is the same model, to the bit, as building it whole (tests/distributed/test_fsdp_meta.py).
@@ -37,10 +37,17 @@ from pathlib import Path
 from typing import Any, ContextManager, Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from llmft.errors import Problem, UserError
-from llmft.model import base_key, is_peft
+from llmft.model import build, kernels
+from llmft.model.adapters import base_key, initial_adapter_weights, is_peft
+from llmft.model.precision import upcast_trainable
+from llmft.model.quant_shard import quantize_part, values_per_element
+from llmft.model.source import resolve_name
 from llmft.plan.resolve import RunPlan
 from llmft.recipe.schema import Recipe
 
@@ -71,7 +78,7 @@ class ParamSlots:
                 self.dtype.setdefault(name, p.dtype)
                 self.owners.setdefault(name, []).append((module, attr))
         self.keys = {name: base_key(name) for name in self.owners}  # None: an adapter weight
-        # 4-bit weights laid out packed (llmft.model.quantized_skeleton), quantized at load time: their
+        # 4-bit weights laid out packed (llmft.model.quant.quantized_skeleton), quantized at load time: their
         # module and how bitsandbytes packs them (fully_shard swaps the Params4bit for a DTensor)
         self.packed: dict[str, tuple[torch.nn.Module, dict[str, Any]]] = {}
         for name, owners in self.owners.items():
@@ -97,8 +104,6 @@ def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """This rank's piece of a (sharded) parameter, and where that piece sits in the full tensor."""
     if not isinstance(param, DTensor):
         return param.data, tuple(slice(0, n) for n in param.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     local = param.to_local()
     assert tuple(local.shape) == tuple(shape), f"local shard {tuple(local.shape)} != expected {tuple(shape)}"
@@ -109,11 +114,8 @@ def build_on_meta(plan: RunPlan, tokenizer: Any) -> tuple[torch.nn.Module, Param
     """The run's model on the meta device (PEFT adapters, a QLoRA base's packed layout, chunked
     loss and kernels included), its parameter slots, and the weight files of a pretrained model
     (None for a fresh ``model.config`` one), checked before anything is allocated."""
-    from llmft import kernels
-    from llmft.model import build_model, install_chunked_loss, upcast_trainable
-
     kernels.check_available(plan.recipe.model)  # before any weight is loaded
-    model = build_model(
+    model = build.build_model(
         plan.recipe,
         tokenizer,
         init_context=lambda: torch.device("meta"),
@@ -124,7 +126,7 @@ def build_on_meta(plan: RunPlan, tokenizer: Any) -> tuple[torch.nn.Module, Param
     # Before anything is allocated: a missing file or weight fails here, not after the load.
     weights = None if plan.recipe.model.config is not None else SafetensorsWeights.of(plan.recipe, slots)
     upcast_trainable(model)
-    install_chunked_loss(plan, model)
+    build.install_chunked_loss(plan, model)
     kernels.apply(model, plan.recipe.model)  # before sharding: compiled layers get sharded
     return model, slots, weights
 
@@ -171,8 +173,6 @@ class SafetensorsWeights:
 
     def read(self, key: str, index: tuple[slice, ...], shape: torch.Size) -> torch.Tensor:
         """Rows ``index`` of the weight of base-model ``key`` (the full tensor is never read)."""
-        from safetensors import safe_open
-
         ckpt_key = self.keys[key]
         file = self.files[ckpt_key]
         # Opened for each read and closed: the file's pages this rank touched leave its address space
@@ -204,14 +204,10 @@ class SafetensorsWeights:
 
 
 def _weights_dir(recipe: Recipe) -> Path:
-    from llmft.model import resolve_name
-
     m = recipe.model
     name = resolve_name(m.name_or_path)
     if Path(name).is_dir():
         return Path(name)
-    from huggingface_hub import snapshot_download
-
     try:  # the files from_pretrained would read (not e.g. a consolidated.safetensors beside them)
         patterns = ["model*.safetensors", "model.safetensors.index.json"]
         return Path(snapshot_download(name, revision=m.revision, allow_patterns=patterns))
@@ -227,8 +223,6 @@ def _weights_dir(recipe: Recipe) -> Path:
 
 
 def _weight_map(directory: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         return dict(json.loads(index.read_text())["weight_map"])
@@ -288,8 +282,6 @@ def _quantize_into_shard(
     slots: ParamSlots, name: str, weights: SafetensorsWeights, key: str, device: torch.device
 ) -> None:
     """A 4-bit weight: this rank's rows of the packed bytes (``quantized_part``)."""
-    from llmft.engines.quant_shard import values_per_element
-
     module, how = slots.packed[name]
     param = slots.param(name)
     local, index = local_shard(param)
@@ -309,13 +301,11 @@ def quantized_part(
     group: Any,
 ) -> tuple[torch.Tensor, Any]:
     """The packed storage elements ``[start, end)`` of the 4-bit weight ``name``, quantized from only
-    the NF4 blocks that cover them (``llmft.engines.quant_shard``), exactly as bitsandbytes'
+    the NF4 blocks that cover them (``llmft.model.quant_shard``), exactly as bitsandbytes'
     ``Params4bit`` quantizes the whole weight while ``from_pretrained`` loads (in the compute dtype,
     statistics over the whole matrix, gathered from the ``group`` of ranks that share it), and its
     whole statistics (small: about 1/64 of the weight), also set on the module, where bitsandbytes
     finds them when the engine has gathered (FSDP2: swapped) the parameter."""
-    from llmft.engines.quant_shard import quantize_part
-
     module, how = slots.packed[name]
     shape = torch.Size((module.out_features, module.in_features))
 
@@ -331,8 +321,6 @@ def _shard_group(param: torch.Tensor):
     """The process group of the ranks that split ``param`` between them (None: not sharded)."""
     if not isinstance(param, DTensor):
         return None
-    from torch.distributed.tensor import Shard
-
     dims = [i for i, p in enumerate(param.placements) if isinstance(p, Shard)]
     return param.device_mesh.get_group(dims[0]) if dims else None
 
@@ -422,11 +410,10 @@ def _init_fresh(model: torch.nn.Module, slots: ParamSlots, seed: int, device: to
 
 
 def _init_adapters(model: torch.nn.Module, slots: ParamSlots, seed: int) -> set[str]:
-    """LoRA weights as ``llmft.model.init_adapters`` gives a model built whole; DoRA magnitudes as
+    """LoRA weights as ``llmft.model.adapters.init_adapters`` gives a model built whole; DoRA magnitudes as
     PEFT computes them from the base weight (B is zero, so they are its row norms)."""
+    # peft imports bitsandbytes where installed (seconds): only a PEFT run pays for it
     from peft.tuners.lora import LoraLayer
-
-    from llmft.model import initial_adapter_weights
 
     written: set[str] = set()
     for name, value in initial_adapter_weights(model, seed):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 
 def values_per_element(storage: torch.dtype) -> int:
@@ -38,7 +39,7 @@ def quantize_part(
     its flattened values ``[a, b)``) and its whole ``QuantState``, as ``quantize_4bit`` gives them
     for the full weight in ``dtype``. ``group``: the ranks that share the weight (None: this rank
     holds all of it); every rank of it must call this for the same weight."""
-    import bitsandbytes.functional as bnb_f
+    import bitsandbytes.functional as bnb_f  # optional (the qlora extra): only 4-bit weights get here
 
     blocksize, storage, quant_type = how["blocksize"], how["quant_storage"], how["quant_type"]
     per = values_per_element(storage)
@@ -80,8 +81,6 @@ def quantize_part(
 def _whole_absmax(absmax: torch.Tensor, b0: int, b1: int, nblocks: int, group: Any) -> torch.Tensor:
     """Every block's absmax, from each rank's blocks ``[b0, b1)`` (neighbours may share a block:
     both computed it from the same values)."""
-    import torch.distributed as dist
-
     if group is None or dist.get_world_size(group) == 1:
         assert (b0, b1) == (0, nblocks), "one rank holding the weight quantizes all of its blocks"
         return absmax

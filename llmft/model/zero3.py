@@ -1,6 +1,6 @@
 """Build a pretrained model ZeRO-3 partitioned: on the meta device, then each rank fills only its partitions.
 
-The DeepSpeed counterpart of ``llmft.engines.meta_init`` (FSDP2). ``from_pretrained`` under ZeRO-3
+The DeepSpeed counterpart of ``llmft.model.meta`` (FSDP2). ``from_pretrained`` under ZeRO-3
 maps every weight file on rank 0 and copies each layer in while it is gathered, so rank 0 touches
 the whole model (and a 4-bit base is not built under ``zero.Init`` at all: every rank builds it
 whole). Instead, the model (PEFT adapters and a QLoRA base's packed layout included) is built on
@@ -11,12 +11,12 @@ the meta device exactly as for FSDP2, and then, one parameter at a time:
   tensor, ``p = ceil(numel / world)`` (DeepSpeed's ``_partition_param`` layout), and DeepSpeed's
   own ``partition`` then keeps that range (in CPU or NVMe offload too) and frees the tensor;
 - that range is read from the safetensors files: only the rows that cover it
-  (``meta_init.SafetensorsWeights.read_flat``), so a rank reads and holds about its share of the model;
+  (``meta.SafetensorsWeights.read_flat``), so a rank reads and holds about its share of the model;
 - a 4-bit weight: only the NF4 blocks that cover this rank's partition of the packed bytes are
-  read and quantized (``meta_init.quantized_part``, as for FSDP2), bit-identical to bitsandbytes quantizing
+  read and quantized (``meta.quantized_part``, as for FSDP2), bit-identical to bitsandbytes quantizing
   it whole on load; the whole statistics go on the parameter and its module, where bitsandbytes
   finds them when DeepSpeed gathers the weight for a forward;
-- adapters get llmft's seeded init (``llmft.model.initial_adapter_weights``); DoRA magnitudes the
+- adapters get llmft's seeded init (``llmft.model.adapters.initial_adapter_weights``); DoRA magnitudes the
   row norms of the loaded base weight, computed while that weight is gathered, one layer at a time.
 
 Peak per rank: its partitions plus its part of one parameter (the full-size allocation is
@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from llmft.engines.meta_init import ParamSlots, SafetensorsWeights, init_buffers, quantized_part
 from llmft.errors import Problem, UserError
+from llmft.model.adapters import initial_adapter_weights
+from llmft.model.meta import ParamSlots, SafetensorsWeights, init_buffers, quantized_part
 
 
 def partition_range(numel: int, rank: int, world: int) -> tuple[int, int]:
@@ -54,9 +55,7 @@ def materialize(
 ) -> None:
     """Turn a meta-built model into ZeRO-3 parameters holding this rank's partitions of the
     pretrained weights (and the seeded adapters); buffers are recomputed as ``from_pretrained`` does."""
-    import deepspeed
-
-    from llmft.model import initial_adapter_weights
+    import deepspeed  # optional (the deepspeed extra): only a ZeRO-3 run gets here
 
     adapters = dict(initial_adapter_weights(model, seed)) if slots.peft else {}  # shapes: before partitioning
     init = deepspeed.zero.Init(config_dict_or_path=ds_config)  # not entered: its partitioner only
@@ -107,7 +106,7 @@ def _zero_param(
     meta = slots.param(name)
     data = torch.empty(meta.shape, dtype=meta.dtype, device=device)
     if name in slots.packed:
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # optional (the qlora extra): only a 4-bit weight gets here
 
         module, how = slots.packed[name]
         param = bnb.nn.Params4bit(data, requires_grad=False, module=module, bnb_quantized=True, **how)
@@ -122,7 +121,9 @@ def _zero_param(
 def _dora_magnitudes(model: torch.nn.Module) -> None:
     """DoRA magnitudes: the row norms of each base weight (LoRA B is zero), as PEFT computes them,
     with the base weight and the magnitude gathered, one layer at a time."""
-    import deepspeed
+    import deepspeed  # optional (the deepspeed extra): only a ZeRO-3 run gets here
+
+    # peft imports bitsandbytes where installed (seconds): only a PEFT run pays for it
     from peft.tuners.lora import LoraLayer
     from peft.utils.integrations import dequantize_module_weight
 

@@ -1,10 +1,9 @@
 """Speed switches applied to a built model: Liger kernels, regional ``torch.compile``, and the
 boundaries of packed rows for variable-length (FlashAttention) kernels.
 
-Three entry points, in the order a run meets them:
+Two entry points, in the order a run meets them (the combinations refused while the recipe is
+validated, with no torch, are ``llmft.plan.kernels.recipe_problems``):
 
-- ``recipe_problems(recipe)``: combinations refused while the recipe is validated (pure: no torch,
-  so ``llmft compile`` stays fast and runs on machines without a GPU);
 - ``check_available(model_cfg)``: before any weight is loaded, what this machine lacks for the
   switches the recipe turned on (CUDA and liger-kernel for ``model.liger_kernels``, a compiler for
   ``model.compile``), as a ``UserError`` naming the key;
@@ -12,8 +11,8 @@ Three entry points, in the order a run meets them:
   wraps it: Liger's patches, the packed-row boundaries for flash attention, and the compilation
   of each decoder layer.
 
-Both are called by the engines (``engines.single.prepare_model`` and the FSDP engine's sharded
-build), not by ``model.build_model``: export and consolidation build the same model on a machine
+Both are called by ``llmft.model.build.prepare_model`` and ``llmft.model.meta.build_on_meta`` (what
+the engines call), not by ``build_model``: export and consolidation build the same model on a machine
 that may have neither a GPU nor liger-kernel, and need none of this.
 
 None of them changes the math: every switch has a torch path that computes the same loss (to
@@ -25,60 +24,19 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from llmft.errors import Problem, UserError
+from llmft.model.structure import decoder_layer_classes
 
 if TYPE_CHECKING:
-    import torch
-
-    from llmft.recipe.schema import ModelConfig, Recipe
+    from llmft.recipe.schema import ModelConfig
 
 log = logging.getLogger("llmft")
 
 # transformers' attention implementations that run varlen kernels when given cu_seq_lens.
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 LIGER_INSTALL = "pip install -e '.[liger]' (or pip install liger-kernel)"
-
-
-# --- recipe checks (no torch) -------------------------------------------------------------------
-
-
-def recipe_problems(r: Recipe, engine: str) -> list[Problem]:
-    """Switch combinations that cannot work on ``engine`` (the resolved one), whatever the machine."""
-    p: list[Problem] = []
-    m = r.model
-    if m.compile and engine == "deepspeed":
-        # DeepSpeed runs its own hooks around every submodule (ZeRO-3 gathers parameters in them)
-        # and has its own compile entry point; llmft does not compile layers underneath it.
-        p.append(
-            Problem(
-                "model.compile",
-                "is not supported with distributed.engine=deepspeed (DeepSpeed's per-module ZeRO hooks would "
-                "run inside the compiled layers)",
-                "Set model.compile=false, or use distributed.engine=fsdp (sharded like ZeRO-3) or ddp.",
-            )
-        )
-    if m.liger_kernels and engine == "deepspeed" and r.distributed.zero_stage == 3:
-        p.append(
-            Problem(
-                "model.liger_kernels",
-                "cannot run under DeepSpeed ZeRO-3: the fused linear cross-entropy reads lm_head.weight "
-                "directly, outside the module call in which ZeRO-3 gathers it",
-                "Use distributed.engine=fsdp, a ZeRO stage below 3, or model.liger_kernels=false.",
-            )
-        )
-    targets = r.peft.target_modules
-    adapts_head = isinstance(targets, (list, tuple)) and any(str(t).split(".")[-1] == "lm_head" for t in targets)
-    if m.liger_kernels and r.peft.method != "none" and adapts_head:
-        p.append(
-            Problem(
-                "model.liger_kernels",
-                "cannot be combined with a LoRA adapter on lm_head: the fused linear cross-entropy multiplies "
-                "by lm_head.weight alone, so the adapter would get no gradient",
-                "Remove lm_head from peft.target_modules (peft.modules_to_save: [lm_head] works), or set "
-                "model.liger_kernels=false.",
-            )
-        )
-    return p
 
 
 # --- what this machine lacks (before loading) ---------------------------------------------------
@@ -94,8 +52,6 @@ def check_available(m: ModelConfig) -> None:
 
 
 def _check_liger() -> None:
-    import torch
-
     if not torch.cuda.is_available():
         raise UserError(
             Problem(
@@ -105,7 +61,7 @@ def _check_liger() -> None:
                 "or run on a CUDA GPU.",
             )
         )
-    try:
+    try:  # optional (the liger extra): imported only to check that it can be
         import liger_kernel.transformers  # noqa: F401
     except ImportError as e:
         raise UserError(
@@ -119,10 +75,8 @@ def _check_liger() -> None:
 
 def _check_compiler() -> None:
     """Inductor generates C++ on CPU and Triton on CUDA; without them the first step would fail."""
-    import torch
-
     if torch.cuda.is_available():
-        from torch.utils._triton import has_triton
+        from torch.utils._triton import has_triton  # private to torch: imported only where CUDA compiles
 
         if not has_triton():
             raise UserError(
@@ -133,7 +87,7 @@ def _check_compiler() -> None:
                 )
             )
         return
-    try:
+    try:  # inductor is heavy and this helper private: imported only when compile is asked
         from torch._inductor.cpp_builder import get_cpp_compiler
 
         get_cpp_compiler()
@@ -178,6 +132,7 @@ def apply_liger(hf: Any) -> None:
     """Liger's patches for this model type on this instance: RMSNorm, RoPE and SwiGLU modules, and a
     forward whose training loss is the fused linear cross-entropy (no logits materialised). The loss
     honours ``num_items_in_batch`` (sum / global target count), as the loop needs."""
+    # optional (the liger extra), checked by check_available before the model is built
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
 
     model_type = hf.config.model_type
@@ -204,8 +159,6 @@ def compile_layers(hf: torch.nn.Module) -> int:
     ``Module.compile`` keeps the module object and its parameter names, so checkpoints, PEFT and
     ``fully_shard`` see the same model as without it.
     """
-    from llmft.model import decoder_layer_classes
-
     classes = decoder_layer_classes(hf)
     layers = [mod for mod in hf.modules() if classes and isinstance(mod, classes)]
     for layer in layers:
@@ -254,8 +207,6 @@ def varlen_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
     rule as transformers' ``find_packed_sequence_indices``), so a padded tail with its own positions
     0, 1, ... is a sequence of its own, and rows never merge.
     """
-    import torch
-
     rows, seq = position_ids.shape
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
