@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import (
     INSTRUMENTED,
     ROOT,
@@ -250,7 +251,11 @@ def test_a_checkpoint_without_a_plan_file_resumes_and_exports(tmp_path, monkeypa
     ]
     assert [r["step"] for r in metrics(work / "run")] == [1, 2, 3]
     new = work / "run/checkpoints/step-3"
-    assert (new / "plan.yaml").is_file()
+    # a new checkpoint: the recipe as given (auto kept) beside the plan, which llmft train re-solves alike
+    from llmft.plan.resolve import load_plan, plan_summary
+
+    assert yaml.safe_load((new / "recipe.yaml").read_text())["batch"]["gradient_accumulation_steps"] == "auto"
+    assert yaml.safe_load((new / "plan.yaml").read_text()) == plan_summary(load_plan(new / "recipe.yaml"))
     for step_dir in (old, new):
         out = export_model_dir(step_dir, tmp_path / f"export-{step_dir.name}", merge_lora=kind == "lora")
         assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
