@@ -7,6 +7,10 @@ trainer state -> sample position -> engine weights and optimizer -> schedule -> 
 last because creating the data iterator draws from it. ``fit`` runs the loop
 (``llmft.loop``: one iteration = one optimizer step).
 
+``Run`` is wiring: which checkpoint to resume and whether this recipe may continue it are
+``llmft.checkpoint.resume``, the base model of a PEFT run ``llmft.checkpoint.base_model``, what
+the run tells its user (banner, progress bar, MFU, final report) ``llmft.report``.
+
 Tests instrument a run through ``RunHooks`` (``install_hooks``), never through the environment.
 """
 
@@ -80,6 +84,7 @@ class Run:
         self.hooks = hooks or _installed
         self.run_dir = Path(self.recipe.run.output_dir)
         self.recipe_yaml = to_yaml(plan.resolved_recipe())  # the run dir's: decisions written in (SPEC)
+        self.intent_yaml, self.plan_yaml = intent_yaml(plan), plan_yaml(plan)  # each checkpoint's, apart
         self.state = LoopState()
         self.lock = None  # the run directory's lock (rank 0), from setup() until close()
 
@@ -152,7 +157,7 @@ class Run:
             self.state = LoopState(step=saved.step, samples=saved.samples, tokens=saved.tokens)
             self.data.restore(saved.data)  # a stream's cursor (nothing for cached data)
             self.checkpoints.protected = checkpoint
-            self._log_resume(checkpoint, saved)
+            log.info("resuming from %s (step %d, %d samples consumed)", checkpoint, saved.step, saved.samples)
         self.metrics = self._metrics(saved)  # tracked runs (W&B, MLflow) continue where the checkpoint is
         # Creating the data iterator draws from the RNG: it happens before the RNG is restored.
         self.batches = iter(self._loader(first_step=self.state.step, position=self.state.samples))
@@ -188,9 +193,6 @@ class Run:
         sampler = self.hooks.wrap_sampler(sampler, first_step, self.env)
         workers = 0 if self.data.streaming else d.num_workers  # the stream's cursor lives here
         return make_loader(self.data.train, sampler, self.tokenizer.pad_token_id, workers, d.prefetch_factor)
-
-    def _log_resume(self, checkpoint: Path, saved: TrainerState) -> None:
-        log.info("resuming from %s (step %d, %d samples consumed)", checkpoint, saved.step, saved.samples)
 
     # --- fit ------------------------------------------------------------------------------------
 
@@ -251,8 +253,8 @@ class Run:
         path = self.checkpoints.save(
             state,
             self.engine,
-            recipe_yaml=intent_yaml(self.plan),
-            plan_yaml=plan_yaml(self.plan),
+            recipe_yaml=self.intent_yaml,
+            plan_yaml=self.plan_yaml,
             tokenizer=self.tokenizer,
             save_optimizer=self.recipe.checkpoint.save_optimizer,
         )
