@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmft.tracking import Trackers, selected
+
 if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
 
@@ -37,8 +39,6 @@ class Metrics:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.trackers = None
         if enabled:
-            from llmft.tracking import Trackers, selected
-
             if selected(recipe):
                 saved = resume or {}
                 self.trackers = Trackers(Path(run_dir), recipe, info or {}, saved.get("trackers"), saved.get("step"))

@@ -7,6 +7,10 @@ trainer state -> sample position -> engine weights and optimizer -> schedule -> 
 last because creating the data iterator draws from it. ``fit`` runs the loop
 (``llmft.loop``: one iteration = one optimizer step).
 
+``Run`` is wiring: which checkpoint to resume and whether this recipe may continue it are
+``llmft.checkpoint.resume``, the base model of a PEFT run ``llmft.checkpoint.base_model``, what
+the run tells its user (banner, progress bar, MFU, final report) ``llmft.report``.
+
 Tests instrument a run through ``RunHooks`` (``install_hooks``), never through the environment.
 """
 
@@ -15,8 +19,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -24,42 +26,27 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from llmft.checkpoint.layout import BASE_DIR, CHECKPOINTS, RECIPE_FILE, TrainerState, latest_checkpoint
+from llmft.checkpoint.base_model import save_base_once
+from llmft.checkpoint.layout import RECIPE_FILE, TrainerState, latest_checkpoint
 from llmft.checkpoint.manager import CheckpointManager, SaveHooks, set_rng_state
-from llmft.dist import DistEnv
+from llmft.checkpoint.resume import check_resume_compatible, intent_yaml, plan_yaml, resume_point, resume_schedule
+from llmft.data import MicroBatchSampler, build_data, make_loader
+from llmft.dist import DistEnv, barrier, broadcast_object
+from llmft.engines import build_engine
 from llmft.errors import Problem, UserError
+from llmft.evaluate import Evaluator
 from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
 from llmft.metrics import Metrics
-from llmft.plan.resolve import RunPlan, describe_engine
+from llmft.optim import build_optimizer, build_scheduler, scaled_lr
+from llmft.plan.resolve import RunPlan
 from llmft.recipe import to_yaml
-from llmft.recipe.load import flatten
+from llmft.report import ProgressBar, banner, extra_metrics, report_done, versions
+from llmft.rundir import RunDirLock, check_ours, mark
 from llmft.stop import STOPPED_EXIT_CODE, StopRequest
+from llmft.tokenizer import load_tokenizer
+from llmft.tracking import run_info
 
 log = logging.getLogger("llmft")
-
-# Settings a checkpoint must share with the recipe that resumes it: they decide the weights the
-# checkpoint's state belongs to and the data order its sample count indexes.
-RESUME_MUST_MATCH = ("model", "peft", "data", "run.seed")
-# ... except these, which change neither (a changed value is logged like any other change).
-RESUME_MAY_CHANGE = (
-    "model.gradient_checkpointing",
-    "model.compile",
-    "model.liger_kernels",
-    "data.num_workers",
-    "data.prefetch_factor",
-    "data.eval",
-    "data.cache_dir",
-    "data.num_proc",
-)
-# Changes that are expected on resume and not worth a warning: the world layout (the batch is
-# re-solved for it) and how this invocation resumes.
-RESUME_SILENT = (
-    "distributed.",
-    "batch.gradient_accumulation_steps",
-    "batch.micro_batch_size",
-    "checkpoint.resume",
-    "run.overwrite",
-)
 
 
 @dataclass
@@ -96,7 +83,8 @@ class Run:
         self.recipe = plan.recipe
         self.hooks = hooks or _installed
         self.run_dir = Path(self.recipe.run.output_dir)
-        self.recipe_yaml = to_yaml(plan.resolved_recipe())
+        self.recipe_yaml = to_yaml(plan.resolved_recipe())  # the run dir's: decisions written in (SPEC)
+        self.intent_yaml, self.plan_yaml = intent_yaml(plan), plan_yaml(plan)  # each checkpoint's, apart
         self.state = LoopState()
         self.lock = None  # the run directory's lock (rank 0), from setup() until close()
 
@@ -104,17 +92,10 @@ class Run:
 
     def setup(self) -> Path | None:
         """Build everything; return the checkpoint to resume from (None: a fresh start)."""
-        from llmft.data import build_data
-        from llmft.dist import barrier
-        from llmft.engines import build_engine
-        from llmft.evaluate import Evaluator
-        from llmft.optim import build_scheduler
-        from llmft.tokenizer import load_tokenizer
-
         recipe, plan, env = self.recipe, self.plan, self.env
         resume_from = self._claim_run_dir()
         if resume_from is not None:
-            check_resume_compatible(resume_from, self.recipe_yaml)
+            check_resume_compatible(resume_from, plan)
         barrier()
         if env.is_main:
             (self.run_dir / RECIPE_FILE).write_text(self.recipe_yaml)
@@ -138,9 +119,6 @@ class Run:
     def _claim_run_dir(self) -> Path | None:
         """Rank 0 takes the run directory (lock, ownership check, overwrite) and picks the checkpoint
         to resume from; every rank gets its decision, or its error."""
-        from llmft.dist import broadcast_object
-        from llmft.rundir import RunDirLock, check_ours, mark
-
         decision: Any = None
         error: UserError | None = None
         if self.env.is_main:
@@ -163,14 +141,10 @@ class Run:
 
     def _make_optimizer(self, model: torch.nn.Module):
         """The one optimizer of the run, over the model as the engine prepared it."""
-        from llmft.optim import build_optimizer
-
         return build_optimizer(model, self.recipe.optim, self.peak_lr)
 
     @property
     def peak_lr(self) -> float:
-        from llmft.optim import scaled_lr
-
         return scaled_lr(self.recipe.optim, self.plan.batch.global_batch_size)
 
     # --- restore --------------------------------------------------------------------------------
@@ -183,7 +157,7 @@ class Run:
             self.state = LoopState(step=saved.step, samples=saved.samples, tokens=saved.tokens)
             self.data.restore(saved.data)  # a stream's cursor (nothing for cached data)
             self.checkpoints.protected = checkpoint
-            self._log_resume(checkpoint, saved)
+            log.info("resuming from %s (step %d, %d samples consumed)", checkpoint, saved.step, saved.samples)
         self.metrics = self._metrics(saved)  # tracked runs (W&B, MLflow) continue where the checkpoint is
         # Creating the data iterator draws from the RNG: it happens before the RNG is restored.
         self.batches = iter(self._loader(first_step=self.state.step, position=self.state.samples))
@@ -195,8 +169,6 @@ class Run:
                 set_rng_state(rng)
 
     def _metrics(self, saved: TrainerState | None) -> Metrics:
-        from llmft.tracking import run_info
-
         env = self.env
         return Metrics(
             self.run_dir,
@@ -207,25 +179,12 @@ class Run:
         )
 
     def _loader(self, *, first_step: int, position: int):
-        from llmft.data import MicroBatchSampler, make_loader
-
         b, d = self.plan.batch, self.recipe.data
         order = self.data.order(self.recipe.run.seed, d.shuffle)  # a stream orders itself
         sampler = MicroBatchSampler(order, b, self.env.rank, start_position=position)
         sampler = self.hooks.wrap_sampler(sampler, first_step, self.env)
         workers = 0 if self.data.streaming else d.num_workers  # the stream's cursor lives here
         return make_loader(self.data.train, sampler, self.tokenizer.pad_token_id, workers, d.prefetch_factor)
-
-    def _log_resume(self, checkpoint: Path, saved: TrainerState) -> None:
-        log.info("resuming from %s (step %d, %d samples consumed)", checkpoint, saved.step, saved.samples)
-        if saved.world_size != self.env.world_size:
-            log.warning(
-                "elastic resume: checkpoint written by %d process(es), now %d; global batch %d kept, %s",
-                saved.world_size,
-                self.env.world_size,
-                self.plan.batch.global_batch_size,
-                self.plan.batch.equation(),
-            )
 
     # --- fit ------------------------------------------------------------------------------------
 
@@ -236,13 +195,14 @@ class Run:
         if self.state.step >= self.total_steps:
             log.info("nothing to do: the checkpoint is at step %d of %d", self.state.step, self.total_steps)
             return self.state
-        progress = _progress_bar(self.env, recipe, self.state, self.total_steps)
+        show = self.env.is_main and recipe.train.progress_bar
+        progress = ProgressBar(self.total_steps, self.state.step) if show else None
         hooks = LoopHooks(
             log_train=self.metrics.write,
             evaluate=self.evaluate,
             checkpoint=self.checkpoint,
             progress=progress.update if progress else (lambda s, r: None),
-            extra_metrics=_extra_metrics(self.plan, self.env),
+            extra_metrics=extra_metrics(self.plan, self.env),
         )
         loop_cfg = LoopConfig(
             max_steps=self.total_steps,
@@ -268,7 +228,6 @@ class Run:
             )
 
     def checkpoint(self, st: LoopState) -> None:
-        b = self.plan.batch
         state = TrainerState(
             step=st.step,
             samples=st.samples,
@@ -276,12 +235,7 @@ class Run:
             epoch=self.data.epoch(st.samples),
             world_size=self.env.world_size,
             engine=self.plan.engine,
-            batch={
-                "global_batch_size": b.global_batch_size,
-                "micro_batch_size": b.micro_batch_size,
-                "gradient_accumulation_steps": b.gradient_accumulation_steps,
-                "dp_size": b.dp_size,
-            },
+            batch=self.plan.batch,
             scheduler=self.scheduler.state_dict(),
             versions=versions(),
             trackers=self.metrics.tracker_state(),  # run ids and the last step each tracker got
@@ -291,7 +245,8 @@ class Run:
         path = self.checkpoints.save(
             state,
             self.engine,
-            recipe_yaml=self.recipe_yaml,
+            recipe_yaml=self.intent_yaml,
+            plan_yaml=self.plan_yaml,
             tokenizer=self.tokenizer,
             save_optimizer=self.recipe.checkpoint.save_optimizer,
         )
@@ -315,7 +270,7 @@ class Run:
             self.metrics.summary({"checkpoint": str(latest), "export_command": f"llmft export {self.run_dir}"})
         self.metrics.close()
         if self.env.is_main:
-            _report_done(self.run_dir)
+            report_done(self.run_dir)
         return 0
 
     def close(self) -> None:
@@ -334,46 +289,6 @@ def total_steps(plan: RunPlan, num_samples: int) -> int:
     if t.max_steps is not None:
         return t.max_steps
     return max(1, math.ceil(t.epochs * num_samples / plan.batch.global_batch_size))
-
-
-def resume_point(plan: RunPlan) -> Path | None:
-    """The checkpoint this run resumes from (rank 0 decides). ``auto``: the newest complete one that
-    is whole; a damaged one is skipped with a warning naming the file (and left in place: it is
-    replaced when the run saves that step again). A path: that checkpoint, which must be whole.
-    ``never``: none, and an earlier run's checkpoints are refused unless ``run.overwrite``."""
-    from llmft.checkpoint.layout import resolve_checkpoint, step_dirs
-    from llmft.checkpoint.verify import DamagedCheckpoint, verify
-    from llmft.rundir import clear_for_fresh_start
-
-    recipe = plan.recipe
-    run_dir = Path(recipe.run.output_dir)
-    resume = recipe.checkpoint.resume
-    if resume == "auto":
-        latest_checkpoint(run_dir)  # logs a stale or invalid checkpoints/latest
-        for _, step_dir in reversed(step_dirs(run_dir)):
-            try:
-                verify(step_dir)
-                return step_dir
-            except DamagedCheckpoint as e:
-                log.warning("not resuming from %s: %s; trying the checkpoint before it", step_dir.name, e)
-        return None
-    if resume != "never":
-        step_dir = resolve_checkpoint(resume)
-        verify(step_dir)  # asked for by name: a damaged one is an error, not a silent fallback
-        return step_dir
-    existing = step_dirs(run_dir)
-    if existing and not recipe.run.overwrite:
-        raise UserError(
-            Problem(
-                "checkpoint.resume",
-                f"is never, but {run_dir} already holds {len(existing)} checkpoint(s) (newest step {existing[-1][0]})",
-                "Use checkpoint.resume=auto to continue that run, a new run.output_dir, or run.overwrite=true "
-                "to delete its checkpoints and metrics.",
-            )
-        )
-    if recipe.run.overwrite:
-        clear_for_fresh_start(run_dir)
-    return None
 
 
 def source_stats(data) -> list[dict[str, Any]]:
@@ -400,163 +315,3 @@ def check_enough_data(num_samples: int, plan: RunPlan) -> None:
             f"Use a global batch of at most {num_samples} sequences, or more data.",
         )
     )
-
-
-def check_resume_compatible(ckpt: Path, recipe_yaml: str) -> None:
-    """Refuse a checkpoint trained on another model, adapter or data; log deliberate changes.
-
-    A deliberate change (``optim.lr``, ``train.max_steps``, the schedule, ...) takes effect from
-    the resumed step on; the world layout may change freely (elastic resume).
-    """
-    from omegaconf import OmegaConf
-
-    saved = flatten(OmegaConf.to_container(OmegaConf.load(ckpt / RECIPE_FILE), resolve=True))
-    now = flatten(OmegaConf.to_container(OmegaConf.create(recipe_yaml), resolve=True))
-    diffs = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
-    fatal = {k: v for k, v in diffs.items() if k.startswith(RESUME_MUST_MATCH) and not k.startswith(RESUME_MAY_CHANGE)}
-    if fatal:
-        raise UserError(
-            *[Problem(k, f"checkpoint has {a!r}, recipe has {b!r}") for k, (a, b) in fatal.items()],
-            title=f"cannot resume from {ckpt}: the model, adapter or data settings differ "
-            "(set checkpoint.resume=never with a new run.output_dir to start fresh, or restore these values)",
-        )
-    for k, (a, b) in diffs.items():
-        if not k.startswith(RESUME_SILENT):
-            log.warning("resuming with a changed setting: %s %r -> %r", k, a, b)
-
-
-def resume_schedule(scheduler, saved_state: dict[str, Any], peak_lr: float) -> None:
-    """Continue the saved schedule position with this recipe's peak lr and length.
-
-    Loading the optimizer and scheduler state brings back the lr of the run that wrote the
-    checkpoint; re-deriving it from the current recipe makes a deliberate ``optim.lr`` or
-    ``train.max_steps`` change take effect at once, and is an exact no-op when nothing changed
-    (the same product ``base_lr * factor(step)`` the scheduler computes).
-    """
-    scheduler.load_state_dict(saved_state)
-    groups = scheduler.optimizer.param_groups
-    scheduler.base_lrs = [peak_lr] * len(groups)
-    for group, factor in zip(groups, scheduler.lr_lambdas, strict=True):
-        group["initial_lr"] = peak_lr
-        group["lr"] = peak_lr * factor(scheduler.last_epoch)
-    scheduler._last_lr = [g["lr"] for g in groups]  # what get_last_lr() reports
-
-
-def save_base_once(plan: RunPlan, engine, run_dir: Path, env: DistEnv, *, resuming: bool) -> None:
-    """``model.config`` + PEFT: write ``checkpoints/base_model`` once, from the model being trained.
-
-    The random base exists nowhere else; with it saved, exporting an adapter does not depend on
-    rebuilding it from ``run.seed`` with the same library versions. Only where rank 0 holds the
-    whole model (single, DDP, DeepSpeed ZeRO 0-2): under FSDP2 and ZeRO-3 each rank holds shards,
-    and gathering the base would put it whole on one rank, so export rebuilds it from
-    ``model.config`` and ``run.seed`` (the engines build fresh models from that seed) and says so.
-    """
-    recipe = plan.recipe
-    if not env.is_main or recipe.model.config is None or not plan.peft:
-        return
-    from torch.distributed.tensor import DTensor
-
-    from llmft.model.precision import compute_dtype
-    from llmft.model.save import save_base_model
-
-    target = run_dir / CHECKPOINTS / BASE_DIR
-    if resuming and (target / "config.json").is_file():  # written by the run this one resumes
-        return  # (a fresh start rewrites it: one left by an attempt without checkpoints may be stale)
-    model = engine.unwrap()
-    if any(isinstance(p, DTensor) or hasattr(p, "ds_numel") for p in model.parameters()):
-        log.info("base model not saved (sharded by %s); export rebuilds it from model.config", engine.name)
-        if not resuming:
-            shutil.rmtree(target, ignore_errors=True)  # from an earlier attempt, maybe with another model
-        return
-    with torch.random.fork_rng(devices=[]):  # saving must not shift the run's random stream
-        save_base_model(model, target, dtype=compute_dtype(recipe))
-
-
-def banner(plan: RunPlan, env: DistEnv, steps: int, engine, data) -> str:
-    from llmft.model.structure import describe
-
-    recipe, b = plan.recipe, plan.batch
-    seq = recipe.data.max_seq_len
-    lines = [
-        f"batch: {b.equation()}",
-        f"tokens per optimizer step: {'' if recipe.data.packing else 'up to '}{b.global_batch_size * seq:,} "
-        f"({b.global_batch_size} sequences x {seq})",
-        f"engine: {describe_engine(plan)}, {env.world_size} process(es), device {env.device.type}, "
-        f"dtype {recipe.model.dtype}",
-        f"parameters: {describe(engine.unwrap())}",
-        f"data: {len(data.train):,} training {'rows' if recipe.data.packing else 'sequences'}, "
-        f"{steps} optimizer steps ({steps * b.global_batch_size / max(len(data.train), 1):.2f} epochs)"
-        if data.num_rows is not None  # a stream's length is unknown
-        else f"data: streamed, {steps} optimizer steps ({steps * b.global_batch_size:,} rows)",
-    ]
-    return "\n".join(lines)
-
-
-def versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for pkg in ("llmft", "torch", "transformers", "peft", "deepspeed", "bitsandbytes"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
-
-
-def _extra_metrics(plan: RunPlan, env: DistEnv) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """MFU and peak memory per train row (MFU only where the device's peak is known)."""
-    from llmft.flops import flops_per_token, mfu, peak_flops
-    from llmft.plan.shape import model_shape
-
-    recipe = plan.recipe
-    shape = model_shape(recipe.model)
-    per_token = flops_per_token(shape, recipe.data.max_seq_len, peft=plan.peft) if shape else None
-    peak = peak_flops(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-
-    def extra(row: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {"mfu": mfu(row["tokens_per_s"], per_token, peak, env.world_size) if per_token else None}
-        if torch.cuda.is_available():
-            out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        return out
-
-    return extra
-
-
-def _report_done(run_dir: Path) -> None:
-    plot = None
-    try:
-        from llmft.plot import plot_run
-
-        plot = plot_run(run_dir)
-    except Exception as e:  # the plot is a convenience; never fail a finished run over it
-        log.warning("could not plot metrics: %s", e)
-    log.info(
-        "done.\n  model:      %s (export: llmft export %s)\n  metrics:    %s\n  plot:       %s",
-        latest_checkpoint(run_dir),
-        run_dir,
-        run_dir / "metrics.jsonl",
-        plot,
-    )
-
-
-def _progress_bar(env: DistEnv, recipe, state: LoopState, steps: int):
-    if not (env.is_main and recipe.train.progress_bar):
-        return None
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, disable=None
-    )
-
-    class _Bar:
-        def update(self, st: LoopState, row: dict[str, Any]) -> None:
-            bar.set_postfix(
-                loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False
-            )
-            bar.update(1)
-
-        def close(self) -> None:
-            bar.close()
-
-    return _Bar()

@@ -30,8 +30,11 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from llmft.checkpoint.layout import TrainerState
 from llmft.errors import Problem, UserError
-from llmft.recipe.load import flatten
+from llmft.plan.memory import estimate_memory
+from llmft.plot import read_metrics
+from llmft.recipe.load import flatten, to_container
 
 if TYPE_CHECKING:
     from llmft.dist import DistEnv
@@ -140,13 +143,9 @@ def system_info() -> dict[str, Any]:
 def run_info(run: RunPlan, env: DistEnv, steps: int) -> dict[str, Any]:
     """The resolved recipe, the batch equation, the plan (engine, world, memory estimate) and the
     system: W&B config and MLflow params of the run."""
-    from llmft.recipe.load import to_container
-
     recipe, plan = run.resolved_recipe(), run.batch
     memory = None
     try:
-        from llmft.plan.memory import estimate_memory
-
         memory = round(estimate_memory(run).total / 2**30, 3)
     except Exception:  # an unknown architecture has no estimate; the run does not need one
         pass
@@ -154,10 +153,7 @@ def run_info(run: RunPlan, env: DistEnv, steps: int) -> dict[str, Any]:
         "recipe": to_container(recipe),
         "batch": {
             "equation": plan.equation(),
-            "global_batch_size": plan.global_batch_size,
-            "micro_batch_size": plan.micro_batch_size,
-            "gradient_accumulation_steps": plan.gradient_accumulation_steps,
-            "dp_size": plan.dp_size,
+            **plan.to_dict(),
             "tokens_per_step": plan.global_batch_size * recipe.data.max_seq_len,
         },
         "plan": {
@@ -443,8 +439,6 @@ class Trackers:
 
     def _replay(self, resume_step: int) -> None:
         """Rows up to the checkpoint that a tracker may not hold (W&B after a kill), from metrics.jsonl."""
-        from llmft.plot import read_metrics
-
         path = self.run_dir / "metrics.jsonl"
         if not path.is_file():
             return
@@ -553,8 +547,6 @@ def record_export(step_dir: Path, out: Path) -> None:
     A convenience: failures (no package, no network) are warnings.
     """
     try:
-        from llmft.checkpoint.layout import TrainerState
-
         state = TrainerState.read(Path(step_dir)).trackers or {}
     except UserError:  # not readable: nothing to record on
         return

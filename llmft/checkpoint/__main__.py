@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from llmft.engines.deepspeed import deepspeed_universal
 from llmft.errors import UserError
 
 
@@ -19,8 +20,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="checkpoints/step-N, checkpoints/latest, or a run directory (its latest)")
     p.add_argument("--out", default=None, help="output directory (default: <step-N>/deepspeed_universal)")
     args = parser.parse_args(argv)
-    from llmft.engines.deepspeed import deepspeed_universal
-
     try:
         print(deepspeed_universal(args.checkpoint, args.out))
     except UserError as e:

@@ -11,7 +11,8 @@
         step-<N>/                 complete (COMPLETE marker) or absent; written as .tmp-step-<N>
           COMPLETE                JSON {"step": N}, written last
           trainer_state.json      TrainerState
-          recipe.yaml             the resolved recipe that wrote it
+          recipe.yaml             the recipe of the run that wrote it, as given (its intent)
+          plan.yaml               the decisions taken for it: engine, world, batch (absent in older checkpoints)
           tokenizer/              tokenizer.save_pretrained
           rng/rank-<R>.pt         RNG state of each rank (torch.load weights_only)
           model/                  single / DDP: save_pretrained (PEFT adapter dir or full model dir)
@@ -29,11 +30,12 @@ import json
 import logging
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from llmft.errors import Problem, UserError
+from llmft.plan.batch import BatchPlan
 
 log = logging.getLogger("llmft")
 
@@ -42,6 +44,7 @@ LATEST = "latest"
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 RECIPE_FILE = "recipe.yaml"
+PLAN_FILE = "plan.yaml"  # the decisions (engine, world, batch), as llmft compile writes them
 TOKENIZER_DIR = "tokenizer"
 RNG_DIR = "rng"
 BASE_DIR = "base_model"  # beside the step dirs, so pruning never removes it
@@ -74,6 +77,29 @@ def rng_file(step_dir: Path, rank: int) -> Path:
     return Path(step_dir) / RNG_DIR / f"rank-{rank}.pt"
 
 
+# --- writing: a file or folder is whole or absent -----------------------------------------------
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class TrainerState:
     """Where training stands at a checkpoint: written to ``trainer_state.json`` and read back here only."""
@@ -84,7 +110,7 @@ class TrainerState:
     epoch: float
     world_size: int  # processes that wrote the checkpoint
     engine: str
-    batch: dict[str, int]  # global_batch_size, micro_batch_size, gradient_accumulation_steps, dp_size
+    batch: BatchPlan | None  # the batch that wrote it (None: a hand-made state without one)
     scheduler: dict[str, Any]  # the LR scheduler's state_dict
     versions: dict[str, str] = field(default_factory=dict)  # llmft, torch, transformers, ...
     trackers: dict[str, Any] = field(default_factory=dict)  # experiment trackers' run ids
@@ -94,7 +120,8 @@ class TrainerState:
     extra: dict[str, Any] = field(default_factory=dict)  # keys of a newer llmft, kept as they were
 
     def to_json(self) -> str:
-        state = asdict(self)
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["batch"] = self.batch.to_dict() if self.batch is not None else {}
         extra = state.pop("extra")
         return json.dumps({**extra, **state}, indent=1)
 
@@ -104,10 +131,12 @@ class TrainerState:
         try:
             raw = json.loads(path.read_text())
             known = {f.name for f in fields(cls)} - {"extra"}
-            return cls(
+            state = cls(
                 **{k: v for k, v in raw.items() if k in known}, extra={k: v for k, v in raw.items() if k not in known}
             )
-        except (OSError, ValueError, TypeError) as e:
+            state.batch = BatchPlan.from_dict(state.batch) if state.batch else None
+            return state
+        except (OSError, ValueError, TypeError, KeyError) as e:
             raise UserError(
                 Problem(
                     str(path),

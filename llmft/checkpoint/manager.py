@@ -31,10 +31,13 @@ from llmft.checkpoint.layout import (
     CHECKPOINTS,
     COMPLETE,
     LATEST,
+    PLAN_FILE,
     RECIPE_FILE,
     STATE_FILE,
     TOKENIZER_DIR,
     TrainerState,
+    atomic_write,
+    fsync_dir,
     rng_file,
     step_dirs,
     step_name,
@@ -42,32 +45,13 @@ from llmft.checkpoint.layout import (
 )
 from llmft.dist import DistEnv, all_reduce_sum, barrier
 from llmft.errors import Problem, UserError
+from llmft.safe_load import torch_load
 
 
 class CheckpointWriteError(UserError):
     """A checkpoint could not be written (disk full, quota, I/O error). Distinct from a divergence."""
 
     exit_code = 74  # EX_IOERR
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_error(e: BaseException) -> OSError | None:
@@ -127,7 +111,10 @@ class CheckpointManager:
         self.hooks = hooks or SaveHooks()
         self.protected: Path | None = None  # the checkpoint we resumed from is never pruned mid-run
 
-    def save(self, state: TrainerState, engine, *, recipe_yaml: str, tokenizer, save_optimizer: bool) -> Path:
+    def save(
+        self, state: TrainerState, engine, *, recipe_yaml: str, plan_yaml: str, tokenizer, save_optimizer: bool
+    ) -> Path:
+        """Write step ``state.step``: ``recipe_yaml`` is the run's intent, ``plan_yaml`` its decisions."""
         step = state.step
         final = self.root / step_name(step)
         tmp = self.root / tmp_name(step)
@@ -138,7 +125,8 @@ class CheckpointManager:
             tmp.mkdir()
         barrier()
         try:
-            self._write(tmp, state, engine, recipe_yaml=recipe_yaml, tokenizer=tokenizer, save_optimizer=save_optimizer)
+            texts = {RECIPE_FILE: recipe_yaml, PLAN_FILE: plan_yaml}
+            self._write(tmp, state, engine, texts=texts, tokenizer=tokenizer, save_optimizer=save_optimizer)
             failed = None
         except Exception as e:  # noqa: BLE001 - only write errors are ours to report; the rest re-raise below
             failed = _write_error(e)
@@ -163,14 +151,15 @@ class CheckpointManager:
         barrier()
         return final
 
-    def _write(self, tmp: Path, state: TrainerState, engine, *, recipe_yaml: str, tokenizer, save_optimizer: bool):
+    def _write(self, tmp: Path, state: TrainerState, engine, *, texts: dict[str, str], tokenizer, save_optimizer: bool):
         engine.save(tmp, save_optimizer=save_optimizer)
         rng = rng_file(tmp, self.env.rank)
         rng.parent.mkdir(exist_ok=True)
         torch.save(rng_state(), rng)
         if self.env.is_main:
             (tmp / STATE_FILE).write_text(state.to_json())
-            (tmp / RECIPE_FILE).write_text(recipe_yaml)
+            for name, text in texts.items():
+                (tmp / name).write_text(text)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
 
@@ -208,7 +197,5 @@ class CheckpointManager:
 
     def load_rng(self, step_dir: Path) -> dict[str, Any] | None:
         """This rank's RNG state in ``step_dir`` (None when that rank did not exist then)."""
-        from llmft.safe_load import torch_load
-
         path = rng_file(step_dir, self.env.rank)
         return torch_load(path) if path.exists() else None  # weights_only; a refusal names the file

@@ -4,8 +4,8 @@ A checkpoint can be complete (``COMPLETE`` written last) and still be damaged af
 truncated by a full disk on a copy, a partial rsync, a bad block. ``verify`` reads only headers,
 sizes and indexes, never the tensors:
 
-- ``COMPLETE`` holds ``{"step": N}`` for its own ``step-N``; ``trainer_state.json`` and
-  ``recipe.yaml`` parse;
+- ``COMPLETE`` holds ``{"step": N}`` for its own ``step-N``; ``trainer_state.json``,
+  ``recipe.yaml`` and ``plan.yaml`` (absent in older checkpoints) parse;
 - safetensors files: the JSON header parses and the data it describes fits the file exactly;
 - ``torch.save`` files (optimizer, RNG, DeepSpeed's): their zip index is intact (it is written
   last, so a truncated file has none);
@@ -30,6 +30,7 @@ from llmft.checkpoint.layout import (
     DS_DIR,
     MODEL_DIR,
     OPTIMIZER_FILE,
+    PLAN_FILE,
     RECIPE_FILE,
     RNG_DIR,
     STEP_RE,
@@ -60,10 +61,13 @@ def verify(step_dir: Path) -> None:
         TrainerState.read(step_dir)
     except UserError as e:
         raise _damaged(step_dir / "trainer_state.json", e.problems[0].what) from None
-    try:
-        yaml.safe_load((step_dir / RECIPE_FILE).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise _damaged(step_dir / RECIPE_FILE, f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    for name in (RECIPE_FILE, PLAN_FILE):
+        if name == PLAN_FILE and not (step_dir / name).exists():  # older checkpoints have none
+            continue
+        try:
+            yaml.safe_load((step_dir / name).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise _damaged(step_dir / name, f"{type(e).__name__}: {e}".splitlines()[0]) from None
     for path in sorted((step_dir / RNG_DIR).glob("*.pt")):
         check_zip(path)
     for path in sorted((step_dir / MODEL_DIR).glob("*.safetensors")):

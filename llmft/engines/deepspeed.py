@@ -31,9 +31,8 @@ from typing import Any, ContextManager
 
 import torch
 
-from llmft.checkpoint.layout import DS_DIR, UNIVERSAL_DIR, resolve_checkpoint
+from llmft.checkpoint.layout import DS_DIR, UNIVERSAL_DIR, fsync_dir, resolve_checkpoint
 from llmft.checkpoint.layout import DS_TAG as TAG
-from llmft.checkpoint.manager import fsync_dir
 from llmft.dist import DistEnv, broadcast_object
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import check_loaded_keys, trainable_names

@@ -8,6 +8,7 @@ error prints the equation and the nearest choices that do work.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from llmft.errors import Problem, UserError
 
@@ -34,6 +35,26 @@ class BatchPlan:
             f"micro {self.micro_batch_size} x accumulation {self.gradient_accumulation_steps} "
             f"x data-parallel {self.dp_size} = global {self.global_batch_size}"
         )
+
+    def to_dict(self) -> dict[str, int]:
+        """The four numbers, as every file llmft writes holds them (``plan.yaml``,
+        ``trainer_state.json``, trackers)."""
+        return {
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "dp_size": self.dp_size,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BatchPlan:
+        """Read what ``to_dict`` wrote; other keys (``equation``, ``tokens_per_step``) are ignored.
+        Raises ``KeyError`` for a missing number and ``ValueError`` when they break the equation
+        (a file edited by hand), which the reader reports naming its file."""
+        g, m, a, dp = (int(data[k]) for k in (*KEYS, "dp_size"))
+        if m * a * dp != g:
+            raise ValueError(f"micro {m} x accumulation {a} x data-parallel {dp} is not global {g}")
+        return cls(g, m, a, dp)
 
 
 class BatchError(UserError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import (
     INSTRUMENTED,
     ROOT,
@@ -148,39 +150,39 @@ def test_fresh_run_never_destroys_old_one(tmp_path):
 # --- what a resume may change (G4: same model, adapter and data; deliberate changes logged) -----
 
 
+def _plan(tmp_path: Path, *overrides: str, world_size: int | None = None, **sections):
+    from llmft.plan.resolve import load_plan
+
+    return load_plan(write_recipe(tmp_path, **sections), list(overrides), world_size=world_size)
+
+
 def _checkpoint_of(tmp_path: Path, **sections) -> Path:
-    """A step dir holding only the resolved recipe: all check_resume_compatible reads."""
+    """A step dir holding what check_resume_compatible reads: the intent and the plan."""
+    from llmft.checkpoint.resume import intent_yaml, plan_yaml
+
+    plan = _plan(tmp_path, **sections)
     step = tmp_path / "ckpt" / "step-2"
     step.mkdir(parents=True)
-    (step / "recipe.yaml").write_text(_recipe_with(tmp_path, **sections))
+    (step / "recipe.yaml").write_text(intent_yaml(plan))
+    (step / "plan.yaml").write_text(plan_yaml(plan))
     return step
 
 
-def _recipe_with(tmp_path: Path, *overrides: str, **sections) -> str:
-    """The resolved recipe of a run (what it writes as recipe.yaml)."""
-    from llmft.plan.resolve import load_plan
-    from llmft.recipe import to_yaml
-
-    return to_yaml(load_plan(write_recipe(tmp_path, **sections), list(overrides)).resolved_recipe())
-
-
 def test_resume_refuses_another_model_adapter_or_data_and_lists_every_difference(tmp_path, llmft_log):
-    from llmft.run import check_resume_compatible
+    from llmft.checkpoint.resume import check_resume_compatible
 
     ckpt = _checkpoint_of(tmp_path)
-    recipe = _recipe_with(
-        tmp_path, "model.config.hidden_size=128", "peft.method=lora", "data.max_seq_len=32", "run.seed=1"
-    )
+    plan = _plan(tmp_path, "model.config.hidden_size=128", "peft.method=lora", "data.max_seq_len=32", "run.seed=1")
     with pytest.raises(UserError) as err:
-        check_resume_compatible(ckpt, recipe)
+        check_resume_compatible(ckpt, plan)
     message = str(err.value)
     assert message.startswith(f"cannot resume from {ckpt}: the model, adapter or data settings differ")
     assert "checkpoint.resume=never with a new run.output_dir" in message
     for line in (
-        "model.config.hidden_size: checkpoint has 64, recipe has 128",
-        "peft.method: checkpoint has 'none', recipe has 'lora'",
-        "data.max_seq_len: checkpoint has 64, recipe has 32",
-        "run.seed: checkpoint has 0, recipe has 1",
+        "model.config.hidden_size: checkpoint has 64, recipe has 128. Set model.config.hidden_size=64 to resume it.",
+        "peft.method: checkpoint has 'none', recipe has 'lora'. Set peft.method=none to resume it.",
+        "data.max_seq_len: checkpoint has 64, recipe has 32. Set data.max_seq_len=64 to resume it.",
+        "run.seed: checkpoint has 0, recipe has 1. Set run.seed=0 to resume it.",
     ):
         assert f"  - {line}" in message, message
     assert message.count("\n  - ") == 4, message  # nothing else (e.g. the unchanged keys) is listed
@@ -188,17 +190,78 @@ def test_resume_refuses_another_model_adapter_or_data_and_lists_every_difference
 
 @pytest.mark.parametrize(
     "override,logged",
-    [("optim.lr=5e-4", "optim.lr 0.001 -> 0.0005"), ("train.max_steps=6", "train.max_steps 2 -> 6")],
+    [
+        ("optim.lr=5e-4", "optim.lr 0.001 -> 0.0005"),
+        ("train.max_steps=6", "train.max_steps 2 -> 6"),
+        ("batch.micro_batch_size=2", "batch.micro_batch_size 4 -> 2"),
+    ],
 )
 def test_resume_allows_and_logs_a_deliberate_change(tmp_path, llmft_log, override, logged):
-    from llmft.run import check_resume_compatible
+    from llmft.checkpoint.resume import check_resume_compatible
 
     ckpt = _checkpoint_of(tmp_path)
-    # the world layout (accumulation re-solved) and the resume setting itself change silently
-    recipe = _recipe_with(tmp_path, override, "batch.micro_batch_size=2", f"checkpoint.resume={ckpt}")
-    check_resume_compatible(ckpt, recipe)
+    # how this invocation resumes (checkpoint.resume) changes silently
+    check_resume_compatible(ckpt, _plan(tmp_path, override, f"checkpoint.resume={ckpt}"))
     messages = [r.getMessage() for r in llmft_log]
     assert messages == [f"resuming with a changed setting: {logged}"]
+
+
+def test_resume_on_another_world_size_compares_plans_not_recipes(tmp_path, llmft_log):
+    """The recipe is the same; the plan re-solves accumulation for 2 processes (elastic resume)."""
+    from llmft.checkpoint.resume import check_resume_compatible
+
+    ckpt = _checkpoint_of(tmp_path)
+    check_resume_compatible(ckpt, _plan(tmp_path, world_size=2))
+    messages = [r.getMessage() for r in llmft_log]
+    assert messages == [
+        "elastic resume: checkpoint written by 1 process(es), now 2; "
+        "micro 4 x accumulation 1 x data-parallel 2 = global 8 (engine single -> fsdp)"
+    ]
+
+
+def test_a_plan_file_that_breaks_the_batch_equation_is_refused_naming_it(tmp_path):
+    from llmft.checkpoint.resume import check_resume_compatible
+
+    ckpt = _checkpoint_of(tmp_path)
+    text = (ckpt / "plan.yaml").read_text()
+    (ckpt / "plan.yaml").write_text(text.replace("global_batch_size: 8", "global_batch_size: 9"))
+    with pytest.raises(UserError, match=r"plan.yaml: cannot be read as the plan llmft writes \(ValueError: micro 4"):
+        check_resume_compatible(ckpt, _plan(tmp_path))
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_checkpoint_without_a_plan_file_resumes_and_exports(tmp_path, monkeypatch, capsys, kind):
+    """tests/fixtures/checkpoints-v1: written by llmft before checkpoints held plan.yaml (the step's
+    recipe.yaml is then the resolved recipe, and trainer_state.json holds the batch)."""
+    from llmft.export import export_model_dir
+
+    work = tmp_path / kind
+    shutil.copytree(ROOT / "tests/fixtures/checkpoints-v1" / kind, work)
+    monkeypatch.chdir(work)  # the fixture's recipe names its data and run dir relative to its folder
+    old = work / "run/checkpoints/step-2"
+    assert not (old / "plan.yaml").exists()
+
+    assert train_inproc("recipe.yaml", "train.max_steps=3", "checkpoint.every_steps=1") == 0
+    err = capsys.readouterr().err
+    assert f"resuming from {Path('run/checkpoints/step-2')} (step 2, 8 samples consumed)" in err
+    changed = [line for line in err.splitlines() if "changed setting" in line]
+    assert changed == [
+        "[llmft] resuming with a changed setting: checkpoint.every_steps 2 -> 1",
+        "[llmft] resuming with a changed setting: train.max_steps 2 -> 3",
+    ]
+    assert [r["step"] for r in metrics(work / "run")] == [1, 2, 3]
+    new = work / "run/checkpoints/step-3"
+    # a new checkpoint: the recipe as given (auto kept) beside the plan, which llmft train re-solves alike
+    from llmft.plan.resolve import load_plan, plan_summary
+
+    assert yaml.safe_load((new / "recipe.yaml").read_text())["batch"]["gradient_accumulation_steps"] == "auto"
+    assert yaml.safe_load((new / "plan.yaml").read_text()) == plan_summary(load_plan(new / "recipe.yaml"))
+    for step_dir in (old, new):
+        out = export_model_dir(step_dir, tmp_path / f"export-{step_dir.name}", merge_lora=kind == "lora")
+        assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    if kind == "lora":
+        adapter = export_model_dir(old, tmp_path / "adapter", merge_lora=False)
+        assert (adapter / "adapter_model.safetensors").is_file()
 
 
 def test_resume_with_a_new_lr_and_length_applies_them(tmp_path):

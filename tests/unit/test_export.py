@@ -79,7 +79,7 @@ def checkpoint(model, tokenizer, recipe, step_dir):
     (step_dir / "recipe.yaml").write_text(to_yaml(recipe))
     step = int(step_dir.name.removeprefix("step-"))
     state = TrainerState(
-        step=step, samples=0, tokens=0, epoch=0.0, world_size=1, engine="single", batch={}, scheduler={}
+        step=step, samples=0, tokens=0, epoch=0.0, world_size=1, engine="single", batch=None, scheduler={}
     )
     (step_dir / "trainer_state.json").write_text(state.to_json())
     (step_dir / "COMPLETE").write_text(json.dumps({"step": step}))
@@ -224,7 +224,7 @@ def test_sharded_fsdp_checkpoint_is_consolidated(lora_run, ids, tmp_path):
     model = lora_run["model"]
     trainable = {n: p.detach().float() for n, p in model.named_parameters() if p.requires_grad}
     dcp.save({"model": trainable}, checkpoint_id=str(step_dir / "dcp"), no_dist=True)
-    state = TrainerState(step=5, samples=40, tokens=0, epoch=1.0, world_size=2, engine="fsdp", batch={}, scheduler={})
+    state = TrainerState(step=5, samples=40, tokens=0, epoch=1.0, world_size=2, engine="fsdp", batch=None, scheduler={})
     (step_dir / "trainer_state.json").write_text(state.to_json())
 
     out = export_model_dir(step_dir, tmp_path / "adapter", merge_lora=False)

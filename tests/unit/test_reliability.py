@@ -164,6 +164,40 @@ def test_marker_must_name_its_own_step(tmp_path):
         verify(d)
 
 
+FIXTURES = ROOT / "tests/fixtures/checkpoints-v1"
+
+
+def test_trainer_state_writes_and_reads_the_batch_as_a_batch_plan(tmp_path):
+    """One serialisation (BatchPlan.to_dict / from_dict); an older llmft's trainer_state.json reads the same."""
+    from llmft.checkpoint.layout import TrainerState
+    from llmft.plan.batch import BatchPlan
+
+    old = TrainerState.read(FIXTURES / "full/run/checkpoints/step-2")  # written before BatchPlan.to_dict
+    assert old.batch == BatchPlan(4, 2, 2, 1) and old.extra == {}
+    d = tmp_path / "step-2"
+    d.mkdir()
+    (d / "trainer_state.json").write_text(old.to_json())
+    assert (
+        json.loads(old.to_json())["batch"]
+        == json.loads((FIXTURES / "full/run/checkpoints/step-2/trainer_state.json").read_text())["batch"]
+    )
+    assert TrainerState.read(d) == old
+    assert BatchPlan.from_dict({**old.batch.to_dict(), "equation": "ignored"}) == old.batch
+
+
+def test_a_trainer_state_whose_batch_breaks_the_equation_is_damaged(tmp_path):
+    d = _step(tmp_path, 2)
+    for name in ("trainer_state.json", "recipe.yaml", "plan.yaml"):
+        source = FIXTURES / "full/run/checkpoints/step-2" / name
+        if source.exists():
+            (d / name).write_text(source.read_text())
+    state = json.loads((d / "trainer_state.json").read_text())
+    state["batch"]["dp_size"] = 2
+    (d / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(DamagedCheckpoint, match="micro 2 x accumulation 2 x data-parallel 2 is not global 4"):
+        verify(d)
+
+
 def test_malformed_jsonl_line_reports_its_real_column(tmp_path):
     """The error names file:line and the column json reports for that line (leading spaces included)."""
     from llmft.data import build_data

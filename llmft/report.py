@@ -1,0 +1,112 @@
+"""What a training run tells its user: the banner at start (nanoGPT's batch arithmetic), the
+progress bar, the extra columns of each train row (MFU, peak memory), the report at the end,
+and the library versions a checkpoint records."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from llmft.checkpoint.layout import latest_checkpoint
+from llmft.dist import DistEnv
+from llmft.flops import flops_per_token, mfu, peak_flops
+from llmft.loop import LoopState
+from llmft.model.structure import describe
+from llmft.plan.resolve import RunPlan, describe_engine
+from llmft.plan.shape import model_shape
+from llmft.plot import plot_run
+
+log = logging.getLogger("llmft")
+
+VERSIONED = ("llmft", "torch", "transformers", "peft", "deepspeed", "bitsandbytes")
+
+
+def banner(plan: RunPlan, env: DistEnv, steps: int, engine, data) -> str:
+    recipe, b = plan.recipe, plan.batch
+    seq = recipe.data.max_seq_len
+    lines = [
+        f"batch: {b.equation()}",
+        f"tokens per optimizer step: {'' if recipe.data.packing else 'up to '}{b.global_batch_size * seq:,} "
+        f"({b.global_batch_size} sequences x {seq})",
+        f"engine: {describe_engine(plan)}, {env.world_size} process(es), device {env.device.type}, "
+        f"dtype {recipe.model.dtype}",
+        f"parameters: {describe(engine.unwrap())}",
+        f"data: {len(data.train):,} training {'rows' if recipe.data.packing else 'sequences'}, "
+        f"{steps} optimizer steps ({steps * b.global_batch_size / max(len(data.train), 1):.2f} epochs)"
+        if data.num_rows is not None  # a stream's length is unknown
+        else f"data: streamed, {steps} optimizer steps ({steps * b.global_batch_size:,} rows)",
+    ]
+    return "\n".join(lines)
+
+
+def versions() -> dict[str, str]:
+    """The installed versions of llmft and the libraries a checkpoint's files depend on."""
+    out = {}
+    for pkg in VERSIONED:
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def extra_metrics(plan: RunPlan, env: DistEnv) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """MFU and peak memory per train row (MFU only where the device's peak is known)."""
+    recipe = plan.recipe
+    shape = model_shape(recipe.model)
+    per_token = flops_per_token(shape, recipe.data.max_seq_len, peft=plan.peft) if shape else None
+    peak = peak_flops(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+
+    def extra(row: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"mfu": mfu(row["tokens_per_s"], per_token, peak, env.world_size) if per_token else None}
+        if torch.cuda.is_available():
+            out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return out
+
+    return extra
+
+
+def report_done(run_dir: Path) -> None:
+    plot = None
+    try:
+        plot = plot_run(run_dir)
+    except Exception as e:  # the plot is a convenience; never fail a finished run over it
+        log.warning("could not plot metrics: %s", e)
+    log.info(
+        "done.\n  model:      %s (export: llmft export %s)\n  metrics:    %s\n  plot:       %s",
+        latest_checkpoint(run_dir),
+        run_dir,
+        run_dir / "metrics.jsonl",
+        plot,
+    )
+
+
+class ProgressBar:
+    """tqdm on stderr, one tick per optimizer step, with the step's loss, lr and tokens/s."""
+
+    def __init__(self, steps: int, first_step: int) -> None:
+        from tqdm import tqdm  # only runs with a progress bar pay for the import
+
+        self.bar = tqdm(
+            total=steps,
+            initial=first_step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            disable=None,
+        )
+
+    def update(self, st: LoopState, row: dict[str, Any]) -> None:
+        self.bar.set_postfix(
+            loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
