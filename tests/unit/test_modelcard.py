@@ -16,8 +16,6 @@ from helpers import ROOT, metrics, train_inproc, write_recipe
 
 from llmft.modelcard import _base_license, card_facts, render
 
-pytest.importorskip("huggingface_hub")
-
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> Path:

@@ -36,7 +36,6 @@ def test_later_row_of_a_step_wins(tmp_path):
 
 
 def test_cli_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
     run = tmp_path / "run"
     write_metrics(run, ROWS)
     proc = subprocess.run([sys.executable, "-m", "llmft", "plot", str(run)], capture_output=True, text=True)
@@ -53,7 +52,6 @@ def test_cli_writes_a_png(tmp_path):
 
 
 def test_train_only_and_custom_out(tmp_path):
-    pytest.importorskip("matplotlib")
     write_metrics(tmp_path / "run", [{"split": "train", "step": 1, "loss": 2.0}])
     out = plot_run(tmp_path / "run", tmp_path / "plots" / "p.png")
     assert out == tmp_path / "plots" / "p.png" and out.stat().st_size > 0
@@ -76,7 +74,6 @@ def _train_rows(losses, lr=1e-3):
 
 
 def test_runs_overlay_and_table(tmp_path):
-    pytest.importorskip("matplotlib")
     from llmft.plot import compare_runs
 
     write_metrics(tmp_path / "a/run", _train_rows([4.0, 3.0, 2.0, 1.0]) + [{"split": "eval", "step": 4, "loss": 1.5}])
@@ -106,7 +103,6 @@ def test_runs_labels_must_match(tmp_path):
 def test_runs_cli_shows_accumulation_leaves_the_curve_unchanged(tmp_path):
     """The use case: micro 4 x accumulation 2 and micro 2 x accumulation 4 (global 8) are the
     same run; `llmft runs` shows it in numbers and one PNG."""
-    pytest.importorskip("matplotlib")
     from helpers import train_inproc, write_recipe
 
     for name, micro in (("micro4", 4), ("micro2", 2)):

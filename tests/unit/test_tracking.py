@@ -24,8 +24,9 @@ from helpers import INSTRUMENTED, ROOT, metrics, torchrun_cmd, train_inproc, wai
 
 from llmft.errors import UserError
 
-pytest.importorskip("wandb")
-pytest.importorskip("mlflow")
+# optional extras (`pip install llmft[wandb,mlflow]`): without them these tests say so and skip
+pytest.importorskip("wandb", reason="the wandb extra is not installed")
+pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
 
 ALL = ["tensorboard", "wandb", "mlflow"]
 
