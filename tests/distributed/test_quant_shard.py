@@ -9,8 +9,11 @@ layouts split it, including a rank with nothing to hold.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.distributed  # three gloo processes
 
 CASES = [  # (out, in), storage, compress_statistics, blocksize
     ((37, 50), torch.uint8, True, 64),  # a partial last block
