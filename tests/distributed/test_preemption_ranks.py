@@ -1,4 +1,4 @@
-"""Preemption of a multi-process job with the defaults (SPEC 10, docs/design.md G3): the whole
+"""Preemption of a multi-process job with the defaults (docs/design.md G3): the whole
 process group of the launcher (launcher, both ranks and their DataLoader workers) gets SIGTERM,
 as a scheduler sends it; every rank finishes the step, the checkpoint is written on a boundary,
 every rank exits 75, and the run resumes to the uninterrupted run's losses.

@@ -31,6 +31,6 @@ def test_bench_gpu_check_runs_every_case_and_variant(tmp_path):
             assert f"| {case} | {variant} |" in table
         on, off = metrics(out / case / "all-on"), metrics(out / case / "compile-off")
         assert len(on) == len(off) == 2
-        # bf16 on CPU, compiled against eager: the tolerance for a speed switch
+        # bf16 on CPU, compiled against eager: the tolerance docs/benchmarks.md sets for a speed switch
         assert all(abs(a["loss"] - b["loss"]) < 1e-3 for a, b in zip(on, off, strict=True))
     assert "failed" not in table
