@@ -31,7 +31,9 @@ interpreter: tests/integration/test_imports.py holds them.
 
 ``python tests/unit/test_architecture.py`` prints a report: cycles, function-level llmft imports
 per module, engine-name string literals outside llmft/plan/engines.py, modules docs/design.md
-does not name, layer breaks and function-level imports of light third-party packages.
+does not name, layer breaks, function-level imports of light third-party packages, and
+``"llmft.module:attribute"`` strings (code a registry loads lazily: not an import, so not in the
+graph, listed so a reader sees where they point).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ HEAVY = frozenset(
 LAZY_LLMFT_ALLOWED = frozenset({"llmft.cli"})
 ENGINE_NAMES = frozenset({"single", "ddp", "fsdp", "deepspeed"})
 ENGINE_REGISTRY = "llmft/plan/engines.py"
+DOTTED = re.compile(r"llmft(\.\w+)+:\w+")
 
 
 @dataclass(frozen=True)
@@ -318,6 +321,17 @@ def _engine_literals() -> Counter[str]:
     return counts
 
 
+def _dotted_references() -> list[str]:
+    """``"llmft.module:attribute"`` strings (a registry's lazily loaded code): not imports, so not in
+    the graph, but where they point matters to a reader of the layers."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and DOTTED.fullmatch(node.value):
+                found.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno} {node.value}")
+    return found
+
+
 def _long_functions() -> list[str]:
     too_long = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -439,6 +453,9 @@ def report() -> str:
     missing = _missing_from_design(modules)
     lines += ["", f"modules docs/design.md does not name: {len(missing)} of {len(modules)}"]
     lines += [f"  {m}" for m in missing]
+    dotted = _dotted_references()
+    lines += ["", f"'llmft.module:attribute' strings (loaded lazily, not in the graph): {len(dotted)}"]
+    lines += [f"  {d}" for d in dotted]
     too_long = _long_functions()
     lines += ["", f"functions over the length limit: {len(too_long)}", *[f"  {x}" for x in too_long]]
     return "\n".join(lines)
