@@ -293,6 +293,3 @@ def test_fused_adamw_only_on_cuda_and_same_update():
         results.append(params)
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
-
-
-# --- bench/gpu.sh --check -------------------------------------------------------------------------

@@ -3,7 +3,7 @@ the run-dir lock, foreign folders, `latest` as a name, damaged checkpoints, writ
 save, secrets in compiled files, data smaller than one global batch.
 
 In-process where the fault can be made in-process; the subprocess cases are in
-tests/integration/test_faults.py.
+tests/integration/test_faults.py and tests/integration/test_reliability_lock.py.
 """
 
 from __future__ import annotations
