@@ -9,7 +9,7 @@ the live tensors. Beside it: the planner's ``logits`` component for the same rec
 
     python bench/chunked_loss.py [--seq 4096] [--vocab 32000]
 
-Prints a markdown table; the goal (issue 13) is chunked extra memory <= 1/4 of the plain path's.
+Prints a markdown table; the goal is chunked extra memory <= 1/4 of the plain path's.
 """
 
 from __future__ import annotations

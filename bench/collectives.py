@@ -13,7 +13,7 @@ llmft run reduces in one step's boundary backward + ``step`` (DDP: its buckets; 
 reduce-scatter per ``fully_shard`` group; ZeRO-1: its buckets).
 
 ZeRO-2 and ZeRO-3 keep only their partition of the gradients, so DeepSpeed reduce-scatters in
-every backward, boundary or not (DeepSpeed issue #2252): for them "llmft" and "no skip" are the
+every backward, boundary or not (github.com/deepspeedai/DeepSpeed/issues/2252): for them "llmft" and "no skip" are the
 same run, and one reduction-set per optimizer step is not possible at accumulation > 1.
 
 "no skip" is the same run with the engine told that every micro-step is a boundary (DDP without

@@ -139,7 +139,7 @@ def base_recipe(out: Path, data: Path, *, seq: int, micro: int, global_batch: in
 
 
 def train_rows(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl train rows; where a step appears twice the later row counts (SPEC)."""
+    """metrics.jsonl train rows; where a step appears twice the later row counts (as in `llmft plot`)."""
     rows: dict[int, dict[str, Any]] = {}
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)

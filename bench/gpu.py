@@ -1,4 +1,4 @@
-"""The one-command GPU proof (issue 15): throughput, MFU, peak memory and the planner's estimate of
+"""The one-command GPU proof: throughput, MFU, peak memory and the planner's estimate of
 three single-GPU fine-tunes, each also run with every speed switch off, as one markdown table.
 
     python bench/gpu.py                       # on one CUDA GPU (bench/gpu.sh calls this)

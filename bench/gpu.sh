@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-command GPU proof (issue 15), on one CUDA GPU, nothing downloaded: QLoRA and LoRA on a
+# The one-command GPU proof, on one CUDA GPU, nothing downloaded: QLoRA and LoRA on a
 # random-weight Llama-3.1-8B shape, full fine-tune of a Llama-3.2-1B shape, 4096-token packed rows;
 # tokens/s, MFU, peak memory and `llmft plan`'s estimate for each, and the same run with each speed
 # switch (model.compile, model.liger_kernels, flash_attention_2) off. bench/gpu.py has the details.

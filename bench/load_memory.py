@@ -1,4 +1,4 @@
-"""Host RAM of loading and training a pretrained model on 2 ranks, and of a merged export (issue 13).
+"""Host RAM of loading and training a pretrained model on 2 ranks, and of a merged export.
 
 A Llama of a few hundred million parameters is saved in fp32 in ~200 MB safetensors files
 (B = their bytes on disk). Each case is one ``llmft`` command (2 ranks under torchrun on gloo,
@@ -9,7 +9,7 @@ The same command on a tiny pretrained model (the same code path, a few MB of wei
 baseline: interpreter, torch, DeepSpeed, transformers and their buffers. Measured = peak minus
 that baseline, per rank (the larger of the two ranks).
 
-- "loaded" is the host RAM of loading, what the issue-13 goals bound (on a GPU the weights go
+- "loaded" is the host RAM of loading, what the goals in docs/benchmarks.md bound (on a GPU the weights go
   to the device from there); beside it the planner's host RAM per rank
   (``plan.memory.host_memory_per_node`` / ranks per node).
 - "whole run" adds the training step. On this CPU the step's working set (gathered layers,

@@ -41,7 +41,7 @@ def load_checkpoint_model(
     adapter gets memory, which is all a sharded PEFT checkpoint holds and all an adapter
     export needs (a 70B base would otherwise take 280 GB of RAM in fp32 to write a few MB).
 
-    ``trust_remote_code``: the caller's (command line), never the checkpoint's recipe (SPEC 8).
+    ``trust_remote_code``: the caller's (command line), never the checkpoint's recipe (docs/design.md G7).
     """
     from llmft.engines import read_checkpoint
     from llmft.model.build import build_model
@@ -51,7 +51,7 @@ def load_checkpoint_model(
     ckpt = resolve_checkpoint(path)
     engine = checkpoint_engine(ckpt)
     recipe = offline_recipe(load_recipe(ckpt / RECIPE_FILE))
-    without_remote_code(recipe, ckpt / RECIPE_FILE, trust_remote_code=trust_remote_code)  # SPEC 8
+    without_remote_code(recipe, ckpt / RECIPE_FILE, trust_remote_code=trust_remote_code)  # G7
     tok_dir = ckpt / TOKENIZER_DIR
     tokenizer = load_tokenizer(recipe.model) if not tok_dir.is_dir() else _load_tok(tok_dir)
     if adapter_only and recipe.peft.method != "none" and engine in ("fsdp", "deepspeed"):

@@ -78,7 +78,7 @@ def export(
     """``llmft export``: a step dir, ``checkpoints/latest`` or a run dir -> a HF directory.
 
     Default ``out``: ``<run>/exported/step-N`` (``step-N-merged`` with ``merge_lora``).
-    ``trust_remote_code`` comes from the command line only, never from the checkpoint (SPEC 8).
+    ``trust_remote_code`` comes from the command line only, never from the checkpoint (docs/design.md G7).
     """
     from llmft.checkpoint.verify import verify
 
@@ -144,7 +144,7 @@ def _checkpoint_recipe(step_dir: Path, trust_remote_code: bool = False) -> Recip
                 "Pass a checkpoints/step-N directory, checkpoints/latest, or a run directory.",
             )
         )
-    return without_remote_code(load_recipe(path), path, trust_remote_code=trust_remote_code)  # SPEC 8
+    return without_remote_code(load_recipe(path), path, trust_remote_code=trust_remote_code)  # G7
 
 
 def _checkpoint_model_dir(step_dir: Path, scratch: Path, trust_remote_code: bool = False) -> Path:

@@ -1,4 +1,4 @@
-"""Loading checkpoint files without running code from them (SPEC 8, docs/design.md G7).
+"""Loading checkpoint files without running code from them (docs/design.md G7).
 
 Every file llmft reads back from a checkpoint is safetensors, JSON, or a pickle read under a
 restriction:
@@ -56,7 +56,7 @@ def _unpickler_reason(e: Exception) -> str:
 
 def without_remote_code(recipe: Any, source: str | os.PathLike, *, trust_remote_code: bool) -> Any:
     """A checkpoint's recipe with ``model.trust_remote_code`` taken from the command line, never
-    from the checkpoint (SPEC 8: a checkpoint must not switch remote code on for itself)."""
+    from the checkpoint (docs/design.md G7: a checkpoint must not switch remote code on for itself)."""
     import logging
 
     if recipe.model.trust_remote_code and not trust_remote_code:

@@ -21,22 +21,10 @@ _DATA_CACHE = tempfile.mkdtemp(prefix="llmft-test-cache-")
 os.environ.setdefault("LLMFT_CACHE", _DATA_CACHE)
 
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False
-
-
 def pytest_configure(config):
-    try:
-        import torch
+    import torch  # a core dependency: a broken install fails here, not as skips
 
-        torch.set_num_threads(1)
-    except ImportError:
-        pass
+    torch.set_num_threads(1)
 
 
 def pytest_unconfigure(config):
@@ -44,7 +32,9 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if _has_cuda():
+    import torch
+
+    if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -1,4 +1,4 @@
-"""DataLoader workers that leave the stop signals to the training process (SPEC 10).
+"""DataLoader workers that leave the stop signals to the training process (docs/design.md G3, docs/multinode.md).
 
 A scheduler stops a job by signalling its whole process group: the launcher, every rank and
 every DataLoader worker get SIGTERM (SLURM's warning: SIGUSR1/2; Ctrl-C: SIGINT to the

@@ -86,7 +86,7 @@ def load_plain(
 ) -> None:
     read_plain(model, directory)
     if load_optimizer:
-        state = torch_load(directory / OPTIMIZER_FILE, map_location=device)  # SPEC 8
+        state = torch_load(directory / OPTIMIZER_FILE, map_location=device)  # weights_only (docs/design.md G7)
         optimizer.load_state_dict(state)
 
 

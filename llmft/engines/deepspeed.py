@@ -17,7 +17,7 @@ DeepSpeed's own code reads with ``torch.load(weights_only=False)`` (the engine's
 ``load_checkpoint`` on resume, ``ds_to_universal`` for an elastic resume, ``zero_to_fp32`` for
 export). Before any of those runs, ``check_deepspeed_files`` (``llmft.engines.safe_deepspeed``)
 scans every one of them without executing it and refuses a global outside the short list real
-DeepSpeed checkpoints hold (SPEC 8).
+DeepSpeed checkpoints hold (docs/design.md G7).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class DeepSpeedEngineAdapter:
     def load(self, directory: Path, *, load_optimizer: bool) -> None:
         # ZeRO 1-3 state is partitioned per data-parallel rank; on another world size DeepSpeed
         # only loads its universal format, converted here on first use (rank 0, others wait).
-        check_deepspeed_files(directory)  # SPEC 8: before DeepSpeed unpickles anything
+        check_deepspeed_files(directory)  # G7 (docs/design.md): before DeepSpeed unpickles anything
         saved_dp = deepspeed_dp_size(directory)
         elastic = saved_dp is not None and saved_dp != self.env.world_size
         load_dir = universal_for_resume(directory, self.env) if elastic else directory / DS_DIR
@@ -204,7 +204,7 @@ def deepspeed_universal(step_dir: str | os.PathLike, out: str | os.PathLike | No
         )
     from deepspeed.checkpoint import ds_to_universal
 
-    check_deepspeed_files(step_dir)  # SPEC 8: before ds_to_universal unpickles the partitions
+    check_deepspeed_files(step_dir)  # G7 (docs/design.md): before ds_to_universal unpickles the partitions
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed conversion
     tmp.mkdir(parents=True)

@@ -106,7 +106,7 @@ class FSDPEngine(LocalEngine):
     def load(self, directory: Path, *, load_optimizer: bool) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
         state = {"model": model_sd, "optim": optim_sd} if load_optimizer else {"model": model_sd}
-        safe_dcp.load(state, directory / DCP_DIR)  # SPEC 8: restricted unpickling (llmft.engines.safe_dcp)
+        safe_dcp.load(state, directory / DCP_DIR)  # G7 (docs/design.md): restricted unpickling (llmft.engines.safe_dcp)
         set_state_dict(
             self.model,
             self.optimizer,

@@ -1,4 +1,4 @@
-"""Reading torch.distributed.checkpoint (DCP) folders without running code from them (SPEC 8, G7).
+"""Reading torch.distributed.checkpoint (DCP) folders without running code from them (docs/design.md G7).
 
 DCP writes its ``.metadata`` with ``pickle.dump`` and its ``FileSystemReader`` reads it back with
 a plain ``pickle.load``: a crafted ``.metadata`` runs whatever it likes on ``llmft export`` and on

@@ -1,4 +1,4 @@
-"""DeepSpeed's pickles checked before DeepSpeed opens them (SPEC 8, docs/design.md G7).
+"""DeepSpeed's pickles checked before DeepSpeed opens them (docs/design.md G7).
 
 DeepSpeed saves ``*_model_states.pt`` and ``*_optim_states.pt`` with ``torch.save`` and reads
 them back with ``torch.load(weights_only=False)`` (resume, ``ds_to_universal``, ``zero_to_fp32``

@@ -246,8 +246,9 @@ class CheckpointConfig:
 class DistributedConfig:
     engine: str = doc(
         "auto",
-        "auto, single, ddp, fsdp or deepspeed. auto: single for one process, ddp for several "
-        "(fsdp when zero_stage is 3 or params are offloaded).",
+        "auto, single, ddp, fsdp or deepspeed. auto: single for one process; on several, deepspeed "
+        "when optimizer state is offloaded or params to nvme, fsdp for a full fine-tune or params "
+        "offloaded to cpu, ddp for adapters.",
         choices=("auto", "single", "ddp", "fsdp", "deepspeed"),
     )
     zero_stage: int = doc(2, "DeepSpeed ZeRO stage 0-3.", choices=(0, 1, 2, 3))

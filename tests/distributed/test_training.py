@@ -1,4 +1,4 @@
-"""Whole training runs under torchrun on gloo, against one process (issue 4).
+"""Whole training runs under torchrun on gloo, against one process (docs/design.md G1).
 
 test_engines.py proves one SGD step per engine; these run longer and in the ways a
 user launches: many AdamW steps with clipping, adapters on sharded engines, two

@@ -1,4 +1,4 @@
-"""What only a CUDA GPU can show (issue 15). Every test here is marked ``gpu`` and skipped without
+"""What only a CUDA GPU can show. Every test here is marked ``gpu`` and skipped without
 CUDA (tests/conftest.py). One command runs them all:
 
     pytest -q -m gpu tests/gpu

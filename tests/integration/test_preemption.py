@@ -1,4 +1,4 @@
-"""Preemption with the defaults (SPEC 10, docs/design.md G3): a stop signal sent to the whole
+"""Preemption with the defaults (docs/design.md G3): a stop signal sent to the whole
 process group, as a scheduler sends it (launcher, ranks and DataLoader workers alike), ends in a
 boundary checkpoint and exit 75, with DataLoader workers running (``data.num_workers >= 1``).
 

@@ -1,4 +1,4 @@
-"""Tampered checkpoints are refused, never executed (SPEC 8, docs/design.md G7): ``llmft export``
+"""Tampered checkpoints are refused, never executed (docs/design.md G7): ``llmft export``
 and a resume of ``llmft train`` stop with exit 2 and a message naming the file, and the marker
 file the crafted pickle would write never appears. A checkpoint's recipe cannot turn on
 ``trust_remote_code`` for export."""

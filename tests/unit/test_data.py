@@ -83,7 +83,8 @@ def test_list_of_paths_keeps_list_order(tmp_path, tok):
 
 
 def test_save_to_disk_directory(tmp_path, tok):
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     datasets.Dataset.from_list([{"prompt": "p", "completion": "c"}, {"prompt": "q", "completion": "d"}]).save_to_disk(
         str(tmp_path / "ds")
     )
@@ -92,7 +93,8 @@ def test_save_to_disk_directory(tmp_path, tok):
 
 
 def test_saved_dataset_dict_asks_for_a_split(tmp_path, tok):
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     ds = datasets.Dataset.from_list([{"text": "x"}])
     datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "dd"))
     assert user_error(tmp_path, tok, train=tmp_path / "dd") == (

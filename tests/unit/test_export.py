@@ -1,6 +1,6 @@
 """Checkpoint model folders and `llmft export`: adapters and merged models reproduce the trained logits.
 
-The QLoRA scenario is the issue's: a tiny model saved as a HF directory (weights +
+The QLoRA scenario of docs/qlora.md: a tiny model saved as a HF directory (weights +
 tokenizer with a chat template), loaded by name_or_path, quantized to 4 bits on CPU,
 trained for 30 steps, checkpointed and exported.
 """

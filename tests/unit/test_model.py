@@ -225,7 +225,7 @@ def error_of(recipe, tok) -> str:
 def test_vocab_smaller_than_tokenizer(tmp_path, tok):
     config = {**TINY, "vocab_size": 256}
     msg = error_of(make_recipe(tmp_path, model__config=config), tok)
-    n = len(tok)  # 256 bytes and the special tokens (roles included): SPEC's 320 always suffices
+    n = len(tok)  # 256 bytes and the special tokens (roles included): a vocab_size of 320 always suffices
     assert 256 < n <= 320
     assert msg.startswith(f"model.config.vocab_size: model vocab_size 256 < tokenizer's {n} tokens")
     assert f"set model.config.vocab_size >= {n}" in msg.lower()

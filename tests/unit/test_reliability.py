@@ -3,19 +3,17 @@ the run-dir lock, foreign folders, `latest` as a name, damaged checkpoints, writ
 save, secrets in compiled files, data smaller than one global batch.
 
 In-process where the fault can be made in-process; the subprocess cases are in
-tests/integration/test_faults.py.
+tests/integration/test_faults.py and tests/integration/test_reliability_lock.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, write_recipe
+from helpers import write_recipe
 
 from llmft.checkpoint.layout import latest_checkpoint, resolve_checkpoint
 from llmft.checkpoint.verify import DamagedCheckpoint, check_safetensors, check_zip, verify
@@ -45,24 +43,6 @@ def test_second_writer_is_refused_with_the_holder_named(tmp_path):
     finally:
         first.release()
     RunDirLock(tmp_path / "run").acquire().release()  # released: free again
-
-
-def test_lock_of_a_killed_process_is_free(tmp_path):
-    """flock dies with its process (kill -9 included): a requeued job is never blocked by a stale lock."""
-    code = (
-        "import os, sys, time; sys.path.insert(0, sys.argv[2]);"
-        "from llmft.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True);"
-        "time.sleep(60)"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(tmp_path / "run"), str(ROOT)], stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout.readline().strip() == "locked"
-    with pytest.raises(UserError, match=f"pid {proc.pid}"):
-        RunDirLock(tmp_path / "run").acquire()
-    proc.kill()
-    proc.wait()
-    RunDirLock(tmp_path / "run").acquire().release()
 
 
 # --- never touch what llmft did not write ----------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Nothing runs that the user did not ask for (SPEC 8, docs/design.md G7): the readers of DCP
+"""Nothing runs that the user did not ask for (docs/design.md G7): the readers of DCP
 metadata and values, DeepSpeed pickles and weights_only files refuse what would run code."""
 
 from __future__ import annotations

@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import INSTRUMENTED, ROOT, metrics, torchrun_cmd, train_inproc, wait_for_step, write_recipe
+from helpers import INSTRUMENTED, ROOT, metrics, train_inproc, wait_for_step, write_recipe
 
 from llmft.errors import UserError
 
-pytest.importorskip("wandb")
-pytest.importorskip("mlflow")
+# optional extras (`pip install llmft[wandb,mlflow]`): without them these tests say so and skip
+pytest.importorskip("wandb", reason="the wandb extra is not installed")
+pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
 
 ALL = ["tensorboard", "wandb", "mlflow"]
 
@@ -326,38 +327,6 @@ def test_sigterm_then_resume_continues_the_same_tracked_run(tmp_path):
     first, second = _assert_each_step_once(tmp_path, steps)
     assert _steps(first) == list(range(1, stopped_at + 1))  # closed cleanly on the signal: nothing re-sent
     assert _steps(second) == list(range(stopped_at + 1, steps + 1))
-
-
-@pytest.mark.slow
-def test_resume_on_another_world_size_continues_the_same_tracked_run(tmp_path):
-    """Two ranks stopped by SIGTERM to the launcher's process group, resumed as one process: the same
-    W&B and MLflow runs, each step once (only rank 0 ever logs)."""
-    steps = 12
-    recipe = write_recipe(
-        tmp_path, run__trackers=["wandb", "mlflow"], train__max_steps=steps, distributed__engine="ddp"
-    )
-    run = tmp_path / "run"
-    cmd = [*torchrun_cmd(2), "--monitor-interval=3", INSTRUMENTED, "train", str(recipe)]
-    proc = subprocess.Popen(
-        cmd, stderr=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=ROOT, start_new_session=True
-    )
-    wait_for_step(run, 1, proc)
-    os.killpg(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=240)
-    stopped_at = int((run / "checkpoints/latest").read_text().removeprefix("step-"))
-    assert 1 <= stopped_at < steps, err[-3000:]
-
-    done = subprocess.run(_cmd(recipe), capture_output=True, text=True, env=_env(tmp_path), cwd=ROOT, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "elastic resume: checkpoint written by 2 process(es), now 1" in done.stderr
-    assert "wandb: continuing run_id" in done.stderr and "mlflow: continuing run_id" in done.stderr
-    train = _losses(run)
-    assert [s for s, _ in train] == list(range(1, steps + 1))
-    segments = wandb_segments(run)
-    assert len({seg["run_id"] for seg in segments if seg["run_id"]}) == 1
-    assert wandb_steps(segments, "train/loss") == train
-    client, mrun = mlflow_run(tmp_path)
-    assert mlflow_steps(client, mrun.info.run_id, "train/loss") == train
 
 
 @pytest.mark.slow

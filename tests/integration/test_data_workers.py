@@ -1,4 +1,4 @@
-"""DataLoader workers ignore the stop signals; the training process owns them (SPEC 10, G3)."""
+"""DataLoader workers ignore the stop signals; the training process owns them (docs/design.md G3)."""
 
 from __future__ import annotations
 

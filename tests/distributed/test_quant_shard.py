@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.distributed  # three gloo processes
+
 CASES = [  # (out, in), storage, compress_statistics, blocksize
     ((37, 50), torch.uint8, True, 64),  # a partial last block
     ((37, 56), torch.float32, False, 64),
@@ -69,7 +71,8 @@ def _worker(rank: int, world: int, store: str, results) -> None:
 
 
 def test_each_rank_quantizes_only_its_part_and_matches_the_whole_weight(tmp_path):
-    pytest.importorskip("bitsandbytes")
+    import bitsandbytes  # noqa: F401  (a core dependency: missing is a failure, not a skip)
+
     world = 3
     with mp.Manager() as manager:
         results = manager.dict()
