@@ -45,6 +45,7 @@ def load_checkpoint_model(
     """
     from llmft.engines import read_checkpoint
     from llmft.model import build_model
+    from llmft.plan.engines import engine_spec
     from llmft.safe_load import without_remote_code
     from llmft.tokenizer import load_tokenizer
 
@@ -54,7 +55,7 @@ def load_checkpoint_model(
     without_remote_code(recipe, ckpt / RECIPE_FILE, trust_remote_code=trust_remote_code)  # SPEC 8
     tok_dir = ckpt / TOKENIZER_DIR
     tokenizer = load_tokenizer(recipe.model) if not tok_dir.is_dir() else _load_tok(tok_dir)
-    if adapter_only and recipe.peft.method != "none" and engine in ("fsdp", "deepspeed"):
+    if adapter_only and recipe.peft.method != "none" and engine_spec(engine).sharded_checkpoint:
         model = build_model(recipe, tokenizer, init_context=lambda: torch.device("meta"))
         _materialize_trainable(model)
     else:

@@ -132,7 +132,7 @@ class Run:
         self.checkpoints = CheckpointManager(
             self.run_dir, env, recipe.checkpoint.keep_last, SaveHooks(self.hooks.before_commit)
         )
-        self.evaluator = Evaluator(recipe, env, self.engine, self.data, self.tokenizer, plan.batch)
+        self.evaluator = Evaluator(plan, env, self.engine, self.data, self.tokenizer)
         return resume_from
 
     def _claim_run_dir(self) -> Path | None:
@@ -254,7 +254,6 @@ class Run:
         )
         loop_cfg = LoopConfig(
             max_steps=self.total_steps,
-            max_grad_norm=recipe.optim.max_grad_norm,
             log_every=recipe.train.log_every_steps,
             eval_every=recipe.train.eval_every_steps,
             checkpoint_every=recipe.checkpoint.every_steps,
@@ -462,8 +461,6 @@ def save_base_once(plan: RunPlan, engine, run_dir: Path, env: DistEnv, *, resumi
     recipe = plan.recipe
     if not env.is_main or recipe.model.config is None or not plan.peft:
         return
-    from torch.distributed.tensor import DTensor
-
     from llmft.export import save_base_model
     from llmft.model import compute_dtype
 
@@ -471,7 +468,7 @@ def save_base_once(plan: RunPlan, engine, run_dir: Path, env: DistEnv, *, resumi
     if resuming and (target / "config.json").is_file():  # written by the run this one resumes
         return  # (a fresh start rewrites it: one left by an attempt without checkpoints may be stale)
     model = engine.unwrap()
-    if any(isinstance(p, DTensor) or hasattr(p, "ds_numel") for p in model.parameters()):
+    if plan.layout.shards_params:
         log.info("base model not saved (sharded by %s); export rebuilds it from model.config", engine.name)
         if not resuming:
             shutil.rmtree(target, ignore_errors=True)  # from an earlier attempt, maybe with another model

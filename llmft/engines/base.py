@@ -21,20 +21,23 @@ from llmft.safe_load import torch_load
 class LocalEngine:
     """An engine whose optimizer is a plain torch optimizer stepped in this process.
 
-    Subclasses set ``model`` and ``optimizer`` and, where the engine averages over ranks,
-    ``grad_scale``; they override ``micro_step`` / ``autocast`` where they differ.
+    Subclasses set ``model`` and ``optimizer``; they override ``micro_step`` / ``autocast``
+    where they differ. Where the engine averages gradients over ranks (DDP's all-reduce, FSDP2's
+    reduce-scatter), ``backward`` multiplies the loss by the number of data-parallel ranks first.
     """
 
-    name = "local"
-    grad_scale = 1.0
     model: torch.nn.Module
     optimizer: Any
 
     def __init__(self, plan: RunPlan, env: DistEnv) -> None:
+        self.name = plan.engine
         self.env = env
         self.device = env.device
         self.dtype = compute_dtype(plan.recipe)
         self.peft = plan.peft
+        self.max_grad_norm = plan.max_grad_norm
+        # One process holds the whole batch and sums; DDP and FSDP2 average over the ranks.
+        self._grad_scale = float(plan.layout.dp_size) if plan.spec.multi_rank else 1.0
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None
 
     def micro_step(self, boundary: bool) -> ContextManager:
@@ -44,10 +47,11 @@ class LocalEngine:
         return autocast_for(self.dtype, self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
+        loss = loss * self._grad_scale
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, max_grad_norm: float | None) -> float:
-        return clip_and_step(self.unwrap(), self.optimizer, self.scaler, max_grad_norm)
+    def step(self) -> float:
+        return clip_and_step(self.unwrap(), self.optimizer, self.scaler, self.max_grad_norm)
 
     def unwrap(self) -> torch.nn.Module:
         return self.model
