@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -79,9 +80,43 @@ def clip_and_step(model: torch.nn.Module, optimizer, scaler, max_grad_norm: floa
 
 def save_plain(model: torch.nn.Module, optimizer, directory: Path, *, save_optimizer: bool) -> None:
     """save_pretrained (PEFT adapter dir, or full HF model dir) + optimizer state; rank 0 only."""
-    model.save_pretrained(directory / MODEL_DIR, safe_serialization=True)
+    with quiet_save_pretrained():
+        model.save_pretrained(directory / MODEL_DIR, safe_serialization=True)
     if save_optimizer:
         torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+
+
+@contextlib.contextmanager
+def quiet_save_pretrained() -> Iterator[None]:
+    """``save_pretrained`` of a single or DDP model, in a run: without DeepSpeed and without a
+    progress bar (llmft logs the checkpoint itself).
+
+    transformers unwraps the model through accelerate's ``extract_model_from_parallel``, which
+    imports ``deepspeed`` (whenever it is installed) only to test ``isinstance(model,
+    DeepSpeedEngine)``. A model these engines hold never is one, and the import costs seconds and
+    prints DeepSpeed's "Setting accelerator to CPU" warning, so the availability check accelerate
+    makes there answers no while the model is saved (unless DeepSpeed is already loaded). The
+    "Writing model shards" bar is transformers' tqdm, muted through its hook for the same span."""
+    from transformers.utils import logging as hf_logging
+
+    restore: list[Callable[[], None]] = []
+    if "deepspeed" not in sys.modules:
+        with contextlib.suppress(ImportError):
+            from accelerate.utils import other
+
+            if hasattr(other, "is_deepspeed_available"):
+                original = other.is_deepspeed_available
+                other.is_deepspeed_available = lambda: False
+                restore.append(lambda: setattr(other, "is_deepspeed_available", original))
+    if hasattr(hf_logging, "set_tqdm_hook"):
+        previous = getattr(hf_logging, "_tqdm_hook", None)
+        hf_logging.set_tqdm_hook(lambda factory, args, kwargs: hf_logging.EmptyTqdm(*args, **kwargs))
+        restore.append(lambda: hf_logging.set_tqdm_hook(previous))
+    try:
+        yield
+    finally:
+        for undo in restore:
+            undo()
 
 
 def load_plain(
