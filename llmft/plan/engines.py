@@ -186,11 +186,6 @@ def choose_engine(recipe: Recipe, dp_size: int) -> str:
     return "ddp"
 
 
-def offering(capability: str) -> list[EngineSpec]:
-    """The engines whose field ``capability`` is set (for messages: who can do it instead)."""
-    return [s for s in ENGINES if getattr(s, capability)]
-
-
 def load(path: str) -> Any:
     """The object a record names as ``"module:attribute"``, imported now."""
     module, _, attribute = path.partition(":")

@@ -79,6 +79,7 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
+        """Processes in the layout: the data-parallel ranks (times the other dimensions, once there are any)."""
         return self.dp_size
 
 
