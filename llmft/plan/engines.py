@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
@@ -41,6 +41,8 @@ class Sharding:
 
 @dataclass(frozen=True)
 class EngineSpec:
+    """One engine: what it is, what it can do, and where its code lives (dotted paths)."""
+
     name: str  # distributed.engine
     title: str  # in messages: "FSDP2", "DeepSpeed"
     runtime: str  # the Engine class (torch side): built by llmft.engines.build_engine
@@ -62,7 +64,7 @@ class EngineSpec:
     autocast_weight_cache: bool = False  # autocast keeps compute-dtype copies of fp32 weights
     # How sharded parameters are gathered for compute: "per_layer" (a layer and the next, and the
     # root) or "live_window" (up to ZERO3_MAX_LIVE_PARAMETERS stay gathered between passes).
-    param_gather: str | None = None
+    param_gather: Literal["per_layer", "live_window"] | None = None
     # A fresh model too big to build whole is built partitioned under zero.Init (else on the meta device).
     zero_init: bool = False
     whole_param_on_load: bool = False  # loading sharded puts one whole parameter on the device for a moment
