@@ -132,10 +132,10 @@ def worker(recipe: str, engine: str, skip: bool, steps: int) -> None:
         finally:
             phase["now"] = "other"
 
-    def wrapped_step(self, max_grad_norm):
+    def wrapped_step(self):
         phase["now"] = "step"
         try:
-            return step(self, max_grad_norm)
+            return step(self)
         finally:
             phase["now"] = "other"
 

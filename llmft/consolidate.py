@@ -16,6 +16,7 @@ import torch
 from llmft.checkpoint.layout import RECIPE_FILE, TOKENIZER_DIR, TrainerState, resolve_checkpoint
 from llmft.engines.base import trainable_names
 from llmft.recipe import Recipe, load_recipe
+from llmft.plan.engines import engine_spec
 
 
 def checkpoint_engine(ckpt: Path) -> str:
@@ -54,7 +55,7 @@ def load_checkpoint_model(
     without_remote_code(recipe, ckpt / RECIPE_FILE, trust_remote_code=trust_remote_code)  # G7
     tok_dir = ckpt / TOKENIZER_DIR
     tokenizer = load_tokenizer(recipe.model) if not tok_dir.is_dir() else _load_tok(tok_dir)
-    if adapter_only and recipe.peft.method != "none" and engine in ("fsdp", "deepspeed"):
+    if adapter_only and recipe.peft.method != "none" and engine_spec(engine).sharded_checkpoint:
         model = build_model(recipe, tokenizer, init_context=lambda: torch.device("meta"))
         _materialize_trainable(model)
     else:

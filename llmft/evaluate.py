@@ -5,13 +5,15 @@ need all ranks in every collective), padding its share with no-target batches.""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmft.dist import DistEnv, all_reduce_sum
-from llmft.plan.batch import BatchPlan
-from llmft.recipe.schema import Recipe
+from llmft.plan.resolve import RunPlan
+
+if TYPE_CHECKING:
+    from llmft.engines import Engine
 
 
 def _shard(n: int, rank: int, world: int) -> range:
@@ -20,9 +22,13 @@ def _shard(n: int, rank: int, world: int) -> range:
 
 
 class Evaluator:
-    def __init__(self, recipe: Recipe, env: DistEnv, engine, data, tokenizer, plan: BatchPlan) -> None:
-        self.recipe, self.env, self.engine, self.data, self.tokenizer = recipe, env, engine, data, tokenizer
-        self.micro = plan.micro_batch_size
+    def __init__(self, plan: RunPlan, env: DistEnv, engine: Engine, data, tokenizer) -> None:
+        self.recipe, self.env, self.engine, self.data, self.tokenizer = plan.recipe, env, engine, data, tokenizer
+        self.micro = plan.batch.micro_batch_size
+        # Where the parameters are sharded every rank must join every forward of generate() (each
+        # gathers its layers from all ranks), also after its own sequences are done: synced_gpus.
+        # The plan's decision, not distributed.engine, which may be auto.
+        self.synced_gpus = plan.layout.shards_params and plan.layout.dp_size > 1
 
     @torch.no_grad()
     def run(self, step: int) -> dict[str, Any] | None:
@@ -97,6 +103,6 @@ class Evaluator:
                 do_sample=False,
                 pad_token_id=pad,
                 eos_token_id=tok.eos_token_id,
-                synced_gpus=self.env.distributed and self.recipe.distributed.engine in ("fsdp", "deepspeed"),
+                synced_gpus=self.synced_gpus,
             )
         return tok.batch_decode(out[:, width:], skip_special_tokens=True)

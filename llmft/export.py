@@ -56,6 +56,7 @@ from llmft.checkpoint.layout import (
 from llmft.errors import Problem, UserError
 from llmft.model.save import plain_config, staged
 from llmft.modelcard import export_model_card
+from llmft.plan.engines import engine_spec, load
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -174,15 +175,17 @@ EXPORT_SHARD_BYTES = 5 * 2**30
 
 
 def _sharded_state(step_dir: Path) -> str | None:
-    """The engine ('fsdp', 'deepspeed') of a checkpoint whose model exists only as sharded state."""
+    """The engine (``EngineSpec.sharded_checkpoint``: fsdp, deepspeed) of a checkpoint whose model
+    exists only as sharded state."""
     if (step_dir / MODEL_DIR / "config.json").is_file() or not (step_dir / STATE_FILE).is_file():
         return None
     if not any((step_dir / d).is_dir() for d in (DCP_DIR, DS_DIR)):
         return None
     from llmft.consolidate import checkpoint_engine
+    from llmft.plan.engines import engine_spec
 
     engine = checkpoint_engine(step_dir)
-    return engine if engine in ("fsdp", "deepspeed") else None
+    return engine if engine_spec(engine).sharded_checkpoint else None
 
 
 def write_full_streamed(step_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path) -> None:
@@ -197,15 +200,9 @@ def write_full_streamed(step_dir: Path, recipe: Recipe, dtype: torch.dtype, out:
     from llmft.consolidate import checkpoint_engine, offline_recipe
     from llmft.model.build import build_model
 
-    engine = checkpoint_engine(step_dir)
-    if engine == "fsdp":
-        from llmft.engines.fsdp import dcp_reader
-
-        read = dcp_reader(step_dir)
-    else:
-        from llmft.engines.deepspeed import deepspeed_reader
-
-        read = deepspeed_reader(step_dir)
+    stream_reader = engine_spec(checkpoint_engine(step_dir)).stream_reader
+    assert stream_reader is not None, "only sharded checkpoints are streamed"
+    read = load(stream_reader)(step_dir)
     model = build_model(offline_recipe(recipe), None, init_context=lambda: torch.device("meta"))
     entries, seen = [], set()
     for name, t in model.state_dict(keep_vars=True).items():

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -22,6 +22,9 @@ from llmft.dist import DistEnv, all_reduce_sum
 from llmft.errors import Problem, TrainingDiverged
 from llmft.plan.batch import BatchPlan
 from llmft.stop import StopRequest
+
+if TYPE_CHECKING:
+    from llmft.engines import Engine
 
 log = logging.getLogger("llmft")
 
@@ -48,7 +51,6 @@ class LoopHooks:
 @dataclass
 class LoopConfig:
     max_steps: int
-    max_grad_norm: float | None
     log_every: int = 1
     eval_every: int | None = None
     checkpoint_every: int | None = None
@@ -75,7 +77,7 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
 
 
 def train_loop(
-    engine,
+    engine: Engine,
     scheduler,
     batches: Iterator[dict[str, torch.Tensor]],
     plan: BatchPlan,
@@ -105,7 +107,7 @@ def train_loop(
             with engine.micro_step(boundary):
                 with engine.autocast():
                     loss = micro_loss(model, mb, num_items)
-                engine.backward(loss * engine.grad_scale)
+                engine.backward(loss)  # the engine undoes its own averaging over ranks
             loss_sum += loss.detach().double()
 
         # One all-reduce for the step's loss and the stop flag: every rank sees the same decision.
@@ -119,7 +121,7 @@ def train_loop(
                     "Lower optim.lr, enable optim.max_grad_norm, use bf16 instead of fp16, or check the data.",
                 )
             )
-        grad_norm = engine.step(cfg.max_grad_norm)
+        grad_norm = engine.step()  # clips to the plan's max_grad_norm
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         state.step += 1

@@ -113,7 +113,7 @@ class Run:
         self.checkpoints = CheckpointManager(
             self.run_dir, env, recipe.checkpoint.keep_last, SaveHooks(self.hooks.before_commit)
         )
-        self.evaluator = Evaluator(recipe, env, self.engine, self.data, self.tokenizer, plan.batch)
+        self.evaluator = Evaluator(plan, env, self.engine, self.data, self.tokenizer)
         return resume_from
 
     def _claim_run_dir(self) -> Path | None:
@@ -206,7 +206,6 @@ class Run:
         )
         loop_cfg = LoopConfig(
             max_steps=self.total_steps,
-            max_grad_norm=recipe.optim.max_grad_norm,
             log_every=recipe.train.log_every_steps,
             eval_every=recipe.train.eval_every_steps,
             checkpoint_every=recipe.checkpoint.every_steps,

@@ -45,7 +45,7 @@ def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None)
         log.warning("%s", note)
     check_fits(plan)  # before anything is loaded
     d = plan.recipe.distributed
-    init_distributed(env, d.backend, d.timeout_minutes, force=plan.engine != "single")
+    init_distributed(env, d.backend, d.timeout_minutes, force=plan.spec.multi_rank)
     # Installed before anything slow: a stop request during model loading is honoured after the
     # first step (checkpoint, exit 75) instead of killing the process with nothing to requeue.
     stop = StopRequest(d.stop_signal).install()

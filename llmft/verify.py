@@ -22,7 +22,7 @@ own (``distributed.nnodes x nproc_per_node``, as ``llmft compile`` plans it;
 override those keys to check another). Rank r takes the contiguous slice r of
 the global batch, as ``MicroBatchSampler`` deals it, accumulates its
 micro-batches, and the ranks' gradients are then summed: what DDP/FSDP/
-DeepSpeed produce after llmft undoes their averaging (``grad_scale``, see
+DeepSpeed produce after their ``backward`` undoes their averaging (see
 docs/batch.md). Communication itself is not exercised; the distributed tests
 cover that.
 

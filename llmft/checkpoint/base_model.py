@@ -33,7 +33,7 @@ def save_base_once(plan: RunPlan, engine, run_dir: Path, env: DistEnv, *, resumi
     target = Path(run_dir) / CHECKPOINTS / BASE_DIR
     if resuming and (target / "config.json").is_file():  # written by the run this one resumes
         return  # (a fresh start rewrites it: one left by an attempt without checkpoints may be stale)
-    if plan.shards_params:
+    if plan.layout.shards_params:
         log.info("base model not saved (parameters sharded by %s); export rebuilds it from model.config", plan.engine)
         if not resuming:
             shutil.rmtree(target, ignore_errors=True)  # from an earlier attempt, maybe with another model

@@ -1,12 +1,16 @@
 """Engines: one small Protocol, four implementations. The loop never branches on the engine.
 
+Which engines exist, and what each can do, is the registry ``llmft.plan.engines`` (pure: the
+planner and the compiler read it without torch); this module builds the runtime side a record
+names (``EngineSpec.runtime``, ``EngineSpec.reader``).
+
 Who divides the loss by what (docs/batch.md has the full story): the loop's loss
 for a micro-batch is ``sum of its token losses / target tokens of the whole
 global batch``, so summing gradients over micro-steps and ranks gives exactly the
 big-batch gradient. Engines that average instead of sum (DDP and FSDP mean over
-ranks, DeepSpeed over ranks and, unless told otherwise, micro-steps) declare
-``grad_scale``; the loop multiplies the loss by it before ``backward``. That is
-the one place where the engine's own averaging is undone.
+ranks, DeepSpeed over ranks and, unless told otherwise, micro-steps) undo it in their
+own ``backward``: the one place where the engine's own averaging is undone. Clipping
+(``optim.max_grad_norm``, read from the plan) is set when the engine is built.
 
 Each engine owns its checkpoint format: ``save`` / ``load`` in a run, and an offline
 ``read_checkpoint`` (one process, no process group) that export and consolidation use.
@@ -22,6 +26,7 @@ from typing import Any, Callable, ContextManager, Protocol
 import torch
 
 from llmft.dist import DistEnv
+from llmft.plan.engines import engine_spec, load
 from llmft.plan.resolve import RunPlan
 
 # Builds the run's optimizer over a prepared (wrapped, sharded) model: one place, llmft.optim.
@@ -32,15 +37,18 @@ class Engine(Protocol):
     name: str
     model: torch.nn.Module  # what the loop calls forward on
     optimizer: Any  # the optimizer the scheduler drives
-    grad_scale: float  # undoes the engine's averaging over ranks / micro-steps
 
     def micro_step(self, boundary: bool) -> ContextManager:
         """Wraps forward + backward of one micro-batch; gradients are reduced only when ``boundary``."""
 
-    def backward(self, loss: torch.Tensor) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the loop's micro loss (normalised by the global batch's target tokens); the
+        engine undoes its own averaging over ranks / micro-steps, so the summed gradients are the
+        big batch's."""
 
-    def step(self, max_grad_norm: float | None) -> float:
-        """Clip, optimizer step, zero grads. Returns the global gradient norm before clipping."""
+    def step(self) -> float:
+        """Clip (to the plan's ``max_grad_norm``), optimizer step, zero grads. Returns the global
+        gradient norm before clipping."""
 
     def unwrap(self) -> torch.nn.Module:
         """The Hugging Face / PEFT model inside."""
@@ -60,39 +68,11 @@ def autocast_for(dtype: torch.dtype, device: torch.device) -> ContextManager:
 
 
 def build_engine(plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> Engine:
-    name = plan.engine
-    if name == "single":
-        from llmft.engines.single import SingleEngine
-
-        return SingleEngine(plan, env, tokenizer, make_optimizer)
-    if name == "ddp":
-        from llmft.engines.ddp import DDPEngine
-
-        return DDPEngine(plan, env, tokenizer, make_optimizer)
-    if name == "fsdp":
-        from llmft.engines.fsdp import FSDPEngine
-
-        return FSDPEngine(plan, env, tokenizer, make_optimizer)
-    if name == "deepspeed":
-        from llmft.engines.deepspeed import DeepSpeedEngineAdapter
-
-        return DeepSpeedEngineAdapter(plan, env, tokenizer, make_optimizer)
-    raise AssertionError(f"unresolved engine {name!r}")
+    """The engine the plan resolved (``EngineSpec.runtime``), with the model built and prepared."""
+    return load(plan.spec.runtime)(plan, env, tokenizer, make_optimizer)
 
 
 def read_checkpoint(engine: str, model: torch.nn.Module, step_dir: Path) -> None:
     """Load the weights a checkpoint of ``engine`` holds into ``model`` (built whole, or with only
     its trainable part materialised for an adapter), in one process without a process group."""
-    if engine in ("single", "ddp"):
-        from llmft.engines.base import read_plain
-
-        return read_plain(model, step_dir)
-    if engine == "fsdp":
-        from llmft.engines.fsdp import read_dcp
-
-        return read_dcp(model, step_dir)
-    if engine == "deepspeed":
-        from llmft.engines.deepspeed import read_deepspeed
-
-        return read_deepspeed(model, step_dir)
-    raise AssertionError(f"unknown engine {engine!r} in a checkpoint")
+    load(engine_spec(engine).reader)(model, step_dir)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -22,20 +23,23 @@ from llmft.safe_load import torch_load
 class LocalEngine:
     """An engine whose optimizer is a plain torch optimizer stepped in this process.
 
-    Subclasses set ``model`` and ``optimizer`` and, where the engine averages over ranks,
-    ``grad_scale``; they override ``micro_step`` / ``autocast`` where they differ.
+    Subclasses set ``model`` and ``optimizer``; they override ``micro_step`` / ``autocast``
+    where they differ. Where the engine averages gradients over ranks (DDP's all-reduce, FSDP2's
+    reduce-scatter), ``backward`` multiplies the loss by the number of data-parallel ranks first.
     """
 
-    name = "local"
-    grad_scale = 1.0
     model: torch.nn.Module
     optimizer: Any
 
     def __init__(self, plan: RunPlan, env: DistEnv) -> None:
+        self.name = plan.engine
         self.env = env
         self.device = env.device
         self.dtype = compute_dtype(plan.recipe)
         self.peft = plan.peft
+        self.max_grad_norm = plan.max_grad_norm
+        # One process holds the whole batch and sums; DDP and FSDP2 average over the ranks.
+        self._grad_scale = float(plan.layout.dp_size) if plan.spec.multi_rank else 1.0
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None
 
     def micro_step(self, boundary: bool) -> ContextManager:
@@ -45,10 +49,11 @@ class LocalEngine:
         return autocast_for(self.dtype, self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
+        loss = loss * self._grad_scale
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, max_grad_norm: float | None) -> float:
-        return clip_and_step(self.unwrap(), self.optimizer, self.scaler, max_grad_norm)
+    def step(self) -> float:
+        return clip_and_step(self.unwrap(), self.optimizer, self.scaler, self.max_grad_norm)
 
     def unwrap(self) -> torch.nn.Module:
         return self.model
@@ -76,9 +81,43 @@ def clip_and_step(model: torch.nn.Module, optimizer, scaler, max_grad_norm: floa
 
 def save_plain(model: torch.nn.Module, optimizer, directory: Path, *, save_optimizer: bool) -> None:
     """save_pretrained (PEFT adapter dir, or full HF model dir) + optimizer state; rank 0 only."""
-    model.save_pretrained(directory / MODEL_DIR, safe_serialization=True)
+    with quiet_save_pretrained():
+        model.save_pretrained(directory / MODEL_DIR, safe_serialization=True)
     if save_optimizer:
         torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+
+
+@contextlib.contextmanager
+def quiet_save_pretrained() -> Iterator[None]:
+    """``save_pretrained`` of a single or DDP model, in a run: without DeepSpeed and without a
+    progress bar (llmft logs the checkpoint itself).
+
+    transformers unwraps the model through accelerate's ``extract_model_from_parallel``, which
+    imports ``deepspeed`` (whenever it is installed) only to test ``isinstance(model,
+    DeepSpeedEngine)``. A model these engines hold never is one, and the import costs seconds and
+    prints DeepSpeed's "Setting accelerator to CPU" warning, so the availability check accelerate
+    makes there answers no while the model is saved (unless DeepSpeed is already loaded). The
+    "Writing model shards" bar is transformers' tqdm, muted through its hook for the same span."""
+    from transformers.utils import logging as hf_logging
+
+    restore: list[Callable[[], None]] = []
+    if "deepspeed" not in sys.modules:
+        with contextlib.suppress(ImportError):
+            from accelerate.utils import other
+
+            if hasattr(other, "is_deepspeed_available"):
+                original = other.is_deepspeed_available
+                other.is_deepspeed_available = lambda: False
+                restore.append(lambda: setattr(other, "is_deepspeed_available", original))
+    if hasattr(hf_logging, "set_tqdm_hook"):
+        previous = getattr(hf_logging, "_tqdm_hook", None)
+        hf_logging.set_tqdm_hook(lambda factory, args, kwargs: hf_logging.EmptyTqdm(*args, **kwargs))
+        restore.append(lambda: hf_logging.set_tqdm_hook(previous))
+    try:
+        yield
+    finally:
+        for undo in restore:
+            undo()
 
 
 def load_plain(

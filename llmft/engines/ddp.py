@@ -16,12 +16,8 @@ from llmft.plan.resolve import RunPlan
 
 
 class DDPEngine(LocalEngine):
-    name = "ddp"
-
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
-        super().__init__(plan, env)
-        # DDP averages gradients over ranks; our loss is already normalised by the global token count.
-        self.grad_scale = float(env.world_size)
+        super().__init__(plan, env)  # DDP averages gradients over ranks: backward undoes it
         inner = prepare_model(plan, tokenizer, self.device)
         self.model = DDP(
             inner,

@@ -1,9 +1,10 @@
 """DeepSpeed ZeRO 0-3 with the ds_config compiled from the recipe.
 
 The loop's loss is already normalised by the global token count, so DeepSpeed is
-told not to divide by accumulation steps (``scale_wrt_gas=False``) and the mean
-over ranks is undone by ``grad_scale``. Clipping happens inside DeepSpeed's step
-(``gradient_clipping`` in the config). Under ZeRO-3 no rank materialises the whole model: a
+told not to divide by accumulation steps (``scale_wrt_gas=False``) and ``backward``
+undoes its mean over ranks. Clipping happens inside DeepSpeed's step
+(``gradient_clipping`` in the config, written from the plan's ``max_grad_norm`` as the
+other engines' clipping is). Under ZeRO-3 no rank materialises the whole model: a
 pretrained one (LoRA and 4-bit QLoRA bases included) is built on the meta device and each rank
 reads only its partitions of the weights (``llmft.engines.zero3_init``); a fresh one too big to
 build whole is built under ``zero.Init`` (via ``HfDeepSpeedConfig``).
@@ -45,13 +46,12 @@ from llmft.safe_load import torch_load
 
 
 class DeepSpeedEngineAdapter:
-    name = "deepspeed"
-
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
         import deepspeed
 
         from llmft.plan.deepspeed import deepspeed_config
 
+        self.name = plan.engine
         self.env = env
         # DeepSpeed's comm layer wraps the process group train.py created; its config checks
         # (batch x world size, also inside zero.Init) read the world size from there.
@@ -76,8 +76,8 @@ class DeepSpeedEngineAdapter:
         self.peft = is_peft(model)
         self.optimizer = make_optimizer(model)
         self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config)
-        # DeepSpeed averages gradients over data-parallel ranks.
-        self.grad_scale = float(env.world_size)
+        # DeepSpeed averages gradients over data-parallel ranks; backward undoes it.
+        self._grad_scale = float(plan.layout.dp_size)
 
     def micro_step(self, boundary: bool) -> ContextManager:
         self.model.set_gradient_accumulation_boundary(boundary)
@@ -87,10 +87,11 @@ class DeepSpeedEngineAdapter:
         return contextlib.nullcontext()  # DeepSpeed runs the module in its bf16/fp16 dtype
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.model.backward(loss, scale_wrt_gas=False)
+        self.model.backward(loss * self._grad_scale, scale_wrt_gas=False)
 
-    def step(self, max_grad_norm: float | None) -> float:
-        self.model.step()  # the boundary was set on the last micro-step: clip + optimizer step + zero grad
+    def step(self) -> float:
+        # The boundary was set on the last micro-step: clip (gradient_clipping) + optimizer step + zero grad.
+        self.model.step()
         norm = self.model.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 

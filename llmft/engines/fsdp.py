@@ -39,47 +39,42 @@ from llmft.plan.resolve import RunPlan
 
 
 class FSDPEngine(LocalEngine):
-    name = "fsdp"
-
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
         from llmft.model.meta import build_on_meta, materialize
 
         super().__init__(plan, env)
+        # The reduce-scatter averages over all data-parallel ranks (shard x replicate): backward undoes it.
         sharding = fsdp_plan(plan)
-        # The reduce-scatter averages over all data-parallel ranks (shard x replicate).
-        self.grad_scale = float(env.world_size)
         self.sync_every_micro_step = plan.recipe.distributed.fsdp_grad_sync == "micro_step"
-        mesh = sharding["mesh"]
+        mesh = sharding.mesh
         self.mesh = (
-            init_device_mesh(
-                self.device.type, (mesh["replicate"], mesh["shard"]), mesh_dim_names=("replicate", "shard")
-            )
-            if mesh["replicate"] > 1
-            else init_device_mesh(self.device.type, (mesh["shard"],), mesh_dim_names=("shard",))
+            init_device_mesh(self.device.type, (mesh.replicate, mesh.shard), mesh_dim_names=("replicate", "shard"))
+            if mesh.replicate > 1
+            else init_device_mesh(self.device.type, (mesh.shard,), mesh_dim_names=("shard",))
         )
         if plan.meta_init:
             model, slots, weights = build_on_meta(plan, tokenizer)
         else:
             # Every rank builds the same (seeded) model on CPU, then keeps only its shards.
             model = prepare_model(plan, tokenizer, torch.device("cpu"))
-        precision = sharding["mixed_precision"]
+        precision = sharding.mixed_precision
         mp = MixedPrecisionPolicy(
-            param_dtype=None if self.dtype == torch.float32 else DTYPES[precision["param_dtype"]],
-            reduce_dtype=DTYPES[precision["reduce_dtype"]],
+            param_dtype=None if self.dtype == torch.float32 else DTYPES[precision.param_dtype],
+            reduce_dtype=DTYPES[precision.reduce_dtype],
         )
         # Pinned host memory speeds up the copies to an accelerator; without one there is none to pin.
         pin = self.device.type != "cpu"
-        offload = CPUOffloadPolicy(pin_memory=pin) if sharding["cpu_offload"] else OffloadPolicy()
+        offload = CPUOffloadPolicy(pin_memory=pin) if sharding.cpu_offload else OffloadPolicy()
         kwargs = dict(mesh=self.mesh, mp_policy=mp, offload_policy=offload)
         layer_classes = decoder_layer_classes(model)
         for module in model.modules():
             if isinstance(module, layer_classes):
-                fully_shard(module, reshard_after_forward=sharding["reshard_after_forward"], **kwargs)
+                fully_shard(module, reshard_after_forward=sharding.reshard_after_forward, **kwargs)
         fully_shard(model, reshard_after_forward=False, **kwargs)  # the root is needed right away in backward
         if plan.meta_init:
-            shards_on = torch.device("cpu") if sharding["cpu_offload"] else self.device
+            shards_on = torch.device("cpu") if sharding.cpu_offload else self.device
             materialize(model, slots, weights, seed=plan.recipe.run.seed, device=self.device, shards_on=shards_on)
-        elif not sharding["cpu_offload"]:
+        elif not sharding.cpu_offload:
             model.to(self.device)
         self.model = model
         self.optimizer = make_optimizer(model)

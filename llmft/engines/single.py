@@ -13,8 +13,6 @@ from llmft.plan.resolve import RunPlan
 
 
 class SingleEngine(LocalEngine):
-    name = "single"
-
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
         super().__init__(plan, env)
         self.model = prepare_model(plan, tokenizer, self.device)

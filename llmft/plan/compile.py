@@ -8,25 +8,23 @@ in well under a second.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import yaml
 
 from llmft.plan import launch
-from llmft.plan.deepspeed import deepspeed_config
-from llmft.plan.fsdp import accelerate_config, fsdp_plan
+from llmft.plan.engines import ENGINES, load
 from llmft.plan.resolve import RunPlan, plan_summary
 from llmft.recipe.load import RECIPE_FILE, to_yaml
 
 PLAN_FILE = "plan.yaml"
-DS_CONFIG = "ds_config.json"
-FSDP_PLAN = "fsdp.yaml"
-ACCELERATE_CONFIG = "accelerate.yaml"
 # Artefacts that belong to one engine: removed when a recompile picks another, so a
 # compiled dir never holds a stale config that disagrees with its recipe.
-ENGINE_FILES = (DS_CONFIG, FSDP_PLAN, ACCELERATE_CONFIG, *(f"launch/{n}" for n in launch.DEEPSPEED_ONLY))
+ENGINE_FILES = (
+    *(name for spec in ENGINES for name in spec.config_names),
+    *(f"launch/{n}" for n in launch.DEEPSPEED_ONLY),
+)
 
 
 def _header(lines: list[str]) -> str:
@@ -49,20 +47,8 @@ def _tokens_line(plan: RunPlan) -> str:
 
 
 def _engine_line(plan: RunPlan) -> str:
-    d = plan.recipe.distributed
-    line = f"engine: {plan.engine}"
-    if plan.engine == "deepspeed":
-        line += f", ZeRO stage {d.zero_stage}"
-        offload = [
-            f"{what} -> {where}"
-            for what, where in (("optimizer", d.offload_optimizer), ("params", d.offload_params))
-            if where != "none"
-        ]
-        if offload:
-            line += f" (offload {', '.join(offload)})"
-    elif plan.engine == "fsdp":
-        line += f" (FSDP2, mesh {d.hsdp_replicate} replica(s) x {plan.dp_size // d.hsdp_replicate} shard(s))"
-    return line
+    summary = plan.spec.summary
+    return load(summary)(plan) if summary else f"engine: {plan.engine}"
 
 
 def _launch_hint(plan: RunPlan, out: Path) -> str:
@@ -70,8 +56,7 @@ def _launch_hint(plan: RunPlan, out: Path) -> str:
         return f"run: llmft train {out}"
     if plan.world.nnodes > 1:
         return f"run: sbatch {out / 'launch/slurm.sbatch'}   (or {out / 'launch/torchrun.sh'} on every node)"
-    script = "deepspeed.sh" if plan.engine == "deepspeed" else "torchrun.sh"
-    return f"run: bash {out / 'launch' / script}"
+    return f"run: bash {out / 'launch' / f'{plan.spec.launcher}.sh'}"
 
 
 def _job_name(recipe) -> str:
@@ -91,21 +76,10 @@ def _job_name(recipe) -> str:
 
 
 def _engine_files(plan: RunPlan, head: list[str]) -> dict[str, str]:
-    """The engine's own configs: ds_config.json, or the FSDP2 plan and accelerate config."""
-    if plan.engine == "deepspeed":
-        # JSON has no comments: the equation is in recipe.yaml and in the batch keys themselves.
-        return {DS_CONFIG: json.dumps(deepspeed_config(plan), indent=2) + "\n"}
-    if plan.engine != "fsdp":
-        return {}
-    sharding = fsdp_plan(plan)
-    how = [f"accelerate launch --config_file {ACCELERATE_CONFIG} -m llmft train <this directory>"]
-    if plan.world.nnodes > 1:
-        how.append("On each node add --machine_rank <0..num_machines-1> --main_process_ip <host of node 0>.")
-    return {
-        FSDP_PLAN: _header([*head, "The FSDP2 plan llmft applies at run time (recomputed from recipe.yaml)."])
-        + _yaml(sharding),
-        ACCELERATE_CONFIG: _header([*head, *how]) + _yaml(accelerate_config(plan, sharding)),
-    }
+    """The engine's own configs (``EngineSpec.config_files``): ds_config.json, or the FSDP2 plan
+    and accelerate config."""
+    writer = plan.spec.config_files
+    return load(writer)(plan, head) if writer else {}
 
 
 def compile_recipe(plan: RunPlan, out: Path) -> str:
@@ -137,7 +111,7 @@ def compile_recipe(plan: RunPlan, out: Path) -> str:
         job_name=_job_name(recipe),
         header="\n".join([*head, f"Engine: {plan.engine}. Recipe: ../{RECIPE_FILE}."]),
     )
-    written += launch.write(out / "launch", launch.render(layout, plan.engine))
+    written += launch.write(out / "launch", launch.render(layout, plan.spec.launcher))
 
     return "\n".join(
         [

@@ -19,8 +19,10 @@ What is deliberately absent:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import json
+from typing import TYPE_CHECKING, Any, Callable
 
+from llmft.errors import Problem
 from llmft.plan.shape import ModelShape, model_shape
 from llmft.recipe.schema import Recipe
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 FALLBACK_HIDDEN_SIZE = 4096
 # DeepSpeed prints every N steps; llmft logs itself, so effectively never.
 STEPS_PER_PRINT = 1_000_000_000
+DS_CONFIG = "ds_config.json"
 
 
 def _offload(device: str, recipe: Recipe) -> dict[str, Any]:
@@ -99,7 +102,7 @@ def deepspeed_config(plan: RunPlan) -> dict[str, Any]:
     """The complete DeepSpeed config of a resolved run (its batch solved for its world size)."""
     recipe, batch = plan.recipe, plan.batch  # BatchPlan asserts the equation holds
     shape = model_shape(recipe.model)
-    max_norm = recipe.optim.max_grad_norm
+    max_norm = plan.max_grad_norm  # the same value the other engines clip with
     return {
         "train_batch_size": batch.global_batch_size,
         "train_micro_batch_size_per_gpu": batch.micro_batch_size,
@@ -115,3 +118,61 @@ def deepspeed_config(plan: RunPlan) -> dict[str, Any]:
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
     }
+
+
+def config_files(plan: RunPlan, head: list[str]) -> dict[str, str]:
+    """``ds_config.json`` (``EngineSpec.config_files``). JSON has no comments: the equation is in
+    recipe.yaml and in the batch keys themselves."""
+    return {DS_CONFIG: json.dumps(deepspeed_config(plan), indent=2) + "\n"}
+
+
+def summary(plan: RunPlan) -> str:
+    """The compile summary's engine line: stage and offload."""
+    d = plan.recipe.distributed
+    line = f"engine: {plan.engine}, ZeRO stage {d.zero_stage}"
+    offload = [
+        f"{what} -> {where}"
+        for what, where in (("optimizer", d.offload_optimizer), ("params", d.offload_params))
+        if where != "none"
+    ]
+    return line + (f" (offload {', '.join(offload)})" if offload else "")
+
+
+def engine_problems(r: Recipe, where: Callable[[str], str]) -> list[Problem]:
+    """What DeepSpeed refuses, or would silently do otherwise, at the recipe's ZeRO stage."""
+    p: list[Problem] = []
+    d = r.distributed
+    if d.offload_params != "none" and d.zero_stage != 3:
+        p.append(
+            Problem(
+                where("distributed.offload_params"),
+                f"needs ZeRO stage 3, got {d.zero_stage}",
+                "Set distributed.zero_stage=3 or distributed.offload_params=none.",
+            )
+        )
+    bitsandbytes = r.optim.name.startswith("paged") or r.optim.name.endswith("8bit")
+    if bitsandbytes and d.offload_optimizer != "none":
+        p.append(
+            Problem(
+                where("optim.name"),
+                "bitsandbytes optimizers cannot be offloaded by DeepSpeed",
+                "Use optim.name=adamw with offload, or offload_optimizer=none.",
+            )
+        )
+    if d.offload_optimizer != "none" and d.zero_stage == 0:
+        p.append(
+            Problem(
+                where("distributed.offload_optimizer"),
+                "ZeRO stage 0 has no optimizer partitions to offload (DeepSpeed would silently keep them on the GPU)",
+                "Set distributed.zero_stage to 1, 2 or 3, or offload_optimizer=none.",
+            )
+        )
+    if d.offload_optimizer == "nvme" and d.zero_stage in (1, 2):
+        p.append(
+            Problem(
+                where("distributed.offload_optimizer"),
+                f"nvme optimizer offload needs ZeRO stage 3 (stage {d.zero_stage} would silently offload to CPU RAM)",
+                "Set distributed.zero_stage=3, or offload_optimizer=cpu.",
+            )
+        )
+    return p

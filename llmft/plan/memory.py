@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import divisors
 from llmft.plan.deepspeed import ZERO3_MAX_LIVE_PARAMETERS
+from llmft.plan.engines import engine_spec
 from llmft.plan.shape import ModelShape, linear_shapes, model_shape
 from llmft.recipe.schema import Recipe
 
@@ -233,21 +234,20 @@ class _Layout:
 
 def _layout(recipe: Recipe, engine: str, dp_size: int) -> _Layout:
     d = recipe.distributed
-    if engine == "deepspeed":
-        s = d.zero_stage
-        return _Layout(
-            weights=dp_size if s >= 3 else 1,
-            gradients=dp_size if s >= 2 else 1,
-            optimizer=dp_size if s >= 1 else 1,
-            weights_on_gpu=d.offload_params == "none",
-            optimizer_on_gpu=d.offload_optimizer == "none",
-        )
-    if engine == "fsdp":
-        group = max(dp_size // d.hsdp_replicate, 1)  # HSDP shards within a replica group
-        # CPUOffloadPolicy keeps params, grads and optimizer state on the CPU (step runs there).
-        on_gpu = d.offload_params == "none"
-        return _Layout(group, group, group, on_gpu, on_gpu, on_gpu)
-    return _Layout()
+    spec = engine_spec(engine)
+    sharding = spec.sharding_for(d.zero_stage)
+    group = max(dp_size // d.hsdp_replicate, 1)  # HSDP shards within a replica group
+    params_on_gpu = d.offload_params == "none" or not spec.param_offload
+    optimizer_on_gpu = d.offload_optimizer == "none" or not spec.optimizer_offload
+    return _Layout(
+        weights=group if sharding.params else 1,
+        gradients=group if sharding.gradients else 1,
+        optimizer=group if sharding.optimizer else 1,
+        weights_on_gpu=params_on_gpu,
+        # FSDP2's CPUOffloadPolicy keeps params, grads and optimizer state on the CPU (step runs there).
+        optimizer_on_gpu=params_on_gpu and optimizer_on_gpu if spec.offload_moves_all else optimizer_on_gpu,
+        grads_on_gpu=params_on_gpu if spec.offload_moves_all else True,
+    )
 
 
 def estimate_memory(plan: RunPlan, micro_batch_size: int | None = None) -> MemoryEstimate:
@@ -316,7 +316,8 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
 
 def unsharded_accumulation(recipe: Recipe, engine: str, accumulation: int) -> bool:
     """FSDP2 accumulating with one reduce-scatter per step: the gradients are whole until then."""
-    return engine == "fsdp" and accumulation > 1 and recipe.distributed.fsdp_grad_sync == "boundary"
+    honoured = engine_spec(engine).honours("distributed.fsdp_grad_sync")
+    return honoured and accumulation > 1 and recipe.distributed.fsdp_grad_sync == "boundary"
 
 
 def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, float]:
@@ -326,27 +327,26 @@ def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, fl
     them in the compute dtype beside an fp32 master copy.
     """
     m, peft = recipe.model, recipe.peft.method != "none"
+    spec = engine_spec(engine)
+    low = spec.low_precision_weights
     if m.quantization is not None:
         # prepare_model_for_kbit_training upcasts the unquantized weights, except where the
         # parameters are sharded (RunPlan.upcast_unquantized).
-        shards = engine == "fsdp" or (engine == "deepspeed" and recipe.distributed.zero_stage == 3)
-        other_bytes = a if shards else 4
+        other_bytes = a if spec.shards_parameters(recipe) else 4
         weights = params.linear * quantized_bytes_per_param(m.quantization.bits, m.quantization.double_quant)
         weights += params.other * other_bytes
     elif peft:
         weights = params.base * a  # frozen
     else:
-        weights = params.base * (a if engine == "deepspeed" else 4)
+        weights = params.base * (a if low else 4)
     trainable = params.adapters + params.saved if peft else params.base
-    gradients = trainable * (a if engine == "deepspeed" else 4)
-    if engine == "ddp":
-        gradients *= 2  # DDP's flat buckets are a second copy (gradient_as_bucket_view is off)
+    gradients = trainable * (a if low else 4) * spec.gradient_copies  # DDP's flat buckets are a second copy
     return {
         "weights": weights,
         "adapters": trainable * 4 if peft else 0,
         "gradients": gradients,
         "optimizer": trainable * _optimizer_bytes(recipe),
-        "master_weights": trainable * 4 if engine == "deepspeed" and a < 4 else 0,
+        "master_weights": trainable * 4 if low and a < 4 else 0,
     }
 
 
@@ -367,19 +367,21 @@ def _transient_weights(recipe: Recipe, engine: str, shape: ModelShape, params: P
     peft = recipe.peft.method != "none"
     per_param = weights / max(params.base, 1)  # resident bytes per base param (quantized or not)
     gather = per_param if m.quantization is not None else a  # what a gathered layer costs
+    spec = engine_spec(engine)
+    gathered = spec.param_gather if spec.shards_parameters(recipe) else None
     out = 0.0
-    if engine == "fsdp":
+    if gathered == "per_layer":
         # The current layer and the prefetched next one are unsharded; the root (embedding,
         # head) stays gathered from forward to backward. FSDP without reshard keeps every layer.
         layers = shape.num_layers if not d.reshard_after_forward else min(2, shape.num_layers)
         out += (layers * params.layer + params.other) * gather
-    elif engine == "deepspeed" and d.zero_stage == 3:
+    elif gathered == "live_window":
         # DeepSpeed releases a gathered parameter only when it is next used more than
         # stage3_max_reuse_distance parameters later and more than stage3_max_live_parameters are
         # live (both 1e9, as HF's auto sets them): up to 1e9 parameters stay gathered between
         # forward and backward, the whole model when it is smaller.
         out += min(params.base, ZERO3_MAX_LIVE_PARAMETERS) * gather
-    elif engine in ("single", "ddp") and not peft and a < 4:
+    elif spec.autocast_weight_cache and not peft and a < 4:
         out += params.base * a  # autocast's cached compute-dtype copy of every fp32 weight
     if m.quantization is not None and m.quantization.bits == 4:
         out += params.largest_linear * a  # one matrix dequantized for its matmul
@@ -473,7 +475,9 @@ def host_memory_per_node(plan: RunPlan, *, device_is_host: bool = False) -> int:
         # This rank's part of the tensor being read (the embedding or a matrix; a 4-bit one is read
         # in the compute dtype and quantized)...
         loading += max(shape.vocab_size * shape.hidden_size, params.largest_linear) * a / layout.weights
-        if engine == "deepspeed" and device_is_host:  # ... and the ZeRO-3 parameter it goes into, whole for a moment
+        if (
+            engine_spec(engine).whole_param_on_load and device_is_host
+        ):  # ... and the ZeRO-3 parameter it goes into, whole for a moment
             linear_bytes = quantized_bytes_per_param(q.bits, q.double_quant) if q is not None else a
             loading += max(shape.vocab_size * shape.hidden_size * a, params.largest_linear * linear_bytes)
     return int(plan.world.nproc_per_node * (offloaded + loading))
@@ -535,12 +539,14 @@ def fit_options(plan: RunPlan, gpu_gb: float) -> list[str]:
 
 
 def _applies(key: str, plan: RunPlan) -> bool:
+    spec = plan.spec
+    sharding = spec.sharding_for(plan.zero_stage)
     if key == "distributed.fsdp_grad_sync":
-        return plan.engine == "fsdp" and plan.batch.gradient_accumulation_steps > 1
+        return spec.honours(key) and plan.batch.gradient_accumulation_steps > 1
     if key == "distributed.offload_params":
-        return plan.engine == "fsdp" or (plan.engine == "deepspeed" and plan.zero_stage == 3)
+        return bool(spec.param_offload) and sharding.params
     if key == "distributed.offload_optimizer":
-        return plan.engine == "deepspeed" and plan.zero_stage > 0
+        return bool(spec.optimizer_offload) and sharding.optimizer
     return True
 
 

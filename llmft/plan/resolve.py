@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import BatchPlan, resolve_for_world, sequences_from_tokens, solve_batch
+from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, load, one_process_engine
+from llmft.plan.kernels import recipe_problems
 from llmft.plan.shape import model_shape
 from llmft.recipe.load import RecipeError, load_unchecked, provenance, unresolve_env
 from llmft.recipe.schema import Recipe
@@ -61,13 +63,36 @@ class World:
 
 
 @dataclass(frozen=True)
+class ParallelLayout:
+    """How the run's processes divide the work; the runtime reads it instead of asking the engine.
+
+    A new parallel dimension (sequence parallelism next) is a field here, sized by the resolver,
+    not a check of the engine's name wherever it matters."""
+
+    dp_size: int  # data-parallel ranks: each sees its own part of the batch
+    shards_params: bool  # parameters are partitioned over the ranks (FSDP2, ZeRO-3): every rank joins every forward
+    dp_replicate: int = 1  # HSDP: replica groups; parameters are sharded within a group of dp_size / dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks that share one copy of the (sharded) parameters."""
+        return self.dp_size // self.dp_replicate if self.shards_params else 1
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the layout: the data-parallel ranks (times the other dimensions, once there are any)."""
+        return self.dp_size
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """The resolved run. ``recipe`` is the intent as the user wrote it; the rest are decisions."""
 
     recipe: Recipe
     world: World
-    engine: str  # single, ddp, fsdp, deepspeed
+    engine: str  # a name of llmft.plan.engines.ENGINES (``spec`` is its record)
     batch: BatchPlan
+    layout: ParallelLayout
     # Packed 4-bit weights: stored as this dtype. Engines that shard parameters (FSDP2, ZeRO-3)
     # partition tensors of one dtype, so there they are viewed as the compute dtype; elsewhere uint8.
     quant_storage: str | None
@@ -77,8 +102,17 @@ class RunPlan:
     notes: tuple[str, ...] = ()  # what resolving changed, for the log
 
     @property
+    def spec(self) -> EngineSpec:
+        return engine_spec(self.engine)
+
+    @property
     def dp_size(self) -> int:
         return self.batch.dp_size
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """Gradient clipping, the one source every engine is built with (DeepSpeed's config included)."""
+        return self.recipe.optim.max_grad_norm
 
     @property
     def zero_stage(self) -> int:
@@ -102,29 +136,24 @@ class RunPlan:
             return False
         q = self.recipe.model.quantization
         pretrained = self.recipe.model.config is None
-        if self.engine == "fsdp":
-            return q is None or (q.bits == 4 and pretrained)
-        if self.engine == "deepspeed" and self.zero_stage == 3:
+        if not self.layout.shards_params:
+            return False
+        if self.spec.zero_init:  # a fresh model too big to build whole is built under zero.Init instead
             return pretrained and (q is None or q.bits == 4)
-        return False
+        return q is None or (q.bits == 4 and pretrained)
 
     @property
     def zero_init(self) -> bool:
         """ZeRO-3 builds the model partitioned under ``zero.Init``: a fresh model too big to build
         whole (a quantized one is still built whole: transformers does not enter ``zero.Init`` then)."""
-        return self.engine == "deepspeed" and self.zero_stage == 3 and not self.builds_whole and not self.meta_init
-
-    @property
-    def shards_params(self) -> bool:
-        """The engine partitions the parameters themselves (FSDP2, ZeRO-3), not only their state."""
-        return shards_params(self.engine, self.zero_stage)
+        return self.spec.zero_init and self.layout.shards_params and not self.builds_whole and not self.meta_init
 
     @property
     def upcast_unquantized(self) -> bool:
         """QLoRA: PEFT's k-bit preparation upcasts norms, embeddings and head to fp32, except
         where the engine shards parameters (FSDP2, ZeRO-3): they stay in the compute dtype, the
         dtype the packed 4-bit weights are stored in, so every sharded tensor has one dtype."""
-        return not self.shards_params
+        return not self.layout.shards_params
 
     @property
     def chunked_loss(self) -> bool:
@@ -135,7 +164,13 @@ class RunPlan:
 
     def on_one_process(self) -> RunPlan:
         """The same run built as one process would build it (``llmft verify`` emulates the ranks)."""
-        return replace(self, engine="single", quant_storage=quant_storage_for(self.recipe, "single"))
+        one = one_process_engine()
+        return replace(
+            self,
+            engine=one.name,
+            layout=parallel_layout(self.recipe, one, self.dp_size),
+            quant_storage=quant_storage_for(self.recipe, one),
+        )
 
     def resolved_recipe(self) -> Recipe:
         """A copy of the recipe with the decisions written in (engine, batch, layout): what
@@ -185,8 +220,9 @@ def resolve(
     compiled = World.of(recipe)
     same = world_size is None or world_size == compiled.size
     world = compiled if same else World.running(world_size, local_world_size)
-    engine = resolve_engine(recipe, world.size)
-    problems += engine_problems(recipe, engine, world.size, where)
+    engine = choose_engine(recipe, world.size)
+    spec = engine_spec(engine)
+    problems += engine_problems(recipe, spec, world.size, where)
     batch, notes = None, []
     try:
         batch, note = _solve(recipe, engine, compiled, world)
@@ -205,25 +241,11 @@ def resolve(
         world=world,
         engine=engine,
         batch=batch,
-        quant_storage=quant_storage_for(recipe, engine),
+        layout=parallel_layout(recipe, spec, batch.dp_size),
+        quant_storage=quant_storage_for(recipe, spec),
         builds_whole=builds_whole(recipe),
         notes=tuple(notes),
     )
-
-
-def resolve_engine(r: Recipe, dp_size: int) -> str:
-    """``auto``: one process -> single; several -> deepspeed when offloading, fsdp for a full
-    fine-tune (the replicas would not fit), ddp for adapters (small gradients)."""
-    d = r.distributed
-    if d.engine != "auto":
-        return d.engine
-    if dp_size == 1:
-        return "single"
-    if d.offload_optimizer != "none" or d.offload_params == "nvme":
-        return "deepspeed"
-    if r.peft.method == "none" or d.offload_params == "cpu":
-        return "fsdp"
-    return "ddp"
 
 
 def builds_whole(recipe: Recipe) -> bool:
@@ -232,12 +254,17 @@ def builds_whole(recipe: Recipe) -> bool:
     return recipe.model.config is not None and shape is not None and shape.num_params <= WHOLE_INIT_MAX_PARAMS
 
 
-def shards_params(engine: str, zero_stage: int) -> bool:
-    """FSDP2 and ZeRO-3 partition the parameters themselves across ranks."""
-    return engine == "fsdp" or (engine == "deepspeed" and zero_stage == 3)
+def parallel_layout(recipe: Recipe, spec: EngineSpec, dp_size: int) -> ParallelLayout:
+    """How ``spec`` lays the run out over ``dp_size`` data-parallel ranks."""
+    shards = spec.shards_parameters(recipe)
+    return ParallelLayout(
+        dp_size=dp_size,
+        shards_params=shards,
+        dp_replicate=recipe.distributed.hsdp_replicate if shards else 1,
+    )
 
 
-def quant_storage_for(recipe: Recipe, engine: str) -> str | None:
+def quant_storage_for(recipe: Recipe, spec: EngineSpec) -> str | None:
     """How packed 4-bit weights are stored on ``engine`` (None: not 4-bit). Where parameters are
     sharded (FSDP2, ZeRO-3) the packed bytes are viewed as the compute dtype, as HF/PEFT, Axolotl
     and LLaMA-Factory do with ``bnb_4bit_quant_storage``; elsewhere plain uint8."""
@@ -246,7 +273,7 @@ def quant_storage_for(recipe: Recipe, engine: str) -> str | None:
         return None
     if q.quant_storage is not None:
         return q.quant_storage
-    return recipe.model.dtype if shards_params(engine, recipe.distributed.zero_stage) else "uint8"
+    return recipe.model.dtype if spec.shards_parameters(recipe) else "uint8"
 
 
 # --- the batch ----------------------------------------------------------------------------------
@@ -302,28 +329,42 @@ def _planned_micro(recipe: Recipe, engine: str, global_batch_size: int, dp_size:
 # --- combinations that depend on the engine or the world ----------------------------------------
 
 
-def engine_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str], str]) -> list[Problem]:
-    """What this engine cannot do with this recipe on ``dp_size`` processes."""
-    from llmft.plan.kernels import recipe_problems  # the speed switches' own refusals
+def engine_problems(r: Recipe, spec: EngineSpec, dp_size: int, where: Callable[[str], str]) -> list[Problem]:
+    """What this engine cannot do with this recipe on ``dp_size`` processes: the checks every engine
+    shares, read from its record, then its own (``EngineSpec.problems``)."""
 
-    kernels = [Problem(where(pr.where), pr.what, pr.fix) for pr in recipe_problems(r, engine)]
+    own = load(spec.problems)(r, where) if spec.problems else []
+    kernels = [Problem(where(pr.where), pr.what, pr.fix) for pr in recipe_problems(r, spec.name)]
     return (
-        _layout_problems(r, engine, dp_size, where)
-        + _offload_problems(r, engine, where)
-        + _quantization_problems(r, engine, dp_size, where)
+        _layout_problems(r, spec, dp_size, where)
+        + _offload_problems(r, spec, where)
+        + own
+        + _quantization_problems(r, spec, dp_size, where)
         + kernels
     )
 
 
-def _layout_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str], str]) -> list[Problem]:
+def _or(names: list[str]) -> str:
+    return " or ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
+
+
+# Engine-specific settings (recipe key, the value that asks nothing, what a set value is called):
+# an engine that does not honour one (EngineSpec.settings) would silently ignore it.
+_ENGINE_SETTINGS = (
+    ("distributed.fsdp_grad_sync", "boundary", "{value} is"),
+    ("distributed.hsdp_replicate", 1, "HSDP replica groups are"),
+)
+
+
+def _layout_problems(r: Recipe, spec: EngineSpec, dp_size: int, where: Callable[[str], str]) -> list[Problem]:
     p: list[Problem] = []
     d = r.distributed
-    if engine == "single" and dp_size > 1:
+    if not spec.multi_rank and dp_size > 1:
         p.append(
             Problem(
                 where("distributed.engine"),
-                f"single cannot run on {dp_size} processes",
-                "Use distributed.engine=ddp, fsdp or deepspeed (or auto).",
+                f"{spec.name} cannot run on {dp_size} processes",
+                f"Use distributed.engine={_or([s.name for s in ENGINES if s.multi_rank])} (or auto).",
             )
         )
     if dp_size % d.hsdp_replicate:
@@ -334,112 +375,75 @@ def _layout_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str]
                 f"Choose a divisor of {dp_size}.",
             )
         )
-    if d.fsdp_grad_sync != "boundary" and engine != "fsdp":
-        p.append(
-            Problem(
-                where("distributed.fsdp_grad_sync"),
-                f"{d.fsdp_grad_sync} is an FSDP2 setting; engine is {engine}, which would ignore it",
-                "Set distributed.engine=fsdp, or distributed.fsdp_grad_sync=boundary.",
-            )
-        )
-    if d.hsdp_replicate > 1 and engine != "fsdp":
-        p.append(
-            Problem(
-                where("distributed.hsdp_replicate"),
-                f"HSDP replica groups are an FSDP2 setting; engine is {engine}, which would ignore it",
-                "Set distributed.engine=fsdp, or distributed.hsdp_replicate=1.",
-            )
-        )
-    return p
-
-
-def _offload_problems(r: Recipe, engine: str, where: Callable[[str], str]) -> list[Problem]:
-    p: list[Problem] = []
-    d = r.distributed
-    if d.offload_params != "none" and engine in ("single", "ddp"):
-        p.append(
-            Problem(
-                where("distributed.offload_params"),
-                f"the {engine} engine keeps whole replicas and cannot offload parameters",
-                "Use distributed.engine=fsdp or deepspeed with zero_stage=3.",
-            )
-        )
-    if d.offload_params != "none" and engine == "deepspeed" and d.zero_stage != 3:
-        p.append(
-            Problem(
-                where("distributed.offload_params"),
-                f"needs ZeRO stage 3, got {d.zero_stage}",
-                "Set distributed.zero_stage=3 or distributed.offload_params=none.",
-            )
-        )
-    if engine == "fsdp" and "nvme" in (d.offload_params, d.offload_optimizer):
-        p.append(
-            Problem(
-                where("distributed.offload_params"),
-                "FSDP2 offloads to cpu only",
-                "Use cpu, or distributed.engine=deepspeed for nvme.",
-            )
-        )
-    if engine in ("single", "ddp", "fsdp") and d.offload_optimizer != "none":
-        p.append(
-            Problem(
-                where("distributed.offload_optimizer"),
-                f"optimizer offload needs DeepSpeed, engine is {engine}",
-                "Set distributed.engine=deepspeed, or offload_optimizer=none (FSDP: use offload_params=cpu).",
-            )
-        )
-    if (r.optim.name.startswith("paged") or r.optim.name.endswith("8bit")) and engine == "deepspeed":
-        if d.offload_optimizer != "none":
+    for key, default, what in _ENGINE_SETTINGS:
+        value = getattr(d, key.split(".")[1])
+        if value != default and not spec.honours(key):
+            (owner,) = (s for s in ENGINES if s.honours(key))
             p.append(
                 Problem(
-                    where("optim.name"),
-                    "bitsandbytes optimizers cannot be offloaded by DeepSpeed",
-                    "Use optim.name=adamw with offload, or offload_optimizer=none.",
+                    where(key),
+                    f"{what.format(value=value)} an {owner.title} setting; engine is {spec.name}, which would ignore it",
+                    f"Set distributed.engine={owner.name}, or {key}={default}.",
                 )
             )
-    if engine == "deepspeed" and d.offload_optimizer != "none" and d.zero_stage == 0:
+    return p
+
+
+def _offload_problems(r: Recipe, spec: EngineSpec, where: Callable[[str], str]) -> list[Problem]:
+    p: list[Problem] = []
+    d = r.distributed
+    if d.offload_params != "none" and not spec.param_offload:
+        sharding = [s.name + (" with zero_stage=3" if s.zero_stages else "") for s in ENGINES if s.param_offload]
         p.append(
             Problem(
-                where("distributed.offload_optimizer"),
-                "ZeRO stage 0 has no optimizer partitions to offload (DeepSpeed would silently keep them on the GPU)",
-                "Set distributed.zero_stage to 1, 2 or 3, or offload_optimizer=none.",
+                where("distributed.offload_params"),
+                f"the {spec.name} engine keeps whole replicas and cannot offload parameters",
+                f"Use distributed.engine={_or(sharding)}.",
             )
         )
-    if engine == "deepspeed" and d.offload_optimizer == "nvme" and d.zero_stage in (1, 2):
+    wanted = {d.offload_params, d.offload_optimizer} - {"none"}
+    if spec.param_offload and not wanted <= set(spec.param_offload) | set(spec.optimizer_offload):
+        others = [s.name for s in ENGINES if wanted <= set(s.param_offload)]
+        p.append(
+            Problem(
+                where("distributed.offload_params"),
+                f"{spec.title} offloads to {_or(list(spec.param_offload))} only",
+                f"Use {_or(list(spec.param_offload))}, or distributed.engine={_or(others)} for "
+                f"{_or(sorted(wanted - set(spec.param_offload)))}.",
+            )
+        )
+    if d.offload_optimizer != "none" and not spec.optimizer_offload:
+        able = [s.title for s in ENGINES if s.optimizer_offload]
         p.append(
             Problem(
                 where("distributed.offload_optimizer"),
-                f"nvme optimizer offload needs ZeRO stage 3 (stage {d.zero_stage} would silently offload to CPU RAM)",
-                "Set distributed.zero_stage=3, or offload_optimizer=cpu.",
+                f"optimizer offload needs {_or(able)}, engine is {spec.name}",
+                f"Set distributed.engine={_or([s.name for s in ENGINES if s.optimizer_offload])}, or "
+                "offload_optimizer=none (FSDP: use offload_params=cpu).",
             )
         )
     return p
 
 
-def _quantization_problems(r: Recipe, engine: str, dp_size: int, where: Callable[[str], str]) -> list[Problem]:
+def _quantization_problems(r: Recipe, spec: EngineSpec, dp_size: int, where: Callable[[str], str]) -> list[Problem]:
     p: list[Problem] = []
-    d, m = r.distributed, r.model
-    # FSDP2 turns every param into a DTensor even on one rank, which drops the int8 weights' scales.
-    if (
-        m.quantization is not None
-        and m.quantization.bits == 8
-        and (engine == "fsdp" or (engine == "deepspeed" and dp_size > 1))
-    ):
+    m = r.model
+    q = m.quantization
+    if q is not None and q.bits == 8 and spec.int8_max_ranks is not None and dp_size > spec.int8_max_ranks:
         p.append(
             Problem(
                 where("model.quantization.bits"),
-                f"8-bit weights cannot be sharded by {engine}",
-                "Use bits: 4 (its storage dtype can be sharded) or distributed.engine=ddp.",
+                f"8-bit weights cannot be sharded by {spec.name}",
+                f"Use bits: 4 (its storage dtype can be sharded) or distributed.engine="
+                f"{_or([s.name for s in ENGINES if s.int8_max_ranks is None and s.multi_rank])}.",
             )
         )
-    q = m.quantization
-    if q is not None and shards_params(engine, d.zero_stage) and q.quant_storage not in (None, m.dtype):
-        name = "FSDP2" if engine == "fsdp" else "ZeRO-3"
+    if q is not None and spec.shards_parameters(r) and q.quant_storage not in (None, m.dtype):
         p.append(
             Problem(
                 where("model.quantization.quant_storage"),
-                f"{q.quant_storage} differs from model.dtype {m.dtype}: {name} shards 4-bit weights only when they "
-                "are stored in the dtype of the other parameters",
+                f"{q.quant_storage} differs from model.dtype {m.dtype}: {spec.sharded_title} shards 4-bit weights "
+                "only when they are stored in the dtype of the other parameters",
                 f"Set model.quantization.quant_storage={m.dtype} or null (null picks it automatically).",
             )
         )
@@ -450,7 +454,7 @@ def plan_summary(plan: RunPlan) -> dict[str, Any]:
     """The decisions as plain data (``plan.yaml`` of a compiled dir, trackers)."""
     return {
         "engine": plan.engine,
-        **({"zero_stage": plan.zero_stage} if plan.engine == "deepspeed" else {}),
+        **({"zero_stage": plan.zero_stage} if plan.spec.zero_stages else {}),
         "world": {"nnodes": plan.world.nnodes, "nproc_per_node": plan.world.nproc_per_node},
         "batch": {**plan.batch.to_dict(), "equation": plan.batch.equation()},
         "dtype": plan.dtype,
@@ -463,4 +467,4 @@ def plan_summary(plan: RunPlan) -> dict[str, Any]:
 
 def describe_engine(plan: RunPlan) -> str:
     """``fsdp``, ``deepspeed (ZeRO-3)``: for banners and reports."""
-    return f"{plan.engine} (ZeRO-{plan.zero_stage})" if plan.engine == "deepspeed" else plan.engine
+    return plan.spec.describe(plan.zero_stage)

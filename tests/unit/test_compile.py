@@ -20,7 +20,7 @@ import yaml
 
 from llmft.plan.compile import compile_recipe
 from llmft.plan.deepspeed import FALLBACK_HIDDEN_SIZE, deepspeed_config, zero_optimization
-from llmft.plan.fsdp import accelerate_config, fsdp_plan
+from llmft.plan.fsdp import Mesh, MixedPrecision, accelerate_config, fsdp_plan
 from llmft.plan.resolve import resolve
 from llmft.plan.shape import ModelShape, model_shape
 from llmft.recipe import RecipeError, load_recipe, to_container
@@ -312,18 +312,19 @@ def fsdp_recipe(base, dp: int, **changes):
 def test_fsdp_plan_follows_recipe(base):
     run = fsdp_recipe(base, 8, **FSDP_CASES[1][0], distributed__reduce_dtype="bf16")
     plan = fsdp_plan(run)
-    assert plan["version"] == 2 and plan["shard"] == ["decoder_layers", "root"]
-    assert plan["mixed_precision"] == {"param_dtype": "bf16", "reduce_dtype": "bf16"}
-    assert plan["cpu_offload"] is True and plan["activation_checkpointing"] is True
-    assert plan["mesh"] == {"replicate": 1, "shard": 8}
-    assert plan["batch"] == {
+    assert plan.version == 2 and plan.shard == ("decoder_layers", "root")
+    assert plan.mixed_precision == MixedPrecision(param_dtype="bf16", reduce_dtype="bf16")
+    assert plan.cpu_offload is True and plan.activation_checkpointing is True
+    assert plan.mesh == Mesh(replicate=1, shard=8)
+    assert plan.batch == {
         "global_batch_size": 32,
         "micro_batch_size": 2,
         "gradient_accumulation_steps": 2,
         "dp_size": 8,
     }
     hsdp = fsdp_plan(fsdp_recipe(base, 8, **FSDP_CASES[3][0]))
-    assert hsdp["mesh"] == {"replicate": 2, "shard": 4}
+    assert hsdp.mesh == Mesh(replicate=2, shard=4)
+    assert hsdp.to_dict()["mesh"] == {"replicate": 2, "shard": 4}
 
 
 @pytest.mark.parametrize("changes, dp", FSDP_CASES)
@@ -359,11 +360,11 @@ def test_accelerate_loads_and_launches_our_config(changes, dp, base, tmp_path, m
     plugin = FullyShardedDataParallelPlugin()
     plan = fsdp_plan(run)
     assert plugin.fsdp_version == 2
-    assert plugin.reshard_after_forward is plan["reshard_after_forward"]
-    assert plugin.activation_checkpointing is plan["activation_checkpointing"]
+    assert plugin.reshard_after_forward is plan.reshard_after_forward
+    assert plugin.activation_checkpointing is plan.activation_checkpointing
     assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
-    assert (type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy") is plan["cpu_offload"]
-    if plan["mesh"]["replicate"] > 1:
+    assert (type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy") is plan.cpu_offload
+    if plan.mesh.replicate > 1:
         assert env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"] == "2" and env["PARALLELISM_CONFIG_DP_SHARD_SIZE"] == "4"
 
 

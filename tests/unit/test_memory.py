@@ -7,9 +7,10 @@ from hypothesis import strategies as st
 
 from llmft.errors import UserError
 from llmft.plan.batch import divisors
+from llmft.plan.engines import choose_engine
 from llmft.plan.memory import GIB, count_params, estimate, pick_micro_batch, quantized_bytes_per_param
 from llmft.plan.report import plan_command
-from llmft.plan.resolve import load_plan, resolve_engine
+from llmft.plan.resolve import load_plan
 from llmft.plan.shape import model_shape
 from llmft.recipe import RecipeError
 
@@ -183,7 +184,7 @@ def _lora_1b(path: str):
 )
 def test_pick_micro_batch_keeps_the_equation_exact(base, dp, accumulation, gpu_gb):
     r = _lora_1b(base).recipe
-    engine = resolve_engine(r, dp)
+    engine = choose_engine(r, dp)
     global_batch = dp * accumulation
     local = global_batch // dp
     try:

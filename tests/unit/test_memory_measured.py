@@ -96,7 +96,7 @@ def micro_step(engine, batch) -> None:
     num_items = torch.tensor(float(batch["labels"][:, 1:].numel()))
     with engine.micro_step(True), engine.autocast():
         loss = engine.model(**batch, num_items_in_batch=num_items, use_cache=False).loss
-    engine.backward(loss * engine.grad_scale)
+    engine.backward(loss)
 
 
 def test_weights_gradients_and_adamw_state_are_exact(tmp_path):
