@@ -15,8 +15,8 @@ import torch
 
 from llmft.checkpoint.layout import RECIPE_FILE, TOKENIZER_DIR, TrainerState, resolve_checkpoint
 from llmft.engines.base import trainable_names
-from llmft.recipe import Recipe, load_recipe
 from llmft.plan.engines import engine_spec
+from llmft.recipe import Recipe, load_recipe
 
 
 def checkpoint_engine(ckpt: Path) -> str:

@@ -144,7 +144,7 @@ def test_marker_must_name_its_own_step(tmp_path):
         verify(d)
 
 
-FIXTURES = ROOT / "tests/fixtures/checkpoints-v1"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures/checkpoints-v1"
 
 
 def test_trainer_state_writes_and_reads_the_batch_as_a_batch_plan(tmp_path):
