@@ -20,7 +20,7 @@ from llmft.data.cache import BUILD_SUFFIX, CHECKSUM_BLOCK, Damaged, verify
 from llmft.data.tokens import TokenDataset
 from llmft.errors import UserError
 from llmft.recipe.schema import Recipe
-from llmft.stop import STOPPED_EXIT_CODE, StopRequest, Stopped
+from llmft.stop import STOPPED_EXIT_CODE, Stopped, StopRequest
 from llmft.tokenizer import byte_tokenizer
 
 
