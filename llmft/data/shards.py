@@ -114,9 +114,12 @@ def _run_forked(todo: list[Job], chunks: list[Chunk], tokenizers: list[Tokenize]
                 if p.exitcode != 0:
                     raise _worker_error(p.exitcode, shard_path(folder, job), job)
     finally:
-        for p, _ in running.values():  # stopped or failed: the others' work is not needed now
+        for p, job in running.values():  # stopped or failed: the others' work is not needed now
             p.kill()
             p.join()
+            path = shard_path(folder, job)
+            for left in (path.with_name(path.name + ".part"), _error_path(path)):
+                left.unlink(missing_ok=True)
 
 
 def _worker(chunk: Chunk, tokenize: Tokenize, job: Job, path: Path) -> None:
