@@ -49,7 +49,7 @@ def build_entry(
     shards: Path,
 ) -> dict[str, Any]:
     """Write ``src``'s entry into ``tmp``, tokenizing into (or reusing the finished shards in) ``shards``."""
-    encoder = Encoder(tokenizer, train_on)
+    encoder = Encoder(tokenizer, train_on, cfg.max_seq_len)
     chunks = [c for c in chunks if len(c.dataset)]
     procs = _num_proc(cfg)
     tokenizers = [Tokenize(encoder, c.lines, src.fields) for c in chunks]
