@@ -49,7 +49,18 @@ def text_of(rng: random.Random, n: int) -> str:
 def records(max_chars: int) -> list[dict]:
     rng = random.Random(1)
     out = []
-    for n in [1, L - 1, L, L + 1, max_chars - 2, max_chars - 1, max_chars, max_chars + 1, max_chars + 2, 10 * max_chars]:
+    for n in [
+        1,
+        L - 1,
+        L,
+        L + 1,
+        max_chars - 2,
+        max_chars - 1,
+        max_chars,
+        max_chars + 1,
+        max_chars + 2,
+        10 * max_chars,
+    ]:
         out.append({"text": text_of(rng, n)})
         out.append({"text": "a" * n})  # one long word: the cut splits it
         out.append({"prompt": text_of(rng, n), "completion": text_of(rng, 5)})
@@ -63,9 +74,7 @@ def records(max_chars: int) -> list[dict]:
                 ]
             }
         )
-        out.append(
-            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text_of(rng, n)}]}
-        )
+        out.append({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text_of(rng, n)}]})
     return out
 
 
@@ -123,7 +132,9 @@ def test_the_tokenizer_never_sees_more_than_the_budget(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Encoder, "_ids_batch", spy)
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"text": "ab " * 100_000}) + "\n" + json.dumps({"prompt": "q", "completion": "a" * 10**5}))
+    path.write_text(
+        json.dumps({"text": "ab " * 100_000}) + "\n" + json.dumps({"prompt": "q", "completion": "a" * 10**5})
+    )
     r = Recipe()
     r.data.train, r.data.cache_dir, r.data.max_seq_len = str(path), str(tmp_path / "cache"), L
     data = build_data(r, byte_tokenizer())
