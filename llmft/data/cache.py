@@ -285,6 +285,8 @@ def explain_miss(root: Path, parts: dict[str, Any]) -> str | None:
     ours = parts["source"]
     best: tuple[int, Path, list[str]] | None = None
     for meta_path in root.glob(f"*/{META}"):
+        if not meta_path.is_file():  # a FIFO or a device would block or never end
+            continue
         try:
             theirs = json.loads(meta_path.read_text())["parts"]
         except (OSError, ValueError, KeyError, TypeError):  # a damaged entry says nothing about settings
