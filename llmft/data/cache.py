@@ -253,8 +253,9 @@ def cache_write_error(e: OSError, root: Path) -> UserError:
         fix = f"Free space there, or set data.cache_dir=<a folder with room> (now '{root}')."
     else:
         fix = f"Set data.cache_dir=<a folder you can write> (now '{root}'), or fix its permissions."
-    if not str(path).startswith(str(root)):
-        return UserError(Problem(str(path), f"cannot be read or written ({e.strerror or e})", ""))
+    if not str(path).startswith(str(root)):  # a source file, not the cache
+        fix = "Check that it exists and that this user can read it."
+        return UserError(Problem(str(path), f"cannot be read ({e.strerror or e})", fix))
     return UserError(Problem("data.cache_dir", what, fix))
 
 

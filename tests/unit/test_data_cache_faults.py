@@ -121,6 +121,26 @@ def test_a_full_disk_during_the_build_is_a_message_and_leaves_nothing(tmp_path, 
     assert sorted(p.suffix for p in root.iterdir()) == [".lock"]  # no half-built folder left
 
 
+def test_a_source_file_that_cannot_be_read_is_named(tmp_path, data, monkeypatch):
+    from pathlib import Path as RealPath
+
+    real = RealPath.read_bytes
+
+    def read_bytes(self):
+        if self == data:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(RealPath, "read_bytes", read_bytes)
+    with pytest.raises(UserError) as e:
+        build_data(recipe(tmp_path, data), byte_tokenizer())
+    assert (
+        str(e.value)
+        == f"{data}: cannot be read (Permission denied). Check that it exists and that this user can read it."
+    )
+    assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".lock"]
+
+
 def _stop_after_first_shard(monkeypatch):
     """SIGTERM to this process once the first shard is written, as a scheduler would send it."""
     real = shards_module._write_shard
