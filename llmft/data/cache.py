@@ -12,11 +12,22 @@ say which setting differs from an entry built for the same data.
 
 Several processes (the ranks of a job, on one node or on a shared disk) may
 ask for the same entry at once. Each takes an exclusive ``flock`` on
-``<key>.lock`` beside the entry; the first builds into ``<key>.tmp-<host>-<pid>``
+``<key>.lock`` beside the entry; the first builds into ``<key>.build/entry``
 and renames it into place (``meta.json`` is written last, and a rename is
 atomic), the others then find it complete and only open it. No barrier is
-needed, and a builder that dies leaves at most a temp directory that the next
-builder of that key removes.
+needed. ``<key>.build/shards`` holds the tokenized shards (``shards.py``): a
+build stopped on request keeps them there and the next build of the key reuses
+them; a build that fails otherwise, or finishes, removes ``<key>.build``. A
+builder killed outright leaves it to the next builder of that key, and a
+stopped build no one resumes is removed after ``ORPHAN_DAYS`` by any build in
+the same cache dir.
+
+Every process checks an entry before it uses it (``verify``): ``meta.json``
+carries a crc32 of each ``CHECKSUM_BLOCK`` of every file the build wrote, and a
+checksum of itself. An entry that does not match (a flipped bit, a truncated or
+missing file, a symlink in place of a file, a half-written ``meta.json``) is
+logged, removed and built again: it is never trained on. Reading the whole
+entry costs ~0.1 s per 60M tokens here (docs/benchmarks.md).
 """
 
 from __future__ import annotations
