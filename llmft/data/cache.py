@@ -219,7 +219,7 @@ def _build_locked(root: Path, key: str, parts: dict[str, Any], build: Callable[[
         meta["build_seconds"] = round(time.time() - started, 2)
         write_meta(out, meta)  # last: an entry without a whole meta.json is not an entry
         os.rename(out, root / key)
-    except Stopped:
+    except (Stopped, KeyboardInterrupt):  # a second Ctrl-C too: the shards are as good
         stopped = True
         raise
     finally:
