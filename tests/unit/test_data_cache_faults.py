@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -208,3 +209,17 @@ def test_shard_ranges_depend_on_the_record_count_alone():
     ranges = shards_module.shard_ranges(10_000_000)
     assert len(ranges) == 256 and ranges[-1][1] == 10_000_000
     assert np.all(np.diff([lo for lo, _ in ranges]) == ranges[0][1])
+
+
+def test_a_stopped_build_no_one_resumes_is_removed_after_a_week(tmp_path, data, caplog):
+    root = tmp_path / "cache"
+    old, recent = root / f"{'a' * 24}{BUILD_SUFFIX}", root / f"{'b' * 24}{BUILD_SUFFIX}"
+    for work in (old, recent):
+        (work / "shards").mkdir(parents=True)
+        (work / "shards" / "chunk0-0-4096.arrow").write_bytes(b"x")
+    week_ago = time.time() - 7 * 86400 - 60
+    os.utime(old, (week_ago, week_ago))
+    with caplog.at_level(logging.INFO, logger="llmft"):
+        build_data(recipe(tmp_path, data), byte_tokenizer())
+    assert not old.exists() and recent.exists()
+    assert f"data cache: removing {old}, a stopped build not resumed for 7 days" in caplog.text
