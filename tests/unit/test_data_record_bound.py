@@ -140,3 +140,17 @@ def test_the_tokenizer_never_sees_more_than_the_budget(tmp_path, monkeypatch):
     data = build_data(r, byte_tokenizer())
     assert data.stats["truncated"] == 2 and data.stats["tokens"] == 2 * L
     assert max(seen) == Encoder(byte_tokenizer(), "all", L).max_chars < 10_000
+
+
+def test_random_texts_around_the_cut_on_bpe():
+    """Words of every length, space runs and newlines, cut anywhere within 80 characters of the budget."""
+    tok = bpe_tokenizer()
+    cut, whole = Encoder(tok, "all", L), Encoder(tok, "all")
+    rng = random.Random(3)
+    recs = []
+    for _ in range(150):
+        alphabet = rng.choice(["ab", "abcdeéfg ", "a \n", "abcdefg", "é€ a"])
+        text = "".join(rng.choice(alphabet) for _ in range(cut.max_chars + rng.randint(-80, 80)))
+        recs.append(parse_record({"text": text}, {}))
+    for g, w in zip(cut.encode_batch(recs), whole.encode_batch(recs), strict=True):
+        assert g.input_ids[:L] == w.input_ids[:L]
