@@ -216,17 +216,18 @@ def _source(
             # the lines of a JSONL file as an Arrow file the tokenizing workers map.
             scratch = tmp / "read"
             try:
-                with stop.during(stop.BUILDING):
-                    if chunks is None:
-                        chunks, _ = read(resolved, scratch)
-                    return build_entry(
-                        src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp, shards
-                    )
+                if chunks is None:
+                    chunks, _ = read(resolved, scratch)
+                return build_entry(
+                    src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp, shards
+                )
             finally:
                 chunks = None  # its datasets map files in scratch
                 shutil.rmtree(scratch, ignore_errors=True)
 
-        entry, built = get_or_build(cache_root(cfg), parts, build)
+        # A stop while this process builds the entry, or waits for another to build it, ends the build.
+        with stop.during(stop.BUILDING):
+            entry, built = get_or_build(cache_root(cfg), parts, build)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     meta = read_meta(entry)

@@ -279,8 +279,7 @@ def _locked(lock: Path, entry: Path) -> Iterator[None]:
         except BlockingIOError:
             log.info("data cache: waiting for another process to build %s", entry)
             while True:  # polled, not a blocking flock: a stop request must end the wait
-                if stop.requested():
-                    raise Stopped from None
+                stop.check()
                 try:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
