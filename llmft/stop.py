@@ -6,7 +6,7 @@ is doing, which it names with ``StopRequest.during``:
 - training (the default): the loop all-reduces the flag at the next step boundary so every rank
   stops after the same optimizer step, checkpoints, and exits with ``STOPPED_EXIT_CODE``;
 - preparing data (``during(BUILDING)``): the cache build polls ``requested()`` and raises
-  ``Stopped`` within a second; the tokenized shards it finished are kept for the next build, and
+  ``Stopped`` within 0.2 s of the signal (a poll); the tokenized shards it finished are kept for the next build, and
   the command exits ``STOPPED_EXIT_CODE`` with no checkpoint (nothing was trained yet).
 
 A second Ctrl-C aborts at once. The handler is in the process that installed it only: worker

@@ -32,7 +32,7 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
         )
     started = time.time()
     tokenizer = load_tokenizer(recipe.model)
-    # A stop request (a scheduler's SIGTERM, Ctrl-C) ends the build within a second with exit 75;
+    # A stop request (a scheduler's SIGTERM, Ctrl-C) ends the build within seconds with exit 75;
     # the shards it finished are kept, so the same command continues from them.
     stop = StopRequest(recipe.distributed.stop_signal).install()
     try:
