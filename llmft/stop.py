@@ -5,9 +5,10 @@ is doing, which it names with ``StopRequest.during``:
 
 - training (the default): the loop all-reduces the flag at the next step boundary so every rank
   stops after the same optimizer step, checkpoints, and exits with ``STOPPED_EXIT_CODE``;
-- preparing data (``during(BUILDING)``): the cache build polls ``requested()`` and raises
-  ``Stopped`` within 0.2 s of the signal (a poll); the tokenized shards it finished are kept for the next build, and
-  the command exits ``STOPPED_EXIT_CODE`` with no checkpoint (nothing was trained yet).
+- preparing data (``during(BUILDING)``): the cache build calls ``check()`` every 0.2 s while
+  its workers tokenize (in one process: every batch of 256 records), which raises ``Stopped``;
+  the tokenized shards it finished are kept for the next build, and the command exits
+  ``STOPPED_EXIT_CODE`` with no checkpoint (nothing was trained yet).
 
 A second Ctrl-C aborts at once. The handler is in the process that installed it only: worker
 processes the build forks ignore these signals, so one stop is one log line.
