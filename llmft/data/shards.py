@@ -127,7 +127,13 @@ def _worker(chunk: Chunk, tokenize: Tokenize, job: Job, path: Path) -> None:
     try:
         _write_shard(chunk, tokenize, job, path, lambda: None)
     except BaseException as e:  # reported through a file: the exit code alone says nothing
-        info = {"errno": e.errno, "strerror": e.strerror, "filename": str(e.filename)} if isinstance(e, OSError) else {}
+        info = {}
+        if isinstance(e, OSError):
+            info = {
+                "errno": e.errno,
+                "strerror": e.strerror,
+                "filename": None if e.filename is None else str(e.filename),
+            }
         _error_path(path).write_text(json.dumps({**info, "traceback": traceback.format_exc()}))
         os._exit(1)
 
@@ -139,8 +145,10 @@ def _error_path(path: Path) -> Path:
 def _worker_error(exitcode: int, path: Path, job: Job) -> Exception:
     where = f"records {job[1]}..{job[2] - 1} of chunk {job[0]}"
     err = _error_path(path)
-    if not err.exists():  # killed: by the kernel's OOM killer, most likely
+    if not err.exists() and exitcode < 0:  # killed: by the kernel's OOM killer, most likely
         return RuntimeError(f"the worker tokenizing {where} was killed by signal {-exitcode}")
+    if not err.exists():
+        return RuntimeError(f"the worker tokenizing {where} exited with code {exitcode}")
     info = json.loads(err.read_text())
     err.unlink()
     if info.get("errno") is not None:  # e.g. the disk filled: the builder turns it into a message

@@ -122,6 +122,21 @@ def test_a_full_disk_during_the_build_is_a_message_and_leaves_nothing(tmp_path, 
     assert sorted(p.suffix for p in root.iterdir()) == [".lock"]  # no half-built folder left
 
 
+def test_a_full_disk_in_a_tokenizing_worker_is_the_same_message(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "big.jsonl", [{"text": "x" * (i % 50 + 1)} for i in range(9000)])  # 3 shards
+
+    def full(chunk, tokenize, job, path, check):  # runs in the forked worker
+        raise OSError(errno.ENOSPC, "No space left on device", str(path) + ".part")
+
+    monkeypatch.setattr(shards_module, "_write_shard", full)
+    with pytest.raises(UserError) as e:
+        build_data(recipe(tmp_path, path, num_proc=2), byte_tokenizer())
+    root = tmp_path / "cache"
+    assert str(e.value).startswith(f"data.cache_dir: cannot write '{root}/")
+    assert ".arrow.part' (No space left on device); " in str(e.value)
+    assert sorted(p.suffix for p in root.iterdir()) == [".lock"]
+
+
 def test_a_source_file_that_cannot_be_read_is_named(tmp_path, data, monkeypatch):
     from pathlib import Path as RealPath
 
