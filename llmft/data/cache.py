@@ -185,6 +185,8 @@ def get_or_build(root: Path, parts: dict[str, Any], build: Callable[[Path, Path]
             _remove(entry)
             _build_locked(root, key, parts, build)
     except OSError as e:
+        if e.errno is None and e.filename is None:  # e.g. pyarrow's errors about a file's contents
+            raise
         raise cache_write_error(e, root) from e
     return entry, True
 
