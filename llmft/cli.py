@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from llmft.errors import UserError
+from llmft.stop import Stopped
 
 EXAMPLES = {
     "compile": "llmft compile configs/llama3-8b-lora-fsdp-8gpu.yaml --nproc-per-node 8 --out compiled/\n"
@@ -216,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"llmft {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Stopped as e:  # the stop request's handler logged the one line it gets
+        return e.exit_code
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ Reading and building (the first process that needs a cache entry):
 - ``encode``: records -> token ids and labels (which tokens are targets), chat masking in linear time
 - ``rows``: what the cache and the stream share: the tokenizing worker, fatal errors, truncate + pack
 - ``pack``: several examples per row, attention kept apart by position ids
-- ``entry``: building one cache entry (tokenize in workers, hold out, rows, eval prompts, write)
-- ``cache``: the tokenized-data cache: keys, the build lock, entries
+- ``shards``: tokenizing a source in shards of records, in worker processes, resumable after a stop
+- ``entry``: building one cache entry (tokenize, hold out, rows, eval prompts, write)
+- ``cache``: the tokenized-data cache: keys, the build lock, checksums, entries
 - ``build``: ``build_data``, from recipe keys to the run's ``DataBundle``
 - ``prepare``: ``llmft prepare``
 

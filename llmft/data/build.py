@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import llmft
+from llmft import stop
 from llmft.data.bundle import DataBundle
 from llmft.data.cache import CACHE_FORMAT, default_cache_dir, get_or_build, read_meta, size_of, tokenizer_fingerprint
 from llmft.data.entry import build_entry
@@ -209,7 +210,7 @@ def _source(
             "holdout": [holdout, seed] if holdout > 0 else None,
         }
 
-        def build(tmp: Path) -> dict[str, Any]:
+        def build(tmp: Path, shards: Path) -> dict[str, Any]:
             nonlocal chunks
             # Local files are read into the entry's own build dir (on the cache's disk, not /tmp):
             # the lines of a JSONL file as an Arrow file the tokenizing workers map.
@@ -217,12 +218,16 @@ def _source(
             try:
                 if chunks is None:
                     chunks, _ = read(resolved, scratch)
-                return build_entry(src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp)
+                return build_entry(
+                    src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp, shards
+                )
             finally:
                 chunks = None  # its datasets map files in scratch
                 shutil.rmtree(scratch, ignore_errors=True)
 
-        entry, built = get_or_build(cache_root(cfg), parts, build)
+        # A stop while this process builds the entry, or waits for another to build it, ends the build.
+        with stop.during(stop.BUILDING):
+            entry, built = get_or_build(cache_root(cfg), parts, build)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     meta = read_meta(entry)

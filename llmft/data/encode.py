@@ -64,9 +64,14 @@ class _Layout:
 class Encoder:
     """Tokenizes records for one tokenizer and one ``data.train_on`` choice."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, train_on: str) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, train_on: str, max_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.train_on = train_on
+        # Rows keep max_tokens tokens of a record: its text is cut to a budget of characters that
+        # holds more tokens than that before the tokenizer sees it (``_cut``), so a 50 MB record
+        # costs what a record of max_tokens tokens costs, not 50 M tokens in Python lists.
+        self.max_chars = None if max_tokens is None else (max_tokens + CUT_MARGIN) * max_token_chars(tokenizer)
+        self.max_tokens = max_tokens
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self._layouts: dict[tuple, _Layout | None] = {}
         self.prefix_renders = 0  # conversations that needed the quadratic fallback (for tests and stats)
@@ -86,6 +91,25 @@ class Encoder:
 
         Records of one kind are tokenized in one call (the fast tokenizer's batch path).
         """
+        if self.max_chars is not None:
+            return self._encode_cut(records)
+        return self._encode(records)
+
+    def _encode_cut(self, records: list[Record]) -> list[Example | BadRecord]:
+        """``_encode`` of the records cut to ``max_chars``; the same first ``max_tokens`` tokens.
+
+        A text or prompt/completion cut that yields no more than ``max_tokens`` tokens (a tokenizer
+        whose normaliser merges characters, so a token covers more than ``max_token_chars`` of the
+        input) is tokenized whole instead: exact, at the memory cost the cut avoids elsewhere."""
+        cut = [_cut(r, self.max_chars) for r in records]  # type: ignore[arg-type]
+        out = self._encode([c for c, _ in cut])
+        again = [i for i, ((c, parts), ex) in enumerate(zip(cut, out, strict=True)) if parts and isinstance(ex, Example)
+                 and not isinstance(c, Chat) and len(ex.input_ids) <= self.max_tokens]  # fmt: skip
+        for i, ex in zip(again, self._encode([records[i] for i in again]), strict=True):
+            out[i] = ex
+        return out
+
+    def _encode(self, records: list[Record]) -> list[Example | BadRecord]:
         out: list[Example | BadRecord | None] = [None] * len(records)
         texts = [i for i, r in enumerate(records) if isinstance(r, Text)]
         pcs = [i for i, r in enumerate(records) if isinstance(r, PromptCompletion)]
@@ -108,7 +132,12 @@ class Encoder:
         return out  # type: ignore[return-value]
 
     def eval_prompt(self, record: Record) -> tuple[list[int], str] | None:
-        """(prompt ids, reference text) for generation eval; None for text records."""
+        """(prompt ids, reference text) for generation eval; None for text records.
+
+        With ``max_tokens`` the record is cut first (``_cut``): a prompt that was cut is longer than
+        any kept prompt, and a reference keeps ``max_chars`` characters."""
+        if self.max_chars is not None:
+            record = _cut(record, self.max_chars)[0]
         if isinstance(record, PromptCompletion):
             return self._ids(record.prompt, special=True), record.completion
         if isinstance(record, Chat):
@@ -263,6 +292,40 @@ class Encoder:
                     "Use a tokenizer with a tokenizer.json, or set data.train_on=all.",
                 )
             )
+
+
+CUT_MARGIN = 64  # tokens past max_tokens in a cut text: the word the cut splits lies beyond them
+
+
+def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters one token of ``tokenizer`` stands for: its longest vocabulary entry.
+
+    Byte-level BPE entries are written one character per byte and a byte is at most one
+    character; SentencePiece entries are characters (byte-fallback entries, ``<0x41>``, count
+    more than they cover). An added token is matched literally, so its length counts too."""
+    vocab = tokenizer.get_vocab()
+    return max([len(t) for t in vocab] + [len(str(t)) for t in tokenizer.get_added_vocab()] + [1])
+
+
+def _cut(record: Record, max_chars: int) -> tuple[Record, bool]:
+    """``record`` with each text longer than ``max_chars`` cut to it; whether one was cut.
+
+    Each of those texts alone then holds more than max_tokens + CUT_MARGIN tokens, so the first
+    max_tokens tokens of the record are the ones its whole text gives: the cut changes only the
+    tokens near it (the split word), past the margin. Chat messages are cut one by one, each to the
+    same budget, before the template wraps them (docs/data.md, "Truncation and packing")."""
+    if isinstance(record, Text):
+        if len(record.text) > max_chars:
+            return Text(record.text[:max_chars]), True
+    elif isinstance(record, PromptCompletion):
+        if len(record.prompt) > max_chars or len(record.completion) > max_chars:
+            return PromptCompletion(record.prompt[:max_chars], record.completion[:max_chars]), True
+    elif any(m.content is not None and len(m.content) > max_chars for m in record.messages):
+        messages = tuple(
+            Message(m.role, m.content[:max_chars], m.extras) if m.content is not None else m for m in record.messages
+        )
+        return Chat(messages), True
+    return record, False
 
 
 def _direct_backend(tokenizer):

@@ -1,8 +1,8 @@
 """Building one cache entry: tokenize a source's records in worker processes, hold out, make rows, write.
 
 ``build_entry`` runs inside ``cache.get_or_build`` in the one process that builds the entry: the
-records (``read.Chunk`` s) go through ``rows.Tokenize`` with ``Dataset.map(batched=True,
-num_proc=data.num_proc)``; malformed records stop the build or are skipped (``data.on_bad_record``);
+records (``read.Chunk`` s) go through ``rows.Tokenize`` in shards, in up to ``data.num_proc``
+worker processes (``shards.tokenize_shards``: finished shards outlive a stopped build); malformed records stop the build or are skipped (``data.on_bad_record``);
 a seeded ``data.eval_fraction`` is held out; ``rows.build_rows`` truncates and packs; the rows,
 the held-out rows and the eval prompts are written into the entry's build directory.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +21,7 @@ from llmft.data.encode import Encoder
 from llmft.data.read import Chunk, parse_line
 from llmft.data.records import parse_record
 from llmft.data.rows import SKIP_FIX, Tokenize, build_rows, raise_if_fatal
+from llmft.data.shards import tokenize_shards
 from llmft.data.sources import Source
 from llmft.errors import Problem, UserError
 
@@ -30,46 +30,10 @@ if TYPE_CHECKING:
 
     from llmft.recipe.schema import DataConfig
 
-# Below this many records per process, starting worker processes costs more than it saves.
-_RECORDS_PER_PROC = 4000
 
-
-def _num_proc(cfg: DataConfig, records: int) -> int:
-    wanted = cfg.num_proc or len(os.sched_getaffinity(0))
-    return max(1, min(wanted, records // _RECORDS_PER_PROC))
-
-
-def _tokenize_chunk(chunk: Chunk, encoder: Encoder, src: Source, cfg: DataConfig, tmp: Path, i: int):
-    import datasets  # here, not at the top: only the process that builds an entry needs it
-
-    features = datasets.Features(
-        input_ids=datasets.List(datasets.Value("int32")),
-        target=datasets.List(datasets.Value("uint8")),
-        error=datasets.Value("string"),
-    )
-    ds = chunk.dataset
-    procs = _num_proc(cfg, len(ds))
-    quiet = len(ds) < 10 * _RECORDS_PER_PROC  # a progress bar only where tokenizing takes a while
-    was = datasets.is_progress_bar_enabled()
-    if quiet:
-        datasets.disable_progress_bars()
-    try:
-        return ds.map(
-            Tokenize(encoder, chunk.lines, src.fields),
-            batched=True,
-            batch_size=256,
-            num_proc=procs if procs > 1 else None,
-            remove_columns=ds.column_names,
-            features=features,
-            new_fingerprint=f"llmft-{tmp.name}-{i}"[-64:],
-            cache_file_name=str(tmp / "map" / f"chunk{i}.arrow") if procs > 1 else None,
-            keep_in_memory=procs == 1,
-            load_from_cache_file=False,
-            desc=f"tokenizing {src.key} ({procs} process{'es' if procs > 1 else ''})",
-        )
-    finally:
-        if quiet and was:
-            datasets.enable_progress_bars()
+def _num_proc(cfg: DataConfig) -> int:
+    """Worker processes asked for; ``shards`` uses no more than there are shards to tokenize."""
+    return cfg.num_proc or len(os.sched_getaffinity(0))
 
 
 def build_entry(
@@ -82,11 +46,14 @@ def build_entry(
     seed: int,
     eval_role: bool,
     tmp: Path,
+    shards: Path,
 ) -> dict[str, Any]:
-    encoder = Encoder(tokenizer, train_on)
-    (tmp / "map").mkdir()
+    """Write ``src``'s entry into ``tmp``, tokenizing into (or reusing the finished shards in) ``shards``."""
+    encoder = Encoder(tokenizer, train_on, cfg.max_seq_len)
     chunks = [c for c in chunks if len(c.dataset)]
-    tokenized = [_tokenize_chunk(c, encoder, src, cfg, tmp, i) for i, c in enumerate(chunks)]
+    procs = _num_proc(cfg)
+    tokenizers = [Tokenize(encoder, c.lines, src.fields) for c in chunks]
+    tokenized = tokenize_shards(chunks, tokenizers, shards, procs, src.key)
     bad, errors = _errors(tokenized)
     ids, target, offsets = _flat(tokenized)
     for e in errors:
@@ -116,7 +83,6 @@ def build_entry(
         held.write(tmp / "held.arrow")
     prompts = _eval_prompts(chunks, prompt_items, encoder, src, cfg) if prompt_items is not None else []
     (tmp / "prompts.json").write_text(json.dumps(prompts))
-    shutil.rmtree(tmp / "map", ignore_errors=True)
     return meta
 
 
@@ -124,7 +90,7 @@ def _errors(tokenized: list) -> tuple[np.ndarray, list[str]]:
     """The indices of the records that have an error, and those errors (no per-record Python list)."""
     import pyarrow as pa  # only the building process: a rank that reads rows stays without it
 
-    column = pa.chunked_array([c for t in tokenized for c in t.data.column("error").chunks], type=pa.string())
+    column = pa.chunked_array([c for t in tokenized for c in t.column("error").chunks], type=pa.string())
     bad = np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False)).astype(np.int64)
     return bad, column.take(pa.array(bad)).to_pylist()
 
@@ -134,7 +100,7 @@ def _flat(tokenized: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     import pyarrow as pa  # only the building process: a rank that reads rows stays without it
 
     def column(name: str) -> tuple[np.ndarray, np.ndarray]:
-        pieces = [chunk for t in tokenized for chunk in t.data.column(name).chunks]
+        pieces = [chunk for t in tokenized for chunk in t.column(name).chunks]
         arr = pa.concat_arrays(pieces) if pieces else pa.array([], type=pa.list_(pa.int32()))
         arr = arr.cast(pa.large_list(arr.type.value_type))
         offsets = arr.offsets.to_numpy()

@@ -14,6 +14,7 @@ import time
 from llmft.data.build import build_data, cache_root
 from llmft.errors import Problem, UserError
 from llmft.recipe import load_recipe
+from llmft.stop import StopRequest
 from llmft.tokenizer import load_tokenizer
 
 
@@ -31,7 +32,13 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
         )
     started = time.time()
     tokenizer = load_tokenizer(recipe.model)
-    data = build_data(recipe, tokenizer)
+    # A stop request (a scheduler's SIGTERM, Ctrl-C) ends the build within seconds with exit 75;
+    # the shards it finished are kept, so the same command continues from them.
+    stop = StopRequest(recipe.distributed.stop_signal).install()
+    try:
+        data = build_data(recipe, tokenizer)
+    finally:
+        stop.uninstall()
     lines = [f"data cache: {cache_root(recipe.data)} ({time.time() - started:.1f} s)"]
     for e in data.entries:
         s = e["stats"]

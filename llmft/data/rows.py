@@ -1,6 +1,6 @@
 """Raw records -> token arrays -> rows: the steps the cached build (``entry``) and the stream share.
 
-- ``Tokenize``: the tokenizing worker (``Dataset.map`` function for the cache, called directly
+- ``Tokenize``: the tokenizing worker (called on a batch of a shard by ``shards`` for the cache, directly
   on a block by the stream): raw records -> input_ids, a target mask and an error per record.
 - ``FATAL`` / ``fatal_error`` / ``raise_if_fatal``: an error that stops the build whatever
   ``data.on_bad_record`` says (e.g. no chat template), carried through the error column.
@@ -41,7 +41,7 @@ def raise_if_fatal(error: str | None) -> None:
 
 
 class Tokenize:
-    """The ``Dataset.map`` function: raw records -> input_ids, target mask, error (picklable for workers)."""
+    """A batch of raw records -> input_ids, target mask, error (one list each, one item a record)."""
 
     def __init__(self, encoder: Encoder, lines: bool, fields: dict[str, str]) -> None:
         self.encoder, self.lines, self.fields = encoder, lines, fields

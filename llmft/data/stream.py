@@ -185,8 +185,8 @@ class _Blocks:
 
     def __init__(self, src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, train_on: str) -> None:
         self.key, self.cfg, self.pad_id = src.key, cfg, tokenizer.pad_token_id
-        self.lines = Tokenize(Encoder(tokenizer, train_on), True, src.fields)
-        self.tables = Tokenize(Encoder(tokenizer, train_on), False, src.fields)
+        self.lines = Tokenize(Encoder(tokenizer, train_on, cfg.max_seq_len), True, src.fields)
+        self.tables = Tokenize(Encoder(tokenizer, train_on, cfg.max_seq_len), False, src.fields)
 
     def rows(self, records: list[tuple[Any, str | None, str, bool]]) -> tuple[TokenDataset, dict]:
         empty = TokenDataset.from_arrays(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64))
