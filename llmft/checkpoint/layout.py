@@ -100,21 +100,62 @@ class TrainerState:
 
     @classmethod
     def read(cls, step_dir: Path) -> TrainerState:
+        """The state of ``step_dir``, type-checked: a field of the wrong JSON type is met here, with
+        its name, not later as a ``None`` in the sampler or the scheduler."""
         path = Path(step_dir) / STATE_FILE
         try:
             raw = json.loads(path.read_text())
-            known = {f.name for f in fields(cls)} - {"extra"}
-            return cls(
-                **{k: v for k, v in raw.items() if k in known}, extra={k: v for k, v in raw.items() if k not in known}
-            )
-        except (OSError, ValueError, TypeError) as e:
+            _check_state_fields(raw)
+        except (OSError, ValueError) as e:
+            what = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise UserError(
                 Problem(
                     str(path),
-                    f"cannot be read as llmft trainer state ({type(e).__name__}: {e})",
+                    f"cannot be read as llmft trainer state ({type(e).__name__}: {what})",
                     "Pass a checkpoints/step-N directory written by llmft train, or an older complete checkpoint.",
                 )
             ) from None
+        known = {f.name for f in fields(cls)} - {"extra"}
+        return cls(
+            **{k: v for k, v in raw.items() if k in known}, extra={k: v for k, v in raw.items() if k not in known}
+        )
+
+
+# The JSON type of each field ``TrainerState`` reads (``bool`` is not a number here: ``true`` would
+# otherwise pass as step 1). Counts are whole and not negative; at least one process wrote it.
+_STATE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "step": int,
+    "samples": int,
+    "tokens": int,
+    "epoch": (int, float),
+    "world_size": int,
+    "engine": str,
+    "batch": dict,
+    "scheduler": dict,
+    "versions": dict,
+    "trackers": dict,
+    "data": dict,
+    "data_sources": list,
+}
+_REQUIRED = ("step", "samples", "tokens", "epoch", "world_size", "engine", "batch", "scheduler")
+
+
+def _check_state_fields(raw: Any) -> None:
+    """Raise ``ValueError`` naming the first field of ``raw`` that is not what llmft writes."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"holds a JSON {type(raw).__name__}, not an object of named fields")
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise ValueError(f"lacks the field(s) {', '.join(missing)}")
+    for key, kind in _STATE_TYPES.items():
+        if key not in raw:
+            continue
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise ValueError(f"field {key!r} is {json.dumps(value)[:40]}, not a JSON {names}")
+        if kind is int and value < (1 if key == "world_size" else 0):
+            raise ValueError(f"field {key!r} is {value}, below {1 if key == 'world_size' else 0}")
 
 
 # --- finding checkpoints ------------------------------------------------------------------------

@@ -9,15 +9,26 @@ sizes and indexes, never the tensors:
 - safetensors files: the JSON header parses and the data it describes fits the file exactly;
 - ``torch.save`` files (optimizer, RNG, DeepSpeed's): their zip index is intact (it is written
   last, so a truncated file has none);
-- DCP folders: ``.metadata`` and every data file it names are present and not empty.
+- DCP folders: ``.metadata`` and every data file it names are present and not empty;
+- ``trainer_state.json`` has the fields and JSON types llmft writes, and its step, the marker's
+  and the folder's ``step-N`` agree (a disagreement would resume from the wrong step, or from
+  none: "nothing to do" with the steps never trained);
+- confinement: a checkpoint is read only inside its own folder. ``check_confined`` refuses a
+  symbolic link anywhere in it (a reader, llmft's or DeepSpeed's, would follow it to a file
+  nobody checked), anything that is not a plain file or folder (a FIFO would block a reader
+  forever), and a step dir that is a link leading out of its ``checkpoints/``: the rule
+  ``checkpoints/latest`` follows (a name inside ``checkpoints/``, never a path).
 
 A damaged checkpoint raises ``DamagedCheckpoint`` naming the file; ``llmft train`` then resumes
-from the previous complete one (docs/checkpoints.md).
+from the previous complete one (docs/checkpoints.md). A file that cannot be read (permission
+denied, an I/O error) is damaged for this purpose too: its error is named.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 import zipfile
 from pathlib import Path
@@ -32,6 +43,7 @@ from llmft.checkpoint.layout import (
     OPTIMIZER_FILE,
     RECIPE_FILE,
     RNG_DIR,
+    STATE_FILE,
     STEP_RE,
     TrainerState,
 )
@@ -52,18 +64,66 @@ def _damaged(path: Path, what: str) -> DamagedCheckpoint:
     )
 
 
+def _outside(path: Path, what: str) -> DamagedCheckpoint:
+    return DamagedCheckpoint(
+        Problem(
+            str(path),
+            f"refused: {what}; a checkpoint is read only inside its own folder",
+            "Replace it by the file or folder itself (copy with `cp -rL`), or resume from an earlier checkpoint "
+            "(checkpoint.resume=auto skips this one).",
+        )
+    )
+
+
 def verify(step_dir: Path) -> None:
     """Raise ``DamagedCheckpoint`` naming the first file of ``step_dir`` that is not whole."""
     step_dir = Path(step_dir)
-    _check_marker(step_dir)
+    check_confined(step_dir)
+    marked = _check_marker(step_dir)
     try:
-        TrainerState.read(step_dir)
+        state = TrainerState.read(step_dir)
     except UserError as e:
-        raise _damaged(step_dir / "trainer_state.json", e.problems[0].what) from None
+        raise _damaged(step_dir / STATE_FILE, e.problems[0].what) from None
+    if state.step != marked:
+        raise _damaged(step_dir / STATE_FILE, f"says step {state.step}, but the folder is {step_dir.name}")
     try:
         yaml.safe_load((step_dir / RECIPE_FILE).read_text())
     except (OSError, yaml.YAMLError) as e:
         raise _damaged(step_dir / RECIPE_FILE, f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    try:
+        _check_files(step_dir)
+    except OSError as e:  # permission denied, an I/O error: the file cannot be what a resume reads
+        raise _damaged(Path(e.filename or step_dir), f"cannot be read ({e.strerror or e})") from None
+
+
+def check_confined(step_dir: Path) -> list[Path]:
+    """Every file of ``step_dir``, after refusing what would lead a reader outside it: a step dir
+    that is a link out of its ``checkpoints/``, any link inside, anything not a plain file or folder."""
+    step_dir = Path(step_dir)
+    if step_dir.is_symlink() and step_dir.resolve().parent != step_dir.parent.resolve():
+        raise _outside(step_dir, f"is a symbolic link to {os.readlink(step_dir)}, outside {step_dir.parent}")
+    files = []
+
+    def fail(e: OSError) -> None:
+        raise _damaged(Path(e.filename or step_dir), f"cannot be read ({e.strerror or e})")
+
+    for folder, dirs, names in os.walk(step_dir, onerror=fail):
+        for name in sorted(dirs + names):
+            path = Path(folder) / name
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError as e:
+                fail(e)
+            if stat.S_ISLNK(mode):
+                raise _outside(path, f"is a symbolic link (to {os.readlink(path)})")
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise _outside(path, "is not a plain file or folder")
+            if stat.S_ISREG(mode):
+                files.append(path)
+    return files
+
+
+def _check_files(step_dir: Path) -> None:
     for path in sorted((step_dir / RNG_DIR).glob("*.pt")):
         check_zip(path)
     for path in sorted((step_dir / MODEL_DIR).glob("*.safetensors")):
@@ -78,15 +138,18 @@ def verify(step_dir: Path) -> None:
         check_zip(path)
 
 
-def _check_marker(step_dir: Path) -> None:
+def _check_marker(step_dir: Path) -> int:
+    """The step of ``step-N``, which its ``COMPLETE`` marker must name (a JSON integer: ``true``
+    or ``1.0`` would compare equal to 1)."""
     marker = step_dir / COMPLETE
     m = STEP_RE.match(step_dir.name)
     try:
         step = json.loads(marker.read_text())["step"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise _damaged(marker, f"not the marker llmft writes ({type(e).__name__})") from None
-    if m is None or step != int(m.group(1)):
-        raise _damaged(marker, f"says step {step}, but the folder is {step_dir.name}")
+    if m is None or type(step) is not int or step != int(m.group(1)):
+        raise _damaged(marker, f"says step {json.dumps(step)[:40]}, but the folder is {step_dir.name}")
+    return step
 
 
 def check_json(path: Path) -> None:
@@ -105,11 +168,36 @@ def check_safetensors(path: Path) -> None:
             if header_len > size - 8:
                 raise ValueError(f"header of {header_len} bytes in a file of {size}")
             header = json.loads(f.read(header_len))
+        end = _data_end(header)
     except (OSError, ValueError, struct.error) as e:
         raise _damaged(path, f"unreadable safetensors header ({e})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + header_len + end != size:
         raise _damaged(path, f"{size} bytes on disk, {8 + header_len + end} expected (truncated or appended)")
+
+
+def _data_end(header: object) -> int:
+    """Where the last tensor of a safetensors header ends; ``ValueError`` for an entry without a
+    dtype, a shape of whole numbers, or begin <= end offsets."""
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if (
+            not isinstance(entry.get("dtype") if isinstance(entry, dict) else None, str)
+            or not isinstance(shape, list)
+            or not all(type(n) is int and n >= 0 for n in shape)
+            or not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(n) is int for n in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise ValueError(f"tensor {name[:80]!r} lacks a dtype, shape or data_offsets of the right types")
+        end = max(end, offsets[1])
+    return end
 
 
 def check_zip(path: Path) -> None:
