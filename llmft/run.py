@@ -24,7 +24,15 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from llmft.checkpoint.layout import BASE_DIR, CHECKPOINTS, RECIPE_FILE, TrainerState, latest_checkpoint
+from llmft.checkpoint.layout import (
+    BASE_DIR,
+    CHECKPOINTS,
+    RECIPE_FILE,
+    TrainerState,
+    latest_checkpoint,
+    saved_optimizer,
+    saved_recipe,
+)
 from llmft.checkpoint.manager import CheckpointManager, SaveHooks, set_rng_state
 from llmft.dist import DistEnv
 from llmft.errors import Problem, UserError
@@ -188,11 +196,29 @@ class Run:
         # Creating the data iterator draws from the RNG: it happens before the RNG is restored.
         self.batches = iter(self._loader(first_step=self.state.step, position=self.state.samples))
         if checkpoint is not None:
-            self.engine.load(checkpoint, load_optimizer=self.recipe.checkpoint.save_optimizer)
+            self.engine.load(checkpoint, load_optimizer=self._optimizer_state_fits(checkpoint))
             resume_schedule(self.scheduler, saved.scheduler, self.peak_lr)
             rng = self.checkpoints.load_rng(checkpoint)
             if rng is not None:  # None: this rank did not exist when the checkpoint was written
                 set_rng_state(rng)
+
+    def _optimizer_state_fits(self, checkpoint: Path) -> bool:
+        """Load the checkpoint's optimizer state unless ``optim.name`` changed: AdamW's moments mean
+        nothing to SGD (and loading them failed with ``KeyError: 'betas'``), so a deliberate switch
+        starts the new optimizer fresh at the resumed step, and says so."""
+        saved, now = saved_optimizer(checkpoint), self.recipe.optim.name
+        if saved is None or saved == now or not self.recipe.checkpoint.save_optimizer:
+            return self.recipe.checkpoint.save_optimizer
+        log.warning(
+            "optim.name changed %s -> %s: the checkpoint's %s state is not loaded; %s starts with fresh state at "
+            "step %d (weights, schedule position, data position and RNG are restored)",
+            saved,
+            now,
+            saved,
+            now,
+            self.state.step,
+        )
+        return False
 
     def _metrics(self, saved: TrainerState | None) -> Metrics:
         from llmft.tracking import run_info
@@ -418,7 +444,7 @@ def check_resume_compatible(ckpt: Path, recipe_yaml: str) -> None:
     """
     from omegaconf import OmegaConf
 
-    saved = flatten(OmegaConf.to_container(OmegaConf.load(ckpt / RECIPE_FILE), resolve=True))
+    saved = flatten(saved_recipe(ckpt))  # an ${oc.env:VAR} unset now stays as its text
     now = flatten(OmegaConf.to_container(OmegaConf.create(recipe_yaml), resolve=True))
     diffs = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
     fatal = {k: v for k, v in diffs.items() if k.startswith(RESUME_MUST_MATCH) and not k.startswith(RESUME_MAY_CHANGE)}

@@ -161,7 +161,17 @@ def check_ours(run_dir: Path) -> None:
 
 
 def mark(run_dir: Path) -> None:
-    (Path(run_dir) / RUN_MARKER).write_text("This directory is an llmft run (see docs/checkpoints.md).\n")
+    path = Path(run_dir) / RUN_MARKER
+    try:
+        path.write_text("This directory is an llmft run (see docs/checkpoints.md).\n")
+    except OSError as e:
+        raise UserError(
+            Problem(
+                "run.output_dir",
+                f"cannot write {path} ({e.strerror or e})",
+                "Give run.output_dir a directory this user can write to, with free space.",
+            )
+        ) from None
 
 
 def own_checkpoint_entries(run_dir: Path) -> list[Path]:

@@ -158,6 +158,35 @@ def _check_state_fields(raw: Any) -> None:
             raise ValueError(f"field {key!r} is {value}, below {1 if key == 'world_size' else 0}")
 
 
+def saved_recipe(step_dir: Path) -> dict[str, Any]:
+    """A checkpoint's ``recipe.yaml`` as plain values, each ``${...}`` resolved where it can be. One
+    that cannot (an ``${oc.env:VAR}`` unset in this environment: recipes keep secrets as written)
+    stays as its text, so a comparison names it instead of failing on it."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    def lenient(node: Any) -> Any:
+        if not isinstance(node, (DictConfig, ListConfig)):
+            return node
+        raw = OmegaConf.to_container(node, resolve=False)
+        keys = range(len(node)) if isinstance(node, ListConfig) else list(node.keys())
+        out = [] if isinstance(node, ListConfig) else {}
+        for k in keys:
+            try:
+                value = lenient(node[k])
+            except Exception:  # noqa: BLE001 - omegaconf's resolution errors have no common public base
+                value = raw[k]
+            out.append(value) if isinstance(out, list) else out.__setitem__(k, value)
+        return out
+
+    return lenient(OmegaConf.load(Path(step_dir) / RECIPE_FILE))
+
+
+def saved_optimizer(step_dir: Path) -> str | None:
+    """``optim.name`` of the run that wrote ``step_dir`` (None where its recipe does not say)."""
+    optim = saved_recipe(step_dir).get("optim")
+    return optim.get("name") if isinstance(optim, dict) else None
+
+
 # --- finding checkpoints ------------------------------------------------------------------------
 
 
