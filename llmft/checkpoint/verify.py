@@ -36,9 +36,12 @@ from pathlib import Path
 import yaml
 
 from llmft.checkpoint.layout import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     COMPLETE,
     DCP_DIR,
     DS_DIR,
+    DS_TAG,
     MODEL_DIR,
     OPTIMIZER_FILE,
     RECIPE_FILE,
@@ -87,9 +90,12 @@ def verify(step_dir: Path) -> None:
     if state.step != marked:
         raise _damaged(step_dir / STATE_FILE, f"says step {state.step}, but the folder is {step_dir.name}")
     try:
-        yaml.safe_load((step_dir / RECIPE_FILE).read_text())
-    except (OSError, yaml.YAMLError) as e:
+        recipe = yaml.safe_load((step_dir / RECIPE_FILE).read_text())
+    except (OSError, ValueError, yaml.YAMLError) as e:
         raise _damaged(step_dir / RECIPE_FILE, f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    if not isinstance(recipe, dict) or not all(isinstance(v, dict) for v in recipe.values()):
+        raise _damaged(step_dir / RECIPE_FILE, "not a recipe (a mapping of sections such as model:, data:)")
+    _check_present(step_dir, state, recipe)
     try:
         _check_files(step_dir)
     except OSError as e:  # permission denied, an I/O error: the file cannot be what a resume reads
@@ -121,6 +127,46 @@ def check_confined(step_dir: Path) -> list[Path]:
             if stat.S_ISREG(mode):
                 files.append(path)
     return files
+
+
+def _check_present(step_dir: Path, state: TrainerState, recipe: dict) -> None:
+    """The files a resume of ``state.engine``'s checkpoint opens exist (a missing one would be a
+    ``FileNotFoundError`` mid-resume, after the choice of checkpoint was made)."""
+    needed = []  # (a missing RNG file is allowed: a rank that did not exist when it was written)
+    if state.engine in ("single", "ddp"):
+        model = step_dir / MODEL_DIR
+        weights = [model / ADAPTER_WEIGHTS] if (model / ADAPTER_CONFIG).is_file() else _model_weights(model)
+        needed += [model / "config.json" if not (model / ADAPTER_CONFIG).is_file() else model / ADAPTER_CONFIG]
+        needed += weights
+        if (recipe.get("checkpoint") or {}).get("save_optimizer", True):
+            needed.append(step_dir / OPTIMIZER_FILE)
+    elif state.engine == "fsdp":
+        needed.append(step_dir / DCP_DIR / ".metadata")
+    elif state.engine == "deepspeed":
+        if not any((step_dir / DS_DIR / DS_TAG).glob("*model_states.pt")):
+            raise _damaged(step_dir / DS_DIR / DS_TAG, "holds no DeepSpeed *model_states.pt file")
+    else:
+        raise _damaged(step_dir / STATE_FILE, f"names the engine {state.engine[:40]!r}, which llmft does not have")
+    for path in needed:
+        if not path.is_file():
+            raise _damaged(path, "missing")
+
+
+def _model_weights(model_dir: Path) -> list[Path]:
+    """The weight files of a save_pretrained folder: its index's files (plain names in the folder),
+    or ``model.safetensors``."""
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return [model_dir / "model.safetensors"]
+    try:
+        doc = json.loads(index.read_text())
+    except (OSError, ValueError) as e:
+        raise _damaged(index, f"not valid JSON ({e})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    names = list(weight_map.values()) if isinstance(weight_map, dict) else None
+    if not names or not all(isinstance(n, str) and n == Path(n).name and n not in ("", ".", "..") for n in names):
+        raise _damaged(index, "its weight_map does not name weight files of this folder")
+    return [model_dir / n for n in sorted(set(names))]
 
 
 def _check_files(step_dir: Path) -> None:
