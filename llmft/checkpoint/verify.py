@@ -123,7 +123,15 @@ def check_confined(step_dir: Path) -> list[Path]:
             if stat.S_ISLNK(mode):
                 raise _outside(path, f"is a symbolic link (to {os.readlink(path)})")
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                raise _outside(path, "is not a plain file or folder")
+                raise DamagedCheckpoint(
+                    Problem(
+                        str(path),
+                        "refused: is not a plain file or folder (a FIFO, socket or device: a reader could wait on "
+                        "it forever)",
+                        "Replace it by the file llmft wrote, or resume from an earlier checkpoint "
+                        "(checkpoint.resume=auto skips this one).",
+                    )
+                )
             if stat.S_ISREG(mode):
                 files.append(path)
     return files

@@ -149,8 +149,8 @@ def apply(m: tuple, step: Path, outside: Path, marker: Path) -> None:
     path = step / args[0] if args and kind not in ("latest", "extra") else None
     if path is not None and not (path.exists() or path.is_symlink()):
         return  # removed by an earlier mutation of this example
-    if path is not None and path.is_symlink():
-        return
+    if path is not None and (path.is_symlink() or not (path.is_file() or path.is_dir())):
+        return  # a link or a FIFO made by an earlier mutation
     if kind == "truncate":
         data = path.read_bytes()
         path.write_bytes(data[: int(len(data) * args[1])])
@@ -184,7 +184,7 @@ def apply(m: tuple, step: Path, outside: Path, marker: Path) -> None:
             path.symlink_to(target)
     elif kind in ("link_outside", "link_folder_outside"):
         copy = outside / f"{len(list(outside.iterdir()))}-{path.name}"
-        (shutil.copytree if path.is_dir() else shutil.copy2)(path, copy)
+        _copy(path, copy)
         if copy.is_file() and path.suffix == ".pt":  # what the link would really be for
             torch.save({"state": WritesMarker(marker)}, copy)
         (shutil.rmtree if path.is_dir() else Path.unlink)(path)
@@ -195,11 +195,27 @@ def apply(m: tuple, step: Path, outside: Path, marker: Path) -> None:
     elif kind == "step_link_outside":
         if not step.is_symlink():
             copy = outside / "step-2"
-            shutil.copytree(step, copy, symlinks=True)
+            _copy(step, copy)
             shutil.rmtree(step)
             step.symlink_to(copy)
     elif kind == "latest":
         (step.parent / "latest").write_text(args[0])
+
+
+def _copy(src: Path, dst: Path) -> None:
+    """A copy of a file or folder, links as links, leaving out FIFOs (copying one would wait on it)."""
+
+    def special(folder: str, names: list[str]) -> list[str]:
+        return [
+            n
+            for n in names
+            if not (os.path.islink(Path(folder, n)) or Path(folder, n).is_file() or Path(folder, n).is_dir())
+        ]
+
+    if src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, ignore=special)
+    else:
+        shutil.copy2(src, dst)
 
 
 def _tree(path: Path) -> dict[str, bytes]:
