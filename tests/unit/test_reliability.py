@@ -355,3 +355,35 @@ def test_a_loader_that_fails_to_start_ends_the_process_with_its_error(tmp_path):
     )
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr.rstrip().endswith("TypeError: 'NoneType' object cannot be interpreted as an integer")
+
+
+def test_dcp_metadata_naming_a_file_outside_its_folder_is_refused(tmp_path):
+    """DCP's reader opens ``folder / relative_path`` for each entry of ``.metadata``."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from llmft.engines import safe_dcp
+
+    path = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(path), no_dist=True)
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../../secret.distcp"
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(UserError) as e:
+        safe_dcp.load({"w": torch.zeros(3)}, path, no_dist=True)
+    assert str(e.value).startswith(
+        f"{path / '.metadata'}: refused: names the data file '../../../secret.distcp', which is not a file of its own"
+    )
+
+
+def test_a_missing_model_folder_is_damage_not_a_file_not_found_mid_resume(tmp_path):
+    """Found by the checkpoint harness (tests/integration/test_checkpoint_fuzz.py)."""
+    d = _whole_step(tmp_path, 2)
+    with pytest.raises(DamagedCheckpoint) as e:
+        verify(d)
+    assert str(e.value).startswith(f"{d / 'model/config.json'}: is damaged: missing")
