@@ -258,6 +258,9 @@ def check_zip(path: Path) -> None:
     """A ``torch.save`` file: its zip index (written last) is intact and every entry lies in the file."""
     size = path.stat().st_size
     try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":  # torch.load would take it for its legacy format
+                raise zipfile.BadZipFile("it does not start with a zip entry")
         with zipfile.ZipFile(path) as z:
             for info in z.infolist():
                 if info.header_offset + info.compress_size > size:

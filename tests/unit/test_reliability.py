@@ -387,3 +387,19 @@ def test_a_missing_model_folder_is_damage_not_a_file_not_found_mid_resume(tmp_pa
     with pytest.raises(DamagedCheckpoint) as e:
         verify(d)
     assert str(e.value).startswith(f"{d / 'model/config.json'}: is damaged: missing")
+
+
+def test_a_torch_file_with_a_changed_first_byte_is_damage_not_an_index_error(tmp_path):
+    """Found by the checkpoint harness: the zip index is intact, but torch.load takes the file for its
+    legacy format and fails inside the unpickler."""
+    from llmft.safe_load import torch_load
+
+    path = _real_files(tmp_path)["pt"]
+    data = bytearray(path.read_bytes())
+    data[0] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedCheckpoint, match="does not start with a zip entry"):
+        check_zip(path)
+    with pytest.raises(UserError) as e:
+        torch_load(path)
+    assert str(e.value).startswith(f"{path}: is damaged: torch.load cannot read it (")
