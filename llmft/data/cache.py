@@ -121,14 +121,38 @@ def get_or_build(root: Path, parts: dict[str, Any], build: Callable[[Path], dict
     return entry, True
 
 
+# How long a process waits for another to build the same entry: a long tokenization, but not forever
+# (a builder stopped with SIGSTOP, or a lock that a network filesystem never releases).
+BUILD_WAIT_S = 6 * 3600
+WAIT_LOG_S = 300  # how often the wait is logged, with how long it has lasted
+
+
 @contextlib.contextmanager
-def _locked(lock: Path, entry: Path) -> Iterator[None]:
+def _locked(lock: Path, entry: Path, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
     with open(lock, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("data cache: waiting for another process to build %s", entry)
-            fcntl.flock(f, fcntl.LOCK_EX)
+        started = time.monotonic()
+        last_log = None
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - started
+                if waited >= wait_s:
+                    from llmft.errors import Problem, UserError
+
+                    raise UserError(
+                        Problem(
+                            "data.cache_dir",
+                            f"waited {waited / 60:.0f} min for another process to build {entry} (it holds {lock})",
+                            "Check that process (`fuser` on the lock file names it); remove the lock file if none "
+                            "holds it, or point data.cache_dir at another directory.",
+                        )
+                    ) from None
+                if last_log is None or time.monotonic() - last_log >= WAIT_LOG_S:
+                    log.info("data cache: waiting (%.0f s so far) for another process to build %s", waited, entry)
+                    last_log = time.monotonic()
+                time.sleep(0.5)
         try:
             yield
         finally:

@@ -403,3 +403,25 @@ def test_a_torch_file_with_a_changed_first_byte_is_damage_not_an_index_error(tmp
     with pytest.raises(UserError) as e:
         torch_load(path)
     assert str(e.value).startswith(f"{path}: is damaged: torch.load cannot read it (")
+
+
+def test_waiting_for_another_cache_builder_is_bounded_and_says_what_it_waits_for(tmp_path, llmft_log, monkeypatch):
+    """A data cache build held by another process (here: another descriptor of this one) is waited
+    for a bounded time, then refused naming the entry and the lock (was a blocking flock: forever)."""
+    import fcntl
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("llmft"), "level", logging.INFO)
+
+    from llmft.data.cache import _locked
+
+    lock = tmp_path / "k.lock"
+    with open(lock, "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.raises(UserError) as e:
+            with _locked(lock, tmp_path / "k", wait_s=1):
+                pass
+    assert str(e.value).startswith(f"data.cache_dir: waited 0 min for another process to build {tmp_path / 'k'}")
+    assert f"data cache: waiting (0 s so far) for another process to build {tmp_path / 'k'}" in [
+        r.getMessage() for r in llmft_log
+    ]
