@@ -95,7 +95,7 @@ def verify(step_dir: Path) -> None:
         raise _damaged(step_dir / RECIPE_FILE, f"{type(e).__name__}: {e}".splitlines()[0]) from None
     if not isinstance(recipe, dict) or not all(isinstance(v, dict) for v in recipe.values()):
         raise _damaged(step_dir / RECIPE_FILE, "not a recipe (a mapping of sections such as model:, data:)")
-    _check_present(step_dir, state, recipe)
+    _check_present(step_dir, state)
     try:
         _check_files(step_dir)
     except OSError as e:  # permission denied, an I/O error: the file cannot be what a resume reads
@@ -137,7 +137,7 @@ def check_confined(step_dir: Path) -> list[Path]:
     return files
 
 
-def _check_present(step_dir: Path, state: TrainerState, recipe: dict) -> None:
+def _check_present(step_dir: Path, state: TrainerState) -> None:
     """The files a resume of ``state.engine``'s checkpoint opens exist (a missing one would be a
     ``FileNotFoundError`` mid-resume, after the choice of checkpoint was made)."""
     needed = []  # (a missing RNG file is allowed: a rank that did not exist when it was written)
@@ -145,9 +145,7 @@ def _check_present(step_dir: Path, state: TrainerState, recipe: dict) -> None:
         model = step_dir / MODEL_DIR
         weights = [model / ADAPTER_WEIGHTS] if (model / ADAPTER_CONFIG).is_file() else _model_weights(model)
         needed += [model / "config.json" if not (model / ADAPTER_CONFIG).is_file() else model / ADAPTER_CONFIG]
-        needed += weights
-        if (recipe.get("checkpoint") or {}).get("save_optimizer", True):
-            needed.append(step_dir / OPTIMIZER_FILE)
+        needed += weights  # (optimizer.pt may be gone: export needs none; a resume names it if missing)
     elif state.engine == "fsdp":
         needed.append(step_dir / DCP_DIR / ".metadata")
     elif state.engine == "deepspeed":
@@ -184,6 +182,8 @@ def _check_files(step_dir: Path) -> None:
         check_safetensors(path)
     for path in sorted((step_dir / MODEL_DIR).glob("*.json")):
         check_json(path)
+    if (step_dir / MODEL_DIR / "config.json").is_file():
+        check_model_config(step_dir / MODEL_DIR / "config.json")
     if (step_dir / OPTIMIZER_FILE).exists():
         check_zip(step_dir / OPTIMIZER_FILE)
     if (step_dir / DCP_DIR).is_dir():
@@ -211,6 +211,23 @@ def check_json(path: Path) -> None:
         json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise _damaged(path, f"not valid JSON ({e})") from None
+
+
+def check_model_config(path: Path) -> None:
+    """A model ``config.json`` builds its transformers config class (the one of its ``model_type``;
+    a type transformers does not know, remote code, is left to the loader that is allowed to run it)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = json.loads(path.read_text())
+    if not isinstance(config, dict):
+        raise _damaged(path, "not a JSON object")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return
+    try:
+        CONFIG_MAPPING[model_type].from_dict(config)
+    except Exception as e:  # noqa: BLE001 - transformers' validation errors share no public base
+        raise _damaged(path, f"not a valid {model_type} config ({str(e).splitlines()[0][:200]})") from None
 
 
 def check_safetensors(path: Path) -> None:

@@ -36,8 +36,7 @@ def _llmft(*args: str) -> subprocess.CompletedProcess:
 
 def _step_dir(tmp_path: Path, engine: str, **recipe_keys) -> Path:
     """A step dir as the engine would leave it, minus the engine state (added by each test)."""
-    # hand-made: no optimizer state (a checkpoint whose recipe saves one must hold it to be whole)
-    recipe = yaml.safe_load(write_recipe(tmp_path, checkpoint__save_optimizer=False, **recipe_keys).read_text())
+    recipe = yaml.safe_load(write_recipe(tmp_path, **recipe_keys).read_text())
     step = tmp_path / "run/checkpoints/step-1"
     step.mkdir(parents=True)
     (step / "recipe.yaml").write_text(yaml.safe_dump(recipe))

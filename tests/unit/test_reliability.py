@@ -425,3 +425,20 @@ def test_waiting_for_another_cache_builder_is_bounded_and_says_what_it_waits_for
     assert f"data cache: waiting (0 s so far) for another process to build {tmp_path / 'k'}" in [
         r.getMessage() for r in llmft_log
     ]
+
+
+@pytest.mark.parametrize("field, value", [("attention_bias", None), ("hidden_size", [])])
+def test_a_model_config_field_of_the_wrong_type_is_damage(tmp_path, field, value):
+    """Found by the checkpoint harness: export met transformers' validation error as a traceback."""
+    from helpers import TINY_LLAMA
+    from transformers import AutoConfig
+
+    from llmft.checkpoint.verify import check_model_config
+
+    AutoConfig.for_model(**TINY_LLAMA).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    check_model_config(path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    with pytest.raises(DamagedCheckpoint) as e:
+        check_model_config(path)
+    assert str(e.value).startswith(f"{path}: is damaged: not a valid llama config (")
