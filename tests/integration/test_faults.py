@@ -3,6 +3,7 @@ files on disk before and after (docs/reliability.md; docs/design.md G5, G8)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -277,3 +278,34 @@ def test_an_os_error_on_the_checkpoint_path_is_a_message(tmp_path, monkeypatch, 
     assert str(e.value).startswith(f"{ckpts / '.tmp-step-4'}: writing the checkpoint of step 4 failed: {why}")
     assert "step-2 and latest are untouched" in str(e.value)
     assert _tree(ckpts) == before
+
+
+def test_kill9_of_the_trainer_while_its_data_worker_lives_does_not_block_the_requeue(tmp_path):
+    """The OOM killer's kill -9 hits the training process; its DataLoader worker (stopped here, so it
+    cannot exit on its own) lives on. It never held the run dir's lock: the requeued job starts."""
+    recipe = write_recipe(tmp_path, train__max_steps=400, checkpoint__every_steps=1, data__num_workers=1)
+    first = subprocess.Popen(_cmd(recipe), stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    worker = None
+    try:
+        deadline = time.time() + 180
+        while not (tmp_path / "run/checkpoints/step-1/COMPLETE").exists():
+            assert first.poll() is None and time.time() < deadline, "first run did not checkpoint"
+            time.sleep(0.05)
+        children = Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text().split()
+        assert children, "no DataLoader worker"
+        worker = int(children[0])
+        os.kill(worker, signal.SIGSTOP)
+        first.kill()
+        first.wait()
+        os.kill(worker, 0)  # alive, holding whatever it inherited
+        again = subprocess.run(
+            _cmd(recipe, "train.max_steps=2"), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=240
+        )
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "in use by another llmft train" not in again.stderr
+        assert "resuming from" in again.stderr
+    finally:
+        first.kill()
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
