@@ -4,11 +4,12 @@ A checkpoint can be complete (``COMPLETE`` written last) and still be damaged af
 truncated by a full disk on a copy, a partial rsync, a bad block. ``verify`` reads only headers,
 sizes and indexes, never the tensors:
 
-- ``COMPLETE`` holds ``{"step": N}`` for its own ``step-N``; ``trainer_state.json`` and
-  ``recipe.yaml`` parse;
-- safetensors files: the JSON header parses and the data it describes fits the file exactly;
-- ``torch.save`` files (optimizer, RNG, DeepSpeed's): their zip index is intact (it is written
-  last, so a truncated file has none);
+- ``COMPLETE`` holds ``{"step": N}`` (a JSON integer) for its own ``step-N``; ``recipe.yaml`` is
+  a mapping of sections; the files a resume of the checkpoint's engine opens exist;
+- safetensors files: the JSON header parses, each tensor has a dtype, shape and offsets, and the
+  data fits the file exactly; a model ``config.json`` builds its transformers config;
+- ``torch.save`` files (optimizer, RNG, DeepSpeed's): they start with a zip entry and their zip
+  index is intact (it is written last, so a truncated file has none);
 - DCP folders: ``.metadata`` and every data file it names are present and not empty;
 - ``trainer_state.json`` has the fields and JSON types llmft writes, and its step, the marker's
   and the folder's ``step-N`` agree (a disagreement would resume from the wrong step, or from
