@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from llmft.checkpoint.base_model import save_base_once
-from llmft.checkpoint.layout import RECIPE_FILE, TrainerState, latest_checkpoint
+from llmft.checkpoint.layout import RECIPE_FILE, TrainerState, latest_checkpoint, saved_optimizer
 from llmft.checkpoint.manager import CheckpointManager, SaveHooks, set_rng_state
 from llmft.checkpoint.resume import check_resume_compatible, intent_yaml, plan_yaml, resume_point, resume_schedule
 from llmft.data import MicroBatchSampler, build_data, make_loader
@@ -162,11 +162,29 @@ class Run:
         # Creating the data iterator draws from the RNG: it happens before the RNG is restored.
         self.batches = iter(self._loader(first_step=self.state.step, position=self.state.samples))
         if checkpoint is not None:
-            self.engine.load(checkpoint, load_optimizer=self.recipe.checkpoint.save_optimizer)
+            self.engine.load(checkpoint, load_optimizer=self._optimizer_state_fits(checkpoint))
             resume_schedule(self.scheduler, saved.scheduler, self.peak_lr)
             rng = self.checkpoints.load_rng(checkpoint)
             if rng is not None:  # None: this rank did not exist when the checkpoint was written
                 set_rng_state(rng)
+
+    def _optimizer_state_fits(self, checkpoint: Path) -> bool:
+        """Load the checkpoint's optimizer state unless ``optim.name`` changed: AdamW's moments mean
+        nothing to SGD (and loading them failed with ``KeyError: 'betas'``), so a deliberate switch
+        starts the new optimizer fresh at the resumed step, and says so."""
+        saved, now = saved_optimizer(checkpoint), self.recipe.optim.name
+        if saved is None or saved == now or not self.recipe.checkpoint.save_optimizer:
+            return self.recipe.checkpoint.save_optimizer
+        log.warning(
+            "optim.name changed %s -> %s: the checkpoint's %s state is not loaded; %s starts with fresh state at "
+            "step %d (weights, schedule position, data position and RNG are restored)",
+            saved,
+            now,
+            saved,
+            now,
+            self.state.step,
+        )
+        return False
 
     def _metrics(self, saved: TrainerState | None) -> Metrics:
         env = self.env

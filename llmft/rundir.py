@@ -5,6 +5,10 @@
   a stale lock never blocks a requeue; a second ``llmft train`` on the same directory gets a clear
   error naming the process that holds it. (``flock`` on NFS / Lustre works where the mount supports
   it; where it does not, two jobs are not kept apart: docs/checkpoints.md.)
+  A ``flock`` belongs to the open file, not the process: a forked child (a DataLoader worker, a
+  tokenizing pool) would share it and keep the directory locked after the OOM killer's kill -9 of
+  the trainer. So the lock's descriptor is closed in every child right after the fork
+  (``os.register_at_fork``) and on exec (``O_CLOEXEC``): only the process that took it holds it.
 - ``check_ours``: a non-empty ``run.output_dir`` that is not an llmft run is refused, so a fresh
   run never writes into (or deletes from) a folder of the user's.
 - ``clear_for_fresh_start``: ``run.overwrite=true`` removes llmft's own entries only, each logged.
@@ -34,6 +38,22 @@ METRICS_FILE = "metrics.jsonl"
 BEFORE_FIRST_RUN = frozenset({LOCK_FILE, RUN_MARKER, "compiled"})
 
 
+# Descriptors of the run locks this process holds: closed in a forked child (see the module doc).
+_held: set[int] = set()
+
+
+def _close_held_in_child() -> None:
+    for fd in _held:
+        try:
+            os.close(fd)  # the parent's descriptor stays open: its lock is untouched
+        except OSError:
+            pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
+
 class RunDirLock:
     """Exclusive ownership of a run directory for this process's lifetime (rank 0 holds it)."""
 
@@ -42,12 +62,22 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunDirLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise UserError(
+                Problem(
+                    "run.output_dir",
+                    f"cannot create {self.path} ({e.strerror or e}); llmft writes its lock, recipe, metrics and "
+                    "checkpoints there",
+                    "Give run.output_dir a directory this user can write to (not a read-only mount).",
+                )
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_holder(fd)
+            holder = _read_holder(fd, self.path)
             os.close(fd)
             raise UserError(
                 Problem(
@@ -57,6 +87,7 @@ class RunDirLock:
                     "Wait for that run to end (or stop it), or give this one another run.output_dir.",
                 )
             ) from None
+        _held.add(fd)
         os.ftruncate(fd, 0)
         info = {
             "pid": os.getpid(),
@@ -70,17 +101,32 @@ class RunDirLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            _held.discard(self._fd)
             os.close(self._fd)  # closing the descriptor releases the flock
             self._fd = None
 
 
-def _read_holder(fd: int) -> str:
+def _read_holder(fd: int, path: Path) -> str:
     try:
         os.lseek(fd, 0, os.SEEK_SET)
         info = json.loads(os.read(fd, 4096).decode() or "{}")
-        return f"pid {info['pid']} on {info['host']}, started {info['started']}"
+        holder = f"pid {info['pid']} on {info['host']}, started {info['started']}"
     except (OSError, ValueError, KeyError):
         return "a process that left no details"
+    if info["host"] == socket.gethostname() and not _alive(info["pid"]):
+        # An llmft older than this lock's fork rule: a child of the dead holder still has it open.
+        holder += f"; that process has exited, but a process it started still holds the lock (`fuser {path}` names it)"
+    return holder
+
+
+def _alive(pid: object) -> bool:
+    try:
+        os.kill(int(pid), 0)  # type: ignore[call-overload]
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError, TypeError):
+        return True  # another user's process, or not a pid: do not claim it is gone
+    return True
 
 
 def is_llmft_run(run_dir: Path) -> bool:
@@ -115,7 +161,17 @@ def check_ours(run_dir: Path) -> None:
 
 
 def mark(run_dir: Path) -> None:
-    (Path(run_dir) / RUN_MARKER).write_text("This directory is an llmft run (see docs/checkpoints.md).\n")
+    path = Path(run_dir) / RUN_MARKER
+    try:
+        path.write_text("This directory is an llmft run (see docs/checkpoints.md).\n")
+    except OSError as e:
+        raise UserError(
+            Problem(
+                "run.output_dir",
+                f"cannot write {path} ({e.strerror or e})",
+                "Give run.output_dir a directory this user can write to, with free space.",
+            )
+        ) from None
 
 
 def own_checkpoint_entries(run_dir: Path) -> list[Path]:

@@ -43,6 +43,25 @@ def torch_load(source: str | os.PathLike | IO[bytes], *, name: str | os.PathLike
             name if name is not None else source,
             f"it holds Python objects that a tensor file does not ({_unpickler_reason(e)}); loading it could run code",
         ) from None
+    except OSError as e:
+        raise UserError(
+            Problem(
+                str(name if name is not None else source),
+                f"cannot be read ({e.strerror or e})",
+                "Restore the file, resume from an earlier checkpoint, or (for a missing optimizer.pt) resume without "
+                "optimizer state: checkpoint.save_optimizer=false.",
+            )
+        ) from None
+    except (RuntimeError, ValueError, IndexError, KeyError, EOFError, OverflowError, MemoryError) as e:
+        # a damaged file that passed the structural checks (a byte changed inside an entry)
+        where = name if name is not None else source
+        raise UserError(
+            Problem(
+                str(where),
+                f"is damaged: torch.load cannot read it ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+                "Resume from an earlier checkpoint, or restore the file.",
+            )
+        ) from None
 
 
 def _unpickler_reason(e: Exception) -> str:

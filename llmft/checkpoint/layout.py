@@ -127,23 +127,94 @@ class TrainerState:
 
     @classmethod
     def read(cls, step_dir: Path) -> TrainerState:
+        """The state of ``step_dir``, type-checked: a field of the wrong JSON type is met here, with
+        its name, not later as a ``None`` in the sampler or the scheduler."""
         path = Path(step_dir) / STATE_FILE
         try:
             raw = json.loads(path.read_text())
-            known = {f.name for f in fields(cls)} - {"extra"}
-            state = cls(
-                **{k: v for k, v in raw.items() if k in known}, extra={k: v for k, v in raw.items() if k not in known}
-            )
-            state.batch = BatchPlan.from_dict(state.batch) if state.batch else None
-            return state
+            _check_state_fields(raw)
+            batch = BatchPlan.from_dict(raw["batch"]) if raw["batch"] else None
         except (OSError, ValueError, TypeError, KeyError) as e:
+            what = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise UserError(
                 Problem(
                     str(path),
-                    f"cannot be read as llmft trainer state ({type(e).__name__}: {e})",
+                    f"cannot be read as llmft trainer state ({type(e).__name__}: {what})",
                     "Pass a checkpoints/step-N directory written by llmft train, or an older complete checkpoint.",
                 )
             ) from None
+        known = {f.name for f in fields(cls)} - {"extra", "batch"}
+        return cls(
+            **{k: v for k, v in raw.items() if k in known},
+            batch=batch,
+            extra={k: v for k, v in raw.items() if k not in known | {"batch"}},
+        )
+
+
+# The JSON type of each field ``TrainerState`` reads (``bool`` is not a number here: ``true`` would
+# otherwise pass as step 1). Counts are whole and not negative; at least one process wrote it.
+_STATE_TYPES: dict[str, type | tuple[type, ...]] = {
+    "step": int,
+    "samples": int,
+    "tokens": int,
+    "epoch": (int, float),
+    "world_size": int,
+    "engine": str,
+    "batch": dict,
+    "scheduler": dict,
+    "versions": dict,
+    "trackers": dict,
+    "data": dict,
+    "data_sources": list,
+}
+_REQUIRED = ("step", "samples", "tokens", "epoch", "world_size", "engine", "batch", "scheduler")
+
+
+def _check_state_fields(raw: Any) -> None:
+    """Raise ``ValueError`` naming the first field of ``raw`` that is not what llmft writes."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"holds a JSON {type(raw).__name__}, not an object of named fields")
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise ValueError(f"lacks the field(s) {', '.join(missing)}")
+    for key, kind in _STATE_TYPES.items():
+        if key not in raw:
+            continue
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise ValueError(f"field {key!r} is {json.dumps(value)[:40]}, not a JSON {names}")
+        if kind is int and value < (1 if key == "world_size" else 0):
+            raise ValueError(f"field {key!r} is {value}, below {1 if key == 'world_size' else 0}")
+
+
+def saved_recipe(step_dir: Path) -> dict[str, Any]:
+    """A checkpoint's ``recipe.yaml`` as plain values, each ``${...}`` resolved where it can be. One
+    that cannot (an ``${oc.env:VAR}`` unset in this environment: recipes keep secrets as written)
+    stays as its text, so a comparison names it instead of failing on it."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    def lenient(node: Any) -> Any:
+        if not isinstance(node, (DictConfig, ListConfig)):
+            return node
+        raw = OmegaConf.to_container(node, resolve=False)
+        keys = range(len(node)) if isinstance(node, ListConfig) else list(node.keys())
+        out = [] if isinstance(node, ListConfig) else {}
+        for k in keys:
+            try:
+                value = lenient(node[k])
+            except Exception:  # noqa: BLE001 - omegaconf's resolution errors have no common public base
+                value = raw[k]
+            out.append(value) if isinstance(out, list) else out.__setitem__(k, value)
+        return out
+
+    return lenient(OmegaConf.load(Path(step_dir) / RECIPE_FILE))
+
+
+def saved_optimizer(step_dir: Path) -> str | None:
+    """``optim.name`` of the run that wrote ``step_dir`` (None where its recipe does not say)."""
+    optim = saved_recipe(step_dir).get("optim")
+    return optim.get("name") if isinstance(optim, dict) else None
 
 
 # --- finding checkpoints ------------------------------------------------------------------------

@@ -70,6 +70,14 @@ def _write_error(e: BaseException) -> OSError | None:
     return None
 
 
+def _remove(path: Path) -> None:
+    """A folder, or a link (refused as a checkpoint: it is removed, never what it points to)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     state = {
@@ -118,16 +126,20 @@ class CheckpointManager:
         step = state.step
         final = self.root / step_name(step)
         tmp = self.root / tmp_name(step)
+        failed: OSError | None = None
         if self.env.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)  # left by a killed save
-            tmp.mkdir()
+            try:  # a read-only or full run dir fails here: the other ranks then fail to write into tmp
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)  # left by a killed save
+                tmp.mkdir()
+            except OSError as e:
+                failed = e
         barrier()
         try:
-            texts = {RECIPE_FILE: recipe_yaml, PLAN_FILE: plan_yaml}
-            self._write(tmp, state, engine, texts=texts, tokenizer=tokenizer, save_optimizer=save_optimizer)
-            failed = None
+            if failed is None:
+                texts = {RECIPE_FILE: recipe_yaml, PLAN_FILE: plan_yaml}
+                self._write(tmp, state, engine, texts=texts, tokenizer=tokenizer, save_optimizer=save_optimizer)
         except Exception as e:  # noqa: BLE001 - only write errors are ours to report; the rest re-raise below
             failed = _write_error(e)
             if failed is None:
@@ -138,18 +150,27 @@ class CheckpointManager:
             raise self._abandon(tmp, step, failed)
         barrier()
         if self.env.is_main:
-            atomic_write(tmp / COMPLETE, json.dumps({"step": step}))
-            if final.exists():  # re-running a step after resuming from an older checkpoint
-                trash = self.root / f".trash-{step_name(step)}"
-                shutil.rmtree(trash, ignore_errors=True)
-                os.replace(final, trash)
-                shutil.rmtree(trash, ignore_errors=True)
-            os.replace(tmp, final)
-            fsync_dir(self.root)
-            atomic_write(self.root / LATEST, final.name)
-            self.prune()
-        barrier()
+            try:
+                self._commit(tmp, final, step)
+            except OSError as e:  # every rank learns of it below, none waits in a barrier for rank 0
+                failed = e
+        (failures,) = all_reduce_sum([1.0 if failed else 0.0], self.env.device)
+        if failures:
+            raise self._abandon(tmp, step, failed)
         return final
+
+    def _commit(self, tmp: Path, final: Path, step: int) -> None:
+        """Rank 0: the marker, the rename to ``step-N``, ``latest``, pruning."""
+        atomic_write(tmp / COMPLETE, json.dumps({"step": step}))
+        if final.exists():  # re-running a step after resuming from an older checkpoint
+            trash = self.root / f".trash-{step_name(step)}"
+            _remove(trash)
+            os.replace(final, trash)
+            _remove(trash)
+        os.replace(tmp, final)
+        fsync_dir(self.root)
+        atomic_write(self.root / LATEST, final.name)
+        self.prune()
 
     def _write(self, tmp: Path, state: TrainerState, engine, *, texts: dict[str, str], tokenizer, save_optimizer: bool):
         engine.save(tmp, save_optimizer=save_optimizer)

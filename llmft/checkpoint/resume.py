@@ -29,10 +29,10 @@ from omegaconf import OmegaConf
 
 from llmft.checkpoint.layout import (
     PLAN_FILE,
-    RECIPE_FILE,
     TrainerState,
     latest_checkpoint,
     resolve_checkpoint,
+    saved_recipe,
     step_dirs,
 )
 from llmft.checkpoint.verify import DamagedCheckpoint, verify
@@ -151,7 +151,7 @@ def check_resume_compatible(ckpt: Path, plan: RunPlan) -> None:
     # Intent with intent; a checkpoint from before plan.yaml holds decisions in its recipe, so
     # it is compared with this run's recipe with the decisions written in (the same kind of file).
     ours = intent_yaml(plan) if (ckpt / PLAN_FILE).is_file() else to_yaml(plan.resolved_recipe())
-    saved = _flat(OmegaConf.load(ckpt / RECIPE_FILE))
+    saved = flatten(saved_recipe(ckpt))  # an ${oc.env:VAR} unset now stays as its text
     now = _flat(OmegaConf.create(ours))
     diffs = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
     fatal = {k: v for k, v in diffs.items() if k.startswith(RESUME_MUST_MATCH) and not k.startswith(RESUME_MAY_CHANGE)}

@@ -4,20 +4,32 @@ A checkpoint can be complete (``COMPLETE`` written last) and still be damaged af
 truncated by a full disk on a copy, a partial rsync, a bad block. ``verify`` reads only headers,
 sizes and indexes, never the tensors:
 
-- ``COMPLETE`` holds ``{"step": N}`` for its own ``step-N``; ``trainer_state.json``,
-  ``recipe.yaml`` and ``plan.yaml`` (absent in older checkpoints) parse;
-- safetensors files: the JSON header parses and the data it describes fits the file exactly;
-- ``torch.save`` files (optimizer, RNG, DeepSpeed's): their zip index is intact (it is written
-  last, so a truncated file has none);
-- DCP folders: ``.metadata`` and every data file it names are present and not empty.
+- ``COMPLETE`` holds ``{"step": N}`` (a JSON integer) for its own ``step-N``; ``recipe.yaml`` is
+  a mapping of sections; ``plan.yaml`` (absent in older checkpoints) parses; the files a resume of the checkpoint's engine opens exist;
+- safetensors files: the JSON header parses, each tensor has a dtype, shape and offsets, and the
+  data fits the file exactly; a model ``config.json`` builds its transformers config;
+- ``torch.save`` files (optimizer, RNG, DeepSpeed's): they start with a zip entry and their zip
+  index is intact (it is written last, so a truncated file has none);
+- DCP folders: ``.metadata`` and every data file it names are present and not empty;
+- ``trainer_state.json`` has the fields and JSON types llmft writes, and its step, the marker's
+  and the folder's ``step-N`` agree (a disagreement would resume from the wrong step, or from
+  none: "nothing to do" with the steps never trained);
+- confinement: a checkpoint is read only inside its own folder. ``check_confined`` refuses a
+  symbolic link anywhere in it (a reader, llmft's or DeepSpeed's, would follow it to a file
+  nobody checked), anything that is not a plain file or folder (a FIFO would block a reader
+  forever), and a step dir that is a link leading out of its ``checkpoints/``: the rule
+  ``checkpoints/latest`` follows (a name inside ``checkpoints/``, never a path).
 
 A damaged checkpoint raises ``DamagedCheckpoint`` naming the file; ``llmft train`` then resumes
-from the previous complete one (docs/checkpoints.md).
+from the previous complete one (docs/checkpoints.md). A file that cannot be read (permission
+denied, an I/O error) is damaged for this purpose too: its error is named.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 import zipfile
 from pathlib import Path
@@ -25,14 +37,18 @@ from pathlib import Path
 import yaml
 
 from llmft.checkpoint.layout import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     COMPLETE,
     DCP_DIR,
     DS_DIR,
+    DS_TAG,
     MODEL_DIR,
     OPTIMIZER_FILE,
     PLAN_FILE,
     RECIPE_FILE,
     RNG_DIR,
+    STATE_FILE,
     STEP_RE,
     TrainerState,
 )
@@ -53,27 +69,128 @@ def _damaged(path: Path, what: str) -> DamagedCheckpoint:
     )
 
 
+def _outside(path: Path, what: str) -> DamagedCheckpoint:
+    return DamagedCheckpoint(
+        Problem(
+            str(path),
+            f"refused: {what}; a checkpoint is read only inside its own folder",
+            "Replace it by the file or folder itself (copy with `cp -rL`), or resume from an earlier checkpoint "
+            "(checkpoint.resume=auto skips this one).",
+        )
+    )
+
+
 def verify(step_dir: Path) -> None:
     """Raise ``DamagedCheckpoint`` naming the first file of ``step_dir`` that is not whole."""
     step_dir = Path(step_dir)
-    _check_marker(step_dir)
+    check_confined(step_dir)
+    marked = _check_marker(step_dir)
     try:
-        TrainerState.read(step_dir)
+        state = TrainerState.read(step_dir)
     except UserError as e:
-        raise _damaged(step_dir / "trainer_state.json", e.problems[0].what) from None
-    for name in (RECIPE_FILE, PLAN_FILE):
-        if name == PLAN_FILE and not (step_dir / name).exists():  # older checkpoints have none
-            continue
+        raise _damaged(step_dir / STATE_FILE, e.problems[0].what) from None
+    if state.step != marked:
+        raise _damaged(step_dir / STATE_FILE, f"says step {state.step}, but the folder is {step_dir.name}")
+    try:
+        recipe = yaml.safe_load((step_dir / RECIPE_FILE).read_text())
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise _damaged(step_dir / RECIPE_FILE, f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    if not isinstance(recipe, dict) or not all(isinstance(v, dict) for v in recipe.values()):
+        raise _damaged(step_dir / RECIPE_FILE, "not a recipe (a mapping of sections such as model:, data:)")
+    if (step_dir / PLAN_FILE).exists():  # older checkpoints have none
         try:
-            yaml.safe_load((step_dir / name).read_text())
-        except (OSError, yaml.YAMLError) as e:
-            raise _damaged(step_dir / name, f"{type(e).__name__}: {e}".splitlines()[0]) from None
+            yaml.safe_load((step_dir / PLAN_FILE).read_text())
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            raise _damaged(step_dir / PLAN_FILE, f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    _check_present(step_dir, state)
+    try:
+        _check_files(step_dir)
+    except OSError as e:  # permission denied, an I/O error: the file cannot be what a resume reads
+        raise _damaged(Path(e.filename or step_dir), f"cannot be read ({e.strerror or e})") from None
+
+
+def check_confined(step_dir: Path) -> list[Path]:
+    """Every file of ``step_dir``, after refusing what would lead a reader outside it: a step dir
+    that is a link out of its ``checkpoints/``, any link inside, anything not a plain file or folder."""
+    step_dir = Path(step_dir)
+    if step_dir.is_symlink() and step_dir.resolve().parent != step_dir.parent.resolve():
+        raise _outside(step_dir, f"is a symbolic link to {os.readlink(step_dir)}, outside {step_dir.parent}")
+    files = []
+
+    def fail(e: OSError) -> None:
+        raise _damaged(Path(e.filename or step_dir), f"cannot be read ({e.strerror or e})")
+
+    for folder, dirs, names in os.walk(step_dir, onerror=fail):
+        for name in sorted(dirs + names):
+            path = Path(folder) / name
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError as e:
+                fail(e)
+            if stat.S_ISLNK(mode):
+                raise _outside(path, f"is a symbolic link (to {os.readlink(path)})")
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise DamagedCheckpoint(
+                    Problem(
+                        str(path),
+                        "refused: is not a plain file or folder (a FIFO, socket or device: a reader could wait on "
+                        "it forever)",
+                        "Replace it by the file llmft wrote, or resume from an earlier checkpoint "
+                        "(checkpoint.resume=auto skips this one).",
+                    )
+                )
+            if stat.S_ISREG(mode):
+                files.append(path)
+    return files
+
+
+def _check_present(step_dir: Path, state: TrainerState) -> None:
+    """The files a resume of ``state.engine``'s checkpoint opens exist (a missing one would be a
+    ``FileNotFoundError`` mid-resume, after the choice of checkpoint was made)."""
+    needed = []  # (a missing RNG file is allowed: a rank that did not exist when it was written)
+    if state.engine in ("single", "ddp"):
+        model = step_dir / MODEL_DIR
+        weights = [model / ADAPTER_WEIGHTS] if (model / ADAPTER_CONFIG).is_file() else _model_weights(model)
+        needed += [model / "config.json" if not (model / ADAPTER_CONFIG).is_file() else model / ADAPTER_CONFIG]
+        needed += weights  # (optimizer.pt may be gone: export needs none; a resume names it if missing)
+    elif state.engine == "fsdp":
+        needed.append(step_dir / DCP_DIR / ".metadata")
+    elif state.engine == "deepspeed":
+        if not any((step_dir / DS_DIR / DS_TAG).glob("*model_states.pt")):
+            raise _damaged(step_dir / DS_DIR / DS_TAG, "holds no DeepSpeed *model_states.pt file")
+    else:
+        raise _damaged(step_dir / STATE_FILE, f"names the engine {state.engine[:40]!r}, which llmft does not have")
+    for path in needed:
+        if not path.is_file():
+            raise _damaged(path, "missing")
+
+
+def _model_weights(model_dir: Path) -> list[Path]:
+    """The weight files of a save_pretrained folder: its index's files (plain names in the folder),
+    or ``model.safetensors``."""
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return [model_dir / "model.safetensors"]
+    try:
+        doc = json.loads(index.read_text())
+    except (OSError, ValueError) as e:
+        raise _damaged(index, f"not valid JSON ({e})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    names = list(weight_map.values()) if isinstance(weight_map, dict) else None
+    if not names or not all(isinstance(n, str) and n == Path(n).name and n not in ("", ".", "..") for n in names):
+        raise _damaged(index, "its weight_map does not name weight files of this folder")
+    return [model_dir / n for n in sorted(set(names))]
+
+
+def _check_files(step_dir: Path) -> None:
     for path in sorted((step_dir / RNG_DIR).glob("*.pt")):
         check_zip(path)
     for path in sorted((step_dir / MODEL_DIR).glob("*.safetensors")):
         check_safetensors(path)
     for path in sorted((step_dir / MODEL_DIR).glob("*.json")):
         check_json(path)
+    if (step_dir / MODEL_DIR / "config.json").is_file():
+        check_model_config(step_dir / MODEL_DIR / "config.json")
     if (step_dir / OPTIMIZER_FILE).exists():
         check_zip(step_dir / OPTIMIZER_FILE)
     if (step_dir / DCP_DIR).is_dir():
@@ -82,15 +199,18 @@ def verify(step_dir: Path) -> None:
         check_zip(path)
 
 
-def _check_marker(step_dir: Path) -> None:
+def _check_marker(step_dir: Path) -> int:
+    """The step of ``step-N``, which its ``COMPLETE`` marker must name (a JSON integer: ``true``
+    or ``1.0`` would compare equal to 1)."""
     marker = step_dir / COMPLETE
     m = STEP_RE.match(step_dir.name)
     try:
         step = json.loads(marker.read_text())["step"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise _damaged(marker, f"not the marker llmft writes ({type(e).__name__})") from None
-    if m is None or step != int(m.group(1)):
-        raise _damaged(marker, f"says step {step}, but the folder is {step_dir.name}")
+    if m is None or type(step) is not int or step != int(m.group(1)):
+        raise _damaged(marker, f"says step {json.dumps(step)[:40]}, but the folder is {step_dir.name}")
+    return step
 
 
 def check_json(path: Path) -> None:
@@ -98,6 +218,23 @@ def check_json(path: Path) -> None:
         json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise _damaged(path, f"not valid JSON ({e})") from None
+
+
+def check_model_config(path: Path) -> None:
+    """A model ``config.json`` builds its transformers config class (the one of its ``model_type``;
+    a type transformers does not know, remote code, is left to the loader that is allowed to run it)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = json.loads(path.read_text())
+    if not isinstance(config, dict):
+        raise _damaged(path, "not a JSON object")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return
+    try:
+        CONFIG_MAPPING[model_type].from_dict(config)
+    except Exception as e:  # noqa: BLE001 - transformers' validation errors share no public base
+        raise _damaged(path, f"not a valid {model_type} config ({str(e).splitlines()[0][:200]})") from None
 
 
 def check_safetensors(path: Path) -> None:
@@ -109,17 +246,45 @@ def check_safetensors(path: Path) -> None:
             if header_len > size - 8:
                 raise ValueError(f"header of {header_len} bytes in a file of {size}")
             header = json.loads(f.read(header_len))
+        end = _data_end(header)
     except (OSError, ValueError, struct.error) as e:
         raise _damaged(path, f"unreadable safetensors header ({e})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + header_len + end != size:
         raise _damaged(path, f"{size} bytes on disk, {8 + header_len + end} expected (truncated or appended)")
+
+
+def _data_end(header: object) -> int:
+    """Where the last tensor of a safetensors header ends; ``ValueError`` for an entry without a
+    dtype, a shape of whole numbers, or begin <= end offsets."""
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if (
+            not isinstance(entry.get("dtype") if isinstance(entry, dict) else None, str)
+            or not isinstance(shape, list)
+            or not all(type(n) is int and n >= 0 for n in shape)
+            or not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(n) is int for n in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise ValueError(f"tensor {name[:80]!r} lacks a dtype, shape or data_offsets of the right types")
+        end = max(end, offsets[1])
+    return end
 
 
 def check_zip(path: Path) -> None:
     """A ``torch.save`` file: its zip index (written last) is intact and every entry lies in the file."""
     size = path.stat().st_size
     try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":  # torch.load would take it for its legacy format
+                raise zipfile.BadZipFile("it does not start with a zip entry")
         with zipfile.ZipFile(path) as z:
             for info in z.infolist():
                 if info.header_offset + info.compress_size > size:

@@ -272,21 +272,39 @@ def cache_write_error(e: OSError, root: Path) -> UserError:
     return UserError(Problem("data.cache_dir", what, fix))
 
 
+# How long a process waits for another to build the same entry: a long tokenization, but not forever
+# (a builder stopped with SIGSTOP, or a lock that a network filesystem never releases).
+BUILD_WAIT_S = 6 * 3600
+WAIT_LOG_S = 300  # how often the wait is logged, with how long it has lasted
+
+
 @contextlib.contextmanager
-def _locked(lock: Path, entry: Path) -> Iterator[None]:
-    """An exclusive flock on ``lock``; while another process holds it, wait (and honour a stop request)."""
+def _locked(lock: Path, entry: Path, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
+    """An exclusive flock on ``lock``; while another process holds it, wait (polled, so that a stop
+    request ends the wait), logging every ``WAIT_LOG_S`` and giving up after ``wait_s``."""
     with open(lock, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("data cache: waiting for another process to build %s", entry)
-            while True:  # polled, not a blocking flock: a stop request must end the wait
+        started = time.monotonic()
+        last_log = None
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
                 stop.check()
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    time.sleep(0.2)
+                waited = time.monotonic() - started
+                if waited >= wait_s:
+                    raise UserError(
+                        Problem(
+                            "data.cache_dir",
+                            f"waited {waited / 60:.0f} min for another process to build {entry} (it holds {lock})",
+                            "Check that process (`fuser` on the lock file names it); remove the lock file if none "
+                            "holds it, or point data.cache_dir at another directory.",
+                        )
+                    ) from None
+                if last_log is None or time.monotonic() - last_log >= WAIT_LOG_S:
+                    log.info("data cache: waiting (%.0f s so far) for another process to build %s", waited, entry)
+                    last_log = time.monotonic()
+                time.sleep(0.2)
         try:
             yield
         finally:

@@ -73,9 +73,23 @@ class MetadataUnpickler(pickle.Unpickler):
 def read_metadata_file(path: str | os.PathLike) -> Any:
     with open(path, "rb") as f:
         try:
-            return MetadataUnpickler(f, path).load()
+            metadata = MetadataUnpickler(f, path).load()
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
             raise refused(path, f"not a readable DCP metadata file ({type(e).__name__}: {e})") from None
+    _check_relative_paths(metadata, path)
+    return metadata
+
+
+def _check_relative_paths(metadata: Any, path: str | os.PathLike) -> None:
+    """The data files the metadata names are plain names in its own folder: ``FileSystemReader``
+    opens ``folder / relative_path``, and ``../`` or an absolute path would read outside it."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise refused(path, "not a readable DCP metadata file (it has no storage index)")
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name != Path(name).name or name in ("", ".", ".."):
+            raise refused(path, f"names the data file {str(name)[:80]!r}, which is not a file of its own folder")
 
 
 class SafeReader(FileSystemReader):

@@ -6,7 +6,9 @@ for export): a crafted file would run code. llmft cannot change how DeepSpeed lo
 any of those runs, ``check_deepspeed_files`` scans every ``.pt`` file of the checkpoint's
 ``deepspeed/`` and ``deepspeed_universal/`` folders *without executing it*
 (``torch.serialization.get_unsafe_globals_in_checkpoint`` reads the pickle's opcodes) and
-refuses any global outside ``DEEPSPEED_GLOBALS``, naming the file and the global.
+refuses any global outside ``DEEPSPEED_GLOBALS``, naming the file and the global. A symbolic
+link anywhere in the checkpoint is refused first: DeepSpeed would follow it to a file the scan
+never saw (``Path.rglob`` does not descend into a linked folder).
 
 ``DEEPSPEED_GLOBALS`` holds what real llmft DeepSpeed checkpoints contain beyond what
 ``weights_only`` allows anyway (tensors, containers, plain values), found by scanning the
@@ -45,18 +47,28 @@ def unexpected_globals(path: Path) -> list[str]:
     return sorted(g for g in found if g not in DEEPSPEED_GLOBALS)
 
 
-def check_deepspeed_files(step_dir: str | Path) -> None:
-    """Refuse the checkpoint if any DeepSpeed pickle in it names a global outside the allowlist."""
+def deepspeed_pickles(step_dir: str | Path) -> list[Path]:
+    """The files DeepSpeed may unpickle from ``step_dir``: every ``.pt`` file under ``deepspeed/`` and
+    ``deepspeed_universal/`` (its loaders glob ``*_model_states.pt``, ``*_optim_states.pt`` and the
+    universal ``zero/<param>/<state>.pt``). The step dir is first checked to hold no link and
+    nothing but files and folders (``check_confined``): ``Path.rglob`` does not descend into a
+    linked folder, DeepSpeed's own ``open`` does, so a link would hide a file from this scan."""
+    from llmft.checkpoint.verify import check_confined
+
     step_dir = Path(step_dir)
-    for folder in (step_dir / DS_DIR, step_dir / UNIVERSAL_DIR):
-        if not folder.is_dir():
-            continue
-        for path in sorted(folder.rglob("*.pt")):
-            bad = unexpected_globals(path)
-            if bad:
-                raise refused(
-                    path,
-                    f"this DeepSpeed file names the Python global(s) {', '.join(bad)}, which llmft's DeepSpeed "
-                    "checkpoints never hold; DeepSpeed unpickles it with weights_only=False, so loading it "
-                    "could run code",
-                )
+    folders = [step_dir / DS_DIR, step_dir / UNIVERSAL_DIR]
+    return [p for p in check_confined(step_dir) if p.suffix == ".pt" and any(f in p.parents for f in folders)]
+
+
+def check_deepspeed_files(step_dir: str | Path) -> None:
+    """Refuse the checkpoint if any DeepSpeed pickle in it names a global outside the allowlist, or
+    if anything in it leads outside it (``deepspeed_pickles``)."""
+    for path in deepspeed_pickles(step_dir):
+        bad = unexpected_globals(path)
+        if bad:
+            raise refused(
+                path,
+                f"this DeepSpeed file names the Python global(s) {', '.join(bad)}, which llmft's DeepSpeed "
+                "checkpoints never hold; DeepSpeed unpickles it with weights_only=False, so loading it "
+                "could run code",
+            )

@@ -3,6 +3,8 @@ files on disk before and after (docs/reliability.md; docs/design.md G5, G8)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import resource
 import signal
@@ -164,3 +166,146 @@ def test_data_smaller_than_one_global_batch_is_refused(tmp_path):
         "batch.global_batch_size: is 8, but the data has only 6 training sequences: one optimizer step would "
         "take some of them twice. Use a global batch of at most 6 sequences, or more data."
     )
+
+
+# --- round 2: checkpoints validated as data, read only inside themselves, nothing waits forever ---------
+
+
+def _trained(tmp_path: Path, steps: int = 4, **keys) -> tuple[Path, Path]:
+    """A run with a checkpoint every 2 steps up to ``steps``: (recipe, checkpoints/)."""
+    recipe = write_recipe(tmp_path, **{**CKPT, "train__max_steps": steps, **keys})
+    assert train_inproc(recipe) == 0
+    return recipe, tmp_path / "run/checkpoints"
+
+
+@pytest.mark.parametrize(
+    "field, value, said",
+    [
+        ("samples", None, "field 'samples' is null, not a JSON int"),  # hung: the workers outlived the error
+        ("step", 6, "says step 6, but the folder is step-4"),  # was "nothing to do", exit 0, steps 5-6 untrained
+    ],
+)
+def test_a_trainer_state_that_is_not_what_llmft_wrote_falls_back_with_workers_running(tmp_path, field, value, said):
+    recipe, ckpts = _trained(tmp_path)
+    state_file = ckpts / "step-4/trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, field: value}))
+    done = subprocess.run(
+        _cmd(recipe, "train.max_steps=6", "data.num_workers=1"),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"not resuming from step-4: {state_file}: is damaged: " in done.stderr
+    assert said in done.stderr
+    assert f"resuming from {ckpts / 'step-2'} (step 2," in done.stderr
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_step_dir_linked_outside_the_run_is_not_resumed_from(tmp_path, capsys):
+    recipe, ckpts = _trained(tmp_path)
+    outside = tmp_path / "elsewhere/step-4"
+    outside.parent.mkdir()
+    (ckpts / "step-4").rename(outside)
+    (ckpts / "step-4").symlink_to(outside)
+    before = _tree(outside)
+    capsys.readouterr()
+    assert train_inproc(recipe, "train.max_steps=6") == 0
+    err = capsys.readouterr().err
+    assert f"not resuming from step-4: {ckpts / 'step-4'}: refused: is a symbolic link to {outside}, outside" in err
+    assert f"resuming from {ckpts / 'step-2'} (step 2," in err
+    assert _tree(outside) == before  # never read as a checkpoint, never written or removed
+    assert not (ckpts / "step-4").is_symlink() and (ckpts / "step-4/COMPLETE").is_file()  # saved again, whole
+
+
+def test_resuming_with_another_optimizer_starts_it_fresh_and_says_so(tmp_path, capsys):
+    """Was ``KeyError: 'betas'`` (AdamW's state loaded into SGD, or the reverse)."""
+    recipe, ckpts = _trained(tmp_path, steps=2)
+    capsys.readouterr()
+    assert train_inproc(recipe, "optim.name=sgd", "train.max_steps=4") == 0
+    err = capsys.readouterr().err
+    assert (
+        "optim.name changed adamw -> sgd: the checkpoint's adamw state is not loaded; sgd starts with fresh state at "
+        "step 2 (weights, schedule position, data position and RNG are restored)"
+    ) in err
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_recipe_with_an_unset_environment_value_resumes(tmp_path, capsys, monkeypatch):
+    """The checkpoint's recipe keeps ``${oc.env:...}`` as written; resuming where it is unset compares it
+    as text (was an omegaconf traceback)."""
+    monkeypatch.setenv("LLMFT_TEST_NAME", "from-env")
+    recipe, ckpts = _trained(tmp_path, steps=2, run__name="${oc.env:LLMFT_TEST_NAME}")
+    monkeypatch.delenv("LLMFT_TEST_NAME")
+    capsys.readouterr()
+    assert train_inproc(recipe, "run.name=plain", "train.max_steps=4") == 0
+    err = capsys.readouterr().err
+    assert "resuming with a changed setting: run.name '${oc.env:LLMFT_TEST_NAME}' -> 'plain'" in err
+
+
+@pytest.mark.parametrize("where", ["mkdir", "commit"])
+def test_an_os_error_on_the_checkpoint_path_is_a_message(tmp_path, monkeypatch, where):
+    """A read-only or vanished checkpoints/ (as root, chmod cannot make one: the call fails instead),
+    when the step folder is made or when it is renamed into place."""
+    import errno
+    import os as _os
+    import pathlib
+
+    from llmft.checkpoint.manager import CheckpointWriteError
+
+    recipe, ckpts = _trained(tmp_path, steps=2)
+    before = _tree(ckpts)
+    real_mkdir, real_replace = pathlib.Path.mkdir, _os.replace
+
+    def mkdir(self, *a, **k):
+        if where == "mkdir" and self.name == ".tmp-step-4":
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *a, **k)
+
+    def replace(src, dst):
+        if where == "commit" and Path(dst).name == "step-4":
+            raise OSError(errno.EACCES, "Permission denied", str(src))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    monkeypatch.setattr(_os, "replace", replace)
+    with pytest.raises(CheckpointWriteError) as e:
+        train_inproc(recipe, "train.max_steps=4")
+    why = "Read-only file system" if where == "mkdir" else "Permission denied"
+    assert str(e.value).startswith(f"{ckpts / '.tmp-step-4'}: writing the checkpoint of step 4 failed: {why}")
+    assert "step-2 and latest are untouched" in str(e.value)
+    assert _tree(ckpts) == before
+
+
+def test_kill9_of_the_trainer_while_its_data_worker_lives_does_not_block_the_requeue(tmp_path):
+    """The OOM killer's kill -9 hits the training process; its DataLoader worker (stopped here, so it
+    cannot exit on its own) lives on. It never held the run dir's lock: the requeued job starts."""
+    recipe = write_recipe(tmp_path, train__max_steps=400, checkpoint__every_steps=1, data__num_workers=1)
+    first = subprocess.Popen(_cmd(recipe), stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    worker = None
+    try:
+        deadline = time.time() + 180
+        while not (tmp_path / "run/checkpoints/step-1/COMPLETE").exists():
+            assert first.poll() is None and time.time() < deadline, "first run did not checkpoint"
+            time.sleep(0.05)
+        children = Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text().split()
+        assert children, "no DataLoader worker"
+        worker = int(children[0])
+        os.kill(worker, signal.SIGSTOP)
+        first.kill()
+        first.wait()
+        os.kill(worker, 0)  # alive, holding whatever it inherited
+        again = subprocess.run(
+            _cmd(recipe, "train.max_steps=2"), capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=240
+        )
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "in use by another llmft train" not in again.stderr
+        assert "resuming from" in again.stderr
+    finally:
+        first.kill()
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)

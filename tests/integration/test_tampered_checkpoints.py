@@ -137,3 +137,48 @@ def test_fsdp_resume_refuses_dcp_metadata_that_would_run_code(tmp_path):
     assert done.returncode == 2, done.stderr[-3000:]
     assert "dcp/.metadata: refused: this DCP metadata file names the Python global" in done.stderr, done.stderr[-3000:]
     assert not marker.exists()
+
+
+def test_export_refuses_a_deepspeed_state_folder_that_is_a_link(tmp_path):
+    """Path.rglob does not descend into a linked folder: the scan saw nothing, and zero_to_fp32
+    unpickled the files behind the link (the payload ran, export exited 0)."""
+    step = _step_dir(tmp_path, "deepspeed")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    marker = tmp_path / "marker"
+    torch.save({"module": {}}, elsewhere / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": WritesMarker(marker)}, elsewhere / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (step / "deepspeed").mkdir()
+    (step / "deepspeed/state").symlink_to(elsewhere)
+    done = _llmft("export", str(step), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert (
+        f"llmft export: error: {step / 'deepspeed/state'}: refused: is a symbolic link (to {elsewhere}); "
+        "a checkpoint is read only inside its own folder"
+    ) in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_deepspeed_resume_refuses_a_linked_state_folder_and_auto_skips_it(tmp_path):
+    """A real ZeRO-1 checkpoint whose deepspeed/state is moved out and linked back, with a payload added
+    to its files: named explicitly, the resume is refused; with auto, the checkpoint is skipped (no older
+    one: a fresh start). The payload never runs; the linked folder is never written."""
+    recipe, step = _trained_then_tampered(tmp_path, "deepspeed")
+    marker = tmp_path / "marker"
+    elsewhere = tmp_path / "elsewhere"
+    (step / "deepspeed/state").rename(elsewhere)
+    for f in elsewhere.glob("*.pt"):
+        torch.save({**torch.load(f, weights_only=False), "payload": WritesMarker(marker)}, f)
+    (step / "deepspeed/state").symlink_to(elsewhere)
+    before = {p.name: p.read_bytes() for p in elsewhere.iterdir()}
+    done = _llmft("train", str(recipe), "train.max_steps=2", f"checkpoint.resume={step}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"{step / 'deepspeed/state'}: refused: is a symbolic link (to {elsewhere})" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = _llmft("train", str(recipe), "train.max_steps=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not resuming from step-1: " in done.stderr and "refused: is a symbolic link" in done.stderr
+    assert not marker.exists()
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == before

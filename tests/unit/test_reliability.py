@@ -192,3 +192,267 @@ def test_malformed_jsonl_line_reports_its_real_column(tmp_path):
         build_data(load_recipe(str(write_recipe(tmp_path))), byte_tokenizer())
     assert want.value.colno == 22
     assert str(e.value).startswith(f"{tmp_path / 'train.jsonl'}:2: not valid JSON (Expecting value at column 22)")
+
+
+# --- checkpoints validated as data (round 2) ---------------------------------------------------------
+
+
+def _whole_step(run: Path, n: int, **state) -> Path:
+    """A complete step dir with the files verify reads (no engine state)."""
+    d = _step(run, n)
+    fields = {"step": n, "samples": 8 * n, "tokens": 10 * n, "epoch": 0.5, "world_size": 1, "engine": "single"}
+    (d / "trainer_state.json").write_text(json.dumps({**fields, "batch": {}, "scheduler": {}, **state}))
+    (d / "recipe.yaml").write_text("run: {seed: 0}\n")
+    return d
+
+
+@pytest.mark.parametrize(
+    "state, said",
+    [
+        ({"samples": None}, "field 'samples' is null, not a JSON int"),
+        ({"step": True}, "field 'step' is true, not a JSON int"),
+        ({"epoch": "half"}, "field 'epoch' is \"half\", not a JSON int or float"),
+        ({"scheduler": []}, "field 'scheduler' is [], not a JSON dict"),
+        ({"tokens": -1}, "field 'tokens' is -1, below 0"),
+        ({"world_size": 0}, "field 'world_size' is 0, below 1"),
+    ],
+)
+def test_trainer_state_fields_are_type_checked(tmp_path, state, said):
+    d = _whole_step(tmp_path, 2, **state)
+    with pytest.raises(DamagedCheckpoint) as e:
+        verify(d)
+    assert str(e.value).startswith(f"{d / 'trainer_state.json'}: is damaged: cannot be read as llmft trainer state")
+    assert said in str(e.value)
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '"step-2"', "null"])
+def test_trainer_state_that_is_not_an_object_is_damaged_not_a_traceback(tmp_path, content):
+    d = _whole_step(tmp_path, 2)
+    (d / "trainer_state.json").write_text(content)
+    with pytest.raises(DamagedCheckpoint, match=r"holds a JSON \w+, not an object of named fields"):
+        verify(d)
+
+
+def test_trainer_state_must_agree_with_its_folder(tmp_path):
+    d = _whole_step(tmp_path, 4, step=6)
+    with pytest.raises(DamagedCheckpoint) as e:
+        verify(d)
+    assert str(e.value).startswith(f"{d / 'trainer_state.json'}: is damaged: says step 6, but the folder is step-4")
+
+
+@pytest.mark.parametrize("marker", [{"step": True}, {"step": 1.0}, {"step": "1"}])
+def test_marker_step_is_a_json_integer(tmp_path, marker):
+    d = _whole_step(tmp_path, 1)
+    (d / "COMPLETE").write_text(json.dumps(marker))
+    with pytest.raises(DamagedCheckpoint, match="but the folder is step-1"):
+        verify(d)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [{"dtype": "F32", "shape": [3]}, {"shape": [3], "data_offsets": [0, 12]}, {"dtype": "F32", "data_offsets": 5}],
+)
+def test_safetensors_header_entry_missing_a_field_is_named(tmp_path, entry):
+    header = json.dumps({"w": entry}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(12))
+    with pytest.raises(DamagedCheckpoint) as e:
+        check_safetensors(path)
+    assert str(e.value).startswith(f"{path}: is damaged: unreadable safetensors header (tensor 'w' lacks a dtype")
+
+
+# --- a checkpoint is read only inside itself ---------------------------------------------------------
+
+
+def test_a_link_inside_a_checkpoint_is_refused(tmp_path):
+    d = _whole_step(tmp_path / "run", 2)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (d / "model").symlink_to(outside)
+    with pytest.raises(DamagedCheckpoint) as e:
+        verify(d)
+    assert str(e.value).startswith(
+        f"{d / 'model'}: refused: is a symbolic link (to {outside}); a checkpoint is read only inside its own folder"
+    )
+
+
+def test_a_fifo_inside_a_checkpoint_is_refused_not_waited_on(tmp_path):
+    d = _whole_step(tmp_path / "run", 2)
+    os.mkfifo(d / "optimizer.pt")
+    with pytest.raises(DamagedCheckpoint, match="optimizer.pt: refused: is not a plain file or folder"):
+        verify(d)
+
+
+def test_a_step_dir_linked_outside_the_run_is_refused(tmp_path):
+    real = _whole_step(tmp_path / "other", 2)
+    (tmp_path / "run/checkpoints").mkdir(parents=True)
+    link = tmp_path / "run/checkpoints/step-2"
+    link.symlink_to(real)
+    with pytest.raises(DamagedCheckpoint) as e:
+        verify(link)
+    assert str(e.value).startswith(f"{link}: refused: is a symbolic link to {real}, outside {link.parent}")
+
+
+def test_deepspeed_scan_sees_files_behind_a_linked_folder(tmp_path):
+    """Path.rglob does not descend into a linked folder (Python 3.11); DeepSpeed's open does."""
+    import torch
+
+    from llmft.engines.safe_deepspeed import check_deepspeed_files
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    torch.save({"optimizer_state_dict": os.system}, elsewhere / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (tmp_path / "step-1/deepspeed").mkdir(parents=True)
+    (tmp_path / "step-1/deepspeed/state").symlink_to(elsewhere)
+    with pytest.raises(UserError) as e:
+        check_deepspeed_files(tmp_path / "step-1")
+    assert str(e.value).startswith(f"{tmp_path / 'step-1/deepspeed/state'}: refused: is a symbolic link")
+
+
+# --- the run lock belongs to one process -------------------------------------------------------------
+
+
+def test_lock_of_a_killed_process_is_free_though_its_forked_child_lives_on(tmp_path):
+    """kill -9 of the holder (the OOM killer) while a child it forked (a DataLoader worker) outlives
+    it: the child never held the lock, so a requeued job gets it at once."""
+    import signal
+
+    code = (
+        "import os, sys, time; sys.path.insert(0, sys.argv[2]);"
+        "from llmft.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire();"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120); os._exit(0)\n"
+        "print(child, flush=True); time.sleep(120)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "run"), str(ROOT)], stdout=subprocess.PIPE, text=True
+    )
+    child = int(proc.stdout.readline())
+    try:
+        with pytest.raises(UserError, match=f"pid {proc.pid}"):
+            RunDirLock(tmp_path / "run").acquire()
+        proc.kill()
+        proc.wait()
+        os.kill(child, 0)  # the child lives on
+        RunDirLock(tmp_path / "run").acquire().release()
+    finally:
+        proc.kill()
+        os.kill(child, signal.SIGKILL)
+
+
+# --- nothing waits forever ---------------------------------------------------------------------------
+
+
+def _failing_loader_script(tmp_path: Path) -> Path:
+    """A script whose loader's sampler raises once the workers are started (a bad resume position),
+    uncaught, as ``llmft train`` meets it: the traceback keeps torch's half-made iterator alive."""
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "from llmft.data import make_loader\n"
+        "class Broken:\n"
+        "    def __iter__(self):\n"
+        "        yield from range(None)  # raises at the first batch, after the workers started\n"
+        "    def __len__(self):\n"
+        "        return 1\n"
+        "rows = [{'input_ids': [1, 2], 'labels': [1, 2], 'position_ids': None}] * 4\n"
+        "iter(make_loader(rows, Broken(), 0, 1, 2))\n"
+    )
+    return script
+
+
+def test_a_loader_that_fails_to_start_ends_the_process_with_its_error(tmp_path):
+    """The workers ignore SIGTERM (llmft.data.workers); torch never handed the iterator back, so
+    nothing shut them down and interpreter exit joined them forever."""
+    done = subprocess.run(
+        [sys.executable, str(_failing_loader_script(tmp_path))], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.rstrip().endswith("TypeError: 'NoneType' object cannot be interpreted as an integer")
+
+
+def test_dcp_metadata_naming_a_file_outside_its_folder_is_refused(tmp_path):
+    """DCP's reader opens ``folder / relative_path`` for each entry of ``.metadata``."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from llmft.engines import safe_dcp
+
+    path = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(path), no_dist=True)
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../../secret.distcp"
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(UserError) as e:
+        safe_dcp.load({"w": torch.zeros(3)}, path, no_dist=True)
+    assert str(e.value).startswith(
+        f"{path / '.metadata'}: refused: names the data file '../../../secret.distcp', which is not a file of its own"
+    )
+
+
+def test_a_missing_model_folder_is_damage_not_a_file_not_found_mid_resume(tmp_path):
+    """Found by the checkpoint harness (tests/integration/test_checkpoint_fuzz.py)."""
+    d = _whole_step(tmp_path, 2)
+    with pytest.raises(DamagedCheckpoint) as e:
+        verify(d)
+    assert str(e.value).startswith(f"{d / 'model/config.json'}: is damaged: missing")
+
+
+def test_a_torch_file_with_a_changed_first_byte_is_damage_not_an_index_error(tmp_path):
+    """Found by the checkpoint harness: the zip index is intact, but torch.load takes the file for its
+    legacy format and fails inside the unpickler."""
+    from llmft.safe_load import torch_load
+
+    path = _real_files(tmp_path)["pt"]
+    data = bytearray(path.read_bytes())
+    data[0] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedCheckpoint, match="does not start with a zip entry"):
+        check_zip(path)
+    with pytest.raises(UserError) as e:
+        torch_load(path)
+    assert str(e.value).startswith(f"{path}: is damaged: torch.load cannot read it (")
+
+
+def test_waiting_for_another_cache_builder_is_bounded_and_says_what_it_waits_for(tmp_path, llmft_log, monkeypatch):
+    """A data cache build held by another process (here: another descriptor of this one) is waited
+    for a bounded time, then refused naming the entry and the lock (was a blocking flock: forever)."""
+    import fcntl
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("llmft"), "level", logging.INFO)
+
+    from llmft.data.cache import _locked
+
+    lock = tmp_path / "k.lock"
+    with open(lock, "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.raises(UserError) as e:
+            with _locked(lock, tmp_path / "k", wait_s=1):
+                pass
+    assert str(e.value).startswith(f"data.cache_dir: waited 0 min for another process to build {tmp_path / 'k'}")
+    assert f"data cache: waiting (0 s so far) for another process to build {tmp_path / 'k'}" in [
+        r.getMessage() for r in llmft_log
+    ]
+
+
+@pytest.mark.parametrize("field, value", [("attention_bias", None), ("hidden_size", [])])
+def test_a_model_config_field_of_the_wrong_type_is_damage(tmp_path, field, value):
+    """Found by the checkpoint harness: export met transformers' validation error as a traceback."""
+    from helpers import TINY_LLAMA
+    from transformers import AutoConfig
+
+    from llmft.checkpoint.verify import check_model_config
+
+    AutoConfig.for_model(**TINY_LLAMA).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    check_model_config(path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    with pytest.raises(DamagedCheckpoint) as e:
+        check_model_config(path)
+    assert str(e.value).startswith(f"{path}: is damaged: not a valid llama config (")
