@@ -251,9 +251,9 @@ def resume(recipe: Path, run: Path, engine) -> Path | None:
     """What ``llmft train`` reads on resume, in its order; the checkpoint it resumed from."""
     from llmft.checkpoint.layout import TrainerState, saved_optimizer
     from llmft.checkpoint.manager import CheckpointManager
+    from llmft.checkpoint.resume import check_resume_compatible, resume_point
     from llmft.dist import read_env
     from llmft.plan.resolve import load_plan
-    from llmft.checkpoint.resume import check_resume_compatible, resume_point
 
     plan = load_plan(str(recipe), [f"run.output_dir={run}"], world_size=1, local_world_size=1)
     chosen = resume_point(plan)
