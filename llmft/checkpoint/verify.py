@@ -53,6 +53,7 @@ from llmft.checkpoint.layout import (
     TrainerState,
 )
 from llmft.errors import Problem, UserError
+from llmft.plan.engines import ENGINE_NAMES, engine_spec, load
 
 
 class DamagedCheckpoint(UserError):
@@ -146,23 +147,36 @@ def check_confined(step_dir: Path) -> list[Path]:
 
 def _check_present(step_dir: Path, state: TrainerState) -> None:
     """The files a resume of ``state.engine``'s checkpoint opens exist (a missing one would be a
-    ``FileNotFoundError`` mid-resume, after the choice of checkpoint was made)."""
-    needed = []  # (a missing RNG file is allowed: a rank that did not exist when it was written)
-    if state.engine in ("single", "ddp"):
-        model = step_dir / MODEL_DIR
-        weights = [model / ADAPTER_WEIGHTS] if (model / ADAPTER_CONFIG).is_file() else _model_weights(model)
-        needed += [model / "config.json" if not (model / ADAPTER_CONFIG).is_file() else model / ADAPTER_CONFIG]
-        needed += weights  # (optimizer.pt may be gone: export needs none; a resume names it if missing)
-    elif state.engine == "fsdp":
-        needed.append(step_dir / DCP_DIR / ".metadata")
-    elif state.engine == "deepspeed":
-        if not any((step_dir / DS_DIR / DS_TAG).glob("*model_states.pt")):
-            raise _damaged(step_dir / DS_DIR / DS_TAG, "holds no DeepSpeed *model_states.pt file")
-    else:
+    ``FileNotFoundError`` mid-resume, after the choice of checkpoint was made). Which files: the
+    engine's record names the check (``EngineSpec.checkpoint_files``)."""
+    if state.engine not in ENGINE_NAMES:
         raise _damaged(step_dir / STATE_FILE, f"names the engine {state.engine[:40]!r}, which llmft does not have")
-    for path in needed:
+    for path in load(engine_spec(state.engine).checkpoint_files)(step_dir):
         if not path.is_file():
             raise _damaged(path, "missing")
+
+
+def plain_files(step_dir: Path) -> list[Path]:
+    """A ``save_pretrained`` checkpoint (single, DDP): the adapter or the model's config and weights.
+    (A missing RNG file is allowed: a rank that did not exist when it was written; optimizer.pt may
+    be gone too: export needs none, and a resume names it if missing.)"""
+    model = step_dir / MODEL_DIR
+    if (model / ADAPTER_CONFIG).is_file():
+        return [model / ADAPTER_CONFIG, model / ADAPTER_WEIGHTS]
+    return [model / "config.json", *_model_weights(model)]
+
+
+def dcp_files(step_dir: Path) -> list[Path]:
+    """A DCP checkpoint (FSDP2): its metadata (which names the rest, checked by ``check_dcp``)."""
+    return [step_dir / DCP_DIR / ".metadata"]
+
+
+def deepspeed_files(step_dir: Path) -> list[Path]:
+    """A DeepSpeed checkpoint: at least one ``*model_states.pt``."""
+    found = sorted((step_dir / DS_DIR / DS_TAG).glob("*model_states.pt"))
+    if not found:
+        raise _damaged(step_dir / DS_DIR / DS_TAG, "holds no DeepSpeed *model_states.pt file")
+    return found
 
 
 def _model_weights(model_dir: Path) -> list[Path]:

@@ -47,6 +47,7 @@ class EngineSpec:
     title: str  # in messages: "FSDP2", "DeepSpeed"
     runtime: str  # the Engine class (torch side): built by llmft.engines.build_engine
     reader: str  # (model, step_dir) -> None: a checkpoint's weights into a whole model, one process
+    checkpoint_files: str  # (step_dir) -> [Path]: the files a resume opens, checked present before one starts
     # Runs in a process group (on any number of ranks); False: one process, no group.
     multi_rank: bool = True
     # What it partitions; an engine with ZeRO stages partitions what its stage says instead.
@@ -102,6 +103,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         title="single",
         runtime="llmft.engines.single:SingleEngine",
         reader="llmft.engines.base:read_plain",
+        checkpoint_files="llmft.checkpoint.verify:plain_files",
         multi_rank=False,
         autocast_weight_cache=True,
     ),
@@ -110,6 +112,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         title="DDP",
         runtime="llmft.engines.ddp:DDPEngine",
         reader="llmft.engines.base:read_plain",
+        checkpoint_files="llmft.checkpoint.verify:plain_files",
         gradient_copies=2,  # gradient_as_bucket_view is off
         autocast_weight_cache=True,
     ),
@@ -118,6 +121,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         title="FSDP2",
         runtime="llmft.engines.fsdp:FSDPEngine",
         reader="llmft.engines.fsdp:read_dcp",
+        checkpoint_files="llmft.checkpoint.verify:dcp_files",
         sharding=Sharding(params=True, gradients=True, optimizer=True),
         sharded_title="FSDP2",
         param_offload=("cpu",),
@@ -136,6 +140,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         title="DeepSpeed",
         runtime="llmft.engines.deepspeed:DeepSpeedEngineAdapter",
         reader="llmft.engines.deepspeed:read_deepspeed",
+        checkpoint_files="llmft.checkpoint.verify:deepspeed_files",
         zero_stages=(0, 1, 2, 3),
         sharded_title="ZeRO-3",
         param_offload=("cpu", "nvme"),
