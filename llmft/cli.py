@@ -11,6 +11,10 @@ import sys
 from pathlib import Path
 
 from llmft.errors import UserError
+from llmft.malloc import use_mmap_for_large_blocks
+
+# The commands that load a model: their host RAM is what docs/benchmarks.md measures.
+HEAVY = ("train", "export", "verify")
 
 EXAMPLES = {
     "compile": "llmft compile configs/llama3-8b-lora-fsdp-8gpu.yaml --nproc-per-node 8 --out compiled/\n"
@@ -208,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
+    if args.command in HEAVY:
+        use_mmap_for_large_blocks()  # before torch allocates anything; see llmft/malloc.py
     try:
         return int(args.fn(args) or 0)
     except UserError as e:
