@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +24,11 @@ from llmft.recipe.schema import Recipe, iter_fields
 
 FREE_FORM = {"model.config"}  # values that are arbitrary mappings, not schema sections
 RECIPE_FILE = "recipe.yaml"
+# An override's key: dotted names, each optionally indexed (``data.train[0].weight``).
+_KEY = re.compile(r"[\w-]+(\[\d+\])?(\.[\w-]+(\[\d+\])?)*")
+# A resolver call inside ``${...}``; only the environment is read, nothing else is evaluated.
+_RESOLVER = re.compile(r"\$\{\s*([^${}:\s]+)\s*:")
+ALLOWED_RESOLVERS = ("oc.env",)
 
 
 class RecipeError(UserError):
@@ -41,7 +47,13 @@ class _Sources:
             got = self.where.get(".".join(parts[:n]))
             if got:
                 return f"{got}: {key}"
-        return key
+        # A section only named inside a longer key (``foo.bar=1`` makes the unknown ``foo``).
+        got = next((w for k, w in self.where.items() if k.startswith(key + ".")), None)
+        return f"{got}: {key}" if got else key
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _line_map(text: str, filename: str, sources: _Sources) -> None:
@@ -79,14 +91,34 @@ def resolve_recipe_path(path: str | os.PathLike) -> Path:
     return p
 
 
+def _decode(data: bytes, path: Path) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise RecipeError(
+            Problem(
+                f"{path}:{line}",
+                f"is not UTF-8 text (byte 0x{data[e.start]:02x} at column {column})",
+                "Save the recipe as UTF-8 (most editors: File > Save with encoding).",
+            )
+        ) from None
+
+
 def _read_yaml(path: Path, sources: _Sources) -> DictConfig:
-    text = path.read_text()
+    try:
+        text = _decode(path.read_bytes(), path)
+    except OSError as e:
+        raise RecipeError(
+            Problem(str(path), f"cannot be read: {e.strerror or e}", "Check the file's permissions.")
+        ) from None
     try:
         cfg = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
     except (yaml.YAMLError, OmegaConfBaseException) as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        what = getattr(e, "problem", None) or _first_line(e)
         raise RecipeError(
             Problem(
                 where,
@@ -94,30 +126,80 @@ def _read_yaml(path: Path, sources: _Sources) -> DictConfig:
                 "Fix the YAML at that line (indentation, a missing ':' or an unclosed quote).",
             )
         ) from None
+    except ValueError as e:  # an integer of more digits than Python converts (4300)
+        raise RecipeError(Problem(str(path), f"a number in it cannot be read: {e}", "Shorten that number.")) from None
     if not isinstance(cfg, DictConfig):
         raise RecipeError(Problem(str(path), "a recipe must be a YAML mapping of sections (run:, model:, data: ...)"))
     _line_map(text, str(path), sources)
     return cfg
 
 
+def _parse_override(item: str) -> tuple[str, Any, Problem | None]:
+    """``(key, value, None)`` or ``(key, None, the problem)`` for one ``KEY=VALUE``."""
+    where = f"override {item!r}"
+    key = item.partition("=")[0].strip()
+    if "=" not in item or not _KEY.fullmatch(key):
+        return key, None, Problem(where, "is not KEY=VALUE with a dotted key", "Write e.g. optim.lr=1e-4.")
+    try:
+        item.encode("utf-8")
+    except UnicodeEncodeError:
+        return (
+            key,
+            None,
+            Problem(where, "is not UTF-8 text", "Type the override again, or set the value in the recipe."),
+        )
+    try:
+        value = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+    except yaml.YAMLError as e:
+        what = getattr(e, "problem", None) or _first_line(e)
+        fix = f"Quote the value ({key}='...') if it is text, or close its brackets."
+        return key, None, Problem(where, f"the value is not valid YAML ({what})", fix)
+    except OmegaConfBaseException as e:
+        return key, None, Problem(where, f"cannot be parsed: {_first_line(e)}", "Use a number, text or a list.")
+    except ValueError:  # an integer of more digits than Python converts
+        return key, None, Problem(f"{where}: {key}", "the number has more than 4300 digits", "Use a smaller number.")
+    for part in re.split(r"[.\[]", key):
+        value = value[part.rstrip("]")] if isinstance(value, dict) else value
+    return key, value, None
+
+
 def _parse_overrides(overrides: list[str], sources: _Sources) -> tuple[DictConfig, list[Problem]]:
     problems: list[Problem] = []
     good: list[str] = []
+    scalars: dict[str, tuple[Any, str]] = {}  # key -> (value, override) of values that are not sections
     for item in overrides:
-        key, sep, _ = item.partition("=")
-        if not sep or not key.strip():
-            problems.append(
-                Problem(f"override {item!r}", "is not KEY=VALUE", "Write overrides as dotted keys, e.g. optim.lr=1e-4.")
+        key, value, problem = _parse_override(item)
+        parents = [".".join(key.split(".")[:n]) for n in range(1, key.count(".") + 1)]
+        clash = next((p for p in parents if p in scalars), None)
+        if problem is None and clash is not None:
+            # OmegaConf would silently replace the earlier value with a section.
+            earlier, by = scalars[clash]
+            problem = Problem(
+                f"override {item!r}",
+                f"{clash} was set to {earlier!r} by override {by!r}, which is not a section",
+                "Drop one of the two overrides.",
             )
+        if problem is not None:
+            problems.append(problem)
             continue
-        try:
-            OmegaConf.from_dotlist([item])
-        except OmegaConfBaseException as e:
-            problems.append(Problem(f"override {item!r}", f"cannot be parsed: {str(e).splitlines()[0]}"))
-            continue
+        if not isinstance(value, dict):
+            scalars[key] = (value, item)
         good.append(item)
-        sources.where[key.strip()] = f"override {item!r}"
+        sources.where[key] = f"override {item!r}"
     return OmegaConf.from_dotlist(good), problems
+
+
+def _check_resolvers(data: Any, sources: _Sources, prefix: str = "") -> list[Problem]:
+    """``${name:...}`` calls other than ``oc.env``: a recipe is data, nothing in it is evaluated."""
+    if isinstance(data, dict):
+        return [p for k, v in data.items() for p in _check_resolvers(v, sources, f"{prefix}{k}.")]
+    if isinstance(data, list):
+        return [p for v in data for p in _check_resolvers(v, sources, prefix)]
+    if not isinstance(data, str):
+        return []
+    names = sorted({n for n in _RESOLVER.findall(data) if n not in ALLOWED_RESOLVERS})
+    fix = "A recipe may use ${section.key} references and ${oc.env:VARIABLE[,default]} only."
+    return [Problem(sources.of(prefix.rstrip(".")), f"the resolver {n} is not allowed", fix) for n in names]
 
 
 @functools.cache
@@ -169,7 +251,7 @@ def _check_types(base: DictConfig, data: dict, sources: _Sources, prefix: str = 
         try:
             OmegaConf.merge(base, OmegaConf.from_dotlist([]), _nest(key, v))
         except OmegaConfBaseException as e:
-            msg = str(e).splitlines()[0]
+            msg = _first_line(e)
             problems.append(
                 Problem(sources.of(key), f"wrong type: {msg}", "Use a value of the type shown in docs/recipe.md.")
             )
@@ -221,6 +303,7 @@ def load_unchecked(
 
     for layer, layer_sources in ((file_cfg, file_sources), (over_cfg, over_sources)):
         raw = OmegaConf.to_container(layer, resolve=False)
+        problems.extend(_check_resolvers(raw, layer_sources))
         problems.extend(_check_keys(raw, layer_sources))
         problems.extend(_check_types(schema, raw, layer_sources))
     if problems:
@@ -241,7 +324,7 @@ def load_unchecked(
         raise RecipeError(
             Problem(
                 sources.of(key) if key else str(path),
-                f"interpolation failed: {str(e).splitlines()[0]}",
+                f"interpolation failed: {_first_line(e)}",
                 "Check the ${...} reference names an existing key.",
             )
         ) from None

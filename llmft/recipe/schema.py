@@ -15,11 +15,16 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional
 
 
-def doc(default: Any, text: str, *, choices: tuple | None = None) -> Any:
-    """A dataclass field with documentation (and, optionally, allowed values)."""
-    meta = {"doc": text}
+def doc(default: Any, text: str, *, choices: tuple | None = None, allow_nonfinite: bool = False) -> Any:
+    """A dataclass field with documentation (and, optionally, allowed values).
+
+    Every float in a recipe must be finite and every int fit 64 bits (``recipe.validate``);
+    ``allow_nonfinite`` exempts a key whose meaning has a use for inf or nan (none does yet)."""
+    meta: dict[str, Any] = {"doc": text}
     if choices is not None:
         meta["choices"] = choices
+    if allow_nonfinite:
+        meta["allow_nonfinite"] = True
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     if is_dataclass(default):
