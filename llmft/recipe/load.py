@@ -56,12 +56,7 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _line_map(text: str, filename: str, sources: _Sources) -> None:
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return
-
+def _line_map(root: yaml.Node | None, filename: str, sources: _Sources) -> None:
     def walk(node: Any, prefix: str) -> None:
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
@@ -114,7 +109,15 @@ def _read_yaml(path: Path, sources: _Sources) -> DictConfig:
             Problem(str(path), f"cannot be read: {e.strerror or e}", "Check the file's permissions.")
         ) from None
     try:
-        cfg = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+        # The node tree first (nothing is constructed): a document that is not a mapping is a
+        # message, not OmegaConf's assertion. OmegaConf then loads with a SafeLoader: a tag never
+        # constructs an object.
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        if root is not None and not isinstance(root, yaml.MappingNode):
+            raise RecipeError(
+                Problem(str(path), "a recipe must be a YAML mapping of sections (run:, model:, data: ...)")
+            )
+        cfg = OmegaConf.create(text) if root is not None else OmegaConf.create({})
     except (yaml.YAMLError, OmegaConfBaseException) as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -128,9 +131,7 @@ def _read_yaml(path: Path, sources: _Sources) -> DictConfig:
         ) from None
     except ValueError as e:  # an integer of more digits than Python converts (4300)
         raise RecipeError(Problem(str(path), f"a number in it cannot be read: {e}", "Shorten that number.")) from None
-    if not isinstance(cfg, DictConfig):
-        raise RecipeError(Problem(str(path), "a recipe must be a YAML mapping of sections (run:, model:, data: ...)"))
-    _line_map(text, str(path), sources)
+    _line_map(root, str(path), sources)
     return cfg
 
 
@@ -250,7 +251,7 @@ def _check_types(base: DictConfig, data: dict, sources: _Sources, prefix: str = 
             continue
         try:
             OmegaConf.merge(base, OmegaConf.from_dotlist([]), _nest(key, v))
-        except OmegaConfBaseException as e:
+        except (OmegaConfBaseException, TypeError, ValueError) as e:  # TypeError: a mapping into a list
             msg = _first_line(e)
             problems.append(
                 Problem(sources.of(key), f"wrong type: {msg}", "Use a value of the type shown in docs/recipe.md.")
@@ -309,7 +310,10 @@ def load_unchecked(
     if problems:
         raise RecipeError(*problems, title=f"recipe {path} has {len(problems)} problem(s)" if path else "")
 
-    cfg = OmegaConf.merge(schema, file_cfg, over_cfg)
+    try:
+        cfg = OmegaConf.merge(schema, file_cfg, over_cfg)
+    except (OmegaConfBaseException, TypeError, ValueError) as e:  # each layer merged alone above
+        raise RecipeError(Problem(str(path), f"the overrides do not merge into the recipe: {_first_line(e)}")) from None
     if nnodes is not None:
         cfg.distributed.nnodes = nnodes
         sources.where["distributed.nnodes"] = "--nnodes"
