@@ -38,7 +38,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 @dataclass
 class RunConfig:
     output_dir: str = doc("runs/default", "Directory for metrics, checkpoints and the resolved recipe.")
-    seed: int = doc(0, "Seed for model init, data order, dropout and everything else random.")
+    seed: int = doc(0, "Seed for model init, data order, dropout and everything else random (0 to 2**32 - 1).")
     name: Optional[str] = doc(None, "A label for the run (shown in logs); defaults to the output dir name.")
     overwrite: bool = doc(
         False,

@@ -234,7 +234,7 @@ COMMON = dict(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
-DEFAULT = settings(max_examples=100, derandomize=True, **COMMON)  # reproducible: the same cases every run
+DEFAULT = settings(max_examples=80, derandomize=True, **COMMON)  # reproducible: the same cases every run
 SLOW = settings(max_examples=2000, derandomize=False, print_blob=True, **COMMON)
 
 
@@ -259,7 +259,7 @@ def test_compile_fuzzed_recipes(data, items):
 
 
 @pytest.mark.timeout(120)
-@settings(DEFAULT, max_examples=50)
+@settings(DEFAULT, max_examples=40)
 @given(data=recipe_bytes(), items=overrides)
 def test_train_validation_fuzzed_recipes(data, items):
     _run("train", data, items)
