@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from llmft.errors import UserError
+from llmft.errors import Problem, UserError
 from llmft.malloc import use_mmap_for_large_blocks
 
 # The commands that load a model: their host RAM is what docs/benchmarks.md measures.
@@ -52,7 +52,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.recipe, args.overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
     out = Path(args.out) if args.out else Path(plan.recipe.run.output_dir) / "compiled"
-    print(compile_recipe(plan, out))
+    try:
+        print(compile_recipe(plan, out))
+    except OSError as e:  # --out is a file, too long a name, a read-only or full disk
+        where = e.filename or out
+        raise UserError(
+            Problem(str(where), f"cannot be written ({e.strerror or e})", "Choose another --out directory.")
+        ) from None
     return 0
 
 

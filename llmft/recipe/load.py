@@ -69,6 +69,12 @@ def _line_map(root: yaml.Node | None, filename: str, sources: _Sources) -> None:
 
 def resolve_recipe_path(path: str | os.PathLike) -> Path:
     p = Path(path)
+    try:
+        p.stat()
+    except FileNotFoundError:
+        pass  # reported below
+    except OSError as e:  # a name too long, a loop of links, no permission on a parent
+        raise RecipeError(Problem(str(p), f"cannot be read ({e.strerror or e})", "Check the path.")) from None
     if p.is_dir():
         if (p / RECIPE_FILE).is_file():
             return p / RECIPE_FILE

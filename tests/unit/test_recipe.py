@@ -273,3 +273,16 @@ def test_only_the_environment_resolver_is_evaluated(capsys, recipe_file, tmp_pat
 def test_every_problem_is_one_paragraph(capsys, recipe_file, tmp_path):
     err = compile_error(capsys, recipe_file, tmp_path, "optim.lr=1e400", "run.seed=-1", "peft.r=0")
     assert "\n\n" not in err.strip() and "3 problem(s)" in err
+
+
+def test_compile_out_that_is_a_file(capsys, recipe_file, tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    err = cli_error(capsys, "compile", str(recipe_file), "--out", str(a_file))
+    assert f"{a_file}: cannot be written (File exists)" in err and "Choose another --out directory" in err
+    assert a_file.read_text() == "mine"
+
+
+def test_recipe_path_too_long(capsys, tmp_path):
+    err = cli_error(capsys, "compile", str(tmp_path / ("a" * 5000)))
+    assert "recipe file not found" in err or "cannot be read (File name too long)" in err
