@@ -31,6 +31,11 @@ _RESOLVER = re.compile(r"\$\{\s*([^${}:\s]+)\s*:")
 ALLOWED_RESOLVERS = ("oc.env",)
 
 
+# What OmegaConf's merge raises for a value of the wrong shape besides its own errors: a mapping
+# into a list (TypeError), an int too large for a float key (OverflowError).
+_MERGE_ERRORS = (OmegaConfBaseException, TypeError, ValueError, OverflowError)
+
+
 class RecipeError(UserError):
     pass
 
@@ -257,7 +262,7 @@ def _check_types(base: DictConfig, data: dict, sources: _Sources, prefix: str = 
             continue
         try:
             OmegaConf.merge(base, OmegaConf.from_dotlist([]), _nest(key, v))
-        except (OmegaConfBaseException, TypeError, ValueError) as e:  # TypeError: a mapping into a list
+        except _MERGE_ERRORS as e:  # TypeError: a mapping into a list
             msg = _first_line(e)
             problems.append(
                 Problem(sources.of(key), f"wrong type: {msg}", "Use a value of the type shown in docs/recipe.md.")
@@ -318,7 +323,7 @@ def load_unchecked(
 
     try:
         cfg = OmegaConf.merge(schema, file_cfg, over_cfg)
-    except (OmegaConfBaseException, TypeError, ValueError) as e:  # each layer merged alone above
+    except _MERGE_ERRORS as e:  # each layer merged alone above
         raise RecipeError(Problem(str(path), f"the overrides do not merge into the recipe: {_first_line(e)}")) from None
     if nnodes is not None:
         cfg.distributed.nnodes = nnodes

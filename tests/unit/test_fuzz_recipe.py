@@ -171,6 +171,13 @@ overrides = st.lists(
 )
 
 
+# compile's layout options: argparse reads an int, the recipe's ranges judge it
+options = st.lists(
+    st.tuples(st.sampled_from(["--nproc-per-node", "--nnodes"]), st.one_of(numbers, st.sampled_from(["1", "2", "8"]))),
+    max_size=2,
+).map(lambda pairs: [x for pair in pairs for x in pair])
+
+
 @st.composite
 def recipe_bytes(draw) -> bytes:
     data = TINY.encode()
@@ -192,7 +199,7 @@ class _Validated(Exception):
     """Raised where `llmft train` would start the process group: the recipe passed every check."""
 
 
-def _run(command: str, data: bytes, items: list[str]) -> None:
+def _run(command: str, data: bytes, items: list[str], opts: list[str] = ()) -> None:
     with tempfile.TemporaryDirectory(prefix="llmft-fuzz-") as tmp:
         root = os.path.realpath(tmp)
         recipe = Path(root, "recipe.yaml")
@@ -200,7 +207,7 @@ def _run(command: str, data: bytes, items: list[str]) -> None:
         items = [i.replace("{root}", root) for i in items]
         argv = [command, str(recipe), *items]
         if command == "compile":
-            argv += ["--out", str(Path(root, "out"))]
+            argv += [*opts, "--out", str(Path(root, "out"))]
         err, cwd = io.StringIO(), os.getcwd()
         os.chdir(root)  # relative paths in the recipe land here
         AUDIT.root, AUDIT.bad = root, []
@@ -253,9 +260,9 @@ def _warm():
 
 @pytest.mark.timeout(120)
 @DEFAULT
-@given(data=recipe_bytes(), items=overrides)
-def test_compile_fuzzed_recipes(data, items):
-    _run("compile", data, items)
+@given(data=recipe_bytes(), items=overrides, opts=options)
+def test_compile_fuzzed_recipes(data, items, opts):
+    _run("compile", data, items, opts)
 
 
 @pytest.mark.timeout(120)
@@ -268,6 +275,6 @@ def test_train_validation_fuzzed_recipes(data, items):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @SLOW
-@given(command=st.sampled_from(["compile", "train"]), data=recipe_bytes(), items=overrides)
-def test_fuzzed_recipes_many(command, data, items):
-    _run(command, data, items)
+@given(command=st.sampled_from(["compile", "train"]), data=recipe_bytes(), items=overrides, opts=options)
+def test_fuzzed_recipes_many(command, data, items, opts):
+    _run(command, data, items, opts if command == "compile" else [])

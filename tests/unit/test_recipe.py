@@ -286,3 +286,8 @@ def test_compile_out_that_is_a_file(capsys, recipe_file, tmp_path):
 def test_recipe_path_too_long(capsys, tmp_path):
     err = cli_error(capsys, "compile", str(tmp_path / ("a" * 5000)))
     assert "recipe file not found" in err or "cannot be read (File name too long)" in err
+
+
+def test_an_int_too_large_for_a_float_key(capsys, recipe_file, tmp_path):
+    err = compile_error(capsys, recipe_file, tmp_path, "optim.lr=" + "9" * 4000)
+    assert "optim.lr: wrong type: int too large to convert to float" in err
