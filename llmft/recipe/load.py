@@ -170,8 +170,8 @@ def _parse_override(item: str) -> tuple[str, Any, Problem | None]:
         return key, None, Problem(where, f"cannot be parsed: {_first_line(e)}", "Use a number, text or a list.")
     except ValueError:  # an integer of more digits than Python converts
         return key, None, Problem(f"{where}: {key}", "the number has more than 4300 digits", "Use a smaller number.")
-    for part in re.split(r"[.\[]", key):
-        value = value[part.rstrip("]")] if isinstance(value, dict) else value
+    for _ in re.split(r"[.\[]", key):  # one single-key mapping per part of the key, as OmegaConf spelled it
+        value = next(iter(value.values())) if isinstance(value, dict) and value else value
     return key, value, None
 
 

@@ -291,3 +291,7 @@ def test_recipe_path_too_long(capsys, tmp_path):
 def test_an_int_too_large_for_a_float_key(capsys, recipe_file, tmp_path):
     err = compile_error(capsys, recipe_file, tmp_path, "optim.lr=" + "9" * 4000)
     assert "optim.lr: wrong type: int too large to convert to float" in err
+
+
+def test_override_key_with_unicode_whitespace(capsys, recipe_file, tmp_path):
+    assert "unknown key" in compile_error(capsys, recipe_file, tmp_path, "\x85ð=[]")
