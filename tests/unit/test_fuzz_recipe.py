@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmft.cli import main
-from llmft.recipe.schema import iter_fields
+from llmft.recipe.schema import default_of, iter_fields
 
 TINY = textwrap.dedent(
     """\
@@ -161,18 +161,45 @@ values = st.one_of(
     st.binary(max_size=8).map(os.fsdecode),  # bytes that are not UTF-8 reach argv as surrogates
     st.lists(numbers, max_size=3).map(lambda xs: "[" + ",".join(xs) + "]"),
 )
-overrides = st.lists(
-    st.one_of(
-        st.builds(lambda k, v: f"{k}={v}", keys, values),
-        st.builds(lambda k, v: f"{k}={v}", st.sampled_from(KEYS), values),
-        st.text(max_size=12),  # no '=', only '=', leading '-'
+
+
+def _plausible(f) -> st.SearchStrategy[str]:
+    """A value of the key's own kind, often valid: so that examples also reach a written plan."""
+    choices = f.metadata.get("choices")
+    if choices:
+        return st.sampled_from(choices).map(
+            lambda c: "null" if c is None else str(c).lower() if c in (True, False) else str(c)
+        )
+    default = default_of(f)
+    if isinstance(default, bool):
+        return st.sampled_from(["true", "false"])
+    if isinstance(default, int):
+        return st.integers(0, 64).map(str)
+    if isinstance(default, float):
+        return st.floats(0, 1).map(repr)
+    return st.sampled_from(["null", "x", "runs/fuzz", "[a, b]"])
+
+
+plausible = st.sampled_from([(key, f) for key, f, sub in FIELDS if sub is None]).flatmap(
+    lambda kf: _plausible(kf[1]).map(lambda v: f"{kf[0]}={v}")
+)
+overrides = st.one_of(
+    st.lists(plausible, max_size=3),  # mostly valid: the plan is written
+    st.lists(plausible, max_size=2),
+    st.lists(
+        st.one_of(
+            plausible,
+            st.builds(lambda k, v: f"{k}={v}", keys, values),
+            st.builds(lambda k, v: f"{k}={v}", st.sampled_from(KEYS), values),
+            st.text(max_size=12),  # no '=', only '=', leading '-'
+        ),
+        max_size=4,
     ),
-    max_size=4,
 )
 
 
 # compile's layout options: argparse reads an int, the recipe's ranges judge it
-options = st.lists(
+options = st.sampled_from([[], [], ["--nproc-per-node", "2"], ["--nnodes", "2", "--nproc-per-node", "4"]]) | st.lists(
     st.tuples(st.sampled_from(["--nproc-per-node", "--nnodes"]), st.one_of(numbers, st.sampled_from(["1", "2", "8"]))),
     max_size=2,
 ).map(lambda pairs: [x for pair in pairs for x in pair])
@@ -181,7 +208,7 @@ options = st.lists(
 @st.composite
 def recipe_bytes(draw) -> bytes:
     data = TINY.encode()
-    kind = draw(st.sampled_from(["plain", "plain", "line", "bytes", "text"]))
+    kind = draw(st.sampled_from(["plain", "plain", "plain", "line", "bytes", "text"]))
     if kind == "line":  # a key of the file set to a fuzzed value
         line = f"{draw(keys)}: {draw(values)}\n".encode("utf-8", "surrogateescape")
         data += line
@@ -199,7 +226,7 @@ class _Validated(Exception):
     """Raised where `llmft train` would start the process group: the recipe passed every check."""
 
 
-def _run(command: str, data: bytes, items: list[str], opts: list[str] = ()) -> None:
+def _run(command: str, data: bytes, items: list[str], opts: list[str] = ()) -> int:
     with tempfile.TemporaryDirectory(prefix="llmft-fuzz-") as tmp:
         root = os.path.realpath(tmp)
         recipe = Path(root, "recipe.yaml")
@@ -234,6 +261,7 @@ def _run(command: str, data: bytes, items: list[str], opts: list[str] = ()) -> N
             body = message[head.end() :]
             assert body.strip() and "\n\n" not in body.strip(), message  # one paragraph
         assert not Path(root).parent.joinpath("pwned").exists()
+        return code
 
 
 COMMON = dict(
