@@ -82,6 +82,8 @@ class _Audit:
     def hook(self, event: str, args: tuple) -> None:
         if self.root is None:
             return
+        if event == "subprocess.Popen" and list(args[1])[1:] == ["--version"]:
+            return  # model.compile=true: llmft.kernels asks torch for a C++ compiler, a fixed probe
         if event in self.RUN:
             self.bad.append(f"{event} {args!r:.200}")
         elif event == "open":
@@ -240,8 +242,12 @@ def _run(command: str, data: bytes, items: list[str], opts: list[str] = ()) -> i
         AUDIT.root, AUDIT.bad = root, []
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                # train: everything before the process group is the load/validate phase
-                with mock.patch("llmft.train.init_distributed", side_effect=_Validated):
+                # train: everything before the process group is the load/validate phase; the
+                # compiler probe of model.compile=true keeps torch's cache in the example's dir
+                with (
+                    mock.patch("llmft.train.init_distributed", side_effect=_Validated),
+                    mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": str(Path(root, "inductor"))}),
+                ):
                     try:
                         code = main(argv)
                     except _Validated:
