@@ -295,3 +295,19 @@ def test_an_int_too_large_for_a_float_key(capsys, recipe_file, tmp_path):
 
 def test_override_key_with_unicode_whitespace(capsys, recipe_file, tmp_path):
     assert "unknown key" in compile_error(capsys, recipe_file, tmp_path, "\x85ð=[]")
+
+
+def test_recipe_that_is_one_yaml_scalar(capsys, recipe_file, tmp_path):
+    recipe_file.write_text("0\n")
+    err = compile_error(capsys, recipe_file, tmp_path)
+    assert f"{recipe_file}: a recipe must be a YAML mapping of sections" in err
+
+
+def test_mapping_into_a_list_key(capsys, recipe_file, tmp_path):
+    assert "run.trackers: wrong type" in compile_error(capsys, recipe_file, tmp_path, "run.trackers.x=1")
+
+
+def test_model_config_without_a_hidden_size(capsys, recipe_file, tmp_path):
+    recipe_file.write_text(TINY.replace("hidden_size: 64, ", ""))
+    err = compile_error(capsys, recipe_file, tmp_path)
+    assert "model.config: has no hidden_size (nor n_embd or d_model)" in err
