@@ -17,7 +17,8 @@ that baseline, per rank (the larger of the two ranks).
   too; beside it the larger of the planner's host RAM and its per-GPU step estimate
   (``estimate_memory``, less the CUDA context).
 
-``MALLOC_MMAP_THRESHOLD_=65536`` as in bench/memory.py: freed tensors leave the resident set.
+The commands run as users run them: without ``MALLOC_MMAP_THRESHOLD_`` (removed from the
+environment if set). llmft fixes glibc's mmap threshold itself (llmft/malloc.py).
 
     python bench/load_memory.py                   # 218 M parameters, B ~ 870 MB
     python bench/load_memory.py --layers 4        # smaller and faster
@@ -98,7 +99,8 @@ def _recipe(work: Path, name: str, model_dir: Path, data: Path) -> Path:
 def _run(out: Path, ranks: int, argv: list[str]) -> dict[str, int]:
     """Peak RSS of the command's largest rank: over the whole command, and when loading was done."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(common.ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}  # what users have
+    env["PYTHONPATH"] = str(common.ROOT)
     entry = [str(Path(__file__).resolve()), "--worker", str(out), "--"]
     if ranks == 1:
         cmd = [sys.executable, *entry, *argv]

@@ -10,8 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from llmft.errors import UserError
+from llmft.errors import Problem, UserError
+from llmft.malloc import use_mmap_for_large_blocks
 from llmft.stop import Stopped
+
+# The commands that load a model: their host RAM is what docs/benchmarks.md measures.
+HEAVY = ("train", "export", "verify")
 
 EXAMPLES = {
     "compile": "llmft compile configs/llama3-8b-lora-fsdp-8gpu.yaml --nproc-per-node 8 --out compiled/\n"
@@ -49,7 +53,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.recipe, args.overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node)
     out = Path(args.out) if args.out else Path(plan.recipe.run.output_dir) / "compiled"
-    print(compile_recipe(plan, out))
+    try:
+        print(compile_recipe(plan, out))
+    except OSError as e:  # --out is a file, too long a name, a read-only or full disk
+        where = e.filename or out
+        raise UserError(
+            Problem(str(where), f"cannot be written ({e.strerror or e})", "Choose another --out directory.")
+        ) from None
     return 0
 
 
@@ -209,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
+    if args.command in HEAVY:
+        use_mmap_for_large_blocks()  # before torch allocates anything; see llmft/malloc.py
     try:
         return int(args.fn(args) or 0)
     except UserError as e:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmft.errors import Problem, UserError
+
 # Published configs of common base models (hidden, layers, heads, kv heads, intermediate, vocab, tied).
 KNOWN: dict[str, dict[str, Any]] = {
     "meta-llama/Llama-3.1-8B": dict(
@@ -154,7 +156,14 @@ def _hub_cache_config(repo_id: str) -> Path | None:
 def model_shape(model_cfg: Any) -> ModelShape | None:
     """Shape of ``recipe.model``, or None when it cannot be known without a download."""
     if model_cfg.config is not None:
-        return ModelShape.from_config(dict(model_cfg.config))
+        try:
+            return ModelShape.from_config(dict(model_cfg.config))
+        except KeyError:
+            what = "has no hidden_size (nor n_embd or d_model)"
+        except (ValueError, TypeError) as e:
+            what = f"has a size that is not a whole number ({e})"
+        fix = "Give hidden_size, num_hidden_layers, num_attention_heads and intermediate_size as whole numbers."
+        raise UserError(Problem("model.config", what, fix))
     name = model_cfg.name_or_path
     if name is None:
         return None

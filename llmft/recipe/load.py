@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +24,16 @@ from llmft.recipe.schema import Recipe, iter_fields
 
 FREE_FORM = {"model.config"}  # values that are arbitrary mappings, not schema sections
 RECIPE_FILE = "recipe.yaml"
+# An override's key: dotted names, each optionally indexed (``data.train[0].weight``).
+_KEY = re.compile(r"[\w-]+(\[\d+\])?(\.[\w-]+(\[\d+\])?)*")
+# A resolver call inside ``${...}``; only the environment is read, nothing else is evaluated.
+_RESOLVER = re.compile(r"\$\{\s*([^${}:\s]+)\s*:")
+ALLOWED_RESOLVERS = ("oc.env",)
+
+
+# What OmegaConf's merge raises for a value of the wrong shape besides its own errors: a mapping
+# into a list (TypeError), an int too large for a float key (OverflowError).
+_MERGE_ERRORS = (OmegaConfBaseException, TypeError, ValueError, OverflowError)
 
 
 class RecipeError(UserError):
@@ -41,15 +52,16 @@ class _Sources:
             got = self.where.get(".".join(parts[:n]))
             if got:
                 return f"{got}: {key}"
-        return key
+        # A section only named inside a longer key (``foo.bar=1`` makes the unknown ``foo``).
+        got = next((w for k, w in self.where.items() if k.startswith(key + ".")), None)
+        return f"{got}: {key}" if got else key
 
 
-def _line_map(text: str, filename: str, sources: _Sources) -> None:
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
+
+def _line_map(root: yaml.Node | None, filename: str, sources: _Sources) -> None:
     def walk(node: Any, prefix: str) -> None:
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
@@ -62,6 +74,12 @@ def _line_map(text: str, filename: str, sources: _Sources) -> None:
 
 def resolve_recipe_path(path: str | os.PathLike) -> Path:
     p = Path(path)
+    try:
+        p.stat()
+    except FileNotFoundError:
+        pass  # reported below
+    except OSError as e:  # a name too long, a loop of links, no permission on a parent
+        raise RecipeError(Problem(str(p), f"cannot be read ({e.strerror or e})", "Check the path.")) from None
     if p.is_dir():
         if (p / RECIPE_FILE).is_file():
             return p / RECIPE_FILE
@@ -79,14 +97,42 @@ def resolve_recipe_path(path: str | os.PathLike) -> Path:
     return p
 
 
-def _read_yaml(path: Path, sources: _Sources) -> DictConfig:
-    text = path.read_text()
+def _decode(data: bytes, path: Path) -> str:
     try:
-        cfg = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise RecipeError(
+            Problem(
+                f"{path}:{line}",
+                f"is not UTF-8 text (byte 0x{data[e.start]:02x} at column {column})",
+                "Save the recipe as UTF-8 (most editors: File > Save with encoding).",
+            )
+        ) from None
+
+
+def _read_yaml(path: Path, sources: _Sources) -> DictConfig:
+    try:
+        text = _decode(path.read_bytes(), path)
+    except OSError as e:
+        raise RecipeError(
+            Problem(str(path), f"cannot be read: {e.strerror or e}", "Check the file's permissions.")
+        ) from None
+    try:
+        # The node tree first (nothing is constructed): a document that is not a mapping is a
+        # message, not OmegaConf's assertion. OmegaConf then loads with a SafeLoader: a tag never
+        # constructs an object.
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        if root is not None and not isinstance(root, yaml.MappingNode):
+            raise RecipeError(
+                Problem(str(path), "a recipe must be a YAML mapping of sections (run:, model:, data: ...)")
+            )
+        cfg = OmegaConf.create(text) if root is not None else OmegaConf.create({})
     except (yaml.YAMLError, OmegaConfBaseException) as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        what = getattr(e, "problem", None) or _first_line(e)
         raise RecipeError(
             Problem(
                 where,
@@ -94,30 +140,78 @@ def _read_yaml(path: Path, sources: _Sources) -> DictConfig:
                 "Fix the YAML at that line (indentation, a missing ':' or an unclosed quote).",
             )
         ) from None
-    if not isinstance(cfg, DictConfig):
-        raise RecipeError(Problem(str(path), "a recipe must be a YAML mapping of sections (run:, model:, data: ...)"))
-    _line_map(text, str(path), sources)
+    except ValueError as e:  # an integer of more digits than Python converts (4300)
+        raise RecipeError(Problem(str(path), f"a number in it cannot be read: {e}", "Shorten that number.")) from None
+    _line_map(root, str(path), sources)
     return cfg
+
+
+def _parse_override(item: str) -> tuple[str, Any, Problem | None]:
+    """``(key, value, None)`` or ``(key, None, the problem)`` for one ``KEY=VALUE``."""
+    where = f"override {item!r}"
+    key = item.partition("=")[0].strip()
+    if "=" not in item or not _KEY.fullmatch(key):
+        return key, None, Problem(where, "is not KEY=VALUE with a dotted key", "Write e.g. optim.lr=1e-4.")
+    try:
+        item.encode("utf-8")
+    except UnicodeEncodeError:
+        return (
+            key,
+            None,
+            Problem(where, "is not UTF-8 text", "Type the override again, or set the value in the recipe."),
+        )
+    try:
+        value = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+    except yaml.YAMLError as e:
+        what = getattr(e, "problem", None) or _first_line(e)
+        fix = f"Quote the value ({key}='...') if it is text, or close its brackets."
+        return key, None, Problem(where, f"the value is not valid YAML ({what})", fix)
+    except OmegaConfBaseException as e:
+        return key, None, Problem(where, f"cannot be parsed: {_first_line(e)}", "Use a number, text or a list.")
+    except ValueError:  # an integer of more digits than Python converts
+        return key, None, Problem(f"{where}: {key}", "the number has more than 4300 digits", "Use a smaller number.")
+    for _ in re.split(r"[.\[]", key):  # one single-key mapping per part of the key, as OmegaConf spelled it
+        value = next(iter(value.values())) if isinstance(value, dict) and value else value
+    return key, value, None
 
 
 def _parse_overrides(overrides: list[str], sources: _Sources) -> tuple[DictConfig, list[Problem]]:
     problems: list[Problem] = []
     good: list[str] = []
+    scalars: dict[str, tuple[Any, str]] = {}  # key -> (value, override) of values that are not sections
     for item in overrides:
-        key, sep, _ = item.partition("=")
-        if not sep or not key.strip():
-            problems.append(
-                Problem(f"override {item!r}", "is not KEY=VALUE", "Write overrides as dotted keys, e.g. optim.lr=1e-4.")
+        key, value, problem = _parse_override(item)
+        parents = [".".join(key.split(".")[:n]) for n in range(1, key.count(".") + 1)]
+        clash = next((p for p in parents if p in scalars), None)
+        if problem is None and clash is not None:
+            # OmegaConf would silently replace the earlier value with a section.
+            earlier, by = scalars[clash]
+            problem = Problem(
+                f"override {item!r}",
+                f"{clash} was set to {earlier!r} by override {by!r}, which is not a section",
+                "Drop one of the two overrides.",
             )
+        if problem is not None:
+            problems.append(problem)
             continue
-        try:
-            OmegaConf.from_dotlist([item])
-        except OmegaConfBaseException as e:
-            problems.append(Problem(f"override {item!r}", f"cannot be parsed: {str(e).splitlines()[0]}"))
-            continue
+        if not isinstance(value, dict):
+            scalars[key] = (value, item)
         good.append(item)
-        sources.where[key.strip()] = f"override {item!r}"
+        sources.where[key] = f"override {item!r}"
     return OmegaConf.from_dotlist(good), problems
+
+
+def _check_resolvers(data: Any, sources: _Sources, prefix: str = "") -> list[Problem]:
+    """``${name:...}`` calls other than ``oc.env``: a recipe is data, nothing in it is evaluated."""
+    if isinstance(data, dict):
+        return [p for k, v in data.items() for p in _check_resolvers(v, sources, f"{prefix}{k}.")]
+    if isinstance(data, list):
+        return [p for v in data for p in _check_resolvers(v, sources, prefix)]
+    if not isinstance(data, str):
+        return []
+    names = sorted({n for n in _RESOLVER.findall(data) if n not in ALLOWED_RESOLVERS})
+    fix = "A recipe may use ${section.key} references and ${oc.env:VARIABLE[,default]} only."
+    return [Problem(sources.of(prefix.rstrip(".")), f"the resolver {n} is not allowed", fix) for n in names]
 
 
 @functools.cache
@@ -168,8 +262,8 @@ def _check_types(base: DictConfig, data: dict, sources: _Sources, prefix: str = 
             continue
         try:
             OmegaConf.merge(base, OmegaConf.from_dotlist([]), _nest(key, v))
-        except OmegaConfBaseException as e:
-            msg = str(e).splitlines()[0]
+        except _MERGE_ERRORS as e:  # TypeError: a mapping into a list
+            msg = _first_line(e)
             problems.append(
                 Problem(sources.of(key), f"wrong type: {msg}", "Use a value of the type shown in docs/recipe.md.")
             )
@@ -221,12 +315,16 @@ def load_unchecked(
 
     for layer, layer_sources in ((file_cfg, file_sources), (over_cfg, over_sources)):
         raw = OmegaConf.to_container(layer, resolve=False)
+        problems.extend(_check_resolvers(raw, layer_sources))
         problems.extend(_check_keys(raw, layer_sources))
         problems.extend(_check_types(schema, raw, layer_sources))
     if problems:
         raise RecipeError(*problems, title=f"recipe {path} has {len(problems)} problem(s)" if path else "")
 
-    cfg = OmegaConf.merge(schema, file_cfg, over_cfg)
+    try:
+        cfg = OmegaConf.merge(schema, file_cfg, over_cfg)
+    except _MERGE_ERRORS as e:  # each layer merged alone above
+        raise RecipeError(Problem(str(path), f"the overrides do not merge into the recipe: {_first_line(e)}")) from None
     if nnodes is not None:
         cfg.distributed.nnodes = nnodes
         sources.where["distributed.nnodes"] = "--nnodes"
@@ -241,7 +339,7 @@ def load_unchecked(
         raise RecipeError(
             Problem(
                 sources.of(key) if key else str(path),
-                f"interpolation failed: {str(e).splitlines()[0]}",
+                f"interpolation failed: {_first_line(e)}",
                 "Check the ${...} reference names an existing key.",
             )
         ) from None

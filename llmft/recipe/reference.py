@@ -27,6 +27,13 @@ error that suggests the closest valid key. Override any key on the command line 
 OmegaConf dot-list syntax, e.g. `llmft train recipe.yaml optim.lr=1e-4 model.quantization.bits=4`.
 Of the three batch keys, any one may be `auto`: it is solved from the other two and the
 data-parallel size (see [batch.md](batch.md)). Complete, tested recipes live in `configs/`.
+
+A recipe is UTF-8 YAML and only data: a YAML tag (`!!python/...`) never constructs anything,
+and of OmegaConf's interpolations only `${{section.key}}` references and `${{oc.env:VAR}}` (or
+`${{oc.env:VAR,default}}`) are evaluated; any other resolver is an error. Every number must be
+finite (no `.inf`, `.nan`, `1e400`) and every whole number fit 64 bits, in free-form values
+such as `model.config` too. Each error names the key, the file and line or the override, and
+the fix; `llmft` exits 2 without a traceback.
 """
 
 

@@ -15,11 +15,16 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional
 
 
-def doc(default: Any, text: str, *, choices: tuple | None = None) -> Any:
-    """A dataclass field with documentation (and, optionally, allowed values)."""
-    meta = {"doc": text}
+def doc(default: Any, text: str, *, choices: tuple | None = None, allow_nonfinite: bool = False) -> Any:
+    """A dataclass field with documentation (and, optionally, allowed values).
+
+    Every float in a recipe must be finite and every int fit 64 bits (``recipe.validate``);
+    ``allow_nonfinite`` exempts a key whose meaning has a use for inf or nan (none does yet)."""
+    meta: dict[str, Any] = {"doc": text}
     if choices is not None:
         meta["choices"] = choices
+    if allow_nonfinite:
+        meta["allow_nonfinite"] = True
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     if is_dataclass(default):
@@ -33,7 +38,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 @dataclass
 class RunConfig:
     output_dir: str = doc("runs/default", "Directory for metrics, checkpoints and the resolved recipe.")
-    seed: int = doc(0, "Seed for model init, data order, dropout and everything else random.")
+    seed: int = doc(0, "Seed for model init, data order, dropout and everything else random (0 to 2**32 - 1).")
     name: Optional[str] = doc(None, "A label for the run (shown in logs); defaults to the output dir name.")
     overwrite: bool = doc(
         False,

@@ -6,10 +6,15 @@ the engine, the batch and every other decision are made by ``llmft.plan.resolve`
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any, Callable
 
 from llmft.errors import Problem
 from llmft.recipe.schema import Recipe, iter_fields
+
+# The largest whole number a recipe takes: beyond it, torch, numpy and the OS take no such number.
+MAX_INT = 2**63 - 1
 
 
 def _get(recipe: Any, key: str) -> Any:
@@ -37,9 +42,51 @@ def _choices(recipe: Recipe, where) -> list[Problem]:
     return problems
 
 
+def _bad_number(value: Any) -> str | None:
+    """What is wrong with the first non-finite float or oversized int inside ``value``, if any."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value!r} is not a finite number"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"{value} is too large (at most 2**63 - 1)"
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((bad for v in items if (bad := _bad_number(v)) is not None), None)
+
+
+def _numbers(r: Recipe, where) -> list[Problem]:
+    """The schema-wide rule: every float is finite and every int fits 64 bits, unless a key's
+    schema entry says otherwise (``allow_nonfinite``). Free-form values (``model.config``, the
+    mappings of ``data.train``) are searched too, and a free-form key is named in full."""
+    problems = []
+    for key, f, sub in iter_fields():
+        if sub is not None or f.metadata.get("allow_nonfinite"):
+            continue
+        value = _get(r, key)
+        leaves = value.items() if isinstance(value, dict) else [("", value)]
+        for name, v in leaves:
+            bad = _bad_number(v)
+            if bad is not None:
+                full = f"{key}.{name}" if name else key
+                problems.append(Problem(where(full), bad, f"Set {full} to an ordinary number."))
+    return problems
+
+
+def _output_dir(r: Recipe, where) -> list[Problem]:
+    """A run directory that cannot be created: found here, before any command writes anything."""
+    path = Path(r.run.output_dir)
+    try:
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    except (OSError, ValueError) as e:  # a NUL byte, a name too long for the file system
+        return [Problem(where("run.output_dir"), f"{r.run.output_dir!r} is not a usable path ({e})", "Rename it.")]
+    if blocker is None:
+        return []
+    what = f"{str(blocker)!r} is a file, not a directory"
+    return [Problem(where("run.output_dir"), what, "Set run.output_dir to a new directory or an llmft run directory.")]
+
+
 def _ranges(r: Recipe, where) -> list[Problem]:
     checks: list[tuple[str, bool, str]] = [
-        ("run.seed", r.run.seed >= 0, "must be >= 0"),
+        # numpy seeds from 32 bits; a larger seed would fail after the run directory was claimed
+        ("run.seed", 0 <= r.run.seed < 2**32, "must be in [0, 2**32)"),
         ("data.max_seq_len", r.data.max_seq_len >= 2, "must be >= 2"),
         ("data.eval_fraction", 0.0 <= r.data.eval_fraction < 1.0, "must be in [0, 1)"),
         ("data.num_workers", r.data.num_workers >= 0, "must be >= 0"),
@@ -76,7 +123,17 @@ def _ranges(r: Recipe, where) -> list[Problem]:
         ("distributed.nnodes", r.distributed.nnodes >= 1, "must be >= 1"),
         ("distributed.nproc_per_node", r.distributed.nproc_per_node >= 1, "must be >= 1"),
         ("distributed.hsdp_replicate", r.distributed.hsdp_replicate >= 1, "must be >= 1"),
-        ("distributed.timeout_minutes", r.distributed.timeout_minutes >= 1, "must be >= 1"),
+        (
+            "distributed.timeout_minutes",
+            1 <= r.distributed.timeout_minutes <= 525600,
+            "must be in [1, 525600] (a year)",
+        ),
+        ("distributed.master_port", 1 <= r.distributed.master_port <= 65535, "must be in [1, 65535]"),
+        (
+            "distributed.gpu_memory_gb",
+            r.distributed.gpu_memory_gb is None or r.distributed.gpu_memory_gb > 0,
+            "must be > 0 or null",
+        ),
     ]
     return [Problem(where(k), f"{_get(r, k)!r} {msg}", f"Change {k}.") for k, ok, msg in checks if not ok]
 
@@ -143,8 +200,11 @@ def _combinations(r: Recipe, where) -> list[Problem]:
 
 
 def check_values(recipe: Recipe, where: Callable[[str], str] = lambda k: k) -> list[Problem]:
-    """Values outside their choices or ranges."""
-    return _choices(recipe, where) + _ranges(recipe, where)
+    """Values outside their choices or ranges; a path that cannot be a run directory."""
+    numbers = _numbers(recipe, where)
+    bad = {p.where for p in numbers}  # a range says nothing more about nan, inf or 10**30
+    ranges = [p for p in _ranges(recipe, where) if p.where not in bad]
+    return numbers + _choices(recipe, where) + ranges + _output_dir(recipe, where)
 
 
 def check_combinations(recipe: Recipe, where: Callable[[str], str] = lambda k: k) -> list[Problem]:

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmft.plan.batch import BatchError, BatchPlan, resolve_for_world, sequences_from_tokens, solve_batch
+from llmft.plan.batch import BatchError, BatchPlan, divisors, resolve_for_world, sequences_from_tokens, solve_batch
 
 pos = st.integers(min_value=1, max_value=512)
 dps = st.integers(min_value=1, max_value=64)
@@ -91,3 +91,53 @@ def test_resolve_for_world_keeps_global(m, a, dp, new_dp):
     assert new.micro_batch_size <= m
     assert new.micro_batch_size * new.gradient_accumulation_steps * new_dp == plan.global_batch_size
     assert (note is None) == (new_dp == dp)
+
+
+# The error paths list divisors: found from a factorization, not by trying every number up to N.
+P, Q = 1_000_000_007, 998_244_353  # primes
+HUGE = P * Q  # 998244359987710471
+
+
+@given(n=st.integers(1, 5000))
+def test_divisors_are_exact(n):
+    assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+
+
+@pytest.mark.timeout(10)
+def test_divisors_of_huge_numbers():
+    assert divisors(P) == [1, P]
+    assert divisors(HUGE) == [1, Q, P, HUGE]
+    assert divisors(2**62) == [2**k for k in range(63)]
+    assert len(divisors(2**6 * 3**4 * 5**3 * 7**2 * 11 * 13 * 17 * 19 * 23)) == 7 * 5 * 4 * 3 * 2**5
+
+
+@pytest.mark.timeout(10)
+def test_huge_prime_global_batch():
+    with pytest.raises(BatchError) as e:
+        solve_batch(P, 2, "auto", 1)
+    msg = str(e.value)
+    assert f"global_batch_size in {{{P - 1}, {P + 1}}}" in msg
+    assert f"micro_batch_size in {{1, {P}}} (divisors of {P} / 1)" in msg
+
+
+@pytest.mark.timeout(10)
+def test_huge_composite_global_batch():
+    with pytest.raises(BatchError) as e:
+        solve_batch(HUGE, None, 2, 1)
+    assert f"gradient_accumulation_steps in {{1, {Q}, {P}, {HUGE}}}" in str(e.value)
+    with pytest.raises(BatchError) as e:
+        solve_batch(2**62, 3, None, 1)
+    assert "micro_batch_size in {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, ...}" in str(e.value)
+
+
+@pytest.mark.timeout(10)
+def test_huge_plan_on_another_world():
+    new, _ = resolve_for_world(BatchPlan(2 * P, 2, P, 1), 2)
+    assert (new.micro_batch_size, new.gradient_accumulation_steps) == (1, P)
+    with pytest.raises(BatchError, match=f"data-parallel size in {{1, 2, {P}, {2 * P}}}"):
+        resolve_for_world(BatchPlan(2 * P, 2, P, 1), 3)
+
+
+def test_batch_numbers_beyond_64_bits_are_refused():
+    with pytest.raises(BatchError, match="must be a positive integer or auto"):
+        solve_batch(2**63, 1, None, 1)
