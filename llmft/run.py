@@ -83,7 +83,7 @@ class Run:
         self.recipe = plan.recipe
         self.hooks = hooks or _installed
         self.run_dir = Path(self.recipe.run.output_dir)
-        self.recipe_yaml = to_yaml(plan.resolved_recipe())  # the run dir's: decisions written in (SPEC)
+        self.recipe_yaml = to_yaml(plan.resolved_recipe())  # the run dir's: decisions written in (docs/checkpoints.md)
         self.intent_yaml, self.plan_yaml = intent_yaml(plan), plan_yaml(plan)  # each checkpoint's, apart
         self.state = LoopState()
         self.lock = None  # the run directory's lock (rank 0), from setup() until close()
