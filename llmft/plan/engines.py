@@ -76,6 +76,9 @@ class EngineSpec:
     config_names: tuple[str, ...] = ()  # the files config_files writes
     summary: str | None = None  # (plan) -> str: the compile summary's engine line
     problems: str | None = None  # (recipe, where) -> [Problem]: what this engine alone refuses
+    # (step_dir, out) -> Path: converts its checkpoint to a form any world size loads, offline
+    # (``python -m llmft.checkpoint universal``); None: its checkpoints load on any world size as written.
+    universal: str | None = None
     launcher: str = "torchrun"  # launch/<launcher>.sh starts it
 
     def sharding_for(self, zero_stage: int) -> Sharding:
@@ -151,6 +154,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         config_names=("ds_config.json",),
         summary="llmft.plan.deepspeed:summary",
         problems="llmft.plan.deepspeed:engine_problems",
+        universal="llmft.engines.deepspeed:deepspeed_universal",
         launcher="deepspeed",
     ),
 )
@@ -171,6 +175,13 @@ def one_process_engine() -> EngineSpec:
     """The engine a run on one process without a process group uses (``llmft verify`` emulates ranks on it)."""
     (spec,) = (s for s in ENGINES if not s.multi_rank)
     return spec
+
+
+def universal_converter() -> str:
+    """The dotted path of the one offline checkpoint converter (DeepSpeed's universal format):
+    ``python -m llmft.checkpoint universal`` runs it without importing the engines."""
+    (spec,) = (s for s in ENGINES if s.universal)
+    return spec.universal
 
 
 def choose_engine(recipe: Recipe, dp_size: int) -> str:

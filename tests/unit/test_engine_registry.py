@@ -73,7 +73,7 @@ def test_every_record_resolves(spec):
     runtime = load(spec.runtime)
     for method in ("micro_step", "backward", "step", "unwrap", "autocast", "save", "load"):
         assert callable(getattr(runtime, method, None)), f"{spec.runtime} lacks {method}"
-    for path in (spec.reader, spec.stream_reader, spec.config_files, spec.summary, spec.problems):
+    for path in (spec.reader, spec.stream_reader, spec.config_files, spec.summary, spec.problems, spec.universal):
         if path is not None:
             assert callable(load(path)), path
     assert bool(spec.config_files) == bool(spec.config_names)
