@@ -34,9 +34,9 @@ from llmft.dist import DistEnv, barrier, broadcast_object
 from llmft.engines import build_engine
 from llmft.errors import Problem, UserError
 from llmft.evaluate import Evaluator
-from llmft.model.base_model import save_base_once
 from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
 from llmft.metrics import Metrics
+from llmft.model.base_model import save_base_once
 from llmft.optim import build_optimizer, build_scheduler, scaled_lr
 from llmft.plan.resolve import RunPlan
 from llmft.recipe import to_yaml

@@ -32,6 +32,7 @@ from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory, safe_dcp
 from llmft.engines.base import LocalEngine, trainable_names
 from llmft.model.build import prepare_model
+from llmft.model.meta import build_on_meta, materialize
 from llmft.model.precision import DTYPES
 from llmft.model.structure import decoder_layer_classes
 from llmft.plan.fsdp import fsdp_plan
@@ -40,7 +41,6 @@ from llmft.plan.resolve import RunPlan
 
 class FSDPEngine(LocalEngine):
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
-        from llmft.model.meta import build_on_meta, materialize
 
         super().__init__(plan, env)
         # The reduce-scatter averages over all data-parallel ranks (shard x replicate): backward undoes it.

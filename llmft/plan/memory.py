@@ -19,7 +19,6 @@ and output means GiB (2**30 bytes), the unit ``nvidia-smi`` and torch report in.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -556,17 +555,6 @@ def _largest(est: MemoryEstimate) -> str:
 
 
 # --- llmft plan ---------------------------------------------------------------------------------
-
-
-def detected_gpu_memory_gb() -> float | None:
-    """Total memory of GPU 0 in GiB, when torch is installed and sees a GPU; else None."""
-    if importlib.util.find_spec("torch") is None:
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).total_memory / GIB
 
 
 def format_estimate(est: MemoryEstimate) -> str:
