@@ -65,6 +65,12 @@ class EngineSpec:
     # How sharded parameters are gathered for compute: "per_layer" (a layer and the next, and the
     # root) or "live_window" (up to ZERO3_MAX_LIVE_PARAMETERS stay gathered between passes).
     param_gather: Literal["per_layer", "live_window"] | None = None
+    # Its own hooks run around every submodule (ZeRO-3 gathers parameters in them): llmft does not
+    # torch.compile layers underneath it (``model.compile``).
+    module_hooks: bool = False
+    # Sharded parameters exist whole only inside their own module's call, so code that reads a
+    # weight directly (Liger's fused cross-entropy reads lm_head.weight) sees an empty one.
+    gathers_in_module_call: bool = False
     # A fresh model too big to build whole is built partitioned under zero.Init (else on the meta device).
     zero_init: bool = False
     whole_param_on_load: bool = False  # loading sharded puts one whole parameter on the device for a moment
@@ -146,6 +152,8 @@ ENGINES: tuple[EngineSpec, ...] = (
         int8_max_ranks=1,
         low_precision_weights=True,
         param_gather="live_window",
+        module_hooks=True,
+        gathers_in_module_call=True,
         zero_init=True,
         whole_param_on_load=True,
         sharded_checkpoint=True,

@@ -338,7 +338,7 @@ def engine_problems(r: Recipe, spec: EngineSpec, dp_size: int, where: Callable[[
     shares, read from its record, then its own (``EngineSpec.problems``)."""
 
     own = load(spec.problems)(r, where) if spec.problems else []
-    kernels = [Problem(where(pr.where), pr.what, pr.fix) for pr in recipe_problems(r, spec.name)]
+    kernels = [Problem(where(pr.where), pr.what, pr.fix) for pr in recipe_problems(r, spec)]
     return (
         _layout_problems(r, spec, dp_size, where)
         + _offload_problems(r, spec, where)
