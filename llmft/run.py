@@ -26,12 +26,12 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from llmft.checkpoint.layout import RECIPE_FILE, TrainerState, latest_checkpoint
+from llmft.checkpoint.layout import TrainerState, latest_checkpoint
 from llmft.checkpoint.manager import CheckpointManager, SaveHooks, set_rng_state
 from llmft.checkpoint.resume import check_resume_compatible, intent_yaml, plan_yaml, resume_point, resume_schedule
 from llmft.data import MicroBatchSampler, build_data, make_loader
 from llmft.dist import DistEnv, barrier, broadcast_object
-from llmft.engines import build_engine
+from llmft.engines import Engine, build_engine
 from llmft.errors import Problem, UserError
 from llmft.evaluate import Evaluator
 from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
@@ -40,6 +40,7 @@ from llmft.model.base_model import save_base_once
 from llmft.optim import build_optimizer, build_scheduler, scaled_lr
 from llmft.plan.resolve import RunPlan
 from llmft.recipe import to_yaml
+from llmft.recipe.load import RECIPE_FILE
 from llmft.report import ProgressBar, banner, extra_metrics, report_done, versions
 from llmft.rundir import RunDirLock, check_ours, clear_for_fresh_start, mark
 from llmft.stop import STOPPED_EXIT_CODE, StopRequest
@@ -86,6 +87,7 @@ class Run:
         self.recipe_yaml = to_yaml(plan.resolved_recipe())  # the run dir's: decisions written in (docs/checkpoints.md)
         self.intent_yaml, self.plan_yaml = intent_yaml(plan), plan_yaml(plan)  # each checkpoint's, apart
         self.state = LoopState()
+        self.engine: Engine  # built in setup()
         self.lock = None  # the run directory's lock (rank 0), from setup() until close()
 
     # --- setup ----------------------------------------------------------------------------------

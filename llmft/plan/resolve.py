@@ -454,6 +454,10 @@ def _quantization_problems(r: Recipe, spec: EngineSpec, dp_size: int, where: Cal
     return p
 
 
+# Where ``plan_summary`` is written: a compiled dir (llmft compile) and every checkpoint.
+PLAN_FILE = "plan.yaml"
+
+
 def plan_summary(plan: RunPlan) -> dict[str, Any]:
     """The decisions as plain data (``plan.yaml`` of a compiled dir, trackers)."""
     return {
