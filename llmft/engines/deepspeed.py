@@ -6,7 +6,7 @@ undoes its mean over ranks. Clipping happens inside DeepSpeed's step
 (``gradient_clipping`` in the config, written from the plan's ``max_grad_norm`` as the
 other engines' clipping is). Under ZeRO-3 no rank materialises the whole model: a
 pretrained one (LoRA and 4-bit QLoRA bases included) is built on the meta device and each rank
-reads only its partitions of the weights (``llmft.engines.zero3_init``); a fresh one too big to
+reads only its partitions of the weights (``llmft.model.zero3``); a fresh one too big to
 build whole is built under ``zero.Init`` (via ``HfDeepSpeedConfig``).
 
 The checkpoint format is DeepSpeed's own (``deepspeed/state/``). A ZeRO 1-3 checkpoint

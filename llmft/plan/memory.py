@@ -448,7 +448,7 @@ def host_memory_per_node(plan: RunPlan, *, device_is_host: bool = False) -> int:
     optimizer, per rank) plus the peak of loading the model, for the ranks of one node.
 
     Loading as llmft does it: a pretrained model on FSDP2 or ZeRO-3 is built on the meta device
-    and each rank reads only its shard (``engines/meta_init.py``, ``engines/zero3_init.py``); a
+    and each rank reads only its shard (``model/meta.py``, ``model/zero3.py``); a
     4-bit base too, each rank quantizing only the blocks of its part of each matrix (read in the
     compute dtype). ZeRO-3 allocates each parameter whole on the device for a moment before
     partitioning it (one at a time: the largest, the embedding or a matrix): host RAM only where

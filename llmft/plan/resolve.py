@@ -132,7 +132,7 @@ class RunPlan:
     def meta_init(self) -> bool:
         """The model is built on the meta device and each rank loads only its shards: FSDP2 (a
         pretrained model, a 4-bit one included, or a fresh one too big to build whole) and ZeRO-3
-        (a pretrained model, a 4-bit one included: ``engines/zero3_init.py``)."""
+        (a pretrained model, a 4-bit one included: ``model/zero3.py``)."""
         if self.builds_whole:
             return False
         q = self.recipe.model.quantization
