@@ -49,7 +49,6 @@ def load_checkpoint_model(
 
     ``trust_remote_code``: the caller's (command line), never the checkpoint's recipe (docs/design.md G7).
     """
-
     ckpt = resolve_checkpoint(path)
     engine = checkpoint_engine(ckpt)
     recipe = offline_recipe(load_recipe(ckpt / RECIPE_FILE))

@@ -41,7 +41,6 @@ class Evaluator:
         return row if len(row) > 2 else None
 
     def _loss(self) -> dict[str, float]:
-
         ds, world = self.data.eval, self.env.world_size
         n = len(ds)
         if self.recipe.train.eval_max_batches is not None:

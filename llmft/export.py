@@ -88,7 +88,6 @@ def export(
     Default ``out``: ``<run>/exported/step-N`` (``step-N-merged`` with ``merge_lora``).
     ``trust_remote_code`` comes from the command line only, never from the checkpoint (docs/design.md G7).
     """
-
     step_dir = resolve_checkpoint(checkpoint)
     verify(step_dir)  # a truncated or corrupt file is named here, not met as a traceback mid-export
     if out is None:
@@ -105,7 +104,6 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool, trust_remot
     merged into the unquantized base in the compute dtype (``model.dtype``). A full
     fine-tune: the model in the compute dtype.
     """
-
     step_dir, out = Path(step_dir), Path(out)
     recipe = _checkpoint_recipe(step_dir, trust_remote_code)
     dtype = DTYPES[recipe.model.dtype]
@@ -138,7 +136,6 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool, trust_remot
 
 
 def _checkpoint_recipe(step_dir: Path, trust_remote_code: bool = False) -> Recipe:
-
     path = step_dir / RECIPE_FILE
     if not path.is_file():
         raise UserError(

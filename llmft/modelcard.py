@@ -46,7 +46,6 @@ def export_model_card(step_dir: Path, out: Path) -> None:
 
 
 def card_facts(step_dir: Path, out: Path) -> dict[str, Any]:
-
     recipe = OmegaConf.to_container(OmegaConf.load(step_dir / "recipe.yaml"), resolve=True)
     state_path = step_dir / STATE_FILE
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
@@ -275,7 +274,6 @@ def _usage(f: dict) -> list[str]:
 
 
 def _yaml(recipe: dict) -> str:
-
     return yaml.safe_dump(recipe, sort_keys=False)
 
 

@@ -112,7 +112,6 @@ def verify(
 
 def load_for_verify(recipe_path: str, overrides: list[str] | tuple[str, ...] = ()) -> RunPlan:
     """The run on its own layout (its dp is emulated), in fp32 unless ``model.dtype`` is overridden."""
-
     # Later overrides win, so a user's model.dtype=bf16 replaces this default.
     return load_plan(recipe_path, ["model.dtype=fp32", *overrides])
 
@@ -137,7 +136,6 @@ def split_for_samples(plan: BatchPlan, samples: int | None) -> BatchPlan:
 
 def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult:
     """Build the model once, compute the three gradients of the first global batch, compare them."""
-
     recipe = run.recipe
     configured = run.batch
     plan = split_for_samples(configured, samples)
@@ -179,7 +177,6 @@ def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult
 
 def _first_step(dataset, order, plan: BatchPlan, pad_id: int):
     """Step 1's micro-batches per rank, and the same sequences as one batch."""
-
     ranks, indices = [], []
     for rank in range(plan.dp_size):
         sampler = MicroBatchSampler(order, plan, rank, num_steps=1)
@@ -193,7 +190,6 @@ def _first_step(dataset, order, plan: BatchPlan, pad_id: int):
 
 
 def _count(batch: dict[str, torch.Tensor]) -> int:
-
     return count_targets(batch["labels"])
 
 

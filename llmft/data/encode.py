@@ -235,8 +235,6 @@ class Encoder:
         return _Layout(tuple(literals), tuple(rel))
 
     def _render(self, chat: Chat, end: int | None, generation_prompt: bool) -> str:
-        # jinja2 is optional for transformers: imported only where a chat template is rendered
-
         try:
             return self.tokenizer.apply_chat_template(
                 chat.as_dicts(end), tokenize=False, add_generation_prompt=generation_prompt

@@ -41,7 +41,6 @@ from llmft.plan.resolve import RunPlan
 
 class FSDPEngine(LocalEngine):
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
-
         super().__init__(plan, env)
         # The reduce-scatter averages over all data-parallel ranks (shard x replicate): backward undoes it.
         sharding = fsdp_plan(plan)

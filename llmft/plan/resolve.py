@@ -159,7 +159,6 @@ class RunPlan:
     @property
     def chunked_loss(self) -> bool:
         """The LM head and loss run in chunks of tokens (``llmft.loss``)."""
-
         return memory.chunked_loss_on(self.recipe, self.batch.micro_batch_size)
 
     def on_one_process(self) -> RunPlan:

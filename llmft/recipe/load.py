@@ -212,7 +212,6 @@ def load_unchecked(
 ) -> tuple[Recipe, list[Problem]]:
     """The recipe and the problems of its values (keys and types must be right: those raise here),
     so that a caller can add the problems it finds itself and report them all at once."""
-
     file_sources, over_sources, sources = _Sources(), _Sources(), _Sources()
     schema = OmegaConf.structured(Recipe)
     file_cfg = _read_yaml(resolve_recipe_path(path), file_sources) if path is not None else OmegaConf.create({})
