@@ -27,12 +27,19 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from llmft.checkpoint.layout import TrainerState, latest_checkpoint, resolve_checkpoint, step_dirs
+from llmft.checkpoint.layout import (
+    PLAN_FILE,
+    RECIPE_FILE,
+    TrainerState,
+    latest_checkpoint,
+    resolve_checkpoint,
+    step_dirs,
+)
 from llmft.checkpoint.verify import DamagedCheckpoint, verify
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import BatchPlan
-from llmft.plan.resolve import PLAN_FILE, RunPlan, plan_summary
-from llmft.recipe.load import RECIPE_FILE, flatten, to_yaml, unresolve_env
+from llmft.plan.resolve import RunPlan, plan_summary
+from llmft.recipe.load import flatten, to_yaml, unresolve_env
 
 log = logging.getLogger("llmft")
 

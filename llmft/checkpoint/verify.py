@@ -24,10 +24,19 @@ from pathlib import Path
 
 import yaml
 
-from llmft.checkpoint.layout import COMPLETE, DCP_DIR, DS_DIR, MODEL_DIR, OPTIMIZER_FILE, RNG_DIR, STEP_RE, TrainerState
+from llmft.checkpoint.layout import (
+    COMPLETE,
+    DCP_DIR,
+    DS_DIR,
+    MODEL_DIR,
+    OPTIMIZER_FILE,
+    PLAN_FILE,
+    RECIPE_FILE,
+    RNG_DIR,
+    STEP_RE,
+    TrainerState,
+)
 from llmft.errors import Problem, UserError
-from llmft.plan.resolve import PLAN_FILE
-from llmft.recipe.load import RECIPE_FILE
 
 
 class DamagedCheckpoint(UserError):
