@@ -110,9 +110,18 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from llmft.gpu import gpu_memory_gb
     from llmft.plan.report import plan_command
 
-    print(plan_command(args.recipe, args.overrides, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node))
+    print(
+        plan_command(
+            args.recipe,
+            args.overrides,
+            nnodes=args.nnodes,
+            nproc_per_node=args.nproc_per_node,
+            measure_gpu=gpu_memory_gb,
+        )
+    )
     return 0
 
 

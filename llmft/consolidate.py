@@ -14,9 +14,13 @@ from pathlib import Path
 import torch
 
 from llmft.checkpoint.layout import RECIPE_FILE, TOKENIZER_DIR, TrainerState, resolve_checkpoint
+from llmft.engines import read_checkpoint
 from llmft.engines.base import trainable_names
+from llmft.model.build import build_model
 from llmft.plan.engines import engine_spec
 from llmft.recipe import Recipe, load_recipe
+from llmft.safe_load import without_remote_code
+from llmft.tokenizer import load_tokenizer
 
 
 def checkpoint_engine(ckpt: Path) -> str:
@@ -44,11 +48,6 @@ def load_checkpoint_model(
 
     ``trust_remote_code``: the caller's (command line), never the checkpoint's recipe (docs/design.md G7).
     """
-    from llmft.engines import read_checkpoint
-    from llmft.model.build import build_model
-    from llmft.safe_load import without_remote_code
-    from llmft.tokenizer import load_tokenizer
-
     ckpt = resolve_checkpoint(path)
     engine = checkpoint_engine(ckpt)
     recipe = offline_recipe(load_recipe(ckpt / RECIPE_FILE))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llmft.data import collate, count_targets
 from llmft.dist import DistEnv, all_reduce_sum
 from llmft.plan.resolve import RunPlan
 
@@ -40,8 +41,6 @@ class Evaluator:
         return row if len(row) > 2 else None
 
     def _loss(self) -> dict[str, float]:
-        from llmft.data import collate, count_targets
-
         ds, world = self.data.eval, self.env.world_size
         n = len(ds)
         if self.recipe.train.eval_max_batches is not None:

@@ -53,10 +53,17 @@ from llmft.checkpoint.layout import (
     TOKENIZER_DIR,
     resolve_checkpoint,
 )
+from llmft.checkpoint.verify import verify
+from llmft.consolidate import checkpoint_engine, load_checkpoint_model, offline_recipe
 from llmft.errors import Problem, UserError
+from llmft.model.build import build_model, load_base_model
+from llmft.model.precision import DTYPES
 from llmft.model.save import plain_config, staged
+from llmft.model.source import resolve_name
 from llmft.modelcard import export_model_card
 from llmft.plan.engines import engine_spec, load
+from llmft.recipe import load_recipe
+from llmft.safe_load import without_remote_code
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -81,8 +88,6 @@ def export(
     Default ``out``: ``<run>/exported/step-N`` (``step-N-merged`` with ``merge_lora``).
     ``trust_remote_code`` comes from the command line only, never from the checkpoint (docs/design.md G7).
     """
-    from llmft.checkpoint.verify import verify
-
     step_dir = resolve_checkpoint(checkpoint)
     verify(step_dir)  # a truncated or corrupt file is named here, not met as a traceback mid-export
     if out is None:
@@ -99,8 +104,6 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool, trust_remot
     merged into the unquantized base in the compute dtype (``model.dtype``). A full
     fine-tune: the model in the compute dtype.
     """
-    from llmft.model.precision import DTYPES
-
     step_dir, out = Path(step_dir), Path(out)
     recipe = _checkpoint_recipe(step_dir, trust_remote_code)
     dtype = DTYPES[recipe.model.dtype]
@@ -133,9 +136,6 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool, trust_remot
 
 
 def _checkpoint_recipe(step_dir: Path, trust_remote_code: bool = False) -> Recipe:
-    from llmft.recipe import load_recipe
-    from llmft.safe_load import without_remote_code
-
     path = step_dir / RECIPE_FILE
     if not path.is_file():
         raise UserError(
@@ -154,8 +154,6 @@ def _checkpoint_model_dir(step_dir: Path, scratch: Path, trust_remote_code: bool
     if (model_dir / ADAPTER_CONFIG).is_file() or (model_dir / "config.json").is_file():
         return model_dir
     if (step_dir / STATE_FILE).is_file() and any((step_dir / d).is_dir() for d in (DCP_DIR, DS_DIR)):
-        from llmft.consolidate import load_checkpoint_model
-
         model = load_checkpoint_model(step_dir, adapter_only=True, trust_remote_code=trust_remote_code)[0]
         model.save_pretrained(scratch / MODEL_DIR, safe_serialization=True)
         return scratch / MODEL_DIR
@@ -181,8 +179,6 @@ def _sharded_state(step_dir: Path) -> str | None:
         return None
     if not any((step_dir / d).is_dir() for d in (DCP_DIR, DS_DIR)):
         return None
-    from llmft.consolidate import checkpoint_engine
-    from llmft.plan.engines import engine_spec
 
     engine = checkpoint_engine(step_dir)
     return engine if engine_spec(engine).sharded_checkpoint else None
@@ -196,9 +192,6 @@ def write_full_streamed(step_dir: Path, recipe: Recipe, dtype: torch.dtype, out:
     gathers one parameter at a time), cast, written and freed. Memory: one file's weights in fp32
     plus its cast, not the model in fp32. Tied weights are written once, as save_pretrained does."""
     from safetensors.torch import save_file
-
-    from llmft.consolidate import checkpoint_engine, offline_recipe
-    from llmft.model.build import build_model
 
     stream_reader = engine_spec(checkpoint_engine(step_dir)).stream_reader
     assert stream_reader is not None, "only sharded checkpoints are streamed"
@@ -381,8 +374,6 @@ def _base_weights_dir(step_dir: Path, recipe: Recipe) -> Path | None:
     if m.config is not None:
         found = _saved_base(step_dir)
     else:
-        from llmft.model.source import resolve_name
-
         name = resolve_name(m.name_or_path)
         found = Path(name) if Path(name).is_dir() else _cached_snapshot(name, m.revision)
     return found if found is not None and weight_files(found) else None
@@ -406,8 +397,6 @@ def _write_adapter(
     config = json.loads((out / ADAPTER_CONFIG).read_text())
     m = recipe.model
     if m.config is None:
-        from llmft.model.source import resolve_name
-
         name = resolve_name(m.name_or_path)
         config["base_model_name_or_path"] = str(Path(name).resolve()) if Path(name).is_dir() else name
         config["revision"] = m.revision
@@ -435,8 +424,6 @@ def _write_base(step_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path) -
 
 def _load_base(step_dir: Path, recipe: Recipe, dtype: torch.dtype) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
-
-    from llmft.model.build import load_base_model
 
     saved = _saved_base(step_dir) if recipe.model.config is not None else None
     if saved is not None:

@@ -15,7 +15,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
+from omegaconf import OmegaConf
+
+from llmft import __version__
+from llmft.checkpoint.layout import STATE_FILE
 from llmft.errors import Problem, UserError
+from llmft.plot import read_metrics
 
 log = logging.getLogger("llmft")
 
@@ -40,10 +46,6 @@ def export_model_card(step_dir: Path, out: Path) -> None:
 
 
 def card_facts(step_dir: Path, out: Path) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    from llmft.checkpoint.layout import STATE_FILE
-
     recipe = OmegaConf.to_container(OmegaConf.load(step_dir / "recipe.yaml"), resolve=True)
     state_path = step_dir / STATE_FILE
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
@@ -71,7 +73,6 @@ def _final_rows(path: Path, step: int | None) -> tuple[dict | None, dict | None]
     """The last train and eval rows up to the checkpoint's step (later rows of a step win)."""
     if not path.is_file():
         return None, None
-    from llmft.plot import read_metrics
 
     try:
         splits = read_metrics(path)
@@ -130,8 +131,6 @@ def _base_license(name: str | None, revision: str | None) -> str | None:
 def _versions(state: dict) -> dict[str, str]:
     versions = dict(state.get("versions") or {})
     if "llmft" not in versions:
-        from llmft import __version__
-
         versions["llmft"] = __version__
     return versions
 
@@ -275,8 +274,6 @@ def _usage(f: dict) -> list[str]:
 
 
 def _yaml(recipe: dict) -> str:
-    import yaml
-
     return yaml.safe_dump(recipe, sort_keys=False)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from llmft.checkpoint.layout import latest_checkpoint
 from llmft.dist import DistEnv
+from llmft.engines import Engine
 from llmft.flops import flops_per_token, mfu, peak_flops
 from llmft.loop import LoopState
 from llmft.model.structure import describe
@@ -26,7 +27,7 @@ log = logging.getLogger("llmft")
 VERSIONED = ("llmft", "torch", "transformers", "peft", "deepspeed", "bitsandbytes")
 
 
-def banner(plan: RunPlan, env: DistEnv, steps: int, engine, data) -> str:
+def banner(plan: RunPlan, env: DistEnv, steps: int, engine: Engine, data) -> str:
     recipe, b = plan.recipe, plan.batch
     seq = recipe.data.max_seq_len
     lines = [

@@ -8,7 +8,7 @@ last because creating the data iterator draws from it. ``fit`` runs the loop
 (``llmft.loop``: one iteration = one optimizer step).
 
 ``Run`` is wiring: which checkpoint to resume and whether this recipe may continue it are
-``llmft.checkpoint.resume``, the base model of a PEFT run ``llmft.checkpoint.base_model``, what
+``llmft.checkpoint.resume``, the base model of a PEFT run ``llmft.model.base_model``, what
 the run tells its user (banner, progress bar, MFU, final report) ``llmft.report``.
 
 Tests instrument a run through ``RunHooks`` (``install_hooks``), never through the environment.
@@ -26,22 +26,22 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from llmft.checkpoint.base_model import save_base_once
 from llmft.checkpoint.layout import RECIPE_FILE, TrainerState, latest_checkpoint, saved_optimizer
 from llmft.checkpoint.manager import CheckpointManager, SaveHooks, set_rng_state
 from llmft.checkpoint.resume import check_resume_compatible, intent_yaml, plan_yaml, resume_point, resume_schedule
 from llmft.data import MicroBatchSampler, build_data, make_loader
 from llmft.dist import DistEnv, barrier, broadcast_object
-from llmft.engines import build_engine
+from llmft.engines import Engine, build_engine
 from llmft.errors import Problem, UserError
 from llmft.evaluate import Evaluator
 from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
 from llmft.metrics import Metrics
+from llmft.model.base_model import save_base_once
 from llmft.optim import build_optimizer, build_scheduler, scaled_lr
 from llmft.plan.resolve import RunPlan
 from llmft.recipe import to_yaml
 from llmft.report import ProgressBar, banner, extra_metrics, report_done, versions
-from llmft.rundir import RunDirLock, check_ours, mark
+from llmft.rundir import RunDirLock, check_ours, clear_for_fresh_start, mark
 from llmft.stop import STOPPED_EXIT_CODE, StopRequest
 from llmft.tokenizer import load_tokenizer
 from llmft.tracking import run_info
@@ -83,9 +83,10 @@ class Run:
         self.recipe = plan.recipe
         self.hooks = hooks or _installed
         self.run_dir = Path(self.recipe.run.output_dir)
-        self.recipe_yaml = to_yaml(plan.resolved_recipe())  # the run dir's: decisions written in (SPEC)
+        self.recipe_yaml = to_yaml(plan.resolved_recipe())  # the run dir's: decisions written in (docs/checkpoints.md)
         self.intent_yaml, self.plan_yaml = intent_yaml(plan), plan_yaml(plan)  # each checkpoint's, apart
         self.state = LoopState()
+        self.engine: Engine  # built in setup()
         self.lock = None  # the run directory's lock (rank 0), from setup() until close()
 
     # --- setup ----------------------------------------------------------------------------------
@@ -127,6 +128,8 @@ class Run:
                 self.lock = RunDirLock(self.run_dir).acquire()  # released when the process ends
                 mark(self.run_dir)
                 decision = resume_point(self.plan)
+                if decision is None and self.recipe.checkpoint.resume == "never" and self.recipe.run.overwrite:
+                    clear_for_fresh_start(self.run_dir)  # resume_point allowed it: llmft's own entries only
             except UserError as e:
                 error = e
                 decision = ("refused", e.problems, e.title, e.exit_code)

@@ -11,6 +11,7 @@ import os
 import sys
 
 from llmft.dist import DistEnv, init_distributed, read_env, shutdown
+from llmft.gpu import gpu_memory_gb
 from llmft.model import kernels
 from llmft.plan.memory import check_fits
 from llmft.plan.resolve import load_plan
@@ -37,7 +38,13 @@ def setup_logging(env: DistEnv) -> None:
 def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None) -> int:
     env = read_env()
     setup_logging(env)
-    plan = load_plan(recipe_path, overrides, world_size=env.world_size, local_world_size=env.local_world_size)
+    plan = load_plan(
+        recipe_path,
+        overrides,
+        world_size=env.world_size,
+        local_world_size=env.local_world_size,
+        measure_gpu=gpu_memory_gb,
+    )
     # A missing tracker extra or kernel fails here, before any data or model is loaded.
     check_available(plan.recipe)
     kernels.check_available(plan.recipe.model)

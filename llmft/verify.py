@@ -44,10 +44,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmft.data import MicroBatchSampler, build_data, collate, count_targets
+from llmft.dist import DistEnv
+from llmft.engines import autocast_for
 from llmft.errors import Problem, UserError
 from llmft.loop import micro_loss
+from llmft.model.build import prepare_model
+from llmft.model.precision import compute_dtype
+from llmft.model.structure import describe
 from llmft.plan.batch import BatchPlan, divisors
-from llmft.plan.resolve import RunPlan
+from llmft.plan.resolve import RunPlan, load_plan
+from llmft.run import seed_everything
+from llmft.tokenizer import load_tokenizer
 
 WORST_SHOWN = 5  # tensors listed in the table besides the global row
 
@@ -104,8 +112,6 @@ def verify(
 
 def load_for_verify(recipe_path: str, overrides: list[str] | tuple[str, ...] = ()) -> RunPlan:
     """The run on its own layout (its dp is emulated), in fp32 unless ``model.dtype`` is overridden."""
-    from llmft.plan.resolve import load_plan
-
     # Later overrides win, so a user's model.dtype=bf16 replaces this default.
     return load_plan(recipe_path, ["model.dtype=fp32", *overrides])
 
@@ -130,15 +136,6 @@ def split_for_samples(plan: BatchPlan, samples: int | None) -> BatchPlan:
 
 def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult:
     """Build the model once, compute the three gradients of the first global batch, compare them."""
-    from llmft.data import build_data
-    from llmft.dist import DistEnv
-    from llmft.engines import autocast_for
-    from llmft.model.build import prepare_model
-    from llmft.model.precision import compute_dtype
-    from llmft.model.structure import describe
-    from llmft.run import seed_everything
-    from llmft.tokenizer import load_tokenizer
-
     recipe = run.recipe
     configured = run.batch
     plan = split_for_samples(configured, samples)
@@ -180,8 +177,6 @@ def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult
 
 def _first_step(dataset, order, plan: BatchPlan, pad_id: int):
     """Step 1's micro-batches per rank, and the same sequences as one batch."""
-    from llmft.data import MicroBatchSampler, collate
-
     ranks, indices = [], []
     for rank in range(plan.dp_size):
         sampler = MicroBatchSampler(order, plan, rank, num_steps=1)
@@ -195,8 +190,6 @@ def _first_step(dataset, order, plan: BatchPlan, pad_id: int):
 
 
 def _count(batch: dict[str, torch.Tensor]) -> int:
-    from llmft.data import count_targets
-
     return count_targets(batch["labels"])
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmft.engines.deepspeed import deepspeed_universal
 from llmft.errors import UserError
+from llmft.plan.engines import load, universal_converter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output directory (default: <step-N>/deepspeed_universal)")
     args = parser.parse_args(argv)
     try:
-        print(deepspeed_universal(args.checkpoint, args.out))
+        # By the registry's dotted path: the engines import checkpoint.layout, so an import of
+        # them here would make checkpoint/ and engines/ import each other.
+        print(load(universal_converter())(args.checkpoint, args.out))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

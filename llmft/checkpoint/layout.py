@@ -34,8 +34,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import BatchPlan
+
+# The two files a compiled dir and a checkpoint share, defined where llmft compile writes them:
+# named here (explicit re-exports) beside every other name of a checkpoint.
+from llmft.plan.resolve import PLAN_FILE as PLAN_FILE  # the decisions (engine, world, batch)
+from llmft.recipe.load import RECIPE_FILE as RECIPE_FILE  # the recipe as given
 
 log = logging.getLogger("llmft")
 
@@ -43,8 +50,6 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
-RECIPE_FILE = "recipe.yaml"
-PLAN_FILE = "plan.yaml"  # the decisions (engine, world, batch), as llmft compile writes them
 TOKENIZER_DIR = "tokenizer"
 RNG_DIR = "rng"
 BASE_DIR = "base_model"  # beside the step dirs, so pruning never removes it
@@ -192,7 +197,6 @@ def saved_recipe(step_dir: Path) -> dict[str, Any]:
     """A checkpoint's ``recipe.yaml`` as plain values, each ``${...}`` resolved where it can be. One
     that cannot (an ``${oc.env:VAR}`` unset in this environment: recipes keep secrets as written)
     stays as its text, so a comparison names it instead of failing on it."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
 
     def lenient(node: Any) -> Any:
         if not isinstance(node, (DictConfig, ListConfig)):

@@ -22,7 +22,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ from llmft.checkpoint.layout import (
 from llmft.dist import DistEnv, all_reduce_sum, barrier
 from llmft.errors import Problem, UserError
 from llmft.safe_load import torch_load
+
+if TYPE_CHECKING:  # the engines import checkpoint.layout: a real import would be a package cycle
+    from llmft.engines import Engine
 
 
 class CheckpointWriteError(UserError):
@@ -120,7 +123,7 @@ class CheckpointManager:
         self.protected: Path | None = None  # the checkpoint we resumed from is never pruned mid-run
 
     def save(
-        self, state: TrainerState, engine, *, recipe_yaml: str, plan_yaml: str, tokenizer, save_optimizer: bool
+        self, state: TrainerState, engine: Engine, *, recipe_yaml: str, plan_yaml: str, tokenizer, save_optimizer: bool
     ) -> Path:
         """Write step ``state.step``: ``recipe_yaml`` is the run's intent, ``plan_yaml`` its decisions."""
         step = state.step
@@ -172,7 +175,9 @@ class CheckpointManager:
         atomic_write(self.root / LATEST, final.name)
         self.prune()
 
-    def _write(self, tmp: Path, state: TrainerState, engine, *, texts: dict[str, str], tokenizer, save_optimizer: bool):
+    def _write(
+        self, tmp: Path, state: TrainerState, engine: Engine, *, texts: dict[str, str], tokenizer, save_optimizer: bool
+    ):
         engine.save(tmp, save_optimizer=save_optimizer)
         rng = rng_file(tmp, self.env.rank)
         rng.parent.mkdir(exist_ok=True)

@@ -40,7 +40,6 @@ from llmft.errors import Problem, UserError
 from llmft.plan.batch import BatchPlan
 from llmft.plan.resolve import RunPlan, plan_summary
 from llmft.recipe.load import flatten, to_yaml, unresolve_env
-from llmft.rundir import clear_for_fresh_start
 
 log = logging.getLogger("llmft")
 
@@ -81,7 +80,8 @@ def resume_point(plan: RunPlan) -> Path | None:
     """The checkpoint this run resumes from (rank 0 decides). ``auto``: the newest complete one that
     is whole; a damaged one is skipped with a warning naming the file (and left in place: it is
     replaced when the run saves that step again). A path: that checkpoint, which must be whole.
-    ``never``: none, and an earlier run's checkpoints are refused unless ``run.overwrite``."""
+    ``never``: none, and an earlier run's checkpoints are refused unless ``run.overwrite`` (then the
+    caller, which owns the run directory, clears them: ``llmft.rundir.clear_for_fresh_start``)."""
     recipe = plan.recipe
     run_dir = Path(recipe.run.output_dir)
     resume = recipe.checkpoint.resume
@@ -108,8 +108,6 @@ def resume_point(plan: RunPlan) -> Path | None:
                 "to delete its checkpoints and metrics.",
             )
         )
-    if recipe.run.overwrite:
-        clear_for_fresh_start(run_dir)
     return None
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from jinja2.exceptions import TemplateError
 
 from llmft.data.records import BadRecord, Chat, Message, PromptCompletion, Record, Text
 from llmft.errors import Problem, UserError
@@ -263,9 +264,6 @@ class Encoder:
         return _Layout(tuple(literals), tuple(rel))
 
     def _render(self, chat: Chat, end: int | None, generation_prompt: bool) -> str:
-        # jinja2 is optional for transformers: imported only where a chat template is rendered
-        from jinja2.exceptions import TemplateError
-
         try:
             return self.tokenizer.apply_chat_template(
                 chat.as_dicts(end), tokenize=False, add_generation_prompt=generation_prompt

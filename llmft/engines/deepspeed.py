@@ -6,7 +6,7 @@ undoes its mean over ranks. Clipping happens inside DeepSpeed's step
 (``gradient_clipping`` in the config, written from the plan's ``max_grad_norm`` as the
 other engines' clipping is). Under ZeRO-3 no rank materialises the whole model: a
 pretrained one (LoRA and 4-bit QLoRA bases included) is built on the meta device and each rank
-reads only its partitions of the weights (``llmft.engines.zero3_init``); a fresh one too big to
+reads only its partitions of the weights (``llmft.model.zero3``); a fresh one too big to
 build whole is built under ``zero.Init`` (via ``HfDeepSpeedConfig``).
 
 The checkpoint format is DeepSpeed's own (``deepspeed/state/``). A ZeRO 1-3 checkpoint
@@ -39,8 +39,11 @@ from llmft.engines import OptimizerFactory
 from llmft.engines.base import check_loaded_keys, trainable_names
 from llmft.engines.safe_deepspeed import check_deepspeed_files
 from llmft.errors import Problem, UserError
+from llmft.model import zero3
 from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
+from llmft.model.meta import build_on_meta
+from llmft.plan.deepspeed import deepspeed_config
 from llmft.plan.resolve import RunPlan
 from llmft.safe_load import torch_load
 
@@ -48,8 +51,6 @@ from llmft.safe_load import torch_load
 class DeepSpeedEngineAdapter:
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
         import deepspeed
-
-        from llmft.plan.deepspeed import deepspeed_config
 
         self.name = plan.engine
         self.env = env
@@ -62,8 +63,6 @@ class DeepSpeedEngineAdapter:
         self._hf_ds = None
         if plan.meta_init:
             # A pretrained model: built on the meta device, each rank reads only its partitions.
-            from llmft.model import zero3
-            from llmft.model.meta import build_on_meta
 
             model, slots, weights = build_on_meta(plan, tokenizer)
             zero3.materialize(model, slots, weights, self.config, seed=plan.recipe.run.seed, device=env.device)

@@ -8,10 +8,10 @@ precision, offload, resharding), the same one ``llmft compile`` writes to ``fsdp
 
 Big models stay sharded (docs/design.md): a pretrained model, or a fresh one too big to build
 whole, is built on the meta device and each rank materialises only its shards
-(``llmft.engines.meta_init``). Small fresh models are built whole on every rank with the seeded
+(``llmft.model.meta``). Small fresh models are built whole on every rank with the seeded
 init, as on every engine, so their weights equal the single-process run's. A pretrained 4-bit
 (QLoRA) base is built on the meta device too, in its packed layout, and each rank quantizes the
-weights one at a time and keeps its part of the packed bytes (``meta_init``); a fresh quantized
+weights one at a time and keeps its part of the packed bytes (``llmft.model.quant_shard``); a fresh quantized
 ``model.config`` model is built whole and frees all but its shards once ``fully_shard`` has run.
 """
 
@@ -32,6 +32,7 @@ from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory, safe_dcp
 from llmft.engines.base import LocalEngine, trainable_names
 from llmft.model.build import prepare_model
+from llmft.model.meta import build_on_meta, materialize
 from llmft.model.precision import DTYPES
 from llmft.model.structure import decoder_layer_classes
 from llmft.plan.fsdp import fsdp_plan
@@ -40,8 +41,6 @@ from llmft.plan.resolve import RunPlan
 
 class FSDPEngine(LocalEngine):
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
-        from llmft.model.meta import build_on_meta, materialize
-
         super().__init__(plan, env)
         # The reduce-scatter averages over all data-parallel ranks (shard x replicate): backward undoes it.
         sharding = fsdp_plan(plan)

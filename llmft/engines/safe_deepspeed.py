@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmft.checkpoint.layout import DS_DIR, UNIVERSAL_DIR
+from llmft.checkpoint.verify import check_confined
 from llmft.safe_load import refused
 
 DEEPSPEED_GLOBALS = frozenset(
@@ -53,7 +54,6 @@ def deepspeed_pickles(step_dir: str | Path) -> list[Path]:
     universal ``zero/<param>/<state>.pt``). The step dir is first checked to hold no link and
     nothing but files and folders (``check_confined``): ``Path.rglob`` does not descend into a
     linked folder, DeepSpeed's own ``open`` does, so a link would hide a file from this scan."""
-    from llmft.checkpoint.verify import check_confined
 
     step_dir = Path(step_dir)
     folders = [step_dir / DS_DIR, step_dir / UNIVERSAL_DIR]

@@ -15,10 +15,9 @@ import yaml
 
 from llmft.plan import launch
 from llmft.plan.engines import ENGINES, load
-from llmft.plan.resolve import RunPlan, plan_summary
+from llmft.plan.resolve import PLAN_FILE, RunPlan, plan_summary
 from llmft.recipe.load import RECIPE_FILE, to_yaml
 
-PLAN_FILE = "plan.yaml"
 # Artefacts that belong to one engine: removed when a recompile picks another, so a
 # compiled dir never holds a stale config that disagrees with its recipe.
 ENGINE_FILES = (

@@ -66,6 +66,12 @@ class EngineSpec:
     # How sharded parameters are gathered for compute: "per_layer" (a layer and the next, and the
     # root) or "live_window" (up to ZERO3_MAX_LIVE_PARAMETERS stay gathered between passes).
     param_gather: Literal["per_layer", "live_window"] | None = None
+    # Its own hooks run around every submodule (ZeRO-3 gathers parameters in them): llmft does not
+    # torch.compile layers underneath it (``model.compile``).
+    module_hooks: bool = False
+    # Sharded parameters exist whole only inside their own module's call, so code that reads a
+    # weight directly (Liger's fused cross-entropy reads lm_head.weight) sees an empty one.
+    gathers_in_module_call: bool = False
     # A fresh model too big to build whole is built partitioned under zero.Init (else on the meta device).
     zero_init: bool = False
     whole_param_on_load: bool = False  # loading sharded puts one whole parameter on the device for a moment
@@ -77,6 +83,9 @@ class EngineSpec:
     config_names: tuple[str, ...] = ()  # the files config_files writes
     summary: str | None = None  # (plan) -> str: the compile summary's engine line
     problems: str | None = None  # (recipe, where) -> [Problem]: what this engine alone refuses
+    # (step_dir, out) -> Path: converts its checkpoint to a form any world size loads, offline
+    # (``python -m llmft.checkpoint universal``); None: its checkpoints load on any world size as written.
+    universal: str | None = None
     launcher: str = "torchrun"  # launch/<launcher>.sh starts it
 
     def sharding_for(self, zero_stage: int) -> Sharding:
@@ -148,6 +157,8 @@ ENGINES: tuple[EngineSpec, ...] = (
         int8_max_ranks=1,
         low_precision_weights=True,
         param_gather="live_window",
+        module_hooks=True,
+        gathers_in_module_call=True,
         zero_init=True,
         whole_param_on_load=True,
         sharded_checkpoint=True,
@@ -156,6 +167,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         config_names=("ds_config.json",),
         summary="llmft.plan.deepspeed:summary",
         problems="llmft.plan.deepspeed:engine_problems",
+        universal="llmft.engines.deepspeed:deepspeed_universal",
         launcher="deepspeed",
     ),
 )
@@ -176,6 +188,13 @@ def one_process_engine() -> EngineSpec:
     """The engine a run on one process without a process group uses (``llmft verify`` emulates ranks on it)."""
     (spec,) = (s for s in ENGINES if not s.multi_rank)
     return spec
+
+
+def universal_converter() -> str:
+    """The dotted path of the one offline checkpoint converter (DeepSpeed's universal format):
+    ``python -m llmft.checkpoint universal`` runs it without importing the engines."""
+    (spec,) = (s for s in ENGINES if s.universal)
+    return spec.universal
 
 
 def choose_engine(recipe: Recipe, dp_size: int) -> str:

@@ -51,7 +51,7 @@ class FSDPPlan:
     cpu_offload: bool
     activation_checkpointing: bool
     mesh: Mesh
-    batch: dict[str, int]  # global, micro, accumulation, dp: for the reader of fsdp.yaml
+    batch: dict[str, int]  # BatchPlan.to_dict(): for the reader of fsdp.yaml
     # Order matters: layers first so each gets its own all-gather; the root then
     # takes the remaining params (embeddings, final norm, head).
     shard: tuple[str, ...] = ("decoder_layers", "root")
@@ -78,6 +78,7 @@ def fsdp_plan(plan: RunPlan) -> FSDPPlan:
     """The FSDP2 plan of a resolved run: its mesh is the run's parallel layout."""
     recipe, b, layout = plan.recipe, plan.batch, plan.layout
     d = recipe.distributed
+    assert b.dp_size == layout.dp_size, "the batch is solved for the layout's data-parallel ranks"
     assert layout.dp_size % layout.dp_replicate == 0, "resolve() checks hsdp_replicate divides dp_size"
     return FSDPPlan(
         reshard_after_forward=d.reshard_after_forward,
@@ -85,12 +86,7 @@ def fsdp_plan(plan: RunPlan) -> FSDPPlan:
         cpu_offload=d.offload_params == "cpu",
         activation_checkpointing=recipe.model.gradient_checkpointing,
         mesh=Mesh(replicate=layout.dp_replicate, shard=layout.dp_shard),
-        batch={
-            "global_batch_size": b.global_batch_size,
-            "micro_batch_size": b.micro_batch_size,
-            "gradient_accumulation_steps": b.gradient_accumulation_steps,
-            "dp_size": layout.dp_size,
-        },
+        batch=b.to_dict(),
     )
 
 

@@ -10,30 +10,31 @@ from typing import TYPE_CHECKING
 from llmft.errors import Problem
 
 if TYPE_CHECKING:
+    from llmft.plan.engines import EngineSpec
     from llmft.recipe.schema import Recipe
 
 
-def recipe_problems(r: Recipe, engine: str) -> list[Problem]:
-    """Switch combinations that cannot work on ``engine`` (the resolved one), whatever the machine."""
+def recipe_problems(r: Recipe, spec: EngineSpec) -> list[Problem]:
+    """Switch combinations that cannot work on the resolved engine ``spec``, whatever the machine."""
     p: list[Problem] = []
     m = r.model
-    if m.compile and engine == "deepspeed":
+    if m.compile and spec.module_hooks:
         # DeepSpeed runs its own hooks around every submodule (ZeRO-3 gathers parameters in them)
         # and has its own compile entry point; llmft does not compile layers underneath it.
         p.append(
             Problem(
                 "model.compile",
-                "is not supported with distributed.engine=deepspeed (DeepSpeed's per-module ZeRO hooks would "
-                "run inside the compiled layers)",
+                f"is not supported with distributed.engine={spec.name} ({spec.title}'s per-module ZeRO hooks "
+                "would run inside the compiled layers)",
                 "Set model.compile=false, or use distributed.engine=fsdp (sharded like ZeRO-3) or ddp.",
             )
         )
-    if m.liger_kernels and engine == "deepspeed" and r.distributed.zero_stage == 3:
+    if m.liger_kernels and spec.gathers_in_module_call and spec.shards_parameters(r):
         p.append(
             Problem(
                 "model.liger_kernels",
-                "cannot run under DeepSpeed ZeRO-3: the fused linear cross-entropy reads lm_head.weight "
-                "directly, outside the module call in which ZeRO-3 gathers it",
+                f"cannot run under {spec.title} {spec.sharded_title}: the fused linear cross-entropy reads "
+                f"lm_head.weight directly, outside the module call in which {spec.sharded_title} gathers it",
                 "Use distributed.engine=fsdp, a ZeRO stage below 3, or model.liger_kernels=false.",
             )
         )

@@ -19,7 +19,6 @@ and output means GiB (2**30 bytes), the unit ``nvidia-smi`` and torch report in.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -449,7 +448,7 @@ def host_memory_per_node(plan: RunPlan, *, device_is_host: bool = False) -> int:
     optimizer, per rank) plus the peak of loading the model, for the ranks of one node.
 
     Loading as llmft does it: a pretrained model on FSDP2 or ZeRO-3 is built on the meta device
-    and each rank reads only its shard (``engines/meta_init.py``, ``engines/zero3_init.py``); a
+    and each rank reads only its shard (``model/meta.py``, ``model/zero3.py``); a
     4-bit base too, each rank quantizing only the blocks of its part of each matrix (read in the
     compute dtype). ZeRO-3 allocates each parameter whole on the device for a moment before
     partitioning it (one at a time: the largest, the embedding or a matrix): host RAM only where
@@ -556,17 +555,6 @@ def _largest(est: MemoryEstimate) -> str:
 
 
 # --- llmft plan ---------------------------------------------------------------------------------
-
-
-def detected_gpu_memory_gb() -> float | None:
-    """Total memory of GPU 0 in GiB, when torch is installed and sees a GPU; else None."""
-    if importlib.util.find_spec("torch") is None:
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).total_memory / GIB
 
 
 def format_estimate(est: MemoryEstimate) -> str:

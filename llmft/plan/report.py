@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from llmft.errors import UserError
 from llmft.plan.memory import (
     GIB,
     MemoryEstimate,
-    detected_gpu_memory_gb,
     estimate_memory,
     format_estimate,
     pick_micro_batch,
@@ -15,9 +16,14 @@ from llmft.plan.resolve import RunPlan, describe_engine, load_plan
 
 
 def plan_command(
-    recipe_path: str, overrides: list[str], nnodes: int | None = None, nproc_per_node: int | None = None
+    recipe_path: str,
+    overrides: list[str],
+    nnodes: int | None = None,
+    nproc_per_node: int | None = None,
+    measure_gpu: Callable[[], float | None] = lambda: None,
 ) -> str:
-    """The text ``llmft plan`` prints."""
+    """The text ``llmft plan`` prints. ``measure_gpu``: this machine's GPU memory in GiB (None: no
+    GPU), asked only when the recipe leaves ``distributed.gpu_memory_gb`` unset (``llmft.gpu``)."""
     plan = load_plan(recipe_path, overrides, nnodes=nnodes, nproc_per_node=nproc_per_node)
     recipe = plan.recipe
     est = estimate_memory(plan)
@@ -30,7 +36,7 @@ def plan_command(
         "",
     ]
     head += [f"note: {n}" for n in est.notes]
-    return "\n".join(head + _fit_lines(plan, est))
+    return "\n".join(head + _fit_lines(plan, est, measure_gpu))
 
 
 def _describe(plan: RunPlan) -> str:
@@ -41,10 +47,10 @@ def _describe(plan: RunPlan) -> str:
     return f"{what}{quant}, {m.dtype}{ckpt}, optimizer {plan.recipe.optim.name}"
 
 
-def _fit_lines(plan: RunPlan, est: MemoryEstimate) -> list[str]:
+def _fit_lines(plan: RunPlan, est: MemoryEstimate, measure_gpu: Callable[[], float | None]) -> list[str]:
     gb, source = plan.recipe.distributed.gpu_memory_gb, "distributed.gpu_memory_gb"
     if gb is None:
-        gb, source = detected_gpu_memory_gb(), "detected GPU"
+        gb, source = measure_gpu(), "detected GPU"
     if gb is None:
         return ["fits: unknown (no GPU here); set distributed.gpu_memory_gb=24 (GiB per GPU) to check"]
     verdict = "yes" if est.fits(gb) else "NO"

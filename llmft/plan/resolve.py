@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from llmft.errors import Problem, UserError
+from llmft.plan import memory
 from llmft.plan.batch import BatchPlan, resolve_for_world, sequences_from_tokens, solve_batch
 from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, load, one_process_engine
 from llmft.plan.kernels import recipe_problems
@@ -131,7 +132,7 @@ class RunPlan:
     def meta_init(self) -> bool:
         """The model is built on the meta device and each rank loads only its shards: FSDP2 (a
         pretrained model, a 4-bit one included, or a fresh one too big to build whole) and ZeRO-3
-        (a pretrained model, a 4-bit one included: ``engines/zero3_init.py``)."""
+        (a pretrained model, a 4-bit one included: ``model/zero3.py``)."""
         if self.builds_whole:
             return False
         q = self.recipe.model.quantization
@@ -158,9 +159,7 @@ class RunPlan:
     @property
     def chunked_loss(self) -> bool:
         """The LM head and loss run in chunks of tokens (``llmft.loss``)."""
-        from llmft.plan.memory import chunked_loss_on
-
-        return chunked_loss_on(self.recipe, self.batch.micro_batch_size)
+        return memory.chunked_loss_on(self.recipe, self.batch.micro_batch_size)
 
     def on_one_process(self) -> RunPlan:
         """The same run built as one process would build it (``llmft verify`` emulates the ranks)."""
@@ -197,11 +196,12 @@ def load_plan(
     nproc_per_node: int | None = None,
     world_size: int | None = None,
     local_world_size: int | None = None,
+    measure_gpu: Callable[[], float | None] | None = None,
 ) -> RunPlan:
     """Read the recipe and resolve it: for the layout it names (compile, plan), or for the
     world a launcher started (train). Raises ``RecipeError`` listing every problem."""
     recipe, problems = load_unchecked(path, overrides, nnodes=nnodes, nproc_per_node=nproc_per_node)
-    return resolve(recipe, world_size, local_world_size=local_world_size, problems=problems)
+    return resolve(recipe, world_size, local_world_size=local_world_size, problems=problems, measure_gpu=measure_gpu)
 
 
 def resolve(
@@ -210,11 +210,14 @@ def resolve(
     *,
     local_world_size: int | None = None,
     problems: list[Problem] | None = None,
+    measure_gpu: Callable[[], float | None] | None = None,
 ) -> RunPlan:
     """Decide engine, batch and model build for ``recipe`` on ``world_size`` processes (default:
     the layout it names; another size re-solves a batch compiled for that layout).
 
-    ``problems``: the recipe's own, found while loading it; reported together with these."""
+    ``problems``: the recipe's own, found while loading it; reported together with these.
+    ``measure_gpu``: the runtime's measurement of GPU memory in GiB (``llmft.gpu``), asked when
+    ``micro_batch_size: auto`` needs a number and ``distributed.gpu_memory_gb`` is unset."""
     problems = list(problems or [])
     where = provenance(recipe)
     compiled = World.of(recipe)
@@ -225,7 +228,7 @@ def resolve(
     problems += engine_problems(recipe, spec, world.size, where)
     batch, notes = None, []
     try:
-        batch, note = _solve(recipe, engine, compiled, world)
+        batch, note = _solve(recipe, engine, compiled, world, measure_gpu)
         if note:
             notes.append(note)
     except UserError as e:
@@ -283,7 +286,9 @@ def _is_auto(value: Any) -> bool:
     return value is None or value == "auto"
 
 
-def _solve(recipe: Recipe, engine: str, compiled: World, world: World) -> tuple[BatchPlan, str | None]:
+def _solve(
+    recipe: Recipe, engine: str, compiled: World, world: World, measure_gpu: Callable[[], float | None] | None
+) -> tuple[BatchPlan, str | None]:
     """Solve the batch equation for ``world``; a plan compiled for another size is re-solved."""
     b = recipe.batch
     g = b.global_batch_size
@@ -301,24 +306,22 @@ def _solve(recipe: Recipe, engine: str, compiled: World, world: World) -> tuple[
         g = from_tokens
     micro = b.micro_batch_size
     if _is_auto(micro) and _is_auto(b.gradient_accumulation_steps) and isinstance(g, int) and not isinstance(g, bool):
-        micro = _planned_micro(recipe, engine, g, world.size)
+        micro = _planned_micro(recipe, engine, g, world.size, measure_gpu)
     values = (g, micro, b.gradient_accumulation_steps)
     if all(isinstance(v, int) for v in values) and compiled.size != world.size:
         return resolve_for_world(solve_batch(*values, dp_size=compiled.size), world.size)
     return solve_batch(*values, dp_size=world.size), None
 
 
-def _planned_micro(recipe: Recipe, engine: str, global_batch_size: int, dp_size: int) -> int | str:
+def _planned_micro(
+    recipe: Recipe, engine: str, global_batch_size: int, dp_size: int, measure_gpu: Callable[[], float | None] | None
+) -> int | str:
     """micro_batch_size=auto with accumulation auto: the largest micro-batch that fits the GPU
-    (distributed.gpu_memory_gb, or the detected device when torch is already loaded: compile never
-    imports it). Without a memory size it stays auto and the solver asks for a number."""
-    import sys
-
-    from llmft.plan import memory
-
+    (distributed.gpu_memory_gb, or what the runtime measured: compile measures nothing). Without a
+    memory size it stays auto and the solver asks for a number."""
     gpu_gb = recipe.distributed.gpu_memory_gb
-    if gpu_gb is None and "torch" in sys.modules:
-        gpu_gb = memory.detected_gpu_memory_gb()
+    if gpu_gb is None and measure_gpu is not None:
+        gpu_gb = measure_gpu()
     if gpu_gb is None:
         return "auto"
     micro = memory.pick_micro_batch(recipe, engine, global_batch_size, dp_size, gpu_gb)
@@ -334,7 +337,7 @@ def engine_problems(r: Recipe, spec: EngineSpec, dp_size: int, where: Callable[[
     shares, read from its record, then its own (``EngineSpec.problems``)."""
 
     own = load(spec.problems)(r, where) if spec.problems else []
-    kernels = [Problem(where(pr.where), pr.what, pr.fix) for pr in recipe_problems(r, spec.name)]
+    kernels = [Problem(where(pr.where), pr.what, pr.fix) for pr in recipe_problems(r, spec)]
     return (
         _layout_problems(r, spec, dp_size, where)
         + _offload_problems(r, spec, where)
@@ -448,6 +451,10 @@ def _quantization_problems(r: Recipe, spec: EngineSpec, dp_size: int, where: Cal
             )
         )
     return p
+
+
+# Where ``plan_summary`` is written: a compiled dir (llmft compile) and every checkpoint.
+PLAN_FILE = "plan.yaml"
 
 
 def plan_summary(plan: RunPlan) -> dict[str, Any]:

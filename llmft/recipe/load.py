@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from llmft.errors import Problem, UserError
 from llmft.recipe.schema import Recipe, iter_fields
+from llmft.recipe.validate import check_combinations, check_values
 
 FREE_FORM = {"model.config"}  # values that are arbitrary mappings, not schema sections
 RECIPE_FILE = "recipe.yaml"
@@ -305,8 +306,6 @@ def load_unchecked(
 ) -> tuple[Recipe, list[Problem]]:
     """The recipe and the problems of its values (keys and types must be right: those raise here),
     so that a caller can add the problems it finds itself and report them all at once."""
-    from llmft.recipe.validate import check_combinations, check_values
-
     file_sources, over_sources, sources = _Sources(), _Sources(), _Sources()
     schema = OmegaConf.structured(Recipe)
     file_cfg = _read_yaml(resolve_recipe_path(path), file_sources) if path is not None else OmegaConf.create({})

@@ -50,3 +50,12 @@ def test_each_module_imports_on_its_own():
     modules = [m for m in _modules() if m != "llmft.__main__"]  # __main__ runs the CLI
     done = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *modules], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_plan_layer_imports_no_torch():
+    """Every module of recipe/ and plan/ (the engine registry, the resolver, the memory planner,
+    the compilers) together load no torch."""
+    modules = [m for m in _modules() if m.startswith(("llmft.recipe", "llmft.plan"))]
+    code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr

@@ -1,4 +1,4 @@
-"""Speed switches on CPU (llmft/kernels.py, llmft/optim.py): each one computes what the torch path
+"""Speed switches on CPU (llmft/model/kernels.py, llmft/plan/kernels.py, llmft/optim.py): each one computes what the torch path
 computes, and what cannot run here is refused with a message that names the key.
 
 - packed rows under a varlen attention kernel: the boundaries llmft passes (``cu_seq_lens``) give

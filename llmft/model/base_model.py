@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,10 +22,13 @@ from llmft.model.precision import compute_dtype
 from llmft.model.save import save_base_model
 from llmft.plan.resolve import RunPlan
 
+if TYPE_CHECKING:  # engines/ builds models with this package: a real import would be a cycle
+    from llmft.engines import Engine
+
 log = logging.getLogger("llmft")
 
 
-def save_base_once(plan: RunPlan, engine, run_dir: Path, env: DistEnv, *, resuming: bool) -> None:
+def save_base_once(plan: RunPlan, engine: Engine, run_dir: Path, env: DistEnv, *, resuming: bool) -> None:
     """Write ``checkpoints/base_model`` from the model ``engine`` trains, unless the run this one
     resumes already did."""
     recipe = plan.recipe
