@@ -7,6 +7,7 @@ that need them, so ``llmft compile`` and ``--help`` start instantly.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -64,9 +65,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from llmft.dist import leave_process
     from llmft.train import train
 
-    return train(args.recipe, args.overrides)
+    code = train(args.recipe, args.overrides)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of a launcher: see leave_process
+        leave_process(code)
+    return code
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

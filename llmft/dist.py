@@ -7,8 +7,11 @@ single process.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -143,3 +146,21 @@ def broadcast_object(obj, src: int = 0):
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_process(code: int) -> NoReturn:
+    """End a rank of a finished multi-rank run without the interpreter's teardown.
+
+    After a run whose process group is destroyed and whose files are written and closed, a rank
+    sometimes aborted in teardown (SIGABRT, "terminate called without an active exception": a C++
+    thread object of a library destroyed while joinable), so the launcher reported a failed job
+    for a run that had succeeded. Everything llmft owns is finished by then; the output streams
+    and logging are flushed here, and DataLoader workers end on their own when their parent does.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be written anyway
+            pass
+    os._exit(code)

@@ -15,6 +15,7 @@ import sys
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from llmft.dist import leave_process
 from llmft.engines import ddp as ddp_engine
 from llmft.engines import fsdp as fsdp_engine
 from llmft.train import train
@@ -97,3 +98,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process(0)  # without the interpreter's teardown (llmft.dist.leave_process says why)

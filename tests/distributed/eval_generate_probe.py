@@ -16,6 +16,7 @@ import sys
 
 from transformers.generation.utils import GenerationMixin
 
+from llmft.dist import leave_process
 from llmft.evaluate import Evaluator
 from llmft.train import train
 
@@ -49,4 +50,4 @@ if __name__ == "__main__":
     _record()
     code = train(sys.argv[1], sys.argv[2:])
     print(f"GENERATED {os.environ.get('RANK', '0')} {json.dumps(TEXTS)}", flush=True)
-    sys.exit(code)
+    leave_process(code)  # without the interpreter's teardown (llmft.dist.leave_process says why)

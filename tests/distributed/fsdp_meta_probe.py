@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import llmft.plan.resolve
+from llmft.dist import leave_process
 from llmft.engines import fsdp as fsdp_engine
 from llmft.train import train
 
@@ -171,3 +172,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process(0)  # without the interpreter's teardown (llmft.dist.leave_process says why)

@@ -17,6 +17,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
+from llmft.dist import leave_process
 from llmft.train import train
 
 ZERO3 = ["distributed.engine=deepspeed", "distributed.zero_stage=3"]
@@ -140,3 +141,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process(0)  # without the interpreter's teardown (llmft.dist.leave_process says why)
