@@ -60,3 +60,25 @@ def llmft_log():
     logger.addHandler(handler)
     yield records
     logger.removeHandler(handler)
+
+
+@pytest.fixture(scope="session")
+def lora_run(tmp_path_factory) -> Path:
+    """A tiny LoRA run with an MLflow file store and a held-out eval (the model card's facts), trained
+    once for the unit and the integration model-card tests."""
+    from helpers import train_inproc, write_recipe
+
+    tmp = tmp_path_factory.mktemp("lora")
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    recipe = write_recipe(
+        tmp,
+        peft__method="lora",
+        peft__r=4,
+        run__name="tiny-lora",
+        run__trackers=["mlflow"],
+        run__mlflow_tracking_uri=f"file:{tmp / 'mlruns'}",
+        data__eval_fraction=0.1,
+        train__max_steps=3,
+    )
+    assert train_inproc(recipe) == 0
+    return tmp / "run"

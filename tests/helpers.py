@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -207,3 +208,102 @@ def run_sharded_load_probe(script: str, work: Path, variants: list[str], marker:
     assert done.returncode == 0, done.stderr[-6000:]
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith(f"{marker} "))
     return json.loads(line.split(" ", 1)[1])
+
+
+# --- shared fixtures' material: one copy for the unit tests and their integration halves --------
+
+# A tiny recipe for loading and resolving (tests/unit/test_recipe.py, the recipe fuzzing harness).
+TINY_RECIPE = textwrap.dedent(
+    """\
+    run:
+      output_dir: runs/t
+    model:
+      config: {model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
+               intermediate_size: 128, vocab_size: 320}
+      dtype: fp32
+    data:
+      train: data/train.jsonl
+      max_seq_len: 64
+    batch:
+      global_batch_size: 16
+      micro_batch_size: 2
+    optim:
+      lr: 1e-4
+    train:
+      max_steps: 10
+    """
+)
+
+# A tiny recipe the compiler resolves for every engine (compile, its command line, the registry).
+COMPILE_RECIPE = textwrap.dedent(
+    """\
+    run: {output_dir: runs/compile-test}
+    model:
+      config: {model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
+               intermediate_size: 128, vocab_size: 320}
+      dtype: fp32
+    data: {train: data/never-opened.jsonl, max_seq_len: 64}
+    batch: {global_batch_size: 32, micro_batch_size: 2}
+    train: {max_steps: 10}
+    """
+)
+
+# meta-llama/Llama-3.1-8B: its shape comes from plan.shape's table, nothing is downloaded.
+LLAMA_8B_RECIPE = textwrap.dedent(
+    """\
+    model:
+      name_or_path: meta-llama/Llama-3.1-8B
+    data:
+      train: train.jsonl
+      max_seq_len: 2048
+    batch:
+      global_batch_size: 64
+      micro_batch_size: 1
+    train:
+      max_steps: 10
+    """
+)
+
+
+def write_text_recipe(tmp_path_factory, name: str, text: str) -> Path:
+    """``text`` as ``recipe.yaml`` in a fresh temporary folder (for module-scoped fixtures)."""
+    path = tmp_path_factory.mktemp(name) / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def data_recipe(tmp_path: Path, train, **data):
+    """A default ``Recipe`` reading ``train`` into a cache under ``tmp_path`` (data.* keys as kwargs)."""
+    from llmft.recipe.schema import Recipe
+
+    r = Recipe()
+    r.data.train = train
+    r.data.cache_dir = str(tmp_path / "cache")
+    r.data.max_seq_len = data.pop("max_seq_len", 64)
+    for k, v in data.items():
+        setattr(r.data, k, v)
+    return r
+
+
+def rows(ds) -> list:
+    return [ds[i] for i in range(len(ds))]
+
+
+def write_metrics(run_dir: Path, records: list) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+# A metrics.jsonl of a run killed after step 4 and resumed from step 3 (steps 4 and 5 logged again).
+PLOT_ROWS = [
+    *({"split": "train", "step": s, "loss": 5.0 / s, "lr": 1e-3 * s / 4, "grad_norm": 1.0} for s in range(1, 5)),
+    {"split": "eval", "step": 2, "loss": 3.0, "perplexity": 20.1, "tokens": 90, "exact_match": 0.0, "generated": 8},
+    {"split": "train", "step": 4, "loss": 0.9, "lr": 1e-3, "grad_norm": 1.0},
+    {"split": "train", "step": 5, "loss": 0.8, "lr": 1e-3, "grad_norm": 1.0},
+    {"split": "eval", "step": 4, "loss": 1.0, "perplexity": 2.7, "exact_match": 0.5},
+]

@@ -10,28 +10,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import COMPILE_RECIPE, write_text_recipe
 
 from llmft.recipe import load_recipe
-
-RECIPE = textwrap.dedent(
-    """\
-    run: {output_dir: runs/compile-test}
-    model:
-      config: {model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
-               intermediate_size: 128, vocab_size: 320}
-      dtype: fp32
-    data: {train: data/never-opened.jsonl, max_seq_len: 64}
-    batch: {global_batch_size: 32, micro_batch_size: 2}
-    train: {max_steps: 10}
-    """
-)
 
 
 @pytest.fixture(scope="module")
 def recipe_path(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("recipe") / "recipe.yaml"
-    path.write_text(RECIPE)
-    return path
+    return write_text_recipe(tmp_path_factory, "recipe", COMPILE_RECIPE)
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -3,29 +3,11 @@
 import json
 import os
 
+from helpers import data_recipe, rows, write_jsonl
+
 import llmft
 from llmft.data import build_data
-from llmft.recipe.schema import Recipe
 from llmft.tokenizer import byte_tokenizer
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def recipe(tmp_path, train, **data) -> Recipe:
-    r = Recipe()
-    r.data.train = train
-    r.data.cache_dir = str(tmp_path / "cache")
-    r.data.max_seq_len = data.pop("max_seq_len", 64)
-    for k, v in data.items():
-        setattr(r.data, k, v)
-    return r
-
-
-def rows(ds) -> list:
-    return [ds[i] for i in range(len(ds))]
 
 
 def test_a_rank_maps_the_cache_with_numpy_alone_and_the_file_stays_arrow(tmp_path):
@@ -37,7 +19,7 @@ def test_a_rank_maps_the_cache_with_numpy_alone_and_the_file_stays_arrow(tmp_pat
     import pyarrow as pa
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "x" * (i % 7 + 2)} for i in range(40)])
-    built = build_data(recipe(tmp_path, str(path), packing=True, max_seq_len=16), byte_tokenizer())
+    built = build_data(data_recipe(tmp_path, str(path), packing=True, max_seq_len=16), byte_tokenizer())
     file = built.train.path
     child = (
         "import sys, json; from llmft.data.tokens import TokenDataset; ds = TokenDataset.open(sys.argv[1]); "

@@ -7,28 +7,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-from helpers import ROOT, metrics, train_inproc, write_recipe
-
-
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("lora")
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    recipe = write_recipe(
-        tmp,
-        peft__method="lora",
-        peft__r=4,
-        run__name="tiny-lora",
-        run__trackers=["mlflow"],
-        run__mlflow_tracking_uri=f"file:{tmp / 'mlruns'}",
-        data__eval_fraction=0.1,
-        train__max_steps=3,
-    )
-    assert train_inproc(recipe) == 0
-    return tmp / "run"
+from helpers import ROOT, metrics
 
 
 def test_export_writes_a_card_the_hub_reads_and_push_stops_cleanly_offline(lora_run, tmp_path):

@@ -2,32 +2,14 @@
 
 import subprocess
 import sys
-import textwrap
 
 import pytest
-
-# meta-llama/Llama-3.1-8B: its shape comes from plan.shape's table, nothing is downloaded.
-BASE = textwrap.dedent(
-    """\
-    model:
-      name_or_path: meta-llama/Llama-3.1-8B
-    data:
-      train: train.jsonl
-      max_seq_len: 2048
-    batch:
-      global_batch_size: 64
-      micro_batch_size: 1
-    train:
-      max_steps: 10
-    """
-)
+from helpers import LLAMA_8B_RECIPE, write_text_recipe
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("mem") / "recipe.yaml"
-    path.write_text(BASE)
-    return str(path)
+    return str(write_text_recipe(tmp_path_factory, "mem", LLAMA_8B_RECIPE))
 
 
 def test_plan_cli_imports_no_torch(base):

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import INSTRUMENTED, ROOT, metrics, train_inproc, wait_for_step, write_recipe
+from helpers import ROOT, metrics, train_inproc, wait_for_step, write_recipe
+from trackers import job_cmd, job_env, losses, mlflow_run, mlflow_steps, tracker_env_vars, wandb_segments, wandb_steps
 
 from llmft.errors import UserError
 
@@ -31,18 +32,9 @@ pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
 ALL = ["tensorboard", "wandb", "mlflow"]
 
 
-def _tracker_env(tmp: Path) -> dict[str, str]:
-    return {
-        "WANDB_MODE": "offline",
-        "WANDB_SILENT": "true",
-        "MLFLOW_TRACKING_URI": f"file:{tmp / 'mlruns'}",
-        "MLFLOW_EXPERIMENT_NAME": "tracking-test",
-    }
-
-
 @pytest.fixture
 def tracker_env(tmp_path, monkeypatch):
-    for k, v in _tracker_env(tmp_path).items():
+    for k, v in tracker_env_vars(tmp_path).items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
@@ -52,64 +44,8 @@ def tracker_env(tmp_path, monkeypatch):
 # --- readers: each tracker's own ----------------------------------------------------------------
 
 
-def wandb_segments(run_dir: Path) -> list[dict]:
-    """One dict per offline segment (each job of a resumed run writes one), oldest first:
-    run_id, config, history items, merged summary, exit code; read by wandb's own reader."""
-    out = []
-    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
-        done = subprocess.run(
-            [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
-        seg = {"run_id": None, "config": {}, "history": [], "summary": {}, "exit_code": None}
-        for line in done.stdout.splitlines():
-            rec = json.loads(line)
-            kind = rec["type"]
-            if kind == "run":
-                seg["run_id"] = rec["run"]["run_id"]
-            elif kind == "config":
-                seg["config"].update(rec["config"]["update"])
-            elif kind == "history":
-                seg["history"].append(rec["history"]["item"])
-            elif kind == "summary":
-                seg["summary"].update(rec["summary"].get("update", {}))
-            elif kind == "exit":
-                seg["exit_code"] = rec["exit"].get("exit_code", 0)
-        out.append(seg)
-    return out
-
-
-def wandb_steps(segments: list[dict], key: str) -> list[tuple[int, float]]:
-    """(step, value) of ``key`` as W&B keeps them for a run resumed over these segments: a row
-    at or below the last step the run already holds is ignored (W&B's rule for ``log(step=)``)."""
-    out: list[tuple[int, float]] = []
-    for seg in segments:
-        for h in seg["history"]:
-            if key in h and (not out or h["_step"] > out[-1][0]):
-                out.append((int(h["_step"]), h[key]))
-    return out
-
-
 def _steps(seg: dict) -> list[int]:
     return [int(h["_step"]) for h in seg["history"]]
-
-
-def mlflow_run(tmp: Path):
-    from mlflow import MlflowClient
-
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient(tracking_uri=f"file:{tmp / 'mlruns'}")
-    exp = client.get_experiment_by_name("tracking-test")
-    runs = client.search_runs([exp.experiment_id])
-    assert len(runs) == 1, [r.info.run_id for r in runs]  # one tracked run, however many jobs
-    return client, runs[0]
-
-
-def mlflow_steps(client, run_id: str, key: str) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
 def tensorboard_steps(run_dir: Path, key: str) -> list[tuple[int, float]]:
@@ -118,10 +54,6 @@ def tensorboard_steps(run_dir: Path, key: str) -> list[tuple[int, float]]:
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     return [(e.step, e.value) for e in acc.Scalars(key)]
-
-
-def _losses(run_dir: Path, split: str = "train") -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in metrics(run_dir, split)]
 
 
 def _close(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
@@ -207,7 +139,7 @@ def test_every_row_config_and_summary_reach_all_trackers(tracker_env):
     )
     assert train_inproc(recipe) == 0
     run = tmp / "run"
-    train, evals = _losses(run), _losses(run, "eval")
+    train, evals = losses(run), losses(run, "eval")
     assert [s for s, _ in train] == [1, 2, 3, 4] and [s for s, _ in evals] == [2, 4]
 
     (seg,) = wandb_segments(run)
@@ -245,22 +177,10 @@ def test_every_row_config_and_summary_reach_all_trackers(tracker_env):
 # --- stop and resume: the same tracked run, steps 1..N exactly once -----------------------------
 
 
-def _cmd(recipe: Path, *overrides: str) -> list[str]:
-    return [sys.executable, INSTRUMENTED, "train", str(recipe), *overrides]  # LLMFT_FAULT_INJECT below
-
-
-def _env(tmp: Path, **extra: str) -> dict[str, str]:
-    # WANDB_SERVICE: the W&B service of this pytest process (an in-process test started one);
-    # a job must start its own, as on a cluster, or a killed job's stream outlives the job.
-    drop = ("WANDB_DIR", "WANDB_SERVICE", "MLFLOW_ALLOW_FILE_STORE")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    return {**env, "OMP_NUM_THREADS": "1", **_tracker_env(tmp), **extra}
-
-
 def _assert_each_step_once(tmp: Path, steps: int) -> list[dict]:
     """W&B, MLflow and TensorBoard hold train steps 1..steps once each, with metrics.jsonl's values."""
     run = tmp / "run"
-    train = _losses(run)
+    train = losses(run)
     assert [s for s, _ in train] == list(range(1, steps + 1))
     segments = wandb_segments(run)
     assert len(segments) == 2  # one run, two jobs (a killed job's segment may hold nothing: see below)
@@ -312,7 +232,7 @@ def test_sigterm_then_resume_continues_the_same_tracked_run(tmp_path):
     run = tmp_path / "run"
     # Its own session, signalled as a whole like SLURM does: the W&B service process gets it too.
     proc = subprocess.Popen(
-        _cmd(recipe), stderr=subprocess.PIPE, text=True, env=_env(tmp_path), cwd=ROOT, start_new_session=True
+        job_cmd(recipe), stderr=subprocess.PIPE, text=True, env=job_env(tmp_path), cwd=ROOT, start_new_session=True
     )
     wait_for_step(run, 1, proc)
     os.killpg(proc.pid, signal.SIGTERM)
@@ -321,7 +241,7 @@ def test_sigterm_then_resume_continues_the_same_tracked_run(tmp_path):
     stopped_at = max(r["step"] for r in metrics(run))
     assert stopped_at < steps
 
-    done = subprocess.run(_cmd(recipe), capture_output=True, text=True, env=_env(tmp_path), cwd=ROOT, timeout=300)
+    done = subprocess.run(job_cmd(recipe), capture_output=True, text=True, env=job_env(tmp_path), cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "wandb: continuing run_id" in done.stderr and "mlflow: continuing run_id" in done.stderr
     first, second = _assert_each_step_once(tmp_path, steps)
@@ -340,10 +260,10 @@ def test_kill_after_logged_steps_skips_them_on_resume(tmp_path):
         tmp_path, run__trackers=ALL, run__tensorboard=True, train__max_steps=6, checkpoint__every_steps=2
     )
     killed = subprocess.run(
-        _cmd(recipe),
+        job_cmd(recipe),
         capture_output=True,
         text=True,
-        env=_env(tmp_path, LLMFT_FAULT_INJECT="kill_in_save:4"),
+        env=job_env(tmp_path, LLMFT_FAULT_INJECT="kill_in_save:4"),
         cwd=ROOT,
         timeout=300,
     )
@@ -352,7 +272,7 @@ def test_kill_after_logged_steps_skips_them_on_resume(tmp_path):
     assert ledger["mlflow"]["durable_step"] == ledger["tensorboard"]["durable_step"] == {"train": 4}
     assert ledger["wandb"]["last_step"] == {"train": 4} and ledger["wandb"]["durable_step"] == {}
 
-    done = subprocess.run(_cmd(recipe), capture_output=True, text=True, env=_env(tmp_path), cwd=ROOT, timeout=300)
+    done = subprocess.run(job_cmd(recipe), capture_output=True, text=True, env=job_env(tmp_path), cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming from" in done.stderr and "step-2" in done.stderr
     logged = [json.loads(line)["step"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
@@ -379,8 +299,8 @@ def test_a_tracker_that_cannot_start_is_a_warning(tracker_env, monkeypatch, capf
     err = capfd.readouterr().err
     assert "[llmft] tracker mlflow did not start (MlflowException: API request to http://127.0.0.1:" in err
     assert "training goes on, metrics.jsonl has every row" in err
-    assert [s for s, _ in _losses(tmp / "run")] == [1, 2, 3]
-    assert wandb_steps(wandb_segments(tmp / "run"), "train/loss") == _losses(tmp / "run")  # the others go on
+    assert [s for s, _ in losses(tmp / "run")] == [1, 2, 3]
+    assert wandb_steps(wandb_segments(tmp / "run"), "train/loss") == losses(tmp / "run")  # the others go on
     state = json.loads((tmp / "run/checkpoints/step-3/trainer_state.json").read_text())["trackers"]
     assert set(state) == {"wandb"}
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
+from helpers import COMPILE_RECIPE, write_text_recipe
 
 from llmft.plan.compile import compile_recipe
 from llmft.plan.deepspeed import FALLBACK_HIDDEN_SIZE, deepspeed_config, zero_optimization
@@ -25,19 +25,6 @@ from llmft.plan.resolve import resolve
 from llmft.plan.shape import ModelShape, model_shape
 from llmft.recipe import RecipeError, load_recipe, to_container
 from llmft.recipe.schema import QuantizationConfig
-
-RECIPE = textwrap.dedent(
-    """\
-    run: {output_dir: runs/compile-test}
-    model:
-      config: {model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
-               intermediate_size: 128, vocab_size: 320}
-      dtype: fp32
-    data: {train: data/never-opened.jsonl, max_seq_len: 64}
-    batch: {global_batch_size: 32, micro_batch_size: 2}
-    train: {max_steps: 10}
-    """
-)
 
 # ZeRO stage -> the offload choices that stage allows (validate.py refuses the rest).
 OFFLOADS = {
@@ -62,14 +49,12 @@ def case_id(case: tuple) -> str:
 
 @pytest.fixture(scope="module")
 def recipe_path(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("recipe") / "recipe.yaml"
-    path.write_text(RECIPE)
-    return path
+    return write_text_recipe(tmp_path_factory, "recipe", COMPILE_RECIPE)
 
 
 @pytest.fixture(scope="module")
 def base(recipe_path):
-    """RECIPE loaded once: load_recipe costs ~0.3 s (OmegaConf), resolving a copy ~4 ms."""
+    """COMPILE_RECIPE loaded once: load_recipe costs ~0.3 s (OmegaConf), resolving a copy ~4 ms."""
     return load_recipe(recipe_path)
 
 

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import write_recipe
+from helpers import data_recipe, rows, write_jsonl, write_recipe
 
 import llmft
 from llmft.cli import main
@@ -17,27 +17,7 @@ from llmft.data.sampler import GlobalOrder
 from llmft.data.tokens import TokenDataset
 from llmft.errors import UserError
 from llmft.plan.batch import BatchPlan
-from llmft.recipe.schema import Recipe
 from llmft.tokenizer import byte_tokenizer
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def recipe(tmp_path, train, **data) -> Recipe:
-    r = Recipe()
-    r.data.train = train
-    r.data.cache_dir = str(tmp_path / "cache")
-    r.data.max_seq_len = data.pop("max_seq_len", 64)
-    for k, v in data.items():
-        setattr(r.data, k, v)
-    return r
-
-
-def rows(ds) -> list:
-    return [ds[i] for i in range(len(ds))]
 
 
 @pytest.fixture
@@ -46,8 +26,8 @@ def data(tmp_path):
 
 
 def test_second_build_reuses_the_entry_and_is_memory_mapped(tmp_path, data):
-    first = build_data(recipe(tmp_path, str(data)), byte_tokenizer())
-    second = build_data(recipe(tmp_path, str(data)), byte_tokenizer())
+    first = build_data(data_recipe(tmp_path, str(data)), byte_tokenizer())
+    second = build_data(data_recipe(tmp_path, str(data)), byte_tokenizer())
     assert [e["built"] for e in first.entries] == [True] and [e["built"] for e in second.entries] == [False]
     assert rows(first.train) == rows(second.train) and first.stats == second.stats
     assert not second.train._input_ids.flags.owndata  # a view of the memory map, not a copy
@@ -68,16 +48,16 @@ def test_second_build_reuses_the_entry_and_is_memory_mapped(tmp_path, data):
     ],
 )
 def test_other_settings_never_reuse_an_entry(tmp_path, data, change, caplog):
-    base = build_data(recipe(tmp_path, str(data)), byte_tokenizer())
+    base = build_data(data_recipe(tmp_path, str(data)), byte_tokenizer())
     with caplog.at_level(logging.INFO, logger="llmft.data"):
-        other = build_data(recipe(tmp_path, str(data), **change), byte_tokenizer())
+        other = build_data(data_recipe(tmp_path, str(data), **change), byte_tokenizer())
     assert other.entries[0]["built"] and other.entries[0]["entry"] != base.entries[0]["entry"]
     why = [r.getMessage() for r in caplog.records if "holds this data with other settings" in r.getMessage()]
     assert len(why) == 1 and why[0].startswith(f"data cache: {base.entries[0]['entry']} holds this data")
 
 
 def test_changed_file_tokenizer_or_llmft_version_rebuilds(tmp_path, data, monkeypatch):
-    r = recipe(tmp_path, str(data))
+    r = data_recipe(tmp_path, str(data))
     first = build_data(r, byte_tokenizer()).entries[0]["entry"]
     with open(data, "a") as f:
         f.write(json.dumps({"prompt": "new", "completion": "record"}) + "\n")
@@ -98,16 +78,16 @@ def test_a_crashed_build_leaves_no_entry_and_the_next_one_builds(tmp_path, data,
 
     monkeypatch.setattr(entry, "build_rows", boom)
     with pytest.raises(RuntimeError):
-        build_data(recipe(tmp_path, str(data)), byte_tokenizer())
+        build_data(data_recipe(tmp_path, str(data)), byte_tokenizer())
     assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".lock"]
     monkeypatch.undo()
-    assert build_data(recipe(tmp_path, str(data)), byte_tokenizer()).entries[0]["built"]
+    assert build_data(data_recipe(tmp_path, str(data)), byte_tokenizer()).entries[0]["built"]
 
 
 def test_num_proc_gives_the_same_rows(tmp_path):
     path = write_jsonl(tmp_path / "big.jsonl", [{"text": "x" * (i % 50 + 1)} for i in range(9000)])
-    one = build_data(recipe(tmp_path, str(path), num_proc=1, packing=True), byte_tokenizer())
-    two = build_data(recipe(tmp_path / "other", str(path), num_proc=2, packing=True), byte_tokenizer())
+    one = build_data(data_recipe(tmp_path, str(path), num_proc=1, packing=True), byte_tokenizer())
+    two = build_data(data_recipe(tmp_path / "other", str(path), num_proc=2, packing=True), byte_tokenizer())
     assert two.entries[0]["built"] and one.stats == two.stats
     assert np.array_equal(one.train._input_ids, two.train._input_ids)
     assert np.array_equal(one.train._target, two.train._target)
@@ -136,7 +116,7 @@ def test_token_dataset_round_trips_through_arrow(tmp_path):
 
 def test_a_cache_file_changed_after_its_layout_is_refused(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "abc"}, {"text": "de"}])
-    file = build_data(recipe(tmp_path, str(path)), byte_tokenizer()).train.path
+    file = build_data(data_recipe(tmp_path, str(path)), byte_tokenizer()).train.path
     with open(file, "ab") as f:
         f.write(b"\0" * 8)
     with pytest.raises(UserError) as e:
@@ -171,7 +151,7 @@ def test_glob_csv_and_fields(tmp_path):
     (tmp_path / "d" / "b.csv").write_text("question,answer\nq2,a2\n")
     src = {"path": str(tmp_path / "d" / "*"), "fields": {"prompt": "question", "completion": "answer"}}
     tok = byte_tokenizer()
-    bundle = build_data(recipe(tmp_path, [src]), tok)
+    bundle = build_data(data_recipe(tmp_path, [src]), tok)
     assert [tok.decode(r["input_ids"]) for r in rows(bundle.train)] == ["<bos>q1a1<eos>", "<bos>q2a2<eos>"]
 
 
@@ -196,14 +176,14 @@ def test_glob_csv_and_fields(tmp_path):
 )
 def test_bad_source_settings(tmp_path, src, message):
     with pytest.raises(UserError) as e:
-        build_data(recipe(tmp_path, [src]), byte_tokenizer())
+        build_data(data_recipe(tmp_path, [src]), byte_tokenizer())
     assert str(e.value) == message
 
 
 def test_hub_id_offline_says_what_was_tried(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError) as e:
-        build_data(recipe(tmp_path, {"path": "nobody/nothing", "split": "train"}), byte_tokenizer())
+        build_data(data_recipe(tmp_path, {"path": "nobody/nothing", "split": "train"}), byte_tokenizer())
     text = str(e.value)
     assert text.startswith(
         "data.train: 'nobody/nothing' is not a local path, and no hub dataset of that name could be loaded (offline"
@@ -218,19 +198,19 @@ def test_weights_repeat_and_subsample_each_source(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(10)])
     b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"b{i}"} for i in range(10)])
     tok = byte_tokenizer()
-    bundle = build_data(recipe(tmp_path, [{"path": str(a), "weight": 2}, {"path": str(b), "weight": 0.5}]), tok)
+    bundle = build_data(data_recipe(tmp_path, [{"path": str(a), "weight": 2}, {"path": str(b), "weight": 0.5}]), tok)
     assert isinstance(bundle.train, MixedDataset) and len(bundle.train) == 25 == bundle.stats["mixture_rows"]
     texts = [tok.decode(r["input_ids"])[5:-5] for r in rows(bundle.train)]
     assert sorted(texts[:20]) == sorted([f"a{i}" for i in range(10)] * 2)
     assert len(set(texts[20:])) == 5 and all(t.startswith("b") for t in texts[20:])
-    again = build_data(recipe(tmp_path, [{"path": str(a), "weight": 2}, {"path": str(b), "weight": 0.5}]), tok)
+    again = build_data(data_recipe(tmp_path, [{"path": str(a), "weight": 2}, {"path": str(b), "weight": 0.5}]), tok)
     assert rows(again.train) == rows(bundle.train)  # the subset is a function of the seed
 
 
 def test_mixture_order_resumes_on_any_layout(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(7)])
     b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"b{i}"} for i in range(5)])
-    ds = build_data(recipe(tmp_path, [str(a), {"path": str(b), "weight": 1.6}]), byte_tokenizer()).train
+    ds = build_data(data_recipe(tmp_path, [str(a), {"path": str(b), "weight": 1.6}]), byte_tokenizer()).train
     order = GlobalOrder(len(ds), 3, True)
 
     def taken(micro, acc, dp, start, steps):

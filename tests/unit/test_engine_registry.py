@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import COMPILE_RECIPE
 
 from llmft.plan.engines import AUTO, ENGINE_NAMES, ENGINES, choose_engine, engine_spec, load, one_process_engine
 from llmft.plan.resolve import load_plan
@@ -28,20 +28,6 @@ def decides_by_name(line: str) -> bool:
     if COMPARISON.search(code):
         return True
     return any(not re.search(r"\bfor\s+[\w, ()]+$", code[: m.start()]) for m in MEMBERSHIP.finditer(code))
-
-
-RECIPE = textwrap.dedent(
-    """\
-    run: {output_dir: runs/registry-test}
-    model:
-      config: {model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
-               intermediate_size: 128, vocab_size: 320}
-      dtype: fp32
-    data: {train: data/never-opened.jsonl, max_seq_len: 64}
-    batch: {global_batch_size: 32, micro_batch_size: 2}
-    train: {max_steps: 10}
-    """
-)
 
 
 def test_no_engine_name_is_compared_outside_the_registry():
@@ -102,7 +88,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("overrides,world,engine,sharded,replicate,shard", LAYOUTS)
 def test_parallel_layout(tmp_path, overrides, world, engine, sharded, replicate, shard):
     path = tmp_path / "recipe.yaml"
-    path.write_text(RECIPE)
+    path.write_text(COMPILE_RECIPE)
     plan = load_plan(path, overrides, nproc_per_node=world)
     assert plan.engine == engine == choose_engine(plan.recipe, world)
     layout = plan.layout

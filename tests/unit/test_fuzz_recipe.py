@@ -27,38 +27,17 @@ import os
 import re
 import sys
 import tempfile
-import textwrap
 from datetime import timedelta
 from pathlib import Path
 from unittest import mock
 
 import pytest
+from helpers import TINY_RECIPE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmft.cli import main
 from llmft.recipe.schema import default_of, iter_fields
-
-TINY = textwrap.dedent(
-    """\
-    run:
-      output_dir: runs/t
-    model:
-      config: {model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
-               intermediate_size: 128, vocab_size: 320}
-      dtype: fp32
-    data:
-      train: data/train.jsonl
-      max_seq_len: 64
-    batch:
-      global_batch_size: 16
-      micro_batch_size: 2
-    optim:
-      lr: 1e-4
-    train:
-      max_steps: 10
-    """
-)
 
 FIELDS = list(iter_fields())
 KEYS = [key for key, _, _ in FIELDS]
@@ -209,7 +188,7 @@ options = st.sampled_from([[], [], ["--nproc-per-node", "2"], ["--nnodes", "2", 
 
 @st.composite
 def recipe_bytes(draw) -> bytes:
-    data = TINY.encode()
+    data = TINY_RECIPE.encode()
     kind = draw(st.sampled_from(["plain", "plain", "plain", "line", "bytes", "text"]))
     if kind == "line":  # a key of the file set to a fuzzed value
         line = f"{draw(keys)}: {draw(values)}\n".encode("utf-8", "surrogateescape")
@@ -286,8 +265,8 @@ def _warm():
 
     sys.dont_write_bytecode, old = True, sys.dont_write_bytecode
     os.environ.pop("LLMFT_FUZZ_UNSET", None)
-    _run("compile", TINY.encode(), [])
-    _run("train", TINY.encode(), [])
+    _run("compile", TINY_RECIPE.encode(), [])
+    _run("train", TINY_RECIPE.encode(), [])
     yield
     sys.dont_write_bytecode = old
 

@@ -1,7 +1,7 @@
 import functools
-import textwrap
 
 import pytest
+from helpers import LLAMA_8B_RECIPE, write_text_recipe
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,28 +14,10 @@ from llmft.plan.resolve import load_plan
 from llmft.plan.shape import model_shape
 from llmft.recipe import RecipeError
 
-# meta-llama/Llama-3.1-8B: its shape comes from plan.shape's table, nothing is downloaded.
-BASE = textwrap.dedent(
-    """\
-    model:
-      name_or_path: meta-llama/Llama-3.1-8B
-    data:
-      train: train.jsonl
-      max_seq_len: 2048
-    batch:
-      global_batch_size: 64
-      micro_batch_size: 1
-    train:
-      max_steps: 10
-    """
-)
-
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("mem") / "recipe.yaml"
-    path.write_text(BASE)
-    return str(path)
+    return str(write_text_recipe(tmp_path_factory, "mem", LLAMA_8B_RECIPE))
 
 
 def load(path, *overrides, nproc=1):

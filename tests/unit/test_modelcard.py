@@ -5,31 +5,7 @@ clean user error with the export left complete)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-import pytest
-from helpers import train_inproc, write_recipe
-
 from llmft.modelcard import _base_license, card_facts, render
-
-
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("lora")
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    recipe = write_recipe(
-        tmp,
-        peft__method="lora",
-        peft__r=4,
-        run__name="tiny-lora",
-        run__trackers=["mlflow"],
-        run__mlflow_tracking_uri=f"file:{tmp / 'mlruns'}",
-        data__eval_fraction=0.1,
-        train__max_steps=3,
-    )
-    assert train_inproc(recipe) == 0
-    return tmp / "run"
 
 
 def test_hub_base_and_license_go_to_the_front_matter(lora_run, tmp_path):

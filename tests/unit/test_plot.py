@@ -1,28 +1,12 @@
-import json
-
 import pytest
+from helpers import PLOT_ROWS, write_metrics
 
 from llmft.errors import UserError
 from llmft.plot import panels, plot_run, read_metrics
 
 
-def write_metrics(run_dir, rows):
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-ROWS = [
-    *({"split": "train", "step": s, "loss": 5.0 / s, "lr": 1e-3 * s / 4, "grad_norm": 1.0} for s in range(1, 5)),
-    {"split": "eval", "step": 2, "loss": 3.0, "perplexity": 20.1, "tokens": 90, "exact_match": 0.0, "generated": 8},
-    # The run was killed after step 4 and resumed from the checkpoint at step 3: steps 4 and 5 are logged again.
-    {"split": "train", "step": 4, "loss": 0.9, "lr": 1e-3, "grad_norm": 1.0},
-    {"split": "train", "step": 5, "loss": 0.8, "lr": 1e-3, "grad_norm": 1.0},
-    {"split": "eval", "step": 4, "loss": 1.0, "perplexity": 2.7, "exact_match": 0.5},
-]
-
-
 def test_later_row_of_a_step_wins(tmp_path):
-    write_metrics(tmp_path, ROWS)
+    write_metrics(tmp_path, PLOT_ROWS)
     splits = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in splits["train"]] == [1, 2, 3, 4, 5]
     assert splits["train"][3]["loss"] == 0.9

@@ -1,36 +1,14 @@
-import textwrap
-
 import pytest
+from helpers import TINY_RECIPE
 
 from llmft.plan.resolve import load_plan
 from llmft.recipe import RecipeError, load_recipe, to_yaml
-
-TINY = textwrap.dedent(
-    """\
-    run:
-      output_dir: runs/t
-    model:
-      config: {model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
-               intermediate_size: 128, vocab_size: 320}
-      dtype: fp32
-    data:
-      train: data/train.jsonl
-      max_seq_len: 64
-    batch:
-      global_batch_size: 16
-      micro_batch_size: 2
-    optim:
-      lr: 1e-4
-    train:
-      max_steps: 10
-    """
-)
 
 
 @pytest.fixture
 def recipe_file(tmp_path):
     p = tmp_path / "r.yaml"
-    p.write_text(TINY)
+    p.write_text(TINY_RECIPE)
     return p
 
 
@@ -77,7 +55,7 @@ def test_typo_key_suggests(recipe_file):
 
 
 def test_typo_in_file_names_line(recipe_file):
-    recipe_file.write_text(TINY.replace("max_seq_len: 64", "max_seqlen: 64"))
+    recipe_file.write_text(TINY_RECIPE.replace("max_seq_len: 64", "max_seqlen: 64"))
     msg = errors(recipe_file)
     assert f"{recipe_file}:9: data.max_seqlen: unknown key. Did you mean data.max_seq_len?" in msg
 
@@ -178,14 +156,14 @@ def test_yaml_tags_construct_nothing(capsys, recipe_file, tmp_path):
     tag = f"!!python/object/apply:os.system ['touch {marker}']"
     err = compile_error(capsys, recipe_file, tmp_path, f"run.name={tag}")
     assert "the value is not valid YAML" in err and "python/object/apply:os.system" in err
-    recipe_file.write_text(TINY + f"checkpoint:\n  resume: {tag}\n")
+    recipe_file.write_text(TINY_RECIPE + f"checkpoint:\n  resume: {tag}\n")
     err = compile_error(capsys, recipe_file, tmp_path)
     assert f"{recipe_file}:18:" in err and "python/object/apply:os.system" in err
     assert not marker.exists()
 
 
 def test_recipe_that_is_not_utf8(capsys, recipe_file, tmp_path):
-    recipe_file.write_bytes(TINY.encode().replace(b"runs/t", b"runs/\xff\xfe"))
+    recipe_file.write_bytes(TINY_RECIPE.encode().replace(b"runs/t", b"runs/\xff\xfe"))
     err = compile_error(capsys, recipe_file, tmp_path)
     assert f"{recipe_file}:2: is not UTF-8 text (byte 0xff at column 20)" in err
 
@@ -308,6 +286,6 @@ def test_mapping_into_a_list_key(capsys, recipe_file, tmp_path):
 
 
 def test_model_config_without_a_hidden_size(capsys, recipe_file, tmp_path):
-    recipe_file.write_text(TINY.replace("hidden_size: 64, ", ""))
+    recipe_file.write_text(TINY_RECIPE.replace("hidden_size: 64, ", ""))
     err = compile_error(capsys, recipe_file, tmp_path)
     assert "model.config: has no hidden_size (nor n_embd or d_model)" in err
