@@ -7,7 +7,6 @@ that need them, so ``llmft compile`` and ``--help`` start instantly.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -65,11 +64,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from llmft.dist import leave_process
+    from llmft.dist import leave_process, read_env
     from llmft.train import train
 
     code = train(args.recipe, args.overrides)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of a launcher: see leave_process
+    if read_env().world_size > 1:  # a rank of torchrun, the deepspeed launcher or srun: see leave_process
         leave_process(code)
     return code
 

@@ -48,7 +48,6 @@ from llmft.checkpoint.layout import (
     DS_DIR,
     EXPORTS,
     MODEL_DIR,
-    RECIPE_FILE,
     STATE_FILE,
     TOKENIZER_DIR,
     resolve_checkpoint,
@@ -63,6 +62,7 @@ from llmft.model.source import resolve_name
 from llmft.modelcard import export_model_card
 from llmft.plan.engines import engine_spec, load
 from llmft.recipe import load_recipe
+from llmft.recipe.load import RECIPE_FILE
 from llmft.safe_load import without_remote_code
 
 if TYPE_CHECKING:

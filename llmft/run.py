@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from llmft.checkpoint.layout import RECIPE_FILE, TrainerState, latest_checkpoint, saved_optimizer
+from llmft.checkpoint.layout import TrainerState, latest_checkpoint, saved_optimizer
 from llmft.checkpoint.manager import CheckpointManager, SaveHooks, set_rng_state
 from llmft.checkpoint.resume import check_resume_compatible, intent_yaml, plan_yaml, resume_point, resume_schedule
 from llmft.data import MicroBatchSampler, build_data, make_loader
@@ -40,6 +40,7 @@ from llmft.model.base_model import save_base_once
 from llmft.optim import build_optimizer, build_scheduler, scaled_lr
 from llmft.plan.resolve import RunPlan
 from llmft.recipe import to_yaml
+from llmft.recipe.load import RECIPE_FILE
 from llmft.report import ProgressBar, banner, extra_metrics, report_done, versions
 from llmft.rundir import RunDirLock, check_ours, clear_for_fresh_start, mark
 from llmft.stop import STOPPED_EXIT_CODE, StopRequest

@@ -26,8 +26,9 @@ import socket
 import sys
 from pathlib import Path
 
-from llmft.checkpoint.layout import BASE_DIR, CHECKPOINTS, COMPLETE, LATEST, RECIPE_FILE, STEP_RE
+from llmft.checkpoint.layout import BASE_DIR, CHECKPOINTS, COMPLETE, LATEST, STEP_RE
 from llmft.errors import Problem, UserError
+from llmft.recipe.load import RECIPE_FILE
 
 log = logging.getLogger("llmft")
 

@@ -41,8 +41,7 @@ from llmft.plan.batch import BatchPlan
 
 # The two files a compiled dir and a checkpoint share, defined where llmft compile writes them:
 # named here (explicit re-exports) beside every other name of a checkpoint.
-from llmft.plan.resolve import PLAN_FILE as PLAN_FILE  # the decisions (engine, world, batch)
-from llmft.recipe.load import RECIPE_FILE as RECIPE_FILE  # the recipe as given
+from llmft.recipe.load import RECIPE_FILE  # the recipe as given
 
 log = logging.getLogger("llmft")
 

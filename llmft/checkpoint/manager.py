@@ -31,8 +31,6 @@ from llmft.checkpoint.layout import (
     CHECKPOINTS,
     COMPLETE,
     LATEST,
-    PLAN_FILE,
-    RECIPE_FILE,
     STATE_FILE,
     TOKENIZER_DIR,
     TrainerState,
@@ -45,6 +43,8 @@ from llmft.checkpoint.layout import (
 )
 from llmft.dist import DistEnv, all_reduce_sum, barrier
 from llmft.errors import Problem, UserError
+from llmft.plan.resolve import PLAN_FILE
+from llmft.recipe.load import RECIPE_FILE
 from llmft.safe_load import torch_load
 
 if TYPE_CHECKING:  # the engines import checkpoint.layout: a real import would be a package cycle

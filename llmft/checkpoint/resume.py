@@ -27,18 +27,11 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from llmft.checkpoint.layout import (
-    PLAN_FILE,
-    TrainerState,
-    latest_checkpoint,
-    resolve_checkpoint,
-    saved_recipe,
-    step_dirs,
-)
+from llmft.checkpoint.layout import TrainerState, latest_checkpoint, resolve_checkpoint, saved_recipe, step_dirs
 from llmft.checkpoint.verify import DamagedCheckpoint, verify
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import BatchPlan
-from llmft.plan.resolve import RunPlan, plan_summary
+from llmft.plan.resolve import PLAN_FILE, RunPlan, plan_summary
 from llmft.recipe.load import flatten, to_yaml, unresolve_env
 
 log = logging.getLogger("llmft")

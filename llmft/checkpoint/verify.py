@@ -45,8 +45,6 @@ from llmft.checkpoint.layout import (
     DS_TAG,
     MODEL_DIR,
     OPTIMIZER_FILE,
-    PLAN_FILE,
-    RECIPE_FILE,
     RNG_DIR,
     STATE_FILE,
     STEP_RE,
@@ -54,6 +52,8 @@ from llmft.checkpoint.layout import (
 )
 from llmft.errors import Problem, UserError
 from llmft.plan.engines import ENGINE_NAMES, engine_spec, load
+from llmft.plan.resolve import PLAN_FILE
+from llmft.recipe.load import RECIPE_FILE
 
 
 class DamagedCheckpoint(UserError):
