@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from llmft.dist import DistEnv, init_distributed, read_env, shutdown
+from llmft.dist import DistEnv, barrier, init_distributed, read_env, shutdown
 from llmft.gpu import gpu_memory_gb
 from llmft.model import kernels
 from llmft.plan.memory import check_fits
@@ -59,7 +59,11 @@ def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None)
     run = Run(plan, env, stop, hooks)
     try:
         run.restore(run.setup())
-        return run.finish(run.fit())
+        code = run.finish(run.fit())
+        # Every rank leaves together: a rank that destroys its process group and exits (leave_process)
+        # while another is still in the run's last collective would leave that one waiting.
+        barrier()
+        return code
     finally:
         run.close()
         stop.uninstall()
