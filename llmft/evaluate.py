@@ -1,20 +1,22 @@
-"""Eval: token-mean loss and perplexity over the eval set, and exact-match accuracy of greedy
-generation on eval prompts. Every rank runs the same number of forward calls (sharded engines
+"""Eval: the objective's loss over the eval set (SFT: token-mean loss and perplexity; preference:
+the pair-mean loss and the reward metrics), and exact-match accuracy of greedy generation on eval
+prompts. Every rank runs the same number of forward calls (sharded engines
 need all ranks in every collective), padding its share with no-target batches."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from llmft.data import collate, count_targets
+from llmft.data import collate
 from llmft.dist import DistEnv, all_reduce_sum
 from llmft.plan.resolve import RunPlan
 
 if TYPE_CHECKING:
     from llmft.engines import Engine
+    from llmft.objectives import Objective
 
 
 def _shard(n: int, rank: int, world: int) -> range:
@@ -23,8 +25,12 @@ def _shard(n: int, rank: int, world: int) -> range:
 
 
 class Evaluator:
-    def __init__(self, plan: RunPlan, env: DistEnv, engine: Engine, data, tokenizer) -> None:
+    def __init__(self, plan: RunPlan, env: DistEnv, engine: Engine, data, tokenizer, objective: Objective) -> None:
         self.recipe, self.env, self.engine, self.data, self.tokenizer = plan.recipe, env, engine, data, tokenizer
+        self.objective = objective
+        # examples -> micro-batch, as the training loader collates (a preference run's pairs too).
+        self.collate: Callable[[list[Any], int], dict[str, Any]] = collate
+        self.per_token = plan.objective_spec.counts == "tokens"  # a token mean has a perplexity
         self.micro = plan.batch.micro_batch_size
         # Where the parameters are sharded every rank must join every forward of generate() (each
         # gathers its layers from all ranks), also after its own sequences are done: synced_gpus.
@@ -41,6 +47,8 @@ class Evaluator:
         return row if len(row) > 2 else None
 
     def _loss(self) -> dict[str, float]:
+        """The objective's loss over the eval set: its summed numerator over its summed count (the
+        loss of one batch holding the whole eval set), with its metrics as means over the same count."""
         ds, world = self.data.eval, self.env.world_size
         n = len(ds)
         if self.recipe.train.eval_max_batches is not None:
@@ -49,23 +57,24 @@ class Evaluator:
         num_batches = math.ceil(math.ceil(n / world) / self.micro)
         model = self.engine.model
         model.eval()
-        loss_sum, targets = 0.0, 0.0
+        one = torch.tensor(1.0, device=self.env.device)  # the numerator itself: divided once, below
+        sums = [0.0] * (2 + len(self.objective.metric_names))  # loss numerator, count, metric sums
         for b in range(num_batches):
             idx = mine[b * self.micro : (b + 1) * self.micro]
             examples = [ds[i] for i in idx] or [ds[0]]  # a rank with no data left runs a dummy batch
-            batch = collate(examples, self.tokenizer.pad_token_id)
-            if not idx:
-                batch["labels"].fill_(-100)
-            batch = {k: v.to(self.env.device) for k, v in batch.items()}
-            count = count_targets(batch["labels"])
+            batch = self.collate(examples, self.tokenizer.pad_token_id)
+            batch = {k: v.to(self.env.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             with self.engine.autocast():
-                out = model(**batch, num_items_in_batch=torch.tensor(1.0, device=self.env.device), use_cache=False)
-            if count:
-                loss_sum += float(out.loss)
-                targets += count
-        loss_sum, targets = all_reduce_sum([loss_sum, targets], self.env.device)
-        loss = loss_sum / max(targets, 1.0)
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(targets)}
+                loss, metric_sums = self.objective.micro_loss(model, batch, one)
+            if idx:  # the dummy batch joined the collectives only
+                values = [float(loss), float(self.objective.count(batch))]
+                values += metric_sums.tolist() if metric_sums is not None else []
+                sums = [a + v for a, v in zip(sums, values, strict=True)]
+        loss_sum, count, *metric_totals = all_reduce_sum(sums, self.env.device)
+        loss = loss_sum / max(count, 1.0)
+        if self.per_token:
+            return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(count)}
+        return {"loss": loss, "pairs": int(count), **self.objective.metrics(metric_totals, count)}
 
     def _exact_match(self) -> dict[str, float]:
         prompts = self.data.eval_prompts[: self.recipe.train.eval_generate_samples]

@@ -1,9 +1,10 @@
 """The training loop. One iteration = one optimizer step = ``accumulation`` micro-batches.
 
-The loss of a micro-batch is the sum of its token losses divided by the number
-of target tokens in the WHOLE global batch (counted for the step before any
-backward and all-reduced once), so the summed gradients of any split
-(micro x accumulation x ranks) equal the gradient of one big batch.
+The loss of a micro-batch is the sum of its per-item losses (token losses for SFT, pair losses
+for preference objectives) divided by the count of items in the WHOLE global batch (counted for
+the step before any backward and all-reduced once), so the summed gradients of any split
+(micro x accumulation x ranks) equal the gradient of one big batch. What an item is and what its
+loss is belong to the objective (``llmft.objectives``); the loop never branches on it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from llmft import loss as lm_loss
 from llmft.data import count_targets
 from llmft.dist import DistEnv, all_reduce_sum
 from llmft.errors import Problem, TrainingDiverged
@@ -25,6 +25,7 @@ from llmft.stop import StopRequest
 
 if TYPE_CHECKING:
     from llmft.engines import Engine
+    from llmft.objectives import Objective
 
 log = logging.getLogger("llmft")
 
@@ -56,28 +57,14 @@ class LoopConfig:
     checkpoint_every: int | None = None
 
 
-def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor | None) -> torch.Tensor:
-    """The loss of one micro-batch: the sum of its token losses divided by ``num_items`` (the target
-    tokens of the whole global batch), so that summed gradients equal the big batch's. With
-    ``num_items`` None: transformers' own token mean over this batch (references in verify).
-
-    A model with the chunked loss installed (``model.chunked_loss``, ``llmft.loss``) returns the
-    same loss from its LM head, a chunk of tokens at a time, and never holds the whole logits."""
-    head = lm_loss.find(model)
-    if head is not None:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        with lm_loss.targets(head, batch["labels"], num_items):
-            return model(**inputs, use_cache=False).logits  # the head returned the loss
-    extra = {"num_items_in_batch": num_items} if num_items is not None else {}
-    return model(**batch, use_cache=False, **extra).loss
-
-
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    # Tensors only: a preference batch carries its pair count as a python int.
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def train_loop(
     engine: Engine,
+    objective: Objective,
     scheduler,
     batches: Iterator[dict[str, torch.Tensor]],
     plan: BatchPlan,
@@ -92,26 +79,34 @@ def train_loop(
     model.train()
     while state.step < cfg.max_steps:
         t0 = time.perf_counter()
-        # All micro-batches of the step are fetched first: their target tokens must be counted
-        # before the first backward (each micro loss is divided by the global count).
+        # All micro-batches of the step are fetched first: their items (target tokens, pairs) must
+        # be counted before the first backward (each micro loss is divided by the global count).
         micro_batches = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
         data_wait = time.perf_counter() - t0
+        local_count = sum(objective.count(mb) for mb in micro_batches)
         local_targets = sum(count_targets(mb["labels"]) for mb in micro_batches)
-        (global_targets,) = all_reduce_sum([float(local_targets)], device)
-        num_items = torch.tensor(max(global_targets, 1.0), device=device)
+        global_count, global_targets = all_reduce_sum([float(local_count), float(local_targets)], device)
+        num_items = torch.tensor(max(global_count, 1.0), device=device)
 
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        metric_sums = torch.zeros(len(objective.metric_names), device=device, dtype=torch.float64)
         for k, mb in enumerate(micro_batches):
             boundary = k == plan.gradient_accumulation_steps - 1
             mb = _to_device(mb, device)
             with engine.micro_step(boundary):
                 with engine.autocast():
-                    loss = micro_loss(model, mb, num_items)
+                    loss, sums = objective.micro_loss(model, mb, num_items)
                 engine.backward(loss)  # the engine undoes its own averaging over ranks
             loss_sum += loss.detach().double()
+            if sums is not None:
+                metric_sums += sums.double()
 
-        # One all-reduce for the step's loss and the stop flag: every rank sees the same decision.
-        loss_global, stop_votes = all_reduce_sum([float(loss_sum), 1.0 if stop.requested else 0.0], device)
+        # One all-reduce for the step's loss, the objective's metric sums and the stop flag:
+        # every rank sees the same decision.
+        stop_vote = 1.0 if stop.requested else 0.0
+        loss_global, stop_votes, *metrics_global = all_reduce_sum(
+            [float(loss_sum), stop_vote, *metric_sums.tolist()], device
+        )
         if not math.isfinite(loss_global):
             raise TrainingDiverged(
                 Problem(
@@ -140,6 +135,7 @@ def train_loop(
             "step_time_s": step_time,
             "data_wait_frac": data_wait / step_time,
             "samples": state.samples,
+            **objective.metrics(metrics_global, global_count),
         }
         row.update(hooks.extra_metrics(row))
         if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:

@@ -30,17 +30,23 @@ VERSIONED = ("llmft", "torch", "transformers", "peft", "deepspeed", "bitsandbyte
 def banner(plan: RunPlan, env: DistEnv, steps: int, engine: Engine, data) -> str:
     recipe, b = plan.recipe, plan.batch
     seq = recipe.data.max_seq_len
+    pairs = plan.objective_spec.pairs  # a dataset item is a pair (two sequences), whatever the packing
+    per_item = 2 * seq if pairs else seq
+    shape = (
+        f"{b.global_batch_size} pairs x 2 sequences x {seq}" if pairs else f"{b.global_batch_size} sequences x {seq}"
+    )
+    items = "pairs" if pairs else "rows" if recipe.data.packing else "sequences"
     lines = [
         f"batch: {b.equation()}",
-        f"tokens per optimizer step: {'' if recipe.data.packing else 'up to '}{b.global_batch_size * seq:,} "
-        f"({b.global_batch_size} sequences x {seq})",
+        f"tokens per optimizer step: {'' if recipe.data.packing and not pairs else 'up to '}{b.global_batch_size * per_item:,} "
+        f"({shape})",
         f"engine: {describe_engine(plan)}, {env.world_size} process(es), device {env.device.type}, "
         f"dtype {recipe.model.dtype}",
         f"parameters: {describe(engine.unwrap())}",
-        f"data: {len(data.train):,} training {'rows' if recipe.data.packing else 'sequences'}, "
+        f"data: {len(data.train):,} training {items}, "
         f"{steps} optimizer steps ({steps * b.global_batch_size / max(len(data.train), 1):.2f} epochs)"
         if data.num_rows is not None  # a stream's length is unknown
-        else f"data: streamed, {steps} optimizer steps ({steps * b.global_batch_size:,} rows)",
+        else f"data: streamed, {steps} optimizer steps ({steps * b.global_batch_size:,} {'pairs' if pairs else 'rows'})",
     ]
     return "\n".join(lines)
 

@@ -37,6 +37,7 @@ from llmft.evaluate import Evaluator
 from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
 from llmft.metrics import Metrics
 from llmft.model.base_model import save_base_once
+from llmft.objectives import build_objective
 from llmft.optim import build_optimizer, build_scheduler, scaled_lr
 from llmft.plan.resolve import RunPlan
 from llmft.recipe import to_yaml
@@ -110,12 +111,13 @@ class Run:
             check_enough_data(num_rows, plan)
         self.total_steps = total_steps(plan, num_rows or 0)
         self.engine = build_engine(plan, env, self.tokenizer, self._make_optimizer)
+        self.objective = build_objective(plan, self.engine)  # what a micro-batch's loss is (sft, dpo)
         save_base_once(plan, self.engine, self.run_dir, env, resuming=resume_from is not None)
         self.scheduler = build_scheduler(self.engine.optimizer, recipe.optim, self.total_steps)
         self.checkpoints = CheckpointManager(
             self.run_dir, env, recipe.checkpoint.keep_last, SaveHooks(self.hooks.before_commit)
         )
-        self.evaluator = Evaluator(plan, env, self.engine, self.data, self.tokenizer)
+        self.evaluator = Evaluator(plan, env, self.engine, self.data, self.tokenizer, self.objective)
         return resume_from
 
     def _claim_run_dir(self) -> Path | None:
@@ -233,7 +235,7 @@ class Run:
             checkpoint_every=recipe.checkpoint.every_steps,
         )
         try:
-            args = (self.engine, self.scheduler, self.batches, self.plan.batch, self.env, loop_cfg)
+            args = (self.engine, self.objective, self.scheduler, self.batches, self.plan.batch, self.env, loop_cfg)
             self.state = train_loop(*args, self.state, hooks, self.stop)
         finally:
             if progress:
@@ -328,11 +330,12 @@ def check_enough_data(num_samples: int, plan: RunPlan) -> None:
     g = plan.batch.global_batch_size
     if num_samples >= g:
         return
-    what = "rows after packing" if plan.recipe.data.packing else "training sequences"
+    pairs = plan.objective_spec.pairs
+    what = "preference pairs" if pairs else "rows after packing" if plan.recipe.data.packing else "training sequences"
     raise UserError(
         Problem(
             "batch.global_batch_size",
             f"is {g}, but the data has only {num_samples} {what}: one optimizer step would take some of them twice",
-            f"Use a global batch of at most {num_samples} sequences, or more data.",
+            f"Use a global batch of at most {num_samples} {'pairs' if pairs else 'sequences'}, or more data.",
         )
     )

@@ -48,10 +48,10 @@ from llmft.data import MicroBatchSampler, build_data, collate, count_targets
 from llmft.dist import DistEnv
 from llmft.engines import autocast_for
 from llmft.errors import Problem, UserError
-from llmft.loop import micro_loss
 from llmft.model.build import prepare_model
 from llmft.model.precision import compute_dtype
 from llmft.model.structure import describe
+from llmft.objectives.sft import micro_loss
 from llmft.plan.batch import BatchPlan, divisors
 from llmft.plan.resolve import RunPlan, load_plan
 from llmft.run import seed_everything
@@ -113,7 +113,17 @@ def verify(
 def load_for_verify(recipe_path: str, overrides: list[str] | tuple[str, ...] = ()) -> RunPlan:
     """The run on its own layout (its dp is emulated), in fp32 unless ``model.dtype`` is overridden."""
     # Later overrides win, so a user's model.dtype=bf16 replaces this default.
-    return load_plan(recipe_path, ["model.dtype=fp32", *overrides])
+    plan = load_plan(recipe_path, ["model.dtype=fp32", *overrides])
+    if plan.objective_spec.counts != "tokens":  # its check counts target tokens: it would prove nothing
+        raise UserError(
+            Problem(
+                "train.objective",
+                f"llmft verify does not check {plan.objective} runs yet",
+                "tests/distributed/test_preference_engines.py holds the big-batch equivalence for dpo "
+                "(docs/preference.md); verify an SFT recipe of the same model.",
+            )
+        )
+    return plan
 
 
 def split_for_samples(plan: BatchPlan, samples: int | None) -> BatchPlan:

@@ -32,7 +32,8 @@ from llmft.checkpoint.verify import DamagedCheckpoint, verify
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import BatchPlan
 from llmft.plan.resolve import PLAN_FILE, RunPlan, plan_summary
-from llmft.recipe.load import flatten, to_yaml, unresolve_env
+from llmft.recipe.load import flatten, to_container, to_yaml, unresolve_env
+from llmft.recipe.schema import Recipe
 
 log = logging.getLogger("llmft")
 
@@ -144,7 +145,12 @@ def check_resume_compatible(ckpt: Path, plan: RunPlan) -> None:
     ours = intent_yaml(plan) if (ckpt / PLAN_FILE).is_file() else to_yaml(plan.resolved_recipe())
     saved = flatten(saved_recipe(ckpt))  # an ${oc.env:VAR} unset now stays as its text
     now = _flat(OmegaConf.create(ours))
-    diffs = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
+    defaults = flatten(to_container(Recipe()))
+    diffs = {
+        k: (saved.get(k), now.get(k))
+        for k in sorted(set(saved) | set(now))
+        if saved.get(k) != now.get(k) and not _added_since(k, saved, now, defaults)
+    }
     fatal = {k: v for k, v in diffs.items() if k.startswith(RESUME_MUST_MATCH) and not k.startswith(RESUME_MAY_CHANGE)}
     if fatal:
         raise UserError(
@@ -159,6 +165,12 @@ def check_resume_compatible(ckpt: Path, plan: RunPlan) -> None:
         if not k.startswith(HOW_TO_RESUME):
             log.warning("resuming with a changed setting: %s %r -> %r", k, a, b)
     _log_plan_changes(saved_plan(ckpt), plan, set(diffs))
+
+
+def _added_since(key: str, saved: dict[str, Any], now: dict[str, Any], defaults: dict[str, Any]) -> bool:
+    """A key the checkpoint's recipe lacks, at its default now: a newer llmft added it (the run
+    that wrote the checkpoint had its default behaviour), so it is no change."""
+    return key not in saved and key in defaults and now.get(key) == defaults[key]
 
 
 def _flat(node: Any) -> dict[str, Any]:

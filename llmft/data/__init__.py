@@ -9,6 +9,7 @@ Reading and building (the first process that needs a cache entry):
 - ``rows``: what the cache and the stream share: the tokenizing worker, fatal errors, truncate + pack
 - ``pack``: several examples per row, attention kept apart by position ids
 - ``shards``: tokenizing a source in shards of records, in worker processes, resumable after a stop
+- ``pairs``: preference pairs (``train.objective: dpo/reward``): records, truncation, rows, collation
 - ``entry``: building one cache entry (tokenize, hold out, rows, eval prompts, write)
 - ``cache``: the tokenized-data cache: keys, the build lock, checksums, entries
 - ``build``: ``build_data``, from recipe keys to the run's ``DataBundle``

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import llmft
 from llmft import stop
+from llmft.data import pairs
 from llmft.data.bundle import DataBundle
 from llmft.data.cache import CACHE_FORMAT, default_cache_dir, get_or_build, read_meta, size_of, tokenizer_fingerprint
 from llmft.data.entry import build_entry
@@ -61,7 +62,7 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
     cfg = recipe.data
     use_chat_template(tokenizer, cfg.chat_template)
     quiet = env is not None and not env.is_main
-    common = _common_parts(cfg, tokenizer)
+    common = _common_parts(cfg, tokenizer, recipe.train.objective)
     holdout = cfg.eval_fraction if cfg.eval is None else 0.0
     train_sources = parse_sources(cfg.train, "data.train", weights=True)
     if cfg.streaming:
@@ -142,9 +143,11 @@ def _build_stream(
         raise UserError(*problems)
     seed = recipe.run.seed
     if len(sources) == 1:
-        train: StreamDataset | MixedStream = open_stream(sources[0], cfg, tokenizer, seed)
+        train: StreamDataset | MixedStream = open_stream(sources[0], cfg, tokenizer, seed, recipe.train.objective)
     else:  # each source with its own seed, as ProbabilityOrder seeds the sources of a cached mixture
-        streams = [open_stream(s, cfg, tokenizer, source_seed(seed, k)) for k, s in enumerate(sources)]
+        streams = [
+            open_stream(s, cfg, tokenizer, source_seed(seed, k), recipe.train.objective) for k, s in enumerate(sources)
+        ]
         train = MixedStream(streams, probabilities(sources), seed)
     eval_ds, prompts, stats, entries = None, [], {"streaming": True}, []
     if cfg.eval is not None:
@@ -169,8 +172,8 @@ def _entry_info(d: _SourceData) -> dict:
     return {"entry": d.meta["entry"], "built": d.meta["built"], "bytes": d.meta["bytes"], "stats": d.meta["stats"]}
 
 
-def _common_parts(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
-    return {
+def _common_parts(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = "sft") -> dict[str, Any]:
+    parts = {
         "llmft": llmft.__version__,
         "format": CACHE_FORMAT,
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -179,6 +182,12 @@ def _common_parts(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> dict[s
         "packing": cfg.packing,
         "on_bad_record": cfg.on_bad_record,
     }
+    if pairs.is_preference(objective):
+        # A pair entry has its own format and names its objective, so it is never read as SFT rows
+        # (nor an SFT entry as pairs); SFT keys stay as they were. Its rows do not depend on
+        # data.packing (padding-free is how pairs are collated), so both layouts share one entry.
+        parts.update(format=pairs.CACHE_FORMAT, objective=objective, packing=None)
+    return parts
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -196,6 +205,7 @@ def _source(
     eval_role: bool = False,
 ) -> _SourceData:
     resolved = resolve(src)
+    objective = common.get("objective", "sft")
     work = Path(tempfile.mkdtemp(prefix="llmft-read-"))
     try:
         chunks: list[Chunk] | None = None
@@ -219,7 +229,7 @@ def _source(
                 if chunks is None:
                     chunks, _ = read(resolved, scratch)
                 return build_entry(
-                    src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp, shards
+                    src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp, shards, objective
                 )
             finally:
                 chunks = None  # its datasets map files in scratch
@@ -234,9 +244,14 @@ def _source(
     meta.update(entry=str(entry), built=built, bytes=size_of(entry))
     if not quiet:
         _log_source(src.key, meta, built)
-    held = TokenDataset.open(entry / "held.arrow") if (entry / "held.arrow").exists() else None
+    held = _open_rows(entry / "held.arrow", objective, cfg) if (entry / "held.arrow").exists() else None
     prompts = [(p, ref) for p, ref in json.loads((entry / "prompts.json").read_text())]
-    return _SourceData(TokenDataset.open(entry / "rows.arrow"), held, prompts, meta)
+    return _SourceData(_open_rows(entry / "rows.arrow", objective, cfg), held, prompts, meta)
+
+
+def _open_rows(path: Path, objective: str, cfg: DataConfig) -> TokenDataset | pairs.PairDataset:
+    rows = TokenDataset.open(path)
+    return pairs.PairDataset(rows, cfg.packing) if pairs.is_preference(objective) else rows
 
 
 def _log_source(key: str, meta: dict, built: bool) -> None:
@@ -280,7 +295,9 @@ def _warn_shortened(key: str, total: int, truncated: int, dropped: int, max_seq_
 def _sum_stats(all_stats: list[dict], cfg: DataConfig) -> dict:
     keys = ("records", "truncated", "dropped_no_targets", "examples", "tokens", "target_tokens", "rows")
     out = {k: sum(s[k] for s in all_stats) for k in keys}
-    if cfg.packing:
+    if "pairs" in all_stats[0]:
+        out.update(pairs=out["rows"], sequences=2 * out["rows"])
+    elif cfg.packing:
         out["packed_rows"] = out["rows"]
         out["packing_efficiency"] = out["tokens"] / max(1, out["rows"] * cfg.max_seq_len)
     out["skipped"] = sum(s.get("skipped", 0) for s in all_stats)

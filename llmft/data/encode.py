@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jinja2.exceptions import TemplateError
 
-from llmft.data.records import BadRecord, Chat, Message, PromptCompletion, Record, Text
+from llmft.data.records import BadRecord, Chat, Message, PromptCompletion, Record, Text, parse_record
 from llmft.errors import Problem, UserError
 
 if TYPE_CHECKING:
@@ -52,6 +52,12 @@ _OPEN, _CLOSE = "\U000f0000", "\U000f0001"
 class Example:
     input_ids: list[int]
     labels: list[int]  # where every token is a target: the ``input_ids`` list itself (not a copy)
+
+    def target_mask(self) -> np.ndarray:
+        """The one-byte target mask the cache stores (1 where ``labels`` is the token)."""
+        if self.labels is self.input_ids:  # every token a target
+            return np.ones(len(self.input_ids), dtype=np.uint8)
+        return (np.asarray(self.labels) != IGNORE_INDEX).astype(np.uint8)
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,11 @@ class Encoder:
         # checked against tokenizer(texts) on the first batch (``_ids_batch``).
         self._backend = _direct_backend(tokenizer)
         self._backend_checked = False
+
+    @staticmethod
+    def parse(value: object, fields: dict[str, str] | None) -> Record:
+        """One raw record as the record this encoder takes (``records.parse_record``)."""
+        return parse_record(value, fields)
 
     def encode(self, record: Record) -> Example:
         (out,) = self.encode_batch([record])
@@ -185,8 +196,13 @@ class Encoder:
             try:
                 full = self._render(chat, None, generation_prompt=False)
                 spans = [] if self.train_on == "all" else self.assistant_spans(chat, full)
+                if chat.targets_from:  # a preference pair: the shared prompt's assistant turns are context
+                    spans = spans[sum(m.role == "assistant" for m in chat.messages[: chat.targets_from]) :]
                 if self.train_on != "all" and not spans:
-                    raise BadRecord("has no assistant message, so nothing to train on (data.train_on=completion)")
+                    after = " after the shared prompt" if chat.targets_from else ""
+                    raise BadRecord(
+                        f"has no assistant message{after}, so nothing to train on (data.train_on=completion)"
+                    )
                 fulls[k] = (full, spans)
             except BadRecord as e:
                 out[k] = e

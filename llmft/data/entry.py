@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from llmft.data.encode import Encoder
+from llmft.data.pairs import PairEncoder, build_pair_rows, make_encoder
 from llmft.data.read import Chunk, parse_line
-from llmft.data.records import parse_record
 from llmft.data.rows import SKIP_FIX, Tokenize, build_rows, raise_if_fatal
 from llmft.data.shards import tokenize_shards
 from llmft.data.sources import Source
@@ -47,9 +47,11 @@ def build_entry(
     eval_role: bool,
     tmp: Path,
     shards: Path,
+    objective: str = "sft",
 ) -> dict[str, Any]:
     """Write ``src``'s entry into ``tmp``, tokenizing into (or reusing the finished shards in) ``shards``."""
-    encoder = Encoder(tokenizer, train_on, cfg.max_seq_len)
+    encoder = make_encoder(tokenizer, train_on, objective, cfg.max_seq_len)
+    pairs = isinstance(encoder, PairEncoder)  # one item per pair: chosen and rejected as rows 2i, 2i + 1
     chunks = [c for c in chunks if len(c.dataset)]
     procs = _num_proc(cfg)
     tokenizers = [Tokenize(encoder, c.lines, src.fields) for c in chunks]
@@ -73,17 +75,23 @@ def build_entry(
     if holdout > 0:
         items, held_items = _holdout(items, holdout, seed, src.key)
     meta: dict[str, Any] = {"skipped": f"{locate(int(bad[0]))}: {errors[0]}" if len(bad) else None}
-    rows, meta["stats"] = build_rows(ids, target, offsets, items, cfg, tokenizer.pad_token_id, src.key)
+    rows, meta["stats"] = _rows(pairs, ids, target, offsets, items, cfg, tokenizer.pad_token_id, src.key)
     meta["stats"]["skipped"] = len(bad)
     rows.write(tmp / "rows.arrow")
     prompt_items = items if eval_role else held_items
     if held_items is not None:
-        held, meta["held_stats"] = build_rows(ids, target, offsets, held_items, cfg, tokenizer.pad_token_id, src.key)
+        held, meta["held_stats"] = _rows(pairs, ids, target, offsets, held_items, cfg, tokenizer.pad_token_id, src.key)
         meta["held_stats"]["skipped"] = 0
         held.write(tmp / "held.arrow")
     prompts = _eval_prompts(chunks, prompt_items, encoder, src, cfg) if prompt_items is not None else []
     (tmp / "prompts.json").write_text(json.dumps(prompts))
     return meta
+
+
+def _rows(pairs: bool, ids, target, offsets, items, cfg: DataConfig, pad_id: int, key: str) -> tuple[Any, dict]:
+    if pairs:
+        return build_pair_rows(ids, target, offsets, items, cfg, key)
+    return build_rows(ids, target, offsets, items, cfg, pad_id, key)
 
 
 def _errors(tokenized: list) -> tuple[np.ndarray, list[str]]:
@@ -148,14 +156,16 @@ def _holdout(items: np.ndarray, fraction: float, seed: int, key: str) -> tuple[n
     return items[~held], items[held]
 
 
-def _eval_prompts(chunks: list[Chunk], items: np.ndarray, encoder: Encoder, src: Source, cfg: DataConfig) -> list:
+def _eval_prompts(
+    chunks: list[Chunk], items: np.ndarray, encoder: Encoder | PairEncoder, src: Source, cfg: DataConfig
+) -> list:
     """(prompt ids, reference) of the eval records that have a prompt shorter than max_seq_len."""
     locate, out = _Locate(chunks), []
     for i in items.tolist():
         chunk, row = locate.record(i)
         raw = chunk.dataset[row]
         value = parse_line(raw["json"], raw["error"]) if chunk.lines else raw
-        prompt = encoder.eval_prompt(parse_record(value, src.fields))
+        prompt = encoder.eval_prompt(encoder.parse(value, src.fields))
         # A prompt must leave room to generate at least one token within the context.
         if prompt is not None and len(prompt[0]) < cfg.max_seq_len:
             out.append(prompt)

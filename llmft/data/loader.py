@@ -8,11 +8,12 @@ from typing import Any
 import torch
 
 from llmft.data.encode import IGNORE_INDEX
+from llmft.data.pairs import collate_pairs
 from llmft.data.sampler import MicroBatchSampler
 from llmft.data.workers import StopSafeDataLoader, ignore_stop_signals
 
 
-def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
     """Right-pad a list of dataset rows into a batch.
 
     Unpacked rows get an ``attention_mask``. Packed rows get ``position_ids``
@@ -20,7 +21,11 @@ def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tens
     block-diagonal mask from the restarting positions only when the 2D mask
     is absent (see ``llmft.data.pack``). Pads are marked by position, never by
     ``input_ids == pad_id``, so a pad id equal to eos is harmless.
+
+    Preference pairs (items of a ``pairs.PairDataset``) go to ``pairs.collate_pairs``.
     """
+    if "chosen" in examples[0]:
+        return collate_pairs(examples, pad_id)
     packed = examples[0]["position_ids"] is not None
     assert all((e["position_ids"] is not None) == packed for e in examples), "mixed packed and unpacked rows"
     width = max(len(e["input_ids"]) for e in examples)

@@ -45,10 +45,13 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
         how = "built" if e["built"] else "already there"
         lines.append(f"{e['key']}: {e['source']}")
         lines.append(f"  entry {e['entry']} ({how}, {_size(e['bytes'])})")
-        detail = (
-            f"  {s['records']:,} records -> {s['examples']:,} examples, {s['tokens']:,} tokens "
-            f"({s['target_tokens']:,} targets), {s['rows']:,} rows"
-        )
+        if "pairs" in s:  # preference pairs: an item is a pair (chosen and rejected)
+            made = f"{s['pairs']:,} pairs ({s['sequences']:,} sequences)"
+        else:
+            made = f"{s['examples']:,} examples"
+        detail = f"  {s['records']:,} records -> {made}, {s['tokens']:,} tokens ({s['target_tokens']:,} targets)"
+        if "pairs" not in s:
+            detail += f", {s['rows']:,} rows"
         if "packing_efficiency" in s:
             detail += f", packing efficiency {s['packing_efficiency']:.1%}"
         lines.append(detail)
@@ -56,7 +59,8 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
         if notes:
             lines.append("  " + ", ".join(notes))
     st = data.stats
-    total = f"train: {st['rows']:,} rows of max_seq_len {recipe.data.max_seq_len}, {st['tokens']:,} tokens"
+    unit = "pairs" if "pairs" in st else "rows"
+    total = f"train: {st['rows']:,} {unit} of max_seq_len {recipe.data.max_seq_len}, {st['tokens']:,} tokens"
     if "mixture_rows" in st:
         total += f"; {st['mixture_rows']:,} rows per epoch after weights"
     lines.append(total)

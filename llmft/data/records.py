@@ -56,6 +56,8 @@ class Message:
 @dataclass(frozen=True)
 class Chat:
     messages: tuple[Message, ...]
+    # Assistant messages before this index are context, not targets (a preference pair's shared prompt).
+    targets_from: int = 0
 
     def as_dicts(self, end: int | None = None) -> list[dict[str, Any]]:
         """The first ``end`` messages in the form chat templates take."""
@@ -68,38 +70,44 @@ Record = Union[Text, PromptCompletion, Chat]
 def parse_record(value: Any, fields: dict[str, str] | None = None) -> Record:
     """One record; ``fields`` maps a record field name (text, prompt, ...) to the column holding it."""
     if not isinstance(value, dict):
-        raise BadRecord(f"a record must be a JSON object, got {_kind(value)}")
+        raise BadRecord(f"a record must be a JSON object, got {kind_of(value)}")
     if fields:
-        value = _renamed(value, fields)
+        value = renamed(value, fields)
     # Parquet and datasets rows carry every column; a null there means "not this shape".
     value = {k: v for k, v in value.items() if v is not None}
     if "messages" in value:
-        _check_not_multimodal_record(value)
-        return _parse_chat(value["messages"])
+        check_not_multimodal(value)
+        return parse_chat(value["messages"])
+    if "completion" not in value and ("chosen" in value or "rejected" in value):
+        raise BadRecord(
+            "is a preference pair ('chosen'/'rejected'), but train.objective is sft, which trains on text, "
+            "prompt/completion or messages records; set train.objective=dpo or reward to train on pairs"
+        )
     if "prompt" in value or "completion" in value:
         for name in ("prompt", "completion"):
             if name not in value:
                 other = "completion" if name == "prompt" else "prompt"
-                raise BadRecord(f"has '{other}' but no '{name}'{_did_you_mean(value, (name,))}")
-            _check_str(value[name], f"'{name}'")
+                raise BadRecord(f"has '{other}' but no '{name}'{did_you_mean(value, (name,))}")
+            check_str(value[name], f"'{name}'")
         return PromptCompletion(value["prompt"], value["completion"])
     if "text" in value:
-        _check_str(value["text"], "'text'")
+        check_str(value["text"], "'text'")
         return Text(value["text"])
     raise BadRecord(
         f"a record needs 'text', 'prompt' and 'completion', or 'messages'; found keys {sorted(map(str, value))}"
-        + _did_you_mean(value, RECORD_FIELDS)
+        + did_you_mean(value, RECORD_FIELDS)
     )
 
 
 RECORD_FIELDS = ("text", "prompt", "completion", "messages")
 
 
-def _did_you_mean(value: dict[str, Any], wanted: tuple[str, ...]) -> str:
-    """' (did you mean 'prompt' for 'promt')' for the record keys that look like a misspelt field."""
+def did_you_mean(value: dict[str, Any], wanted: tuple[str, ...], known: tuple[str, ...] = RECORD_FIELDS) -> str:
+    """' (did you mean 'prompt' for 'promt')' for the record keys (not ``known`` fields) that look like a
+    misspelt field of ``wanted``."""
     hints = []
     for key in sorted(map(str, value)):
-        if key in RECORD_FIELDS:
+        if key in known:
             continue
         close = difflib.get_close_matches(key, wanted, n=1, cutoff=0.75)
         if close:
@@ -107,7 +115,7 @@ def _did_you_mean(value: dict[str, Any], wanted: tuple[str, ...]) -> str:
     return f" (did you mean {', '.join(hints)})" if hints else ""
 
 
-def _renamed(value: dict[str, Any], fields: dict[str, str]) -> dict[str, Any]:
+def renamed(value: dict[str, Any], fields: dict[str, str]) -> dict[str, Any]:
     out = dict(value)
     for name, column in fields.items():
         if column in value:
@@ -115,7 +123,7 @@ def _renamed(value: dict[str, Any], fields: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def _check_not_multimodal_record(value: dict[str, Any]) -> None:
+def check_not_multimodal(value: dict[str, Any]) -> None:
     for key in _MULTIMODAL_RECORD_KEYS:
         if value.get(key) not in (None, [], ""):
             raise BadRecord(
@@ -124,9 +132,9 @@ def _check_not_multimodal_record(value: dict[str, Any]) -> None:
             )
 
 
-def _parse_chat(messages: Any) -> Chat:
+def parse_chat(messages: Any) -> Chat:
     if not isinstance(messages, list) or not messages:
-        raise BadRecord(f"'messages' must be a non-empty list of {{role, content}} objects, got {_kind(messages)}")
+        raise BadRecord(f"'messages' must be a non-empty list of {{role, content}} objects, got {kind_of(messages)}")
     parsed = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or ("content" not in m and "tool_calls" not in m):
@@ -141,7 +149,7 @@ def _parse_chat(messages: Any) -> Chat:
                     f"messages[{i}] has tool_calls but role {m['role']!r}; only assistant messages call tools"
                 )
             if not isinstance(m["tool_calls"], list):
-                raise BadRecord(f"messages[{i}].tool_calls must be a list, got {_kind(m['tool_calls'])}")
+                raise BadRecord(f"messages[{i}].tool_calls must be a list, got {kind_of(m['tool_calls'])}")
         parsed.append(Message(m["role"], content, extras))
     return Chat(tuple(parsed))
 
@@ -163,15 +171,15 @@ def _content(content: Any, i: int, has_calls: bool) -> str | None:
             else:
                 raise BadRecord(f"messages[{i}].content[{k}] must be a {{type: text, text: ...}} part")
         return "".join(texts)
-    _check_str(content, f"messages[{i}].content")
+    check_str(content, f"messages[{i}].content")
     return content
 
 
-def _check_str(value: Any, name: str) -> None:
+def check_str(value: Any, name: str) -> None:
     if not isinstance(value, str):
-        raise BadRecord(f"{name} must be a string, got {_kind(value)}")
+        raise BadRecord(f"{name} must be a string, got {kind_of(value)}")
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
     return names.get(type(value), f"a number ({value})" if isinstance(value, (int, float)) else type(value).__name__)

@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from llmft.data.encode import IGNORE_INDEX, Encoder
+from llmft.data.encode import Encoder
 from llmft.data.pack import pack_arrays, take_ranges
 from llmft.data.read import parse_line
-from llmft.data.records import BadRecord, parse_record
+from llmft.data.records import BadRecord
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
 
 if TYPE_CHECKING:
+    from llmft.data.pairs import PairEncoder
     from llmft.recipe.schema import DataConfig
 
 SKIP_FIX = "Fix or remove the record, or set data.on_bad_record=skip to skip malformed records."
@@ -41,9 +42,13 @@ def raise_if_fatal(error: str | None) -> None:
 
 
 class Tokenize:
-    """A batch of raw records -> input_ids, target mask, error (one list each, one item a record)."""
+    """A batch of raw records -> input_ids, target mask, error (one list each, one item a record).
 
-    def __init__(self, encoder: Encoder, lines: bool, fields: dict[str, str]) -> None:
+    ``encoder`` parses and encodes the records: an ``Encoder`` (SFT records) or a
+    ``pairs.PairEncoder`` (preference pairs, one item per pair).
+    """
+
+    def __init__(self, encoder: Encoder | PairEncoder, lines: bool, fields: dict[str, str]) -> None:
         self.encoder, self.lines, self.fields = encoder, lines, fields
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
@@ -56,7 +61,7 @@ class Tokenize:
                     value = parse_line(batch["json"][k], batch["error"][k])
                 else:
                     value = {c: batch[c][k] for c in batch}
-                records.append(parse_record(value, self.fields))
+                records.append(self.encoder.parse(value, self.fields))
                 at.append(k)
             except ValueError as e:  # BadRecord, or a line that is not JSON
                 errors[k] = str(e)
@@ -72,10 +77,7 @@ class Tokenize:
                 errors[k] = str(ex)
             else:
                 ids[k] = np.asarray(ex.input_ids, dtype=np.int32)
-                if ex.labels is ex.input_ids:  # every token a target
-                    target[k] = np.ones(len(ids[k]), dtype=np.uint8)
-                else:
-                    target[k] = (np.asarray(ex.labels) != IGNORE_INDEX).astype(np.uint8)
+                target[k] = ex.target_mask()
         return {"input_ids": ids, "target": target, "error": errors}
 
 

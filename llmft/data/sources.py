@@ -20,7 +20,7 @@ from typing import Any
 from llmft.errors import Problem, UserError
 
 SOURCE_KEYS = ("path", "weight", "split", "name", "revision", "train_on", "fields")
-RECORD_FIELDS = ("text", "prompt", "completion", "messages")
+RECORD_FIELDS = ("text", "prompt", "completion", "messages", "chosen", "rejected")  # the last two: preference pairs
 TRAIN_ON = ("completion", "all")
 
 

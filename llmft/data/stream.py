@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 import torch
 
-from llmft.data.encode import Encoder
+from llmft.data.pairs import PairDataset, PairEncoder, build_pair_rows, make_encoder
 from llmft.data.read import LINE_EXTENSIONS, Resolved, json_rows, load_hub, load_saved, resolve
 from llmft.data.rows import SKIP_FIX, Tokenize, build_rows, raise_if_fatal
 from llmft.data.sampler import ShareWindows
@@ -183,13 +183,18 @@ class MixedStream:
 class _Blocks:
     """Raw records of one block -> rows, by the cache's own tokenizer, truncation and packing."""
 
-    def __init__(self, src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, train_on: str) -> None:
+    def __init__(
+        self, src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, train_on: str, objective: str
+    ) -> None:
         self.key, self.cfg, self.pad_id = src.key, cfg, tokenizer.pad_token_id
-        self.lines = Tokenize(Encoder(tokenizer, train_on, cfg.max_seq_len), True, src.fields)
-        self.tables = Tokenize(Encoder(tokenizer, train_on, cfg.max_seq_len), False, src.fields)
+        self.lines = Tokenize(make_encoder(tokenizer, train_on, objective, cfg.max_seq_len), True, src.fields)
+        self.tables = Tokenize(make_encoder(tokenizer, train_on, objective, cfg.max_seq_len), False, src.fields)
+        self.pairs = isinstance(self.lines.encoder, PairEncoder)
 
-    def rows(self, records: list[tuple[Any, str | None, str, bool]]) -> tuple[TokenDataset, dict]:
+    def rows(self, records: list[tuple[Any, str | None, str, bool]]) -> tuple[TokenDataset | PairDataset, dict]:
         empty = TokenDataset.from_arrays(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64))
+        if self.pairs:
+            empty = PairDataset(empty, self.cfg.packing)
         if not records:
             return empty, {"skipped": 0}
         errors: list[str | None] = []
@@ -214,7 +219,12 @@ class _Blocks:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         flat_ids = np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32)
         flat_target = np.concatenate(target).astype(np.uint8) if target else np.zeros(0, np.uint8)
-        if len(items) == 0 or not _any_target(flat_target, offsets, items, self.cfg.max_seq_len):
+        if len(items) == 0:
+            return empty, {"skipped": skipped}
+        if self.pairs:  # a block whose pairs all lose their targets is an empty block, not an error
+            rows, _ = build_pair_rows(flat_ids, flat_target, offsets, items, self.cfg, self.key, allow_empty=True)
+            return rows, {"skipped": skipped}
+        if not _any_target(flat_target, offsets, items, self.cfg.max_seq_len):
             return empty, {"skipped": skipped}
         rows, _ = build_rows(flat_ids, flat_target, offsets, items, self.cfg, self.pad_id, self.key)
         return rows, {"skipped": skipped}
@@ -357,8 +367,10 @@ class _IterableReader(_Reader):
         return rec, None, f"{self.name}: record {self.n - 1}", False
 
 
-def open_stream(src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> StreamDataset:
-    """One source as a stream whose block permutations are seeded with ``seed``."""
+def open_stream(
+    src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, objective: str = "sft"
+) -> StreamDataset:
+    """One source as a stream whose block permutations are seeded with ``seed``; ``objective``'s records."""
     resolved = resolve(src)
     if resolved.kind == "files":
         kinds = {p.suffix in LINE_EXTENSIONS for p in resolved.files}
@@ -377,5 +389,5 @@ def open_stream(src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase
             )
     else:
         reader = _IterableReader(resolved)
-    blocks = _Blocks(src, cfg, tokenizer, src.train_on or cfg.train_on)
+    blocks = _Blocks(src, cfg, tokenizer, src.train_on or cfg.train_on, objective)
     return StreamDataset(reader, blocks, seed, cfg.shuffle, cfg.stream_block)

@@ -37,6 +37,9 @@ class Engine(Protocol):
     name: str
     model: torch.nn.Module  # what the loop calls forward on
     optimizer: Any  # the optimizer the scheduler drives
+    # A preference run's separate reference model (frozen copy, or preference.reference), built and
+    # sharded like the policy; None when there is none (SFT, LoRA: the policy with adapters disabled).
+    reference: torch.nn.Module | None
 
     def micro_step(self, boundary: bool) -> ContextManager:
         """Wraps forward + backward of one micro-batch; gradients are reduced only when ``boundary``."""

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -15,7 +17,9 @@ from llmft.checkpoint.layout import ADAPTER_WEIGHTS, MODEL_DIR, OPTIMIZER_FILE
 from llmft.dist import DistEnv
 from llmft.engines import autocast_for
 from llmft.model.adapters import is_peft
+from llmft.model.build import prepare_model
 from llmft.model.precision import compute_dtype
+from llmft.plan.objectives import FROZEN_COPY, REFERENCE_MODEL
 from llmft.plan.resolve import RunPlan
 from llmft.safe_load import torch_load
 
@@ -30,6 +34,7 @@ class LocalEngine:
 
     model: torch.nn.Module
     optimizer: Any
+    reference: torch.nn.Module | None = None  # a preference run's separate reference model (frozen)
 
     def __init__(self, plan: RunPlan, env: DistEnv) -> None:
         self.name = plan.engine
@@ -57,6 +62,39 @@ class LocalEngine:
 
     def unwrap(self) -> torch.nn.Module:
         return self.model
+
+
+# --- a preference run's reference model --------------------------------------------------------
+
+
+def reference_plan(plan: RunPlan) -> RunPlan:
+    """The plan a separate reference model is built from: the policy's for a frozen copy; for
+    ``preference.reference: <model>`` that model instead of the policy's, without adapters."""
+    if plan.reference != REFERENCE_MODEL:
+        return plan
+    recipe = copy.deepcopy(plan.recipe)
+    recipe.model.name_or_path, recipe.model.config, recipe.model.revision = recipe.preference.reference, None, None
+    recipe.peft.method = "none"
+    return dataclasses.replace(plan, recipe=recipe, builds_whole=False)
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """A reference model: no gradients, no optimizer, eval mode."""
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def unsharded_reference(
+    plan: RunPlan, tokenizer: Any, device: torch.device, policy: torch.nn.Module
+) -> torch.nn.Module | None:
+    """Single and DDP: a frozen copy of ``policy`` as built (its initial weights; taken before any
+    wrapping or step), or the named reference model built like the policy; None when the plan
+    needs no separate reference (LoRA's is the policy with adapters disabled)."""
+    if plan.reference == FROZEN_COPY:
+        return freeze(copy.deepcopy(policy))
+    if plan.reference == REFERENCE_MODEL:
+        return freeze(prepare_model(reference_plan(plan), tokenizer, device))
+    return None
 
 
 def clip_and_step(model: torch.nn.Module, optimizer, scaler, max_grad_norm: float | None) -> float:

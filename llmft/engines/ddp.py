@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llmft.dist import DistEnv, barrier
 from llmft.engines import OptimizerFactory
-from llmft.engines.base import LocalEngine, load_plain, save_plain
+from llmft.engines.base import LocalEngine, load_plain, save_plain, unsharded_reference
 from llmft.model.build import prepare_model
 from llmft.plan.resolve import RunPlan
 
@@ -19,6 +19,7 @@ class DDPEngine(LocalEngine):
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
         super().__init__(plan, env)  # DDP averages gradients over ranks: backward undoes it
         inner = prepare_model(plan, tokenizer, self.device)
+        self.reference = unsharded_reference(plan, tokenizer, self.device, inner)  # before DDP wraps it
         self.model = DDP(
             inner,
             device_ids=[env.local_rank] if self.device.type == "cuda" else None,

@@ -24,6 +24,7 @@ DeepSpeed checkpoints hold (docs/design.md G7).
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import re
 import shutil
@@ -36,7 +37,7 @@ from llmft.checkpoint.layout import DS_DIR, UNIVERSAL_DIR, fsync_dir, resolve_ch
 from llmft.checkpoint.layout import DS_TAG as TAG
 from llmft.dist import DistEnv, broadcast_object
 from llmft.engines import OptimizerFactory
-from llmft.engines.base import check_loaded_keys, trainable_names
+from llmft.engines.base import check_loaded_keys, freeze, reference_plan, trainable_names
 from llmft.engines.safe_deepspeed import check_deepspeed_files
 from llmft.errors import Problem, UserError
 from llmft.model import zero3
@@ -44,11 +45,16 @@ from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta
 from llmft.plan.deepspeed import deepspeed_config
+from llmft.plan.objectives import FROZEN_COPY, REFERENCE_MODEL
 from llmft.plan.resolve import RunPlan
 from llmft.safe_load import torch_load
 
 
 class DeepSpeedEngineAdapter:
+    # A preference run's separate reference model (a DeepSpeed engine without optimizer); None for
+    # SFT and LoRA (whose reference is the policy with adapters disabled).
+    reference = None
+
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
         import deepspeed
 
@@ -61,6 +67,18 @@ class DeepSpeedEngineAdapter:
         )
         self.config = deepspeed_config(plan)
         self._hf_ds = None
+        model = self._build(plan, tokenizer)
+        if plan.reference in (FROZEN_COPY, REFERENCE_MODEL):
+            self.reference = self._frozen_reference(plan, tokenizer)
+        self.peft = is_peft(model)
+        self.optimizer = make_optimizer(model)
+        self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config)
+        # DeepSpeed averages gradients over data-parallel ranks; backward undoes it.
+        self._grad_scale = float(plan.layout.dp_size)
+
+    def _build(self, plan: RunPlan, tokenizer: Any) -> torch.nn.Module:
+        """The plan's model, built as this ZeRO stage needs it (partitioned for ZeRO-3 where it must be)."""
+        env = self.env
         if plan.meta_init:
             # A pretrained model: built on the meta device, each rank reads only its partitions.
 
@@ -72,11 +90,25 @@ class DeepSpeedEngineAdapter:
 
                 self._hf_ds = HfDeepSpeedConfig(self.config)  # must stay alive while the model is built
             model = prepare_model(plan, tokenizer, env.device)
-        self.peft = is_peft(model)
-        self.optimizer = make_optimizer(model)
-        self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config)
-        # DeepSpeed averages gradients over data-parallel ranks; backward undoes it.
-        self._grad_scale = float(plan.layout.dp_size)
+        return model
+
+    def _frozen_reference(self, plan: RunPlan, tokenizer: Any) -> torch.nn.Module:
+        """The reference model of a preference run, built like the policy and put under the same
+        ZeRO stage by ``deepspeed.initialize`` without an optimizer: ZeRO-3 partitions its weights
+        over the ranks and gathers them layer by layer in its forward, as for the policy; below
+        stage 3 the weights are whole on every rank, as the policy's are (nothing else is kept for
+        a model without gradients). TRL prepares its DeepSpeed reference model the same way."""
+        import deepspeed
+
+        model = freeze(self._build(reference_plan(plan), tokenizer))
+        config = copy.deepcopy(self.config)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        if plan.zero_stage != 3:
+            config.setdefault("zero_optimization", {})["stage"] = 0
+        reference, _, _, _ = deepspeed.initialize(model=model, config=config)
+        reference.eval()  # DeepSpeedEngine.eval() returns None
+        return reference
 
     def micro_step(self, boundary: bool) -> ContextManager:
         self.model.set_gradient_accumulation_boundary(boundary)

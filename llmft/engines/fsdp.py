@@ -30,12 +30,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from llmft.checkpoint.layout import DCP_DIR
 from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory, safe_dcp
-from llmft.engines.base import LocalEngine, trainable_names
+from llmft.engines.base import LocalEngine, freeze, reference_plan, trainable_names
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta, materialize
 from llmft.model.precision import DTYPES
 from llmft.model.structure import decoder_layer_classes
 from llmft.plan.fsdp import fsdp_plan
+from llmft.plan.objectives import FROZEN_COPY, REFERENCE_MODEL
 from llmft.plan.resolve import RunPlan
 
 
@@ -51,6 +52,18 @@ class FSDPEngine(LocalEngine):
             if mesh.replicate > 1
             else init_device_mesh(self.device.type, (mesh.shard,), mesh_dim_names=("shard",))
         )
+        self.sharding = sharding
+        self.model = self._build_sharded(plan, tokenizer)
+        if plan.reference in (FROZEN_COPY, REFERENCE_MODEL):
+            # Built and sharded exactly like the policy (its initial weights for a frozen copy):
+            # every rank holds only its shards, and the reference pass gathers them layer by layer.
+            self.reference = freeze(self._build_sharded(reference_plan(plan), tokenizer))
+        self.optimizer = make_optimizer(self.model)
+
+    def _build_sharded(self, plan: RunPlan, tokenizer: Any) -> torch.nn.Module:
+        """The plan's model, ``fully_shard``-ed per decoder layer and at the root, its shards placed."""
+
+        sharding = self.sharding
         if plan.meta_init:
             model, slots, weights = build_on_meta(plan, tokenizer)
         else:
@@ -75,8 +88,7 @@ class FSDPEngine(LocalEngine):
             materialize(model, slots, weights, seed=plan.recipe.run.seed, device=self.device, shards_on=shards_on)
         elif not sharding.cpu_offload:
             model.to(self.device)
-        self.model = model
-        self.optimizer = make_optimizer(model)
+        return model
 
     def micro_step(self, boundary: bool) -> ContextManager:
         # boundary: unsharded gradients accumulate locally and are reduce-scattered once, on the

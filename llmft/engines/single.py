@@ -7,7 +7,7 @@ from typing import Any
 
 from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory
-from llmft.engines.base import LocalEngine, load_plain, save_plain
+from llmft.engines.base import LocalEngine, load_plain, save_plain, unsharded_reference
 from llmft.model.build import prepare_model
 from llmft.plan.resolve import RunPlan
 
@@ -16,6 +16,7 @@ class SingleEngine(LocalEngine):
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
         super().__init__(plan, env)
         self.model = prepare_model(plan, tokenizer, self.device)
+        self.reference = unsharded_reference(plan, tokenizer, self.device, self.model)
         self.optimizer = make_optimizer(self.model)
 
     def save(self, directory: Path, *, save_optimizer: bool) -> None:

@@ -28,6 +28,7 @@ from llmft.plan import memory
 from llmft.plan.batch import BatchPlan, resolve_for_world, sequences_from_tokens, solve_batch
 from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, load, one_process_engine
 from llmft.plan.kernels import recipe_problems
+from llmft.plan.objectives import ObjectiveSpec, objective_problems, objective_spec, reference_kind
 from llmft.plan.shape import model_shape
 from llmft.recipe.load import RecipeError, load_unchecked, provenance, unresolve_env
 from llmft.recipe.schema import Recipe
@@ -101,10 +102,18 @@ class RunPlan:
     # sharded): its weights equal the single-process run's on every engine and world size.
     builds_whole: bool
     notes: tuple[str, ...] = ()  # what resolving changed, for the log
+    objective: str = "sft"  # a name of llmft.plan.objectives.OBJECTIVES (``objective_spec`` is its record)
+    # Where a preference run's reference log-probs come from (llmft.plan.objectives: none,
+    # adapters_disabled, frozen_copy, model); the engines build what it says.
+    reference: str = "none"
 
     @property
     def spec(self) -> EngineSpec:
         return engine_spec(self.engine)
+
+    @property
+    def objective_spec(self) -> ObjectiveSpec:
+        return objective_spec(self.objective)
 
     @property
     def dp_size(self) -> int:
@@ -226,6 +235,7 @@ def resolve(
     engine = choose_engine(recipe, world.size)
     spec = engine_spec(engine)
     problems += engine_problems(recipe, spec, world.size, where)
+    problems += objective_problems(recipe, where)
     batch, notes = None, []
     try:
         batch, note = _solve(recipe, engine, compiled, world, measure_gpu)
@@ -248,6 +258,8 @@ def resolve(
         quant_storage=quant_storage_for(recipe, spec),
         builds_whole=builds_whole(recipe),
         notes=tuple(notes),
+        objective=recipe.train.objective,
+        reference=reference_kind(recipe),
     )
 
 
@@ -468,6 +480,8 @@ def plan_summary(plan: RunPlan) -> dict[str, Any]:
         "quant_storage": plan.quant_storage,
         "model_init": "meta" if plan.meta_init else "zero_init" if plan.zero_init else "whole",
         "chunked_loss": plan.chunked_loss,
+        "objective": plan.objective,
+        **({"reference": plan.reference} if plan.objective_spec.pairs else {}),
         "notes": list(plan.notes),
     }
 

@@ -237,6 +237,34 @@ class TrainConfig:
     )
     eval_max_new_tokens: int = doc(32, "Longest generated completion for the exact-match eval.")
     progress_bar: bool = doc(True, "Show a progress bar on rank 0.")
+    objective: str = doc(
+        "sft",
+        "What the model learns: sft (next-token loss on the targets), dpo (preference pairs; see preference.*), "
+        "or reward (a scalar reward model trained on preference pairs).",
+        choices=("sft", "dpo", "reward"),
+    )
+
+
+@dataclass
+class PreferenceConfig:
+    loss_type: str = doc(
+        "sigmoid",
+        "Preference loss (train.objective=dpo): sigmoid (DPO), ipo, hinge, simpo or orpo (the last two reference-free).",
+        choices=("sigmoid", "ipo", "hinge", "simpo", "orpo"),
+    )
+    beta: float = doc(0.1, "Strength of the preference term (the DPO / IPO / SimPO / ORPO beta).")
+    label_smoothing: float = doc(0.0, "Conservative DPO: the assumed fraction of flipped labels (sigmoid only).")
+    simpo_gamma: float = doc(0.5, "SimPO's target reward margin (loss_type=simpo).")
+    reference: str = doc(
+        "auto",
+        "The reference model: auto (LoRA/QLoRA: the same model with adapters disabled; full fine-tune: a frozen "
+        "copy of the initial weights), or a model path / hub id.",
+    )
+    precompute_reference: bool = doc(
+        False,
+        "Compute the reference log-probs once, store them with the token cache entry, and train without a "
+        "reference model.",
+    )
 
 
 @dataclass
@@ -309,6 +337,7 @@ class Recipe:
     optim: OptimConfig = doc(OptimConfig(), "Optimizer and schedule.")
     train: TrainConfig = doc(TrainConfig(), "Length, logging and eval cadence.")
     checkpoint: CheckpointConfig = doc(CheckpointConfig(), "Checkpoints and resume.")
+    preference: PreferenceConfig = doc(PreferenceConfig(), "Preference tuning (train.objective: dpo or reward).")
     distributed: DistributedConfig = doc(DistributedConfig(), "Engine and world layout.")
 
 

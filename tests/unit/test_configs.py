@@ -22,11 +22,12 @@ from llmft.recipe import RecipeError, load_recipe
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 DP_SIZES = (1, 2, 8, 16)
-QUICKSTART_DP_SIZES = (1, 2)  # the CPU quickstart is only meant for a laptop or two gloo ranks
+QUICKSTART_DP_SIZES = (1, 2)  # the CPU quickstarts are only meant for a laptop or two gloo ranks
+QUICKSTARTS = ("quickstart.yaml", "quickstart-dpo.yaml")
 
 
 def dp_sizes(path: Path) -> tuple[int, ...]:
-    return QUICKSTART_DP_SIZES if path.name == "quickstart.yaml" else DP_SIZES
+    return QUICKSTART_DP_SIZES if path.name in QUICKSTARTS else DP_SIZES
 
 
 @functools.cache
@@ -47,6 +48,7 @@ def test_configs_exist():
     names = {p.name for p in CONFIGS}
     assert {
         "tiny-cpu.yaml",
+        *QUICKSTARTS,
         "llama3-8b-qlora-1gpu.yaml",
         "llama3-8b-lora-fsdp-8gpu.yaml",
         "llama3-8b-full-zero3-2x8gpu.yaml",

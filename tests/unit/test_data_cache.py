@@ -170,7 +170,7 @@ def test_glob_csv_and_fields(tmp_path):
         (
             {"path": "x.jsonl", "fields": {"promt": "q"}},
             "data.train[0].fields.promt: is not a record field. Did you mean 'prompt'? Map one of text, prompt, "
-            "completion, messages to the column that holds it.",
+            "completion, messages, chosen, rejected to the column that holds it.",
         ),
     ],
 )

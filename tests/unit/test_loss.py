@@ -10,7 +10,7 @@ import torch
 from helpers import TINY_LLAMA
 
 from llmft import loss
-from llmft.loop import micro_loss
+from llmft.objectives.sft import micro_loss
 from llmft.plan import memory
 from llmft.plan.resolve import resolve
 from llmft.recipe import load_recipe

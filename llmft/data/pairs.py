@@ -1,0 +1,370 @@
+"""Preference pairs (``train.objective: dpo`` or ``reward``): records, tokens, cache rows, micro-batches.
+
+A pair goes through the SFT pipeline with one item per pair:
+
+- records: ``{"prompt": str, "chosen": str, "rejected": str}``, or message lists
+  ``{"prompt": [...], "chosen": [...], "rejected": [...]}``, or an implicit prompt
+  ``{"chosen": [...], "rejected": [...]}`` (their shared leading messages). ``parse_pair``.
+- tokens: each side is the SFT record it reads as, encoded by the SFT ``Encoder``: chosen is
+  ``PromptCompletion(prompt, chosen)`` (or the conversation prompt + chosen), rejected likewise,
+  so the targets are the completion and eos (chat: the assistant spans after the shared prompt).
+  One ``Tokenize`` row per pair holds chosen then rejected; the target byte's bit 2 marks where
+  rejected starts (``PairExample``).
+- cache rows: ``build_pair_rows`` truncates each pair (the prompt from the left down to a floor,
+  then each completion from the right), drops pairs left without a target in either sequence,
+  and stores chosen and rejected as rows ``2i`` and ``2i + 1`` of a ``TokenDataset``;
+  ``PairDataset`` is that dataset seen as pairs (``len`` = pairs, an item = both sequences).
+- micro-batches: ``collate_pairs`` (the contract in docs/preference.md): 2P right-padded rows,
+  chosen and rejected interleaved, or (``data.packing: true``) one padding-free row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from llmft.data.encode import IGNORE_INDEX, Encoder, Example
+from llmft.data.pack import ranges, take_ranges
+from llmft.data.records import (
+    BadRecord,
+    Chat,
+    PromptCompletion,
+    check_not_multimodal,
+    did_you_mean,
+    kind_of,
+    parse_chat,
+    renamed,
+)
+from llmft.data.rows import prefix_counts
+from llmft.data.tokens import TokenDataset
+from llmft.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from llmft.recipe.schema import DataConfig
+
+PREFERENCE_OBJECTIVES = ("dpo", "reward")
+PAIR_FIELDS = ("prompt", "chosen", "rejected")
+CACHE_FORMAT = "pairs-1"  # the cache format of a pair entry (SFT entries keep cache.CACHE_FORMAT)
+REJECTED_START = 2  # bit of the target byte on the first token of rejected, in a Tokenize row
+_SFT_KINDS = (("messages", "messages"), ("completion", "prompt/completion"), ("text", "text"))
+
+
+def is_preference(objective: str) -> bool:
+    return objective in PREFERENCE_OBJECTIVES
+
+
+# --- records ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pair:
+    """The two SFT records a pair reads as: prompt + chosen, prompt + rejected."""
+
+    chosen: PromptCompletion | Chat
+    rejected: PromptCompletion | Chat
+
+
+def parse_pair(value: Any, fields: dict[str, str] | None, objective: str) -> Pair:
+    """One preference record; ``fields`` maps prompt / chosen / rejected to the columns holding them."""
+    if not isinstance(value, dict):
+        raise BadRecord(f"a record must be a JSON object, got {kind_of(value)}")
+    if fields:
+        value = renamed(value, fields)
+    value = {k: v for k, v in value.items() if v is not None}
+    check_not_multimodal(value)
+    if "chosen" not in value and "rejected" not in value:
+        kind = next((name for key, name in _SFT_KINDS if key in value), None)
+        if kind is not None:
+            raise BadRecord(
+                f"is a {kind} record, but train.objective is {objective}, which trains on preference pairs "
+                "({prompt, chosen, rejected}, or {chosen, rejected} message lists); set train.objective=sft "
+                "to train on it"
+            )
+        raise BadRecord(
+            "a preference pair needs 'chosen' and 'rejected' (and 'prompt' unless they are message lists); "
+            f"found keys {sorted(map(str, value))}" + did_you_mean(value, PAIR_FIELDS, PAIR_FIELDS)
+        )
+    for name, other in (("chosen", "rejected"), ("rejected", "chosen")):
+        if name not in value:
+            raise BadRecord(f"has '{other}' but no '{name}'" + did_you_mean(value, (name,), PAIR_FIELDS))
+    chosen, rejected = value["chosen"], value["rejected"]
+    if isinstance(chosen, str) or isinstance(rejected, str):
+        return _string_pair(value)
+    for name in ("chosen", "rejected"):
+        if not isinstance(value[name], list) or not value[name]:
+            raise BadRecord(f"'{name}' must be a string or a non-empty list of messages, got {kind_of(value[name])}")
+    if "prompt" in value:
+        prompt = value["prompt"]
+        if not isinstance(prompt, list):
+            raise BadRecord(
+                f"'prompt' is {kind_of(prompt)} but 'chosen' and 'rejected' are message lists: write all three "
+                "as strings, or all three as message lists"
+            )
+        shared = len(prompt)
+        chosen, rejected = prompt + chosen, prompt + rejected
+    else:  # implicit prompt: the messages the two conversations begin with alike
+        shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected, strict=False)) if a != b), None)
+        shared = min(len(chosen), len(rejected)) if shared is None else shared
+    if shared >= len(chosen) or shared >= len(rejected):
+        raise BadRecord("'chosen' and 'rejected' need at least one message each after the shared prompt")
+    c, r = parse_chat(chosen), parse_chat(rejected)
+    return Pair(Chat(c.messages, targets_from=shared), Chat(r.messages, targets_from=shared))
+
+
+def _string_pair(value: dict[str, Any]) -> Pair:
+    if "prompt" not in value:
+        raise BadRecord("has 'chosen' and 'rejected' but no 'prompt'" + did_you_mean(value, ("prompt",), PAIR_FIELDS))
+    for name in PAIR_FIELDS:
+        if not isinstance(value[name], str):
+            raise BadRecord(
+                f"'{name}' is {kind_of(value[name])}: write 'prompt', 'chosen' and 'rejected' all as strings, "
+                "or all as message lists"
+            )
+    return Pair(
+        PromptCompletion(value["prompt"], value["chosen"]), PromptCompletion(value["prompt"], value["rejected"])
+    )
+
+
+# --- tokens -----------------------------------------------------------------
+
+
+@dataclass
+class PairExample(Example):
+    """Chosen's tokens then rejected's, in one ``Tokenize`` row; rejected starts at ``split``."""
+
+    split: int = 0
+
+    def target_mask(self) -> np.ndarray:
+        mask = super().target_mask()
+        mask[self.split] |= REJECTED_START
+        return mask
+
+
+class PairEncoder:
+    """Pairs to ``PairExample`` s: each side encoded by the SFT ``Encoder`` as the record it reads as."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, train_on: str, objective: str) -> None:
+        self.encoder = Encoder(tokenizer, train_on)
+        self.objective = objective
+
+    def parse(self, value: Any, fields: dict[str, str] | None) -> Pair:
+        return parse_pair(value, fields, self.objective)
+
+    def encode_batch(self, pairs: list[Pair]) -> list[PairExample | BadRecord]:
+        sides = self.encoder.encode_batch([p.chosen for p in pairs] + [p.rejected for p in pairs])
+        out: list[PairExample | BadRecord] = []
+        for c, r in zip(sides[: len(pairs)], sides[len(pairs) :], strict=True):
+            if isinstance(c, BadRecord) or isinstance(r, BadRecord):
+                bad = c if isinstance(c, BadRecord) else r
+                side = "chosen" if bad is c else "rejected"
+                out.append(BadRecord(f"{side}: {bad}"))
+                continue
+            out.append(PairExample(c.input_ids + r.input_ids, list(c.labels) + list(r.labels), len(c.input_ids)))
+        return out
+
+    def eval_prompt(self, pair: Pair) -> tuple[list[int], str] | None:
+        """(prompt ids, chosen completion) for generation eval, as for the SFT record prompt + chosen."""
+        return self.encoder.eval_prompt(pair.chosen)
+
+
+def make_encoder(
+    tokenizer: PreTrainedTokenizerBase, train_on: str, objective: str, max_tokens: int | None = None
+) -> Encoder | PairEncoder:
+    """The encoder for ``train.objective``'s records. SFT records are cut to ``max_tokens`` before
+    tokenizing (the per-record memory bound); pairs are not yet: their prompt is truncated from the
+    left (``truncate_pair``), which a cut of the text from the right would change (docs/preference.md)."""
+    if is_preference(objective):
+        return PairEncoder(tokenizer, train_on, objective)
+    return Encoder(tokenizer, train_on, max_tokens)
+
+
+# --- cache rows -------------------------------------------------------------
+
+
+def truncate_pair(
+    chosen: np.ndarray, rejected: np.ndarray, chosen_target: np.ndarray, rejected_target: np.ndarray, max_len: int
+) -> tuple[slice, slice]:
+    """Which tokens of each sequence a pair keeps so that both fit ``max_len`` (docs/preference.md).
+
+    The prompt is the tokens both sequences begin with, up to the first target of either. While the
+    longer sequence is too long, the prompt loses tokens from the left, but keeps at least
+    ``min(prompt, max_len // 2)``; then each sequence is cut from the right to ``max_len``.
+    """
+    n = min(len(chosen), len(rejected))
+    differ = np.flatnonzero(chosen[:n] != rejected[:n])
+    prompt = int(differ[0]) if len(differ) else n
+    for t in (chosen_target, rejected_target):
+        hits = np.flatnonzero(t)
+        if len(hits):
+            prompt = min(prompt, int(hits[0]))
+    over = max(len(chosen), len(rejected)) - max_len
+    cut = max(0, min(over, prompt - min(prompt, max_len // 2)))
+    return slice(cut, min(len(chosen), cut + max_len)), slice(cut, min(len(rejected), cut + max_len))
+
+
+def build_pair_rows(
+    ids: np.ndarray,
+    target: np.ndarray,
+    offsets: np.ndarray,
+    items: np.ndarray,
+    cfg: DataConfig,
+    key: str,
+    allow_empty: bool = False,
+) -> tuple[PairDataset, dict]:
+    """``build_rows`` for pairs: truncate each pair of ``items`` (``truncate_pair``, vectorised over the
+    pairs), drop those without a target in chosen or rejected, store chosen and rejected as rows
+    2i and 2i + 1."""
+    lo, hi = offsets[items], offsets[items + 1]
+    marks = np.flatnonzero(target & REJECTED_START)
+    split = marks[np.searchsorted(marks, lo)] if len(items) else lo  # one mark inside each pair's tokens
+    len_c, len_r = split - lo, hi - split
+    cut = _prompt_cuts(ids, target, lo, split, hi, cfg.max_seq_len)
+    keep_c, keep_r = np.minimum(len_c - cut, cfg.max_seq_len), np.minimum(len_r - cut, cfg.max_seq_len)
+    truncated = (keep_c < len_c) | (keep_r < len_r)
+    targets = (target & 1).astype(np.uint8)
+    # labels[0] is never predicted, so a target must lie at position 1 or later of its sequence.
+    first = np.concatenate([lo + cut + 1, split + cut + 1])
+    last = np.concatenate([lo + cut + keep_c, split + cut + keep_r])
+    counts = prefix_counts(targets, np.concatenate([np.minimum(first, last), last]))
+    counts = counts[len(first) :] - counts[: len(first)]
+    count_c, count_r = counts[: len(items)], counts[len(items) :]
+    keep = (count_c > 0) & (count_r > 0)
+    pairs = int(keep.sum())
+    if pairs == 0 and not allow_empty:
+        raise UserError(
+            Problem(
+                key,
+                f"no pair keeps a target token in both chosen and rejected within data.max_seq_len={cfg.max_seq_len}",
+                "Raise data.max_seq_len or shorten the prompts.",
+            )
+        )
+    starts = np.stack([lo + cut, split + cut], axis=1)[keep].reshape(-1)  # chosen, rejected, chosen, ...
+    lengths = np.stack([keep_c, keep_r], axis=1)[keep].reshape(-1)
+    flat_ids, flat_target = take_ranges((ids, targets), starts, lengths)
+    row_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    rows = TokenDataset.from_arrays(flat_ids.astype(np.int32), flat_target, row_offsets)
+    stats = {
+        "records": len(items),
+        "truncated": int(truncated.sum()),
+        "dropped_no_targets": len(items) - pairs,
+        "examples": pairs,
+        "tokens": int(row_offsets[-1]),
+        "target_tokens": int(count_c[keep].sum() + count_r[keep].sum()),
+        "rows": pairs,
+        "pairs": pairs,
+        "sequences": 2 * pairs,
+    }
+    return PairDataset(rows, cfg.packing), stats
+
+
+def _prompt_cuts(
+    ids: np.ndarray, target: np.ndarray, lo: np.ndarray, split: np.ndarray, hi: np.ndarray, max_len: int
+) -> np.ndarray:
+    """How many prompt tokens each pair loses on the left: ``truncate_pair``'s cut, for every pair at once."""
+    cut = np.zeros(len(lo), dtype=np.int64)
+    over = np.maximum(split - lo, hi - split) - max_len
+    long = np.flatnonzero(over > 0)  # only pairs that do not fit have a prompt worth finding
+    if len(long) == 0:
+        return cut
+    lo, split, hi, over = lo[long], split[long], hi[long], over[long]
+    hits = np.flatnonzero(target & 1)
+    first_c = hits[np.minimum(np.searchsorted(hits, lo), len(hits) - 1)] if len(hits) else lo
+    first_r = hits[np.minimum(np.searchsorted(hits, split), len(hits) - 1)] if len(hits) else split
+    # the shared prefix is searched only up to the first target of either side and the shorter length
+    bound = np.minimum(split - lo, hi - split)
+    bound = np.where((first_c >= lo) & (first_c < split), np.minimum(bound, first_c - lo), bound)
+    bound = np.where((first_r >= split) & (first_r < hi), np.minimum(bound, first_r - split), bound)
+    at_c, at_r = ranges(lo, bound), ranges(split, bound)
+    k = at_c - np.repeat(lo, bound)  # position inside the pair
+    differ = np.where(ids[at_c] != ids[at_r], k, np.iinfo(np.int64).max)
+    prompt = bound.copy()
+    some = np.flatnonzero(bound > 0)
+    if len(some):
+        seg = (np.cumsum(bound) - bound)[some]
+        prompt[some] = np.minimum(bound[some], np.minimum.reduceat(differ, seg))
+    cut[long] = np.minimum(over, prompt - np.minimum(prompt, max_len // 2))
+    return cut
+
+
+class PairDataset:
+    """A pair entry's ``TokenDataset`` (chosen and rejected as rows 2i and 2i + 1) seen as pairs.
+
+    ``len`` is the number of pairs, so the sampler, ``batch.global_batch_size``, mixtures and the
+    holdout all count pairs. An item is ``{"chosen": row, "rejected": row}``; each row's
+    ``position_ids`` is its ``0 .. n-1`` when ``padding_free`` (``data.packing: true``: the collator
+    then concatenates the micro-batch into one row), else None (right-padded rows).
+    """
+
+    packed = False  # rows are never bin-packed in the cache; padding-free is a collation layout
+
+    def __init__(self, rows: TokenDataset, padding_free: bool) -> None:
+        assert len(rows) % 2 == 0, f"a pair entry holds an even number of rows, not {len(rows)}"
+        self.rows, self.padding_free = rows, padding_free
+
+    def __len__(self) -> int:
+        return len(self.rows) // 2
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"pair {i} of {len(self)}")
+        item = {"chosen": self.rows[2 * i], "rejected": self.rows[2 * i + 1]}
+        if self.padding_free:
+            for side in item.values():
+                side["position_ids"] = list(range(len(side["input_ids"])))
+        return item
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.num_tokens
+
+    def write(self, path) -> None:
+        self.rows.write(path)
+
+
+# --- micro-batches ----------------------------------------------------------
+
+
+def collate_pairs(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
+    """A micro-batch of P pairs in the layout the preference objectives take (docs/preference.md).
+
+    Sequence ``2p`` is pair p's chosen, ``2p + 1`` its rejected. Unpacked: 2P rows in that order,
+    right-padded to the longest, with ``attention_mask``. Padding-free (the rows carry
+    ``position_ids``): one row holding every sequence, positions restarting at each, no
+    ``attention_mask`` (attention stays within a sequence, as for packed SFT rows), no padding.
+    """
+    seqs = [e[side] for e in examples for side in ("chosen", "rejected")]
+    padding_free = seqs[0]["position_ids"] is not None
+    assert all((s["position_ids"] is not None) == padding_free for s in seqs), "mixed padding-free and padded pairs"
+    if padding_free:
+        batch = {
+            "input_ids": torch.tensor([[t for s in seqs for t in s["input_ids"]]], dtype=torch.long),
+            "labels": torch.tensor([[t for s in seqs for t in s["labels"]]], dtype=torch.long),
+            "position_ids": torch.tensor([[t for s in seqs for t in range(len(s["input_ids"]))]], dtype=torch.long),
+            "sequence_index": torch.tensor([[k for k, s in enumerate(seqs) for _ in s["input_ids"]]], dtype=torch.long),
+        }
+    else:
+        width = max(len(s["input_ids"]) for s in seqs)
+        batch = {
+            "input_ids": torch.full((len(seqs), width), pad_id, dtype=torch.long),
+            "labels": torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long),
+            "attention_mask": torch.zeros((len(seqs), width), dtype=torch.long),
+            "position_ids": torch.arange(width).repeat(len(seqs), 1),
+            "sequence_index": torch.full((len(seqs), width), -1, dtype=torch.long),
+        }
+        for k, s in enumerate(seqs):
+            n = len(s["input_ids"])
+            batch["input_ids"][k, :n] = torch.tensor(s["input_ids"])
+            batch["labels"][k, :n] = torch.tensor(s["labels"])
+            batch["attention_mask"][k, :n] = 1
+            batch["sequence_index"][k, :n] = k
+    batch["num_pairs"] = len(examples)
+    if "reference_logps" in examples[0]:  # preference.precompute_reference: [chosen, rejected] per pair
+        batch["reference_logps"] = torch.tensor(
+            [float(x) for e in examples for x in e["reference_logps"]], dtype=torch.float32
+        )
+    return batch

@@ -1,0 +1,50 @@
+"""SFT: the causal-LM loss, normalised by the target tokens of the whole global batch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from llmft import loss as lm_loss
+from llmft.data import count_targets
+from llmft.plan.resolve import RunPlan
+
+if TYPE_CHECKING:
+    from llmft.engines import Engine
+
+
+def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor | None) -> torch.Tensor:
+    """The loss of one micro-batch: the sum of its token losses divided by ``num_items`` (the target
+    tokens of the whole global batch), so that summed gradients equal the big batch's. With
+    ``num_items`` None: transformers' own token mean over this batch (references in verify).
+
+    A model with the chunked loss installed (``model.chunked_loss``, ``llmft.loss``) returns the
+    same loss from its LM head, a chunk of tokens at a time, and never holds the whole logits."""
+    head = lm_loss.find(model)
+    if head is not None:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with lm_loss.targets(head, batch["labels"], num_items):
+            return model(**inputs, use_cache=False).logits  # the head returned the loss
+    extra = {"num_items_in_batch": num_items} if num_items is not None else {}
+    return model(**batch, use_cache=False, **extra).loss
+
+
+class SFTObjective:
+    """Next-token loss on the target tokens; no metrics beyond the loss."""
+
+    metric_names: tuple[str, ...] = ()
+
+    def __init__(self, plan: RunPlan, engine: Engine) -> None:
+        pass
+
+    def count(self, batch: dict[str, Any]) -> int:
+        return count_targets(batch["labels"])
+
+    def micro_loss(
+        self, model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
+        return micro_loss(model, batch, num_items), None
+
+    def metrics(self, sums: list[float], count: float) -> dict[str, float]:
+        return {}

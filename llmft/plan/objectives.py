@@ -1,0 +1,119 @@
+"""The objective registry: one record per ``train.objective``, found by one lookup (``objective_spec``).
+
+A record says what an objective is: what it normalises the loss by (``tokens``: the target tokens
+of the global batch, ``pairs``: its preference pairs), which model head it trains, whether it
+reads preference pairs, and which code computes its loss (``runtime``, a dotted path imported
+only when a run builds it: this module, like the rest of ``llmft.plan``, imports no torch).
+
+The loop never branches on the objective's name: it asks the runtime object for the count of a
+micro-batch and for the micro loss numerator divided by the global count (docs/design.md,
+docs/preference.md). Adding an objective is a record here and a class under ``llmft/objectives/``.
+
+How a preference run gets its reference model is decided here too (``reference_kind``), once, from
+the recipe: the plan carries the decision and the engines build what it says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal
+
+from llmft.errors import Problem
+
+if TYPE_CHECKING:
+    from llmft.recipe.schema import Recipe
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """One objective: what it counts, what it trains, and where its code lives."""
+
+    name: str  # train.objective
+    title: str  # in messages
+    runtime: str | None  # the Objective class (torch side); None: not built yet (refused at resolve)
+    counts: Literal["tokens", "pairs"]  # what the micro loss is normalised by (global batch)
+    head: Literal["lm", "score"] = "lm"  # the causal-LM head, or a scalar score head
+    pairs: bool = False  # consumes preference pairs (batch.global_batch_size counts pairs)
+
+
+OBJECTIVES: tuple[ObjectiveSpec, ...] = (
+    ObjectiveSpec(name="sft", title="SFT", runtime="llmft.objectives.sft:SFTObjective", counts="tokens"),
+    ObjectiveSpec(
+        name="dpo",
+        title="DPO",
+        runtime="llmft.objectives.preference:PreferenceObjective",
+        counts="pairs",
+        pairs=True,
+    ),
+    ObjectiveSpec(name="reward", title="reward model", runtime=None, counts="pairs", head="score", pairs=True),
+)
+
+_BY_NAME = {spec.name: spec for spec in OBJECTIVES}
+OBJECTIVE_NAMES: tuple[str, ...] = tuple(_BY_NAME)
+
+# Losses that compare the policy with itself only: no reference model is built or run.
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+
+# How a preference run gets its reference log-probs (RunPlan.reference).
+NO_REFERENCE = "none"
+ADAPTERS_DISABLED = "adapters_disabled"  # LoRA/QLoRA: the policy itself inside PEFT's disable_adapter()
+FROZEN_COPY = "frozen_copy"  # full fine-tune: a frozen copy of the initial weights, built like the policy
+REFERENCE_MODEL = "model"  # preference.reference names a model: built like the policy's base
+
+
+def objective_spec(name: str) -> ObjectiveSpec:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise AssertionError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVE_NAMES)}") from None
+
+
+def reference_kind(recipe: Recipe) -> str:
+    """What the run uses as its reference model (one of the constants above)."""
+    p = recipe.preference
+    if not objective_spec(recipe.train.objective).pairs or recipe.train.objective != "dpo":
+        return NO_REFERENCE
+    if p.loss_type in REFERENCE_FREE_LOSSES:
+        return NO_REFERENCE
+    if p.reference != "auto":
+        return REFERENCE_MODEL
+    return ADAPTERS_DISABLED if recipe.peft.method != "none" else FROZEN_COPY
+
+
+def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
+    """What this objective cannot do (yet) with this recipe; empty for SFT."""
+    spec = objective_spec(recipe.train.objective)
+    p = recipe.preference
+    problems: list[Problem] = []
+    if spec.runtime is None:
+        problems.append(
+            Problem(
+                where("train.objective"),
+                f"{spec.name} ({spec.title}) is not implemented yet",
+                "Use train.objective=sft or dpo (docs/preference.md says what is done).",
+            )
+        )
+    if not spec.pairs:
+        return problems
+    if p.label_smoothing and p.loss_type != "sigmoid":
+        problems.append(
+            Problem(
+                where("preference.label_smoothing"),
+                f"is {p.label_smoothing}, but only loss_type=sigmoid (conservative DPO) uses it; "
+                f"loss_type is {p.loss_type}",
+                "Set preference.label_smoothing=0, or preference.loss_type=sigmoid.",
+            )
+        )
+    if not 0.0 <= p.label_smoothing < 0.5:
+        problems.append(
+            Problem(where("preference.label_smoothing"), f"is {p.label_smoothing}", "Use a value in [0, 0.5).")
+        )
+    if p.precompute_reference:
+        problems.append(
+            Problem(
+                where("preference.precompute_reference"),
+                "precomputed reference log-probs are not implemented yet",
+                "Set preference.precompute_reference=false (the reference runs on the fly).",
+            )
+        )
+    return problems

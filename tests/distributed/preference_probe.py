@@ -1,0 +1,43 @@
+"""Run under torchrun: one optimizer step of a DPO-family run through the real engine, objective
+and loop, on contract micro-batches built by hand (tests/preference_batches.py), and save the
+reduced gradients the optimizer stepped with.
+
+Arguments: RECIPE OUT_FILE NUM_PAIRS STEPS [KEY=VALUE ...]. Each step takes the next NUM_PAIRS
+pairs; rank r takes the r-th contiguous share of them, cut into micro-batches. Rank 0 writes
+{"grads": ..., "row": ...} of the last step to OUT_FILE.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared batch builder
+
+from preference_batches import make_pairs, micro_batches, preference_step  # noqa: E402
+
+from llmft.dist import init_distributed, read_env, shutdown  # noqa: E402
+from llmft.plan.resolve import load_plan  # noqa: E402
+
+
+def main(recipe: str, out: str, num_pairs: str, steps: str, *overrides: str) -> None:
+    env = read_env()
+    plan = load_plan(recipe, list(overrides), world_size=env.world_size, local_world_size=env.local_world_size)
+    d = plan.recipe.distributed
+    init_distributed(env, d.backend, d.timeout_minutes, force=plan.spec.multi_rank)
+    per_step, share = int(num_pairs), int(num_pairs) // env.world_size
+    pairs = make_pairs(per_step * int(steps), seed=5)
+    mine = []
+    for start in range(0, len(pairs), per_step):
+        rank_start = start + env.rank * share
+        mine += micro_batches(pairs[rank_start : rank_start + share], plan.batch.micro_batch_size)
+    grads, row = preference_step(plan, env, mine, steps=int(steps))
+    if env.is_main:
+        torch.save({"grads": grads, "row": row}, out)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

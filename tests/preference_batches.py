@@ -1,0 +1,128 @@
+"""Preference micro-batches built by hand in the shape of the data contract (docs/preference.md):
+``input_ids``, ``labels`` (unshifted, -100 off the targets), ``attention_mask`` (unpacked only),
+``position_ids``, ``sequence_index`` (2p: pair p's chosen, 2p + 1: its rejected, -1: padding) and
+``num_pairs``. Until the data side collates pair records, tests and probes build them here."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+IGNORE = -100
+PAD = 0
+
+
+def make_pairs(n: int, seed: int = 0, vocab: int = 320) -> list[tuple[list[int], list[int], list[int]]]:
+    """``n`` pairs (prompt, chosen, rejected) of token ids, of very different lengths."""
+    rng = random.Random(seed)
+
+    def ids(lo: int, hi: int) -> list[int]:
+        return [rng.randrange(1, vocab) for _ in range(rng.randint(lo, hi))]
+
+    return [(ids(2, 12), ids(1, 14), ids(1, 14)) for _ in range(n)]
+
+
+def sequences(pairs) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) of every sequence, chosen then rejected per pair (prompt masked)."""
+    out = []
+    for prompt, chosen, rejected in pairs:
+        for completion in (chosen, rejected):
+            out.append((prompt + completion, [IGNORE] * len(prompt) + completion))
+    return out
+
+
+def collate_pairs(pairs, packed: bool = False) -> dict:
+    """The contract micro-batch of ``pairs``: 2P right-padded rows, or one padding-free row."""
+    seqs = sequences(pairs)
+    if packed:
+        ids = [t for s, _ in seqs for t in s]
+        labels = [t for _, lab in seqs for t in lab]
+        pos = [i for s, _ in seqs for i in range(len(s))]
+        index = [k for k, (s, _) in enumerate(seqs) for _ in s]
+        rows = {"input_ids": [ids], "labels": [labels], "position_ids": [pos], "sequence_index": [index]}
+        batch = {k: torch.tensor(v) for k, v in rows.items()}
+    else:
+        width = max(len(s) for s, _ in seqs)
+        batch = {
+            "input_ids": torch.full((len(seqs), width), PAD),
+            "labels": torch.full((len(seqs), width), IGNORE),
+            "attention_mask": torch.zeros((len(seqs), width), dtype=torch.long),
+            "position_ids": torch.zeros((len(seqs), width), dtype=torch.long),
+            "sequence_index": torch.full((len(seqs), width), -1),
+        }
+        for k, (s, lab) in enumerate(seqs):
+            n = len(s)
+            batch["input_ids"][k, :n] = torch.tensor(s)
+            batch["labels"][k, :n] = torch.tensor(lab)
+            batch["attention_mask"][k, :n] = 1
+            batch["position_ids"][k, :n] = torch.arange(n)
+            batch["sequence_index"][k, :n] = k
+    batch["num_pairs"] = len(pairs)
+    return batch
+
+
+def micro_batches(pairs, micro: int, packed: bool = False) -> list[dict]:
+    """``pairs`` cut into micro-batches of ``micro`` pairs (the last one may be short)."""
+    return [collate_pairs(pairs[i : i + micro], packed) for i in range(0, len(pairs), micro)]
+
+
+# --- one optimizer step of a preference run, its gradients captured --------------------------------
+
+
+def full_grads(engine) -> dict[str, torch.Tensor]:
+    """The whole (reduced) gradient of every trainable parameter, on every rank: DDP's all-reduced
+    ``.grad``, FSDP2's sharded one gathered, DeepSpeed's from its partitions."""
+    grads = {}
+    for name, p in engine.unwrap().named_parameters():
+        if not p.requires_grad:
+            continue
+        if engine.name == "deepspeed":
+            from deepspeed.utils import safe_get_full_grad
+
+            g = safe_get_full_grad(p)
+        else:
+            g = p.grad
+            g = g.full_tensor() if hasattr(g, "full_tensor") else g
+        grads[name] = g.detach().float().cpu().clone()
+    return grads
+
+
+def preference_step(
+    plan, env, micro: list[dict], batch_plan=None, steps: int = 1
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Build the plan's engine and objective, run ``steps`` steps of the real loop on this rank's
+    ``micro``-batches; return the gradients the optimizer stepped with at the last step and its row.
+    (After the first step the policy differs from its reference: a reference that followed the
+    policy would show there.)"""
+    from llmft.engines import build_engine
+    from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
+    from llmft.objectives import build_objective
+    from llmft.optim import build_optimizer, build_scheduler
+    from llmft.stop import StopRequest
+    from llmft.tokenizer import load_tokenizer
+
+    optim = plan.recipe.optim
+    tokenizer = load_tokenizer(plan.recipe.model)
+    engine = build_engine(plan, env, tokenizer, lambda m: build_optimizer(m, optim, optim.lr))
+    objective = build_objective(plan, engine)
+    captured: dict[str, torch.Tensor] = {}
+    step = engine.step
+
+    def capture() -> float:
+        captured.update(full_grads(engine))  # the last step's stay
+        return step()
+
+    engine.step = capture
+    rows: list[dict] = []
+    hooks = LoopHooks(log_train=rows.append, evaluate=lambda s: None, checkpoint=lambda s: None)
+    scheduler = build_scheduler(engine.optimizer, optim, steps)
+    args = (engine, objective, scheduler, iter(micro), batch_plan or plan.batch, env, LoopConfig(max_steps=steps))
+    train_loop(*args, LoopState(), hooks, StopRequest())
+    return captured, rows[-1]
+
+
+def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest relative difference (max |a - b| / max |b|) over the tensors of two state dicts."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in a)

@@ -1,0 +1,153 @@
+"""The objective registry (llmft/plan/objectives.py): every record's code imports, the recipe's
+choices are the registry's names, the plan carries the objective and the reference decision, what
+is not built yet is refused at resolve with its alternatives, and the loop never names an objective."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from llmft.plan.engines import load
+from llmft.plan.objectives import OBJECTIVE_NAMES, OBJECTIVES, objective_spec
+from llmft.plan.resolve import load_plan, plan_summary
+from llmft.recipe.load import RecipeError
+from llmft.recipe.schema import PreferenceConfig, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RECIPE = textwrap.dedent(
+    """\
+    run: {output_dir: runs/objective-test}
+    model:
+      config: {model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
+               intermediate_size: 128, vocab_size: 320}
+      dtype: fp32
+    data: {train: data/never-opened.jsonl, max_seq_len: 64}
+    batch: {global_batch_size: 8, micro_batch_size: 2}
+    train: {max_steps: 10}
+    """
+)
+
+
+def _plan(tmp_path, *overrides: str, world_size: int = 1):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(RECIPE)
+    return load_plan(path, list(overrides), world_size=world_size)
+
+
+@pytest.mark.parametrize("spec", OBJECTIVES, ids=lambda s: s.name)
+def test_every_built_record_names_importable_code(spec):
+    if spec.runtime is not None:
+        assert callable(load(spec.runtime))
+
+
+def test_the_recipe_choices_are_the_registry_names():
+    import dataclasses
+
+    field = next(f for f in dataclasses.fields(TrainConfig) if f.name == "objective")
+    assert tuple(field.metadata["choices"]) == OBJECTIVE_NAMES
+    assert objective_spec("sft").counts == "tokens" and objective_spec("dpo").counts == "pairs"
+
+
+@pytest.mark.parametrize(
+    "overrides,reference",
+    [
+        ([], "none"),
+        (["train.objective=dpo", "peft.method=lora"], "adapters_disabled"),
+        (["train.objective=dpo", "peft.method=dora"], "adapters_disabled"),
+        (["train.objective=dpo"], "frozen_copy"),
+        (["train.objective=dpo", "preference.reference=org/ref-model"], "model"),
+        (["train.objective=dpo", "preference.loss_type=simpo"], "none"),
+        (["train.objective=dpo", "preference.loss_type=orpo", "peft.method=lora"], "none"),
+    ],
+)
+def test_the_plan_says_where_the_reference_comes_from(tmp_path, overrides, reference):
+    plan = _plan(tmp_path, *overrides)
+    assert plan.reference == reference
+    summary = plan_summary(plan)
+    assert summary["objective"] == plan.objective
+    assert summary.get("reference") == (reference if plan.objective == "dpo" else None)
+
+
+def _problems(tmp_path, *overrides: str, world_size: int = 1) -> list[str]:
+    with pytest.raises(RecipeError) as e:
+        _plan(tmp_path, *overrides, world_size=world_size)
+    return [f"{p.where}: {p.what} | {p.fix}" for p in e.value.problems]
+
+
+def test_what_is_not_built_is_refused_with_what_works(tmp_path):
+    assert _problems(tmp_path, "train.objective=reward") == [
+        "override 'train.objective=reward': train.objective: reward (reward model) is not implemented yet | "
+        "Use train.objective=sft or dpo (docs/preference.md says what is done)."
+    ]
+    (pre,) = _problems(tmp_path, "train.objective=dpo", "preference.precompute_reference=true")
+    assert "not implemented yet" in pre
+    (ls,) = _problems(tmp_path, "train.objective=dpo", "preference.loss_type=ipo", "preference.label_smoothing=0.1")
+    assert "preference.label_smoothing: is 0.1, but only loss_type=sigmoid (conservative DPO) uses it" in ls
+
+
+def test_every_reference_resolves_under_deepspeed(tmp_path):
+    zero3 = ["train.objective=dpo", "distributed.engine=deepspeed", "distributed.zero_stage=3"]
+    assert _plan(tmp_path, *zero3, "peft.method=lora", world_size=2).reference == "adapters_disabled"
+    assert _plan(tmp_path, *zero3, world_size=2).reference == "frozen_copy"
+    assert _plan(tmp_path, *zero3, "preference.loss_type=simpo", world_size=2).reference == "none"
+
+
+def test_preference_config_defaults_are_the_contract():
+    p = PreferenceConfig()
+    assert (p.loss_type, p.beta, p.label_smoothing, p.reference, p.precompute_reference) == (
+        "sigmoid",
+        0.1,
+        0.0,
+        "auto",
+        False,
+    )
+
+
+def test_the_loop_never_names_an_objective():
+    names = "|".join(OBJECTIVE_NAMES)
+    pattern = re.compile(rf"""["']({names})["']""")
+    for path in ("llmft/loop.py", "llmft/run.py", "llmft/evaluate.py"):
+        hits = [line for line in (ROOT / path).read_text().splitlines() if pattern.search(line.split("#")[0])]
+        assert not hits, f"{path}: {hits}"
+
+
+def test_verify_refuses_what_it_cannot_check(tmp_path):
+    from llmft.errors import UserError
+    from llmft.verify import load_for_verify
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(RECIPE)
+    with pytest.raises(UserError) as e:
+        load_for_verify(str(path), ["train.objective=dpo"])
+    (problem,) = e.value.problems
+    assert problem.what == "llmft verify does not check dpo runs yet"
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        ([], ("up to 512 (8 sequences x 64)", "data: 100 training sequences, 10 optimizer steps (0.80 epochs)")),
+        (["data.packing=true"], ("step: 512 (8 sequences x 64)", "data: 100 training rows")),
+        (["train.objective=dpo"], ("up to 1,024 (8 pairs x 2 sequences x 64)", "data: 100 training pairs")),
+        (["train.objective=dpo", "data.packing=true"], ("up to 1,024 (8 pairs x", "data: 100 training pairs")),
+    ],
+)
+def test_the_banner_counts_what_the_objective_reads(tmp_path, overrides, expected):
+    """A pair objective's items are pairs (two sequences each): the banner says so, from the record."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from llmft.dist import DistEnv
+    from llmft.report import banner
+
+    plan = _plan(tmp_path, *overrides)
+    engine = SimpleNamespace(unwrap=lambda: torch.nn.Linear(2, 2))
+    data = SimpleNamespace(train=range(100), num_rows=100)
+    text = banner(plan, DistEnv(), 10, engine, data)
+    for part in expected:
+        assert part in text
