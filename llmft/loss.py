@@ -13,7 +13,9 @@ How it plugs in: ``install`` replaces the ``forward`` of the model's output-embe
 (``lm_head``) by a ``ChunkedHead``. Outside ``targets(...)`` it is the original forward (eval,
 generation and export see the plain module). Inside, the model's forward hands it the final
 hidden states and it returns the loss instead of logits; ``loop.micro_loss`` reads it from
-``output.logits``. The model calls the head once (its hooks run once: DeepSpeed ZeRO-3
+``output.logits``. Inside ``token_logps(...)`` it returns instead the log-prob of given token ids at
+every position (``[rows, tokens]``, chunk by chunk the same way): the per-sequence log-probs of the
+preference objectives without the logits. The model calls the head once (its hooks run once: DeepSpeed ZeRO-3
 gathers it there, and before backward); the chunks call its original forward. The parameter names and the module tree are unchanged (checkpoints,
 FSDP2 sharding and PEFT see the same model).
 
@@ -64,6 +66,31 @@ def _chunk_loss(head: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y
     return F.cross_entropy(head(x).float(), y, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def chunked_token_logps(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, token_ids: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """``log p(token_ids[..., t] | position t)`` under ``head(hidden)``, shaped like ``token_ids``,
+    computed ``chunk_tokens`` rows at a time as the chunked loss is (the preference objectives sum
+    them per sequence: llmft.objectives.preference)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    ids = token_ids.reshape(-1)
+    parts = [
+        checkpoint(
+            _chunk_logps,
+            head,
+            flat[start : start + chunk_tokens],
+            ids[start : start + chunk_tokens],
+            use_reentrant=False,
+        )
+        for start in range(0, flat.shape[0], chunk_tokens)
+    ]
+    return torch.cat(parts).reshape(token_ids.shape)
+
+
+def _chunk_logps(head: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return -F.cross_entropy(head(x).float(), y, reduction="none")
+
+
 class ChunkedHead:
     """The ``forward`` of an output-embedding module that turns into the chunked loss while
     ``targets`` are set (see the module docstring)."""
@@ -74,8 +101,11 @@ class ChunkedHead:
         self.chunk_tokens = chunk_tokens
         self.labels: torch.Tensor | None = None
         self.num_items: torch.Tensor | None = None
+        self.token_ids: torch.Tensor | None = None  # set by ``token_logps``
 
     def __call__(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.token_ids is not None:
+            return chunked_token_logps(self.original, hidden, self.token_ids, self.chunk_tokens)
         if self.labels is None:
             return self.original(hidden, *args, **kwargs)
         # The chunks call the head's own forward: this call went through module(...), so hooks
@@ -119,3 +149,14 @@ def targets(head: ChunkedHead, labels: torch.Tensor, num_items: torch.Tensor | N
         yield
     finally:
         head.labels, head.num_items = None, None
+
+
+@contextlib.contextmanager
+def token_logps(head: ChunkedHead, token_ids: torch.Tensor) -> Iterator[None]:
+    """While inside, the model's forward returns, in place of logits, the log-prob of
+    ``token_ids[r, t]`` at every position ``(r, t)`` (shape of ``token_ids``), one chunk at a time."""
+    head.token_ids = token_ids
+    try:
+        yield
+    finally:
+        head.token_ids = None

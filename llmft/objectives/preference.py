@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ContextManager
 import torch
 import torch.nn.functional as F
 
+from llmft import loss as lm_loss
 from llmft.loss import IGNORE_INDEX
 from llmft.objectives import model_inputs
 from llmft.plan.objectives import ADAPTERS_DISABLED, NO_REFERENCE
@@ -50,24 +51,39 @@ METRIC_NAMES = (
 MEAN_LOGP_LOSSES = ("ipo", "simpo", "orpo")
 
 
-def sequence_logps(
-    logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of target-token log-probs, number of target tokens) per sequence, both ``[num_sequences]``.
+def predicted_targets(labels: torch.Tensor, sequence_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the token each position predicts, whether that prediction counts), both ``[R, T]``.
 
     Position t predicts ``labels[t + 1]`` (labels are unshifted, as for SFT); a prediction counts
     only inside one sequence (in a packed row the last token of a sequence does not predict the
-    first of the next) and only on target tokens."""
+    first of the next) and only on target tokens. The last position predicts nothing (token 0,
+    not counted)."""
     target = labels[:, 1:]
     seq = sequence_index[:, 1:]
     valid = (target != IGNORE_INDEX) & (seq >= 0) & (seq == sequence_index[:, :-1])
-    flat_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    safe_target = torch.where(valid, target, 0).reshape(-1)
-    token_logps = -F.cross_entropy(flat_logits, safe_target, reduction="none")
-    token_logps = torch.where(valid.reshape(-1), token_logps, 0.0)
-    index = torch.where(valid, seq, 0).reshape(-1)
+    safe = torch.where(valid, target, 0)
+    return F.pad(safe, (0, 1), value=0), F.pad(valid, (0, 1), value=False)
+
+
+def sequence_logps(
+    logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of target-token log-probs, number of target tokens) per sequence, both ``[num_sequences]``,
+    from the logits ``[R, T, V]`` (rules: ``predicted_targets``)."""
+    target, valid = predicted_targets(labels, sequence_index)
+    token_logps = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="none")
+    return sum_per_sequence(token_logps.reshape(target.shape), valid, sequence_index, num_sequences)
+
+
+def sum_per_sequence(
+    token_logps: torch.Tensor, valid: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the counted ``token_logps``, their number) per sequence: one ``index_add`` each."""
+    token_logps = torch.where(valid, token_logps, 0.0).reshape(-1)
+    index = torch.where(valid, sequence_index, 0).reshape(-1)
+    valid = valid.reshape(-1)
     sums = token_logps.new_zeros(num_sequences).index_add(0, index, token_logps)
-    counts = token_logps.new_zeros(num_sequences).index_add(0, index, valid.reshape(-1).float())
+    counts = token_logps.new_zeros(num_sequences).index_add(0, index, valid.float())
     return sums, counts
 
 
@@ -152,10 +168,20 @@ class PreferenceObjective:
     def count(self, batch: dict[str, Any]) -> int:
         return int(batch["num_pairs"])
 
-    def _logps(self, logits: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) per-sequence log-probs, ``[P]`` each, as the loss uses them."""
-        pairs = self.count(batch)
-        sums, counts = sequence_logps(logits, batch["labels"], batch["sequence_index"], 2 * pairs)
+    def _logps(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) per-sequence log-probs of ``model``, ``[P]`` each, as the loss uses them.
+        With the chunked head installed (``llmft.loss``) the model returns the targets' log-probs a
+        chunk at a time and never holds the micro-batch's logits."""
+        pairs, labels, index = self.count(batch), batch["labels"], batch["sequence_index"]
+        head = lm_loss.find(model)
+        if head is None:
+            logits = model(**model_inputs(batch), use_cache=False).logits
+            sums, counts = sequence_logps(logits, labels, index, 2 * pairs)
+        else:
+            target, valid = predicted_targets(labels, index)
+            with lm_loss.token_logps(head, target):
+                token_logps = model(**model_inputs(batch), use_cache=False).logits
+            sums, counts = sum_per_sequence(token_logps, valid, index, 2 * pairs)
         logps = sums / counts.clamp_min(1.0) if self.mean_logps else sums
         return logps[0::2], logps[1::2]
 
@@ -169,8 +195,7 @@ class PreferenceObjective:
         if self.reference_kind == ADAPTERS_DISABLED:
             model, scope = self.policy, self._adapters_disabled()
         with torch.no_grad(), scope:
-            logits = model(**model_inputs(batch), use_cache=False).logits
-            return self._logps(logits, batch)
+            return self._logps(model, batch)
 
     def _adapters_disabled(self) -> ContextManager:
         return self.policy.disable_adapter()  # PEFT: the base weights alone, in place (sharded or not)
@@ -179,8 +204,7 @@ class PreferenceObjective:
         self, model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ref = self._reference_logps(batch)
-        logits = model(**model_inputs(batch), use_cache=False).logits
-        chosen, rejected = self._logps(logits, batch)
+        chosen, rejected = self._logps(model, batch)
         out = pair_losses(self.cfg, chosen, rejected, *(ref if ref is not None else (None, None)))
         loss = out.losses.sum() / num_items
         correct = (out.chosen_rewards > out.rejected_rewards).float()

@@ -19,13 +19,14 @@ and output means GiB (2**30 bytes), the unit ``nvidia-smi`` and torch report in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import divisors
 from llmft.plan.deepspeed import ZERO3_MAX_LIVE_PARAMETERS
 from llmft.plan.engines import engine_spec
+from llmft.plan.objectives import FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL, objective_spec, reference_kind
 from llmft.plan.shape import ModelShape, linear_shapes, model_shape
 from llmft.recipe.schema import Recipe
 
@@ -126,7 +127,8 @@ def chunked_loss_on(recipe: Recipe, micro_batch_size: int) -> bool:
     shape = model_shape(recipe.model)
     if shape is None:
         return True
-    return micro_batch_size * recipe.data.max_seq_len > loss_chunk_tokens(shape.vocab_size)
+    rows = micro_batch_size * objective_spec(recipe.train.objective).rows_per_item
+    return rows * recipe.data.max_seq_len > loss_chunk_tokens(shape.vocab_size)
 
 
 def quantized_bytes_per_param(bits: int, double_quant: bool) -> float:
@@ -172,14 +174,16 @@ class MemoryEstimate:
     optimizer: int  # optimizer state
     master_weights: int  # DeepSpeed's fp32 copy of 16-bit trainable weights
     transient_weights: int  # gathered layers (FSDP / ZeRO-3), autocast copies, dequantized 4-bit matrices
-    activations: int  # saved for backward, for micro_batch_size x max_seq_len tokens
+    activations: int  # saved for backward, for micro_batch_size x rows per item x max_seq_len tokens
     logits: int  # the LM head output and the fp32 loss over it
+    reference: int  # a preference run's frozen reference weights, and its forward beyond the policy's
     overhead: int  # CUDA context + allocator fragmentation
     micro_batch_size: int
     seq_len: int
     dp_size: int
     engine: str
     notes: tuple[str, ...] = field(default=())
+    rows_per_item: int = 1  # sequences per item of the micro-batch: 2 for preference pairs
 
     COMPONENTS: ClassVar[tuple[str, ...]] = (
         "weights",
@@ -190,6 +194,7 @@ class MemoryEstimate:
         "transient_weights",
         "activations",
         "logits",
+        "reference",
         "overhead",
     )
 
@@ -281,15 +286,19 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         "optimizer": _placed(states["optimizer"], layout.optimizer, layout.optimizer_on_gpu),
         "master_weights": _placed(states["master_weights"], layout.optimizer, layout.optimizer_on_gpu),
     }
-    tokens = micro * recipe.data.max_seq_len
+    spec = objective_spec(recipe.train.objective)
+    tokens = micro * spec.rows_per_item * recipe.data.max_seq_len  # a pair is two sequences
     placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])
     # The head's output in the compute dtype, its fp32 copy for the loss, and the fp32
     # log-softmax that cross-entropy keeps for backward: for the whole micro-batch, or for one
     # chunk of the chunked loss (llmft/loss.py; backward recomputes one chunk at a time).
-    chunked = chunked_loss_on(recipe, micro) or recipe.model.liger_kernels  # Liger's fused loss chunks too
+    # Liger's fused loss chunks SFT's too, not the preference log-probs.
+    chunked = chunked_loss_on(recipe, micro) or (recipe.model.liger_kernels and not spec.pairs)
     logit_rows = min(tokens, loss_chunk_tokens(shape.vocab_size)) if chunked else tokens
     placed["logits"] = logit_rows * shape.vocab_size * (a + 4 + 4)
     placed["activations"] = _activations(recipe, shape, params, tokens, a, placed["logits"])
+    reference_weights = _placed(_frozen_copy(recipe, engine, params, a), layout.weights, layout.weights_on_gpu)
+    placed["reference"] = _reference(recipe, shape, params, tokens, a, placed, reference_weights)
     placed["overhead"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * sum(placed.values())
 
     notes = []
@@ -310,6 +319,7 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         dp_size=dp_size,
         engine=engine,
         notes=tuple(notes),
+        rows_per_item=spec.rows_per_item,
     )
 
 
@@ -347,6 +357,33 @@ def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, fl
         "optimizer": trainable * _optimizer_bytes(recipe),
         "master_weights": trainable * 4 if low and a < 4 else 0,
     }
+
+
+def _frozen_copy(recipe: Recipe, engine: str, params: Params, a: int) -> float:
+    """Weights of a separate frozen reference model (all of them, before sharding): a full
+    fine-tune's copy of the policy, or the model ``preference.reference`` names (counted at the
+    policy's shape), built like a policy without adapters. 0 when the run holds none."""
+    if recipe.preference.precompute_reference or reference_kind(recipe) not in (FROZEN_COPY, REFERENCE_MODEL):
+        return 0.0
+    return _states(replace(recipe, peft=replace(recipe.peft, method="none")), engine, params, a)["weights"]
+
+
+def _reference(
+    recipe: Recipe, shape: ModelShape, params: Params, tokens: int, a: int, placed: dict, weights: float
+) -> float:
+    """A preference run's reference on this GPU: its frozen weights (``weights``, placed), and what its
+    no-grad forward holds beyond the policy's peak. That forward runs first and keeps only the
+    sequences' log-probs, so its working set (the head's output as the policy's, and one layer's
+    activations) is gone before the policy saves anything: it raises the peak only where it is larger
+    than the policy's saved activations and logits. None with ``preference.precompute_reference`` or
+    a reference-free loss (``RunPlan.reference``: none); LoRA's adapters-disabled reference holds no
+    weights of its own."""
+    if recipe.preference.precompute_reference or reference_kind(recipe) == NO_REFERENCE:
+        return 0.0
+    eager_seq = recipe.data.max_seq_len if recipe.model.attn_implementation == "eager" else 0
+    layer = activation_bytes_per_token_layer(shape, a, params.adapted_inputs, eager_seq) * tokens
+    forward = placed["logits"] + layer
+    return weights + max(forward - placed["activations"] - placed["logits"], 0.0)
 
 
 def _placed(nbytes: float, shards: int, on_gpu: bool) -> float:
@@ -558,7 +595,9 @@ def _largest(est: MemoryEstimate) -> str:
 
 
 def format_estimate(est: MemoryEstimate) -> str:
-    rows = [(name.replace("_", " "), b) for name, b in est.components()]
+    # The reference row is a preference run's (pairs); an SFT table stays as it was.
+    shown = [(n, b) for n, b in est.components() if n != "reference" or est.rows_per_item > 1]
+    rows = [(name.replace("_", " "), b) for name, b in shown]
     width = max(len(n) for n, _ in rows) + 2
     lines = [f"{'component':<{width}}{'GiB':>8}"]
     lines += [f"{n:<{width}}{b / GIB:>8.2f}" for n, b in rows]

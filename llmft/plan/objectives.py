@@ -35,6 +35,11 @@ class ObjectiveSpec:
     head: Literal["lm", "score"] = "lm"  # the causal-LM head, or a scalar score head
     pairs: bool = False  # consumes preference pairs (batch.global_batch_size counts pairs)
 
+    @property
+    def rows_per_item(self) -> int:
+        """Sequences one item of the data holds (a micro-batch of P items runs P x this rows)."""
+        return 2 if self.pairs else 1  # a pair: chosen and rejected
+
 
 OBJECTIVES: tuple[ObjectiveSpec, ...] = (
     ObjectiveSpec(name="sft", title="SFT", runtime="llmft.objectives.sft:SFTObjective", counts="tokens"),

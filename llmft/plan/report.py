@@ -30,13 +30,24 @@ def plan_command(
     head = [
         f"model {recipe.model.name_or_path or recipe.model.config.get('model_type')}: "
         f"{_describe(plan)}, engine {describe_engine(plan)}",
-        f"{plan.batch.equation()}, {est.seq_len} tokens per sequence",
+        f"{plan.batch.equation()}, {est.seq_len} tokens per sequence" + _pairs(plan, est),
         "",
         format_estimate(est),
         "",
     ]
     head += [f"note: {n}" for n in est.notes]
     return "\n".join(head + _fit_lines(plan, est, measure_gpu))
+
+
+def _pairs(plan: RunPlan, est: MemoryEstimate) -> str:
+    """How a preference run's batch counts: pairs of sequences, and where its reference comes from."""
+    if est.rows_per_item == 1:
+        return ""
+    micro = plan.batch.micro_batch_size
+    return (
+        f"; the batch counts pairs: a micro-batch of {micro} pairs runs {micro * est.rows_per_item} sequences; "
+        f"reference: {plan.reference}" + (" (precomputed)" if plan.recipe.preference.precompute_reference else "")
+    )
 
 
 def _describe(plan: RunPlan) -> str:

@@ -263,7 +263,7 @@ def test_lora_reference_is_the_base_model_with_adapters_disabled(tmp_path):
     want = batch_logps(base, batch)[0]
     assert torch.allclose(torch.stack([ref_chosen, ref_rejected], 1).flatten(), want, rtol=0, atol=1e-5)
     with torch.no_grad():
-        policy = objective._logps(engine.model(**{k: batch[k] for k in ("input_ids", "attention_mask")}).logits, batch)
+        policy = objective._logps(engine.model, batch)
     assert (policy[0] - ref_chosen).abs().max() > 1e-2
     assert all(p.requires_grad for n, p in engine.unwrap().named_parameters() if "lora_" in n)
 
