@@ -101,6 +101,7 @@ def worker(recipe: str, overrides: list[str]) -> None:
             out["cpu"].append(time.process_time())
 
     llmft.engines.build_engine = build_engine
+    llmft_run.build_engine = build_engine  # run.py imported the name itself
     llmft_run.train_loop = train_loop
     llmft_loop.train_loop = train_loop
     llmft_metrics.Metrics.write = write
