@@ -1,7 +1,9 @@
-"""QLoRA DPO on FSDP2 and on DeepSpeed ZeRO-3: 2 processes on gloo under torchrun against one
-process, the same harness as test_preference_engines.py (tests/distributed/preference_probe.py:
-the real engine + objective + loop on the same 8 pairs per step), with the base weights in 4-bit
-NF4 (bitsandbytes, on CPU) and LoRA adapters on top.
+"""QLoRA DPO, and DPO through the chunked LM head, on FSDP2 and on DeepSpeed ZeRO-3: 2 processes
+on gloo under torchrun against one process, the same harness as test_preference_engines.py
+(tests/distributed/preference_probe.py: the real engine + objective + loop on the same 8 pairs per
+step).
+
+QLoRA: the base weights in 4-bit NF4 (bitsandbytes, on CPU) and LoRA adapters on top.
 
 The reference is the plan's ``adapters_disabled``: the sharded policy itself inside PEFT's
 ``disable_adapter()`` (the plan's decision is asserted below: no second model is built), so the reference forward
@@ -33,17 +35,22 @@ from llmft.recipe import load_recipe
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 NUM_PAIRS = 8
-QLORA = [
+BASE = [
     "train.objective=dpo",
     "preference.loss_type=sigmoid",
     "optim.name=sgd",
     "optim.lr=0.5",
     "optim.max_grad_norm=null",
     f"batch.global_batch_size={NUM_PAIRS}",
-    "peft.method=lora",
-    "peft.r=4",
-    "model.quantization={bits: 4}",
 ]
+LORA = ["peft.method=lora", "peft.r=4"]
+QLORA = [*BASE, *LORA, "model.quantization={bits: 4}"]
+# The chunked head (model.chunked_loss=true; llmft/loss.py): the sharded head is gathered by its own
+# forward call once, the chunks run its original forward (as for SFT's chunked loss).
+CHUNKED = {
+    "lora": [*BASE, *LORA, "model.chunked_loss=true"],
+    "full": [*BASE, "peft.method=none", "model.chunked_loss=true"],
+}
 # Steps: FSDP2 runs two (the second after the policy has left its reference); DeepSpeed one, as in
 # test_preference_engines.py (a second step of this harness hangs under DeepSpeed: docs/preference.md).
 ENGINES = {
@@ -52,27 +59,40 @@ ENGINES = {
 }
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
-def test_qlora_dpo_two_ranks_equal_one_process(tmp_path, engine):
+def _two_ranks_against_one(tmp_path, overrides: list[str], engine: str) -> str:
     over, steps = ENGINES[engine]
     recipe = write_recipe(tmp_path)
-    plan = resolve(load_recipe(recipe, [*QLORA, f"batch.micro_batch_size={NUM_PAIRS}", "distributed.engine=single"]))
-    assert plan.reference == ADAPTERS_DISABLED  # no second model: the policy with its adapters off
+    plan = resolve(
+        load_recipe(recipe, [*overrides, f"batch.micro_batch_size={NUM_PAIRS}", "distributed.engine=single"])
+    )
     micro = micro_batches(make_pairs(NUM_PAIRS * steps, seed=5), NUM_PAIRS)  # as preference_probe.py
     want_grads, want_row = preference_step(plan, DistEnv(), micro, steps=steps)
 
     out = tmp_path / "grads.pt"
     cmd = [*torchrun_cmd(), str(ROOT / "tests/distributed/preference_probe.py"), str(recipe), str(out)]
-    cmd += [str(NUM_PAIRS), str(steps), *QLORA, *over]
+    cmd += [str(NUM_PAIRS), str(steps), *overrides, *over]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     got = torch.load(out)
-    assert got["grads"] and all(".lora_" in k for k in got["grads"])  # the adapters train, the 4-bit base does not
     diff = rel_diff(got["grads"], want_grads)
-    print(f"qlora sigmoid {engine} ({steps} steps): max relative gradient difference {diff:.2e}")
+    print(f"{' '.join(overrides[-3:])} {engine} ({steps} steps): max relative gradient difference {diff:.2e}")
     assert diff <= 1e-5
     if steps > 1:
         assert want_row["rewards/chosen"] != 0.0  # the policy has left its reference
     for key in ("loss", "rewards/chosen", "rewards/margin", "logps/chosen", "logps/rejected"):
         assert abs(got["row"][key] - want_row[key]) <= 1e-5 * max(1.0, abs(want_row[key])), key
+    return plan, got["grads"]
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_qlora_dpo_two_ranks_equal_one_process(tmp_path, engine):
+    plan, grads = _two_ranks_against_one(tmp_path, QLORA, engine)
+    assert plan.reference == ADAPTERS_DISABLED  # no second model: the policy with its adapters off
+    assert grads and all(".lora_" in k for k in grads)  # the adapters train, the 4-bit base does not
+
+
+@pytest.mark.parametrize("method,engine", [("lora", "fsdp"), ("full", "zero3")])
+def test_chunked_head_dpo_two_ranks_equal_one_process(tmp_path, method, engine):
+    plan, _ = _two_ranks_against_one(tmp_path, CHUNKED[method], engine)
+    assert plan.chunked_loss
