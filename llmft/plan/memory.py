@@ -122,12 +122,15 @@ def chunked_loss_on(recipe: Recipe, micro_batch_size: int) -> bool:
     micro-batch has more tokens than one chunk (where it helps); unknown shape: on."""
     if recipe.model.liger_kernels:  # Liger's fused linear cross-entropy chunks the loss itself (CUDA)
         return False
+    spec = objective_spec(recipe.train.objective)
+    if spec.head != "lm":  # a scalar score head has no vocabulary to chunk
+        return False
     if recipe.model.chunked_loss != "auto":
         return bool(recipe.model.chunked_loss)
     shape = model_shape(recipe.model)
     if shape is None:
         return True
-    rows = micro_batch_size * objective_spec(recipe.train.objective).rows_per_item
+    rows = micro_batch_size * spec.rows_per_item
     return rows * recipe.data.max_seq_len > loss_chunk_tokens(shape.vocab_size)
 
 
