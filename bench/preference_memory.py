@@ -1,5 +1,5 @@
 """LoRA DPO's peak memory against the same model's SFT peak at the same rows: P pairs per micro-batch
-against SFT micro-batches of 2P records holding the same sequences (issue 23 target: <= 1.3x).
+against SFT micro-batches of 2P records holding the same sequences (docs/preference.md "Memory": target <= 1.3x).
 
 What is measured is what bench/memory.py measures (its worker runs each case): on CPU, the peak
 resident set size (``VmHWM``) of the training process while the loop runs, minus its resident size

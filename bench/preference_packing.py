@@ -1,6 +1,6 @@
 """Padding-free preference pairs (``data.packing: true`` under ``train.objective: dpo``) against
-padded ones on a long-tailed length mix: the non-pad fraction of the micro-batches (issue 23
-target: >= 0.97) and trained tokens/s.
+padded ones on a long-tailed length mix: the non-pad fraction of the micro-batches
+(docs/preference.md "Records", padding-free: target >= 0.97) and trained tokens/s.
 
 Pairs are ``{"prompt", "chosen", "rejected"}`` strings with lognormal lengths (prompt median ~60
 bytes, each completion median ~80, tails truncated at ``max_seq_len``), chosen and rejected of
