@@ -188,3 +188,17 @@ def test_padding_free_pairs_of_long_sequences_collate_as_arrays():
     for k in range(4):
         assert (batch["sequence_index"][0, starts[k] : starts[k + 1]] == k).all()
     assert cost.blocks < 100  # a handful of tensors, not a million ints
+
+
+def test_token_blocks_cut_by_tokens_so_one_long_record_leaves_the_short_ones_in_large_blocks():
+    from llmft.data.pack import token_blocks
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 90, 20_000)
+    lengths[7] = MILLION
+    blocks = token_blocks(lengths, 1 << 16)
+    assert [lo for lo, _ in blocks] == [0] + [hi for _, hi in blocks[:-1]] and blocks[-1][1] == len(lengths)
+    for lo, hi in blocks:
+        assert hi > lo and (lengths[lo:hi].sum() <= 2 << 16 or hi - lo == 1 or lengths[lo:hi].max() == MILLION)
+    assert len(blocks) < 2 * lengths.sum() / (1 << 16) + 2  # not ~20,000 / (2^16 / 2^20) blocks of one record
+    assert token_blocks(np.zeros(0, np.int64), 8) == []
