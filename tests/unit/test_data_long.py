@@ -71,29 +71,60 @@ def measure(step):
     return out, Cost(sys.getallocatedblocks() - before, peak)
 
 
-def one_record(tmp_path: Path, n: int, **data):
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% if m['role'] == 'assistant' %}<eos> {% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def one_record(tmp_path: Path, kind: str, n: int) -> tuple:
+    """A data file of one record of ``kind`` that tokenizes to about ``n`` tokens, its recipe, and the
+    ids its row holds (text records) or None."""
     text, ids = words(n - 2, seed=n)  # bos + words + eos
+    prompt = "abc abd abe"
+    half = " ".join(text.split(" ")[: n // 2])
+    record = {
+        "text": {"text": text},
+        "packed": {"text": text},
+        "completion": {"prompt": prompt, "completion": text},
+        "chat": {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]},
+        "pair": {"prompt": prompt, "chosen": half, "rejected": half[::-1].replace(" ", "a", 1)[::-1]},
+    }[kind]
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"long-{n}.jsonl"
-    path.write_text(json.dumps({"text": text}) + "\n")
-    recipe = data_recipe(tmp_path, str(path), max_seq_len=MILLION, num_proc=1, **data)
-    return recipe, np.concatenate([[1], ids, [2]])
+    path.write_text(json.dumps(record) + "\n")
+    recipe = data_recipe(tmp_path, str(path), max_seq_len=MILLION, num_proc=1, packing=kind == "packed")
+    if kind == "pair":
+        recipe.train.objective = "dpo"
+    return recipe, np.concatenate([[1], ids, [2]]) if kind in ("text", "packed") else None
 
 
-@pytest.mark.slow  # tokenizes and caches 1M tokens three times: ~30 s on 2 cores
-@pytest.mark.parametrize("packing", [False, True])
-def test_a_million_token_row_costs_bytes_not_objects(tmp_path, packing):
+# What reading a row and building its cache entry may cost per token, in traced bytes: a row's
+# labels are 4 bytes a token (5 at the peak, with the target mask), a packed row's position ids 8;
+# a build holds the tokenizer's own Python list of one call's ids (~40 bytes a token) or, for chat
+# masking, its offsets too (a tuple a token), besides the cache's arrays.
+READ = {"text": 6, "packed": 6 + 8, "completion": 6, "chat": 6, "pair": 6}
+BUILD = {"text": 80, "packed": 80, "completion": 80, "chat": 300, "pair": 80}
+
+
+@pytest.mark.slow  # tokenizes and caches 1M tokens three times per kind: ~15-40 s each on 2 cores
+@pytest.mark.parametrize("kind", ["text", "packed", "completion", "chat", "pair"])
+def test_a_million_token_row_costs_bytes_not_objects(tmp_path, kind):
     tok = word_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
     costs = {}
     for n in (10_000, MILLION - 8, 10_000):  # the small one twice: the first run pays for imports
-        recipe, want = one_record(tmp_path / f"{n}-{len(costs)}", n, packing=packing)
+        recipe, want = one_record(tmp_path / f"{n}-{len(costs)}", kind, n)
         bundle, build = measure(lambda recipe=recipe: build_data(recipe, tok))
         item, read = measure(lambda bundle=bundle: bundle.train[0])
         batch, coll = measure(lambda item=item: collate([item], tok.pad_token_id))
-        assert torch.equal(batch["input_ids"][0, :n], torch.from_numpy(want.astype(np.int64)))
-        # text: every token a target (but a packed row's first, never predicted from the previous record)
-        assert torch.equal(batch["labels"][0, 1:n], batch["input_ids"][0, 1:n])
-        if packing:  # one record in a row of MILLION: the record, then the padded tail as its own sequence
+        tokens = int((batch["labels"] != IGNORE_INDEX).sum())
+        assert n - 20 <= tokens <= n + 10, (kind, n, tokens)  # the targets: the record, less its prompt
+        if want is not None:
+            assert torch.equal(batch["input_ids"][0, :n], torch.from_numpy(want.astype(np.int64)))
+            # every token a target (but a packed row's first, never predicted from the previous record)
+            assert torch.equal(batch["labels"][0, 1:n], batch["input_ids"][0, 1:n])
+        if kind == "packed":  # one record in a row of MILLION: the record, then the padded tail
             assert batch["input_ids"].shape == (1, MILLION) and batch["position_ids"].dtype == torch.int64
             assert torch.equal(batch["position_ids"][0], torch.cat([torch.arange(n), torch.arange(MILLION - n)]))
         costs[n] = (build, read, coll)
@@ -105,13 +136,13 @@ def test_a_million_token_row_costs_bytes_not_objects(tmp_path, packing):
         # ids alone would add ~1M).
         assert abs(b.blocks - a.blocks) < 200, (stage, a, b)
     build, read, coll = (b.peak - a.peak for a, b in zip(small, large, strict=True))
-    # Reading a row: labels (4 bytes a token) and, packed, position ids (8); the ids are a view.
-    assert read <= 13 * extra + (8 * (MILLION - 8) if packing else 0), read
+    if kind == "packed":  # both rows are MILLION long: the small record's row costs the same
+        assert read <= READ[kind] * MILLION, read
+    else:
+        assert read <= READ[kind] * extra, read
     # Collating: the int64 tensors are torch's (untraced); nothing per token on the Python side.
-    assert coll <= 1 * extra, coll
-    # Building: the tokenizer's own list of ids (~40 bytes a token, for one call) and the cache's
-    # arrays; without a list per token anywhere else.
-    assert build <= 80 * extra, build
+    assert coll <= extra // 100, coll
+    assert build <= BUILD[kind] * extra, build
 
 
 @pytest.mark.slow  # builds a cache of 3M tokens: ~20 s on 2 cores
