@@ -66,7 +66,7 @@ GOALS = {
     "full-1b": "goal: >= 45 % MFU (one H100/H200)",
     "long-8b": "goal: 128K tokens on one H200 with offload + tiling, tokens/s reported (beyond: ALST's 500K on 80 GB)",
 }
-# The long-context switches (issue 24; docs/long-context.md). Applied to long-8b's recipe.
+# The long-context switches, applied to long-8b's recipe (docs/benchmarks.md).
 LONG_MODEL = {"activation_offload": True, "tiled_mlp": True, "chunked_loss": True}
 LONG_DISTRIBUTED = {"sequence_parallel": 1}
 

@@ -1,4 +1,4 @@
-"""Long context on CUDA (issue 24 item 8): flash-attention varlen over long packed rows, and
+"""Long context on CUDA: flash-attention varlen over long packed rows, and
 DeepSpeed's Ulysses attention (UlyssesSPAttentionHF around flash_attention_2) against one process.
 Marked ``gpu`` and skipped without CUDA (tests/conftest.py) or without flash-attn.
 

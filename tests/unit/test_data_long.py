@@ -1,4 +1,4 @@
-"""Rows of a million tokens (issue 24 item 7): a row costs bytes, not Python objects, from the
+"""Rows of a million tokens: a row costs bytes, not Python objects, from the
 tokenizer's output through the cache and the packed row to the collated tensors (docs/data.md,
 "Long rows").
 
