@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 PREFERENCE_OBJECTIVES = ("dpo", "reward")
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
-CACHE_FORMAT = "pairs-1"  # the cache format of a pair entry (SFT entries keep cache.CACHE_FORMAT)
+CACHE_FORMAT = "pairs-2"  # the cache format of a pair entry (SFT entries keep cache.CACHE_FORMAT)
 REJECTED_START = 2  # bit of the target byte on the first token of rejected, in a Tokenize row
 _SFT_KINDS = (("messages", "messages"), ("completion", "prompt/completion"), ("text", "text"))
 

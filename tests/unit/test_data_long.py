@@ -233,3 +233,17 @@ def test_token_blocks_cut_by_tokens_so_one_long_record_leaves_the_short_ones_in_
         assert hi > lo and (lengths[lo:hi].sum() <= 2 << 16 or hi - lo == 1 or lengths[lo:hi].max() == MILLION)
     assert len(blocks) < 2 * lengths.sum() / (1 << 16) + 2  # not ~20,000 / (2^16 / 2^20) blocks of one record
     assert token_blocks(np.zeros(0, np.int64), 8) == []
+
+
+def test_eval_prompts_are_views_of_the_cache_not_lists(tmp_path):
+    tok = word_tokenizer()
+    prompt, ids = words(200_000, seed=3)
+    train = tmp_path / "t.jsonl"
+    train.write_text(json.dumps({"text": "abc abd"}) + "\n")
+    ev = tmp_path / "e.jsonl"
+    ev.write_text(json.dumps({"prompt": prompt, "completion": "abc"}) + "\n")
+    recipe = data_recipe(tmp_path, str(train), max_seq_len=MILLION, num_proc=1)
+    recipe.data.eval = str(ev)
+    ((got, reference),) = build_data(recipe, tok).eval_prompts
+    assert isinstance(got, np.ndarray) and not got.flags.writeable  # a view of the mapped prompts.arrow
+    assert np.array_equal(got, np.concatenate([[1], ids])) and reference == "abc"

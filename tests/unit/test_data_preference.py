@@ -250,7 +250,7 @@ def test_pair_entries_are_their_own_format_and_never_read_as_sft(tmp_path, tok):
     assert len(entries) == 3  # the objective is part of the key
     assert "chosen" not in b_sft.train[0] and "chosen" in b_dpo.train[0]
     meta = json.loads((Path(b_dpo.entries[0]["entry"]) / "meta.json").read_text())
-    assert meta["parts"]["format"] == "pairs-1" and meta["parts"]["objective"] == "dpo"
+    assert meta["parts"]["format"] == "pairs-2" and meta["parts"]["objective"] == "dpo"
     sft_meta = json.loads((Path(b_sft.entries[0]["entry"]) / "meta.json").read_text())
     assert "objective" not in sft_meta["parts"] and sft_meta["parts"]["format"] == CACHE_FORMAT  # SFT keys unchanged
     assert build_data(recipe(sft, objective="sft", cache_dir=cache), tok).train[0]["position_ids"] is None

@@ -117,7 +117,7 @@ def test_the_cache_of_huge_records_equals_the_uncut_rows(tmp_path, monkeypatch):
     assert cut.stats == whole.stats and cut.stats["truncated"] == 6
     assert np.array_equal(cut.train._input_ids, whole.train._input_ids)
     assert np.array_equal(cut.train._target, whole.train._target)
-    assert [p for p, _ in cut.eval_prompts] == [p for p, _ in whole.eval_prompts]
+    assert [p.tolist() for p, _ in cut.eval_prompts] == [p.tolist() for p, _ in whole.eval_prompts]
     max_chars = Encoder(byte_tokenizer(), "completion", L).max_chars
     assert [r for _, r in cut.eval_prompts] == [r[:max_chars] for _, r in whole.eval_prompts]  # a reference is cut too
 
