@@ -150,7 +150,7 @@ class Encoder:
                 out[i] = ex
         return out  # type: ignore[return-value]
 
-    def eval_prompt(self, record: Record) -> tuple[list[int], str] | None:
+    def eval_prompt(self, record: Record) -> tuple[np.ndarray, str] | None:
         """(prompt ids, reference text) for generation eval; None for text records.
 
         With ``max_tokens`` the record is cut first (``_cut``): a prompt that was cut is longer than
@@ -173,8 +173,8 @@ class Encoder:
             return np.concatenate([ids, np.asarray(self.eos, dtype=np.int32)])
         return ids
 
-    def _ids(self, text: str, special: bool) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+    def _ids(self, text: str, special: bool) -> np.ndarray:
+        return _int32(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
     def _ids_batch(self, texts: list[str], special: bool) -> list[np.ndarray]:
         """Each text's ids as an int32 array. The tokenizer hands its ids over as a Python list per

@@ -89,7 +89,7 @@ def build_entry(
     return meta
 
 
-def write_prompts(entry: Path, prompts: list[tuple[list[int], str]]) -> None:
+def write_prompts(entry: Path, prompts: list[tuple[np.ndarray, str]]) -> None:
     """Eval prompts as ``prompts.arrow`` (their ids, a ``TokenDataset`` that ranks map like rows: no
     Python object per token) and ``prompts.json`` (their reference texts)."""
     lengths = np.array([len(p) for p, _ in prompts], dtype=np.int64)

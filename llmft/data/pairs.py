@@ -168,7 +168,7 @@ class PairEncoder:
             out.append(PairExample(ids, labels, len(c.input_ids)))
         return out
 
-    def eval_prompt(self, pair: Pair) -> tuple[list[int], str] | None:
+    def eval_prompt(self, pair: Pair) -> tuple[np.ndarray, str] | None:
         """(prompt ids, chosen completion) for generation eval, as for the SFT record prompt + chosen."""
         return self.encoder.eval_prompt(pair.chosen)
 
