@@ -38,7 +38,7 @@ def test_flash_varlen_on_a_128k_packed_row_equals_each_document_alone():
     from llmft.data.tokens import TokenDataset
 
     rng = np.random.default_rng(0)
-    lengths = [60_000, 1, 25_000, 40_000, 6_071]  # 131,072 - a 1-token document and a short tail
+    lengths = [60_000, 1, 25_000, 40_000, 6_071]  # fill the 131,072 tokens exactly; one is a single token
     docs = [rng.integers(0, 256, n).astype(np.int32) for n in lengths]
     dataset = TokenDataset(pack([Example(d, d) for d in docs], LONG, 0))
     assert len(dataset) == 1
