@@ -17,16 +17,19 @@ load) instead of a random init on the CPU.
 | ``qlora-8b`` | NF4 + double quant, LoRA r=16 all-linear, AdamW, bf16, gradient checkpointing, micro 1 x acc 4 |
 | ``lora-8b`` | bf16 base, LoRA r=16 all-linear, AdamW, gradient checkpointing, micro 1 x acc 4 |
 | ``full-1b`` | full fine-tune, AdamW on fp32 master weights, bf16 autocast, micro 2 x acc 4 |
+| ``long-8b`` | long context: bf16 base, LoRA r=16 all-linear, one packed row of ``--long-seq`` tokens (default 131,072) per step, gradient checkpointing, ``model.activation_offload``, ``model.tiled_mlp``, ``model.chunked_loss``, flash_attention_2 (varlen), ``distributed.sequence_parallel: 1`` |
 
 All rows are packed to ``--seq`` tokens (default 4096) from synthetic text with lognormal record
-lengths. Variants: ``all on`` (``model.compile``, ``model.liger_kernels`` where liger-kernel and
+lengths (``long-8b``: to ``--long-seq``, ~200 records a row). Variants: ``all on`` (``model.compile``, ``model.liger_kernels`` where liger-kernel and
 CUDA are there, flash_attention_2 where flash-attn is installed, else sdpa), then the same run with
 each of those switches off. The table reads each run's metrics.jsonl: median tokens/s and MFU of
 the steps after ``--warmup``, the largest ``peak_mem_gb`` (torch.cuda.max_memory_allocated),
 ``estimate_memory`` without its fixed CUDA-context term, the speed of the all-on run over that
 variant, the largest |loss - all-on loss| over the steps (same data order and initial weights), and
 the wall time of the whole process (set-up included). A run that fails (OOM, say) is a row that
-says so, and the bench goes on.
+says so, and the bench goes on. ``long-8b`` runs one variant, ``long``: its switches are the
+memory ones; compile and Liger stay off (their fused MLP and the tiled MLP are two ways to do one
+thing), and flash_attention_2 is required (sdpa would build a mask of seq^2 entries).
 """
 
 from __future__ import annotations
@@ -61,7 +64,11 @@ TINY = dict(
 GOALS = {
     "qlora-8b": "goal: >= 5,000 tok/s and peak <= 10 GiB (one H100/H200, 4096-token packed rows)",
     "full-1b": "goal: >= 45 % MFU (one H100/H200)",
+    "long-8b": "goal: 128K tokens on one H200 with offload + tiling, tokens/s reported (beyond: ALST's 500K on 80 GB)",
 }
+# The long-context switches, applied to long-8b's recipe (docs/benchmarks.md).
+LONG_MODEL = {"activation_offload": True, "tiled_mlp": True, "chunked_loss": True}
+LONG_DISTRIBUTED = {"sequence_parallel": 1}
 
 
 @dataclass
@@ -74,6 +81,7 @@ class Case:
     peft: dict[str, Any] = field(default_factory=lambda: {"method": "none"})
     quantization: dict[str, Any] | None = None
     gradient_checkpointing: bool = True
+    long: bool = False  # long context: rows of --long-seq, the LONG_* switches, one variant
 
 
 LORA = {"method": "lora", "r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
@@ -91,7 +99,9 @@ CASES = {
     "full-1b": Case(
         "full-1b", "meta-llama/Llama-3.2-1B", micro=2, global_batch=8, lr=1e-4, gradient_checkpointing=False
     ),
+    "long-8b": Case("long-8b", "meta-llama/Llama-3.1-8B", micro=1, global_batch=1, lr=2e-4, peft=LORA, long=True),
 }
+LONG_VARIANT = "long"
 
 
 def main() -> int:
@@ -101,6 +111,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 12; --check 2)")
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (default 4; --check 0)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per packed row (default 4096; --check 128)")
+    ap.add_argument(
+        "--long-seq", type=int, default=None, help="tokens per row of long-8b (default 131072; --check 2048)"
+    )
     ap.add_argument("--out", default="runs/bench-gpu", help="runs, models, logs and gpu.md go here")
     ap.add_argument("--timeout", type=int, default=900, help="seconds one training run may take")
     args = ap.parse_args()
@@ -114,6 +127,8 @@ def main() -> int:
     steps = args.steps or (2 if args.check else 12)
     warmup = args.warmup if args.warmup is not None else (0 if args.check else 4)
     seq = args.seq or (128 if args.check else 4096)
+    long_seq = args.long_seq or (2048 if args.check else 131072)
+    long_steps = args.steps or (2 if args.check else 5)  # each step is 32x the tokens of a 4096-token one
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cases = [CASES[c] for c in args.cases.split(",") if c]
@@ -122,7 +137,7 @@ def main() -> int:
     variants = ["all on", *[f"{s} off" for s in switches]]
     data = out / "synthetic.jsonl"
     largest = max(c.global_batch for c in cases)
-    tokens_needed = largest * seq * (steps + 1) * 1.3
+    tokens_needed = max(c.global_batch * (long_seq if c.long else seq) for c in cases) * (steps + 1) * 1.3
     # records longer than a row are truncated to one row each: enough records for every step's batch
     write_synthetic(data, int(tokens_needed), min_records=largest * (steps + 1))
 
@@ -132,11 +147,15 @@ def main() -> int:
     for case in cases:
         model_dir = ensure_model(out / "models", case.shape, tiny=args.check, cuda=cuda)
         results = {}
-        for variant in variants:
+        mine = [LONG_VARIANT] if case.long else variants
+        for variant in mine:
             on = {s: s in switches and variant != f"{s} off" for s in ("compile", "liger", "flash")}
-            recipe = case_recipe(case, model_dir, data, out / case.name / slug(variant), on, seq, steps, args.check)
+            if case.long:  # the memory switches only; flash attention where this machine has it
+                on = {"compile": False, "liger": False, "flash": "flash" in switches}
+            length, n = (long_seq, long_steps) if case.long else (seq, steps)
+            recipe = case_recipe(case, model_dir, data, out / case.name / slug(variant), on, length, n, args.check)
             results[variant] = run(recipe, out / case.name / f"{slug(variant)}.log", args.timeout, cuda)
-        rows += table_rows(case, results, variants, warmup)
+        rows += table_rows(case, results, mine, min(warmup, long_steps - 1) if case.long else warmup)
         if case.name in GOALS and not args.check:
             notes.append(f"- {case.name}: {GOALS[case.name]}")
 
@@ -154,7 +173,7 @@ def main() -> int:
     ]
     text = "\n".join(
         [
-            machine_line(args.check, switches, seq, steps, warmup),
+            machine_line(args.check, switches, seq, steps, warmup, long_seq),
             "",
             table(header, rows),
             "",
@@ -205,8 +224,8 @@ def ensure_model(root: Path, shape_name: str, *, tiny: bool, cuda: bool) -> Path
         return target
     target.mkdir(parents=True, exist_ok=True)
     tied = fields.pop("tie_word_embeddings", False)
-    config = AutoConfig.for_model(
-        "llama", **fields, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=tied
+    config = AutoConfig.for_model(  # Llama 3.1's own context, 131,072: long-8b's rows fit it
+        "llama", **fields, max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=tied
     )
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -289,6 +308,10 @@ def case_recipe(
         "checkpoint": {"every_steps": None, "keep_last": 1, "resume": "never", "save_optimizer": False},
         "distributed": {"engine": "single", "nnodes": 1, "nproc_per_node": 1},
     }
+    if case.long:
+        recipe["model"].update(LONG_MODEL)
+        recipe["distributed"].update(LONG_DISTRIBUTED)
+        recipe["data"]["num_workers"] = 0  # one row a step: nothing to overlap, and no copy of a 128K row per worker
     return write_recipe(run_dir.parent / f"{run_dir.name}.yaml", recipe)
 
 
@@ -331,7 +354,7 @@ def table_rows(case: Case, results: dict[str, Result], variants: list[str], warm
     from llmft.plan.memory import CUDA_CONTEXT_BYTES, GIB, estimate_memory
     from llmft.plan.resolve import load_plan
 
-    base = results["all on"]
+    base = results[variants[0]]  # "all on"; long-8b's one variant
     base_rows = train_rows(base.run_dir) if base.error is None else []
     base_tps = _median([r["tokens_per_s"] for r in base_rows[warmup:]])
     out = []
@@ -371,8 +394,8 @@ def table_rows(case: Case, results: dict[str, Result], variants: list[str], warm
                 f"{peak:.2f}" if peak is not None else "n/a (CPU)",
                 f"{estimate:.2f}",
                 f"{peak / estimate:.2f}" if peak is not None and estimate > 0 else "n/a",
-                "-" if variant == "all on" else (f"{gain:.3f}" if gain else "n/a"),
-                "-" if variant == "all on" else (f"{max(diffs):.2e}" if diffs else "n/a"),
+                "-" if variant == variants[0] else (f"{gain:.3f}" if gain else "n/a"),
+                "-" if variant == variants[0] else (f"{max(diffs):.2e}" if diffs else "n/a"),
                 f"{res.wall_s:,.0f}",
             ]
         )
@@ -383,7 +406,7 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def machine_line(check: bool, switches: list[str], seq: int, steps: int, warmup: int) -> str:
+def machine_line(check: bool, switches: list[str], seq: int, steps: int, warmup: int, long_seq: int) -> str:
     import torch
     import transformers
 
@@ -394,7 +417,8 @@ def machine_line(check: bool, switches: list[str], seq: int, steps: int, warmup:
         where = f"GPU: {torch.cuda.get_device_name()}"
     return (
         f"{today}. {where}; torch {torch.__version__}, transformers {transformers.__version__}. "
-        f"Switches on in 'all on': {', '.join(switches)}; packed rows of {seq} tokens, {steps} steps per run, "
+        f"Switches on in 'all on': {', '.join(switches)}; packed rows of {seq} tokens (long-8b: {long_seq}), "
+        f"{steps} steps per run, "
         f"medians over the steps after the first {warmup}."
     )
 

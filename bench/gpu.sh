@@ -2,11 +2,14 @@
 # The one-command GPU proof, on one CUDA GPU, nothing downloaded: QLoRA and LoRA on a
 # random-weight Llama-3.1-8B shape, full fine-tune of a Llama-3.2-1B shape, 4096-token packed rows;
 # tokens/s, MFU, peak memory and `llmft plan`'s estimate for each, and the same run with each speed
-# switch (model.compile, model.liger_kernels, flash_attention_2) off. bench/gpu.py has the details.
+# switch (model.compile, model.liger_kernels, flash_attention_2) off; and long context: LoRA on the
+# 8B shape with one 131,072-token packed row a step, sp 1, activation offload, tiled MLP, chunked
+# loss and flash-attention varlen (tokens/s, peak). bench/gpu.py has the details.
 #
 #   bash bench/gpu.sh                        # writes runs/bench-gpu/gpu.md and prints it
 #   bash bench/gpu.sh --check                # CPU, tiny shapes, 2 steps per run: CI keeps this working
 #   bash bench/gpu.sh --cases full-1b --steps 20 --out runs/bench-1b
+#   bash bench/gpu.sh --cases long-8b --steps 4 --warmup 1 --long-seq 262144   # long context only
 #
 # First run on a machine: the 8B and 1B model directories (~16 GB + ~2.5 GB of random bf16
 # safetensors) are generated once under <out>/models and reused afterwards.

@@ -15,6 +15,8 @@ from llmft.dist import DistEnv, all_reduce_sum
 from llmft.plan.resolve import RunPlan
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from llmft.engines import Engine
     from llmft.objectives import Objective
 
@@ -96,12 +98,17 @@ class Evaluator:
         correct_all, total = all_reduce_sum([float(correct), float(real)], self.env.device)
         return {"exact_match": correct_all / max(total, 1.0), "generated": int(total)}
 
-    def _generate(self, prompt_ids: list[list[int]]) -> list[str]:
+    def _generate(self, prompt_ids: list[np.ndarray]) -> list[str]:
         tok = self.tokenizer
         width = max(len(p) for p in prompt_ids)
         pad = tok.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=self.env.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=self.env.device)
+        input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+        for row, p in enumerate(prompt_ids):  # left-padded, filled from the prompt arrays: no list per token
+            if len(p):
+                input_ids.numpy()[row, width - len(p) :] = p
+                mask[row, width - len(p) :] = 1
+        input_ids, mask = input_ids.to(self.env.device), mask.to(self.env.device)
         model = self.engine.unwrap()
         with self.engine.autocast():
             out = model.generate(

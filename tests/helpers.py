@@ -291,7 +291,17 @@ def data_recipe(tmp_path: Path, train, **data):
 
 
 def rows(ds) -> list:
-    return [ds[i] for i in range(len(ds))]
+    """Every item of ``ds`` with its arrays as lists (items hold numpy arrays: comparable with ==)."""
+    return [as_lists(ds[i]) for i in range(len(ds))]
+
+
+def as_lists(item):
+    """A dataset item (or any nesting of dicts, tuples and arrays) with every array as a list."""
+    if isinstance(item, dict):
+        return {k: as_lists(v) for k, v in item.items()}
+    if isinstance(item, tuple | list):
+        return type(item)(as_lists(v) for v in item)
+    return item.tolist() if hasattr(item, "tolist") else item
 
 
 def write_metrics(run_dir: Path, records: list) -> None:

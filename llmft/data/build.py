@@ -10,7 +10,6 @@ without tokenizing. With ``data.streaming`` the train sources become streams (``
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import tempfile
@@ -23,7 +22,7 @@ from llmft import stop
 from llmft.data import pairs
 from llmft.data.bundle import DataBundle
 from llmft.data.cache import CACHE_FORMAT, default_cache_dir, get_or_build, read_meta, size_of, tokenizer_fingerprint
-from llmft.data.entry import build_entry
+from llmft.data.entry import build_entry, read_prompts
 from llmft.data.mixture import ConcatDataset, MixedDataset, probabilities
 from llmft.data.read import Chunk, read, resolve
 from llmft.data.sampler import source_seed
@@ -34,6 +33,7 @@ from llmft.errors import Problem, UserError
 from llmft.tokenizer import use_chat_template
 
 if TYPE_CHECKING:
+    import numpy as np
     from transformers import PreTrainedTokenizerBase
 
     from llmft.dist import DistEnv
@@ -48,7 +48,7 @@ class _SourceData:
 
     rows: TokenDataset
     held: TokenDataset | None
-    prompts: list[tuple[list[int], str]]
+    prompts: list[tuple[np.ndarray, str]]
     meta: dict
 
 
@@ -245,8 +245,7 @@ def _source(
     if not quiet:
         _log_source(src.key, meta, built)
     held = _open_rows(entry / "held.arrow", objective, cfg) if (entry / "held.arrow").exists() else None
-    prompts = [(p, ref) for p, ref in json.loads((entry / "prompts.json").read_text())]
-    return _SourceData(_open_rows(entry / "rows.arrow", objective, cfg), held, prompts, meta)
+    return _SourceData(_open_rows(entry / "rows.arrow", objective, cfg), held, read_prompts(entry), meta)
 
 
 def _open_rows(path: Path, objective: str, cfg: DataConfig) -> TokenDataset | pairs.PairDataset:

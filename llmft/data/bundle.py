@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmft.data.mixture import MixedDataset
 from llmft.data.sampler import GlobalOrder, ProbabilityOrder
 from llmft.data.stream import MixedStream, StreamDataset, StreamOrder
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -23,7 +26,7 @@ class DataBundle:
 
     train: TokenDataset | MixedDataset | StreamDataset | MixedStream
     eval: TokenDataset | MixedDataset | None
-    eval_prompts: list[tuple[list[int], str]]  # (prompt ids incl. chat template, reference completion)
+    eval_prompts: list[tuple[np.ndarray, str]]  # (prompt ids incl. chat template, reference completion)
     stats: dict = field(default_factory=dict)  # train counts at the top level, eval counts under "eval"
     entries: list[dict] = field(default_factory=list)  # one per source: cache entry, built or reused, stats
     streaming: bool = False

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmft.data")
 
-CACHE_FORMAT = 3  # 2: a layout file beside each Arrow file; 3: checksums in meta.json
+CACHE_FORMAT = 4  # 2: a layout file beside each Arrow file; 3: checksums in meta.json; 4: eval prompts as arrays
 CHECKSUM_BLOCK = 1 << 24  # bytes per crc32: a damaged block is named, and a block is read at a time
 BUILD_SUFFIX = ".build"
 ORPHAN_DAYS = 7

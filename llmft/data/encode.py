@@ -50,14 +50,21 @@ _OPEN, _CLOSE = "\U000f0000", "\U000f0001"
 
 @dataclass
 class Example:
-    input_ids: list[int]
-    labels: list[int]  # where every token is a target: the ``input_ids`` list itself (not a copy)
+    """One record's tokens as int32 arrays (lists given are converted): no Python object per token."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray  # where every token is a target: the ``input_ids`` array itself (not a copy)
+
+    def __post_init__(self) -> None:
+        every = self.labels is self.input_ids
+        self.input_ids = np.asarray(self.input_ids, dtype=np.int32)
+        self.labels = self.input_ids if every else np.asarray(self.labels, dtype=np.int32)
 
     def target_mask(self) -> np.ndarray:
         """The one-byte target mask the cache stores (1 where ``labels`` is the token)."""
         if self.labels is self.input_ids:  # every token a target
             return np.ones(len(self.input_ids), dtype=np.uint8)
-        return (np.asarray(self.labels) != IGNORE_INDEX).astype(np.uint8)
+        return (self.labels != IGNORE_INDEX).astype(np.uint8)
 
 
 @dataclass(frozen=True)
@@ -136,14 +143,14 @@ class Encoder:
             masked = self.train_on == "completion"
             for i, prompt, completion in zip(pcs, prompts, completions, strict=True):
                 completion = self._with_eos(completion)
-                labels = ([IGNORE_INDEX] * len(prompt) if masked else prompt) + completion
-                out[i] = Example(prompt + completion, labels)
+                context = np.full(len(prompt), IGNORE_INDEX, dtype=np.int32) if masked else prompt
+                out[i] = Example(np.concatenate([prompt, completion]), np.concatenate([context, completion]))
         if chats:
             for i, ex in zip(chats, self._encode_chats([records[i] for i in chats]), strict=True):
                 out[i] = ex
         return out  # type: ignore[return-value]
 
-    def eval_prompt(self, record: Record) -> tuple[list[int], str] | None:
+    def eval_prompt(self, record: Record) -> tuple[np.ndarray, str] | None:
         """(prompt ids, reference text) for generation eval; None for text records.
 
         With ``max_tokens`` the record is cut first (``_cut``): a prompt that was cut is longer than
@@ -160,31 +167,40 @@ class Encoder:
             return self._ids(prompt, special=False), record.messages[last].content
         return None
 
-    def _with_eos(self, ids: list[int]) -> list[int]:
+    def _with_eos(self, ids: np.ndarray) -> np.ndarray:
         # Some tokenizers already append eos themselves (add_eos_token=True); never write it twice.
-        if ids[-1:] != self.eos:
-            ids.extend(self.eos)  # a fresh list from _ids_batch
+        if self.eos and (len(ids) == 0 or ids[-1] != self.eos[0]):
+            return np.concatenate([ids, np.asarray(self.eos, dtype=np.int32)])
         return ids
 
-    def _ids(self, text: str, special: bool) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+    def _ids(self, text: str, special: bool) -> np.ndarray:
+        return _int32(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
-    def _ids_batch(self, texts: list[str], special: bool) -> list[list[int]]:
+    def _ids_batch(self, texts: list[str], special: bool) -> list[np.ndarray]:
+        """Each text's ids as an int32 array. The tokenizer hands its ids over as a Python list per
+        text (its own API); texts go to it in calls of at most ``CALL_CHARS`` characters (or one
+        text), and each list becomes an array at once, so those lists exist for one call only."""
+        out: list[np.ndarray] = []
+        for lo, hi in char_batches(texts, CALL_CHARS):
+            out += self._ids_call(texts[lo:hi], special)
+        return out
+
+    def _ids_call(self, texts: list[str], special: bool) -> list[np.ndarray]:
         if self._backend is None or not _backend_ready(self.tokenizer, self._backend):
             return self._full_ids_batch(texts, special)
         # encode_batch_fast: the same ids as tokenizer(texts) without tracking character
         # offsets or building a BatchEncoding, ~25% less CPU on byte-level BPE.
-        ids = [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=special)]
+        ids = [_int32(e.ids) for e in self._backend.encode_batch_fast(texts, add_special_tokens=special)]
         if self._backend_checked:
             return ids
         self._backend_checked = True
         reference = self._full_ids_batch(texts, special)
-        if ids != reference:
+        if len(ids) != len(reference) or not all(map(np.array_equal, ids, reference)):
             self._backend = None  # a tokenizer that does more than its backend: always the full call
         return reference
 
-    def _full_ids_batch(self, texts: list[str], special: bool) -> list[list[int]]:
-        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
+    def _full_ids_batch(self, texts: list[str], special: bool) -> list[np.ndarray]:
+        return [_int32(ids) for ids in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
 
     # --- chat ---------------------------------------------------------------
 
@@ -214,9 +230,12 @@ class Encoder:
             for k, ids in zip(order, self._ids_batch(texts, special=False), strict=True):  # the template writes bos
                 out[k] = Example(ids, ids)
             return out  # type: ignore[return-value]
-        enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        for k, ids, offsets in zip(order, enc["input_ids"], enc["offset_mapping"], strict=True):
-            out[k] = Example(list(ids), _mask_labels(list(ids), offsets, fulls[k][1]))
+        for lo, hi in char_batches(texts, CALL_CHARS):  # offsets: a tuple per token, for one call at a time
+            enc = self.tokenizer(texts[lo:hi], add_special_tokens=False, return_offsets_mapping=True)
+            for k, ids, offsets in zip(order[lo:hi], enc["input_ids"], enc["offset_mapping"], strict=True):
+                ids = _int32(ids)
+                out[k] = Example(ids, _mask_labels(ids, offsets, fulls[k][1]))
+            del enc
         return out  # type: ignore[return-value]
 
     def assistant_spans(self, chat: Chat, full: str) -> list[tuple[int, int]]:
@@ -309,6 +328,27 @@ class Encoder:
 
 
 CUT_MARGIN = 64  # tokens past max_tokens in a cut text: the word the cut splits lies beyond them
+# Characters of text per tokenizer call: the tokenizer returns a Python list (ids; and a tuple of
+# offsets for chat masking) per token, ~40-170 bytes a token, alive until the call's records are
+# arrays. 1M characters bounds that to ~0.2 GB, or to one record's where a record is longer.
+CALL_CHARS = 1 << 20
+
+
+def char_batches(texts: list[str], budget: int) -> list[tuple[int, int]]:
+    """Consecutive ``(lo, hi)`` ranges of ``texts``, each of at most ``budget`` characters or one text."""
+    out, lo, size = [], 0, 0
+    for i, text in enumerate(texts):
+        if i > lo and size + len(text) > budget:
+            out.append((lo, i))
+            lo, size = i, 0
+        size += len(text)
+    if lo < len(texts):
+        out.append((lo, len(texts)))
+    return out
+
+
+def _int32(ids) -> np.ndarray:
+    return np.array(ids, dtype=np.int32)
 
 
 def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -390,13 +430,13 @@ def _spans_from_layout(layout: _Layout, chat: Chat, full: str) -> list[tuple[int
     ]
 
 
-def _mask_labels(ids: list[int], offsets, spans: list[tuple[int, int]]) -> list[int]:
+def _mask_labels(ids: np.ndarray, offsets, spans: list[tuple[int, int]]) -> np.ndarray:
     """``ids`` where a token overlaps an assistant span, else IGNORE_INDEX."""
-    if not ids:
-        return []
+    if not len(ids):
+        return np.zeros(0, dtype=np.int32)
     offs = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     lo, hi = offs[:, 0], offs[:, 1]
     hit = np.zeros(len(ids), dtype=bool)
     for start, end in spans:
         hit |= (lo < end) & (hi > start)
-    return np.where(hit, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
+    return np.where(hit, ids, np.int32(IGNORE_INDEX)).astype(np.int32, copy=False)

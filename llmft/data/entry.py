@@ -23,6 +23,7 @@ from llmft.data.read import Chunk, parse_line
 from llmft.data.rows import SKIP_FIX, Tokenize, build_rows, raise_if_fatal
 from llmft.data.shards import tokenize_shards
 from llmft.data.sources import Source
+from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
 
 if TYPE_CHECKING:
@@ -84,8 +85,25 @@ def build_entry(
         meta["held_stats"]["skipped"] = 0
         held.write(tmp / "held.arrow")
     prompts = _eval_prompts(chunks, prompt_items, encoder, src, cfg) if prompt_items is not None else []
-    (tmp / "prompts.json").write_text(json.dumps(prompts))
+    write_prompts(tmp, prompts)
     return meta
+
+
+def write_prompts(entry: Path, prompts: list[tuple[np.ndarray, str]]) -> None:
+    """Eval prompts as ``prompts.arrow`` (their ids, a ``TokenDataset`` that ranks map like rows: no
+    Python object per token) and ``prompts.json`` (their reference texts)."""
+    lengths = np.array([len(p) for p, _ in prompts], dtype=np.int64)
+    ids = np.concatenate([np.asarray(p, dtype=np.int32) for p, _ in prompts]) if prompts else np.zeros(0, np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    TokenDataset.from_arrays(ids, np.zeros(len(ids), np.uint8), offsets).write(entry / "prompts.arrow")
+    (entry / "prompts.json").write_text(json.dumps([ref for _, ref in prompts]))
+
+
+def read_prompts(entry: Path) -> list[tuple[np.ndarray, str]]:
+    """``write_prompts``' prompts: each prompt's ids a view of the mapped ``prompts.arrow``."""
+    rows, refs = TokenDataset.open(entry / "prompts.arrow"), json.loads((entry / "prompts.json").read_text())
+    assert len(rows) == len(refs), f"{entry}: {len(rows)} prompts, {len(refs)} references"
+    return [(rows[i]["input_ids"], ref) for i, ref in enumerate(refs)]
 
 
 def _rows(pairs: bool, ids, target, offsets, items, cfg: DataConfig, pad_id: int, key: str) -> tuple[Any, dict]:

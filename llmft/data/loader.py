@@ -22,6 +22,9 @@ def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
     is absent (see ``llmft.data.pack``). Pads are marked by position, never by
     ``input_ids == pad_id``, so a pad id equal to eos is harmless.
 
+    Rows are arrays (``TokenDataset`` items; lists work too) copied into the batch's int64 tensors
+    through numpy views of them: no Python object per token, whatever the row's length.
+
     Preference pairs (items of a ``pairs.PairDataset``) go to ``pairs.collate_pairs``.
     """
     if "chosen" in examples[0]:
@@ -32,12 +35,13 @@ def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
     extra = torch.zeros((len(examples), width), dtype=torch.long)  # attention_mask or position_ids
+    ids_np, labels_np, extra_np = input_ids.numpy(), labels.numpy(), extra.numpy()  # views: writes land in the tensors
     for row, e in enumerate(examples):
         n = len(e["input_ids"])
-        input_ids[row, :n] = torch.tensor(e["input_ids"])
-        labels[row, :n] = torch.tensor(e["labels"])
+        ids_np[row, :n] = e["input_ids"]
+        labels_np[row, :n] = e["labels"]
         if packed:
-            extra[row, :n] = torch.tensor(e["position_ids"])
+            extra_np[row, :n] = e["position_ids"]
             extra[row, n:] = torch.arange(width - n)  # a padded tail is its own (ignored) sequence
         else:
             extra[row, :n] = 1

@@ -72,6 +72,18 @@ def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - first, lengths)
 
 
+def token_blocks(lengths: np.ndarray, block_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive ``(lo, hi)`` ranges of items whose ``lengths`` sum to at most ~2 x ``block_tokens``
+    (or one longer item): blocks by tokens, not by a count of items sized for the longest one, so a
+    1M-token record among short ones does not cut the rest into blocks of a few records."""
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    if len(ends) == 0:
+        return []
+    cuts = np.searchsorted(ends, np.arange(block_tokens, int(ends[-1]), block_tokens), side="right")
+    bounds = np.unique(np.concatenate([[0], np.minimum(cuts, len(ends)), [len(ends)]]))
+    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
+
+
 def take_ranges(
     arrays: tuple[np.ndarray, ...], starts: np.ndarray, lengths: np.ndarray, block_tokens: int = 1 << 22
 ) -> tuple[np.ndarray, ...]:
@@ -80,9 +92,8 @@ def take_ranges(
     lengths = np.asarray(lengths, dtype=np.int64)
     ends = np.cumsum(lengths)
     outs = tuple(np.empty(int(ends[-1]) if len(ends) else 0, dtype=a.dtype) for a in arrays)
-    step = max(1, block_tokens // max(1, int(lengths.max(initial=0))))
-    for lo in range(0, len(lengths), step):
-        take = ranges(starts[lo : lo + step], lengths[lo : lo + step])
+    for lo, hi in token_blocks(lengths, block_tokens):
+        take = ranges(starts[lo:hi], lengths[lo:hi])
         at = int(ends[lo] - lengths[lo])
         for out, a in zip(outs, arrays, strict=True):
             out[at : at + len(take)] = a[take]
@@ -128,10 +139,9 @@ def pack_arrays(
     src = np.asarray(starts, dtype=np.int64)[members]
     ids = np.full(len(plan) * max_seq_len, pad_id, dtype=input_ids.dtype)
     tgt = np.zeros(len(plan) * max_seq_len, dtype=np.uint8)
-    step = max(1, block_tokens // max_seq_len)  # members per block: each holds at most max_seq_len tokens
-    for lo in range(0, len(members), step):
-        d = ranges(dest[lo : lo + step], member_lens[lo : lo + step])
-        s = ranges(src[lo : lo + step], member_lens[lo : lo + step])
+    for lo, hi in token_blocks(member_lens, block_tokens):
+        d = ranges(dest[lo:hi], member_lens[lo:hi])
+        s = ranges(src[lo:hi], member_lens[lo:hi])
         ids[d] = input_ids[s]
         tgt[d] = target[s]
     tgt[dest] = 0  # an example's first token would be predicted from the previous example's last
@@ -147,22 +157,31 @@ def pack_arrays(
 
 
 def positions(segments: np.ndarray) -> np.ndarray:
-    """Position ids that restart at 0 for every segment."""
+    """Position ids (int64) that restart at 0 for every segment, built in place: one 8-byte array
+    of the row's length, nothing else per token (a 1M-token row: 8 MB, no temporaries)."""
     lengths = np.asarray(segments, dtype=np.int64)
-    return ranges(np.zeros(len(lengths), dtype=np.int64), lengths)
+    lengths = lengths[lengths > 0]
+    out = np.ones(int(lengths.sum()), dtype=np.int64)
+    if len(out) == 0:
+        return out
+    out[0] = 0
+    starts = np.cumsum(lengths[:-1])
+    out[starts] = 1 - lengths[:-1]  # the step back to 0 at each new segment
+    return np.cumsum(out, out=out)
 
 
-def pack(examples: list[Example], max_seq_len: int, pad_id: int) -> list[tuple[list[int], list[int], list[int]]]:
-    """Rows of (input_ids, labels, position_ids), each exactly ``max_seq_len`` long."""
+def pack(examples: list[Example], max_seq_len: int, pad_id: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Rows of (input_ids, labels, position_ids) arrays, each exactly ``max_seq_len`` long (for
+    examples held in memory; the cache packs flat arrays with ``pack_arrays``)."""
     lengths = np.array([len(e.input_ids) for e in examples], dtype=np.int64)
     starts = np.cumsum(lengths) - lengths
-    flat = np.array([t for e in examples for t in e.input_ids], dtype=np.int64)
-    target = np.array([label != IGNORE_INDEX for e in examples for label in e.labels], dtype=np.uint8)
+    flat = np.concatenate([e.input_ids for e in examples]).astype(np.int64)
+    target = np.concatenate([e.target_mask() for e in examples])
     rows = pack_arrays(flat, target, starts, lengths, max_seq_len, pad_id)
     out = []
     for r in range(len(rows.segment_offsets) - 1):
         ids = rows.input_ids[r * max_seq_len : (r + 1) * max_seq_len]
         tgt = rows.target[r * max_seq_len : (r + 1) * max_seq_len]
         segs = rows.segments[rows.segment_offsets[r] : rows.segment_offsets[r + 1]]
-        out.append((ids.tolist(), np.where(tgt == 1, ids, IGNORE_INDEX).tolist(), positions(segs).tolist()))
+        out.append((ids, np.where(tgt == 1, ids, IGNORE_INDEX), positions(segs)))
     return out

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from llmft.data.encode import IGNORE_INDEX, Encoder, Example
-from llmft.data.pack import ranges, take_ranges
+from llmft.data.pack import positions, ranges, take_ranges
 from llmft.data.records import (
     BadRecord,
     Chat,
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 PREFERENCE_OBJECTIVES = ("dpo", "reward")
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
-CACHE_FORMAT = "pairs-1"  # the cache format of a pair entry (SFT entries keep cache.CACHE_FORMAT)
+CACHE_FORMAT = "pairs-2"  # the cache format of a pair entry (SFT entries keep cache.CACHE_FORMAT)
 REJECTED_START = 2  # bit of the target byte on the first token of rejected, in a Tokenize row
 _SFT_KINDS = (("messages", "messages"), ("completion", "prompt/completion"), ("text", "text"))
 
@@ -164,10 +164,11 @@ class PairEncoder:
                 side = "chosen" if bad is c else "rejected"
                 out.append(BadRecord(f"{side}: {bad}"))
                 continue
-            out.append(PairExample(c.input_ids + r.input_ids, list(c.labels) + list(r.labels), len(c.input_ids)))
+            ids, labels = np.concatenate([c.input_ids, r.input_ids]), np.concatenate([c.labels, r.labels])
+            out.append(PairExample(ids, labels, len(c.input_ids)))
         return out
 
-    def eval_prompt(self, pair: Pair) -> tuple[list[int], str] | None:
+    def eval_prompt(self, pair: Pair) -> tuple[np.ndarray, str] | None:
         """(prompt ids, chosen completion) for generation eval, as for the SFT record prompt + chosen."""
         return self.encoder.eval_prompt(pair.chosen)
 
@@ -315,7 +316,7 @@ class PairDataset:
         item = {"chosen": self.rows[2 * i], "rejected": self.rows[2 * i + 1]}
         if self.padding_free:
             for side in item.values():
-                side["position_ids"] = list(range(len(side["input_ids"])))
+                side["position_ids"] = np.arange(len(side["input_ids"]), dtype=np.int64)
         return item
 
     @property
@@ -340,15 +341,17 @@ def collate_pairs(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]
     seqs = [e[side] for e in examples for side in ("chosen", "rejected")]
     padding_free = seqs[0]["position_ids"] is not None
     assert all((s["position_ids"] is not None) == padding_free for s in seqs), "mixed padding-free and padded pairs"
-    if padding_free:
-        batch = {
-            "input_ids": torch.tensor([[t for s in seqs for t in s["input_ids"]]], dtype=torch.long),
-            "labels": torch.tensor([[t for s in seqs for t in s["labels"]]], dtype=torch.long),
-            "position_ids": torch.tensor([[t for s in seqs for t in range(len(s["input_ids"]))]], dtype=torch.long),
-            "sequence_index": torch.tensor([[k for k, s in enumerate(seqs) for _ in s["input_ids"]]], dtype=torch.long),
+    lengths = np.array([len(s["input_ids"]) for s in seqs], dtype=np.int64)
+    if padding_free:  # arrays end to end: no Python object per token, however long the pairs
+        flat = {
+            "input_ids": np.concatenate([s["input_ids"] for s in seqs]).astype(np.int64),
+            "labels": np.concatenate([s["labels"] for s in seqs]).astype(np.int64),
+            "position_ids": positions(lengths),
+            "sequence_index": np.repeat(np.arange(len(seqs), dtype=np.int64), lengths),
         }
+        batch = {k: torch.from_numpy(v)[None] for k, v in flat.items()}
     else:
-        width = max(len(s["input_ids"]) for s in seqs)
+        width = int(lengths.max())
         batch = {
             "input_ids": torch.full((len(seqs), width), pad_id, dtype=torch.long),
             "labels": torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long),
@@ -356,10 +359,11 @@ def collate_pairs(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]
             "position_ids": torch.arange(width).repeat(len(seqs), 1),
             "sequence_index": torch.full((len(seqs), width), -1, dtype=torch.long),
         }
+        ids_np, labels_np = batch["input_ids"].numpy(), batch["labels"].numpy()  # views into the tensors
         for k, s in enumerate(seqs):
-            n = len(s["input_ids"])
-            batch["input_ids"][k, :n] = torch.tensor(s["input_ids"])
-            batch["labels"][k, :n] = torch.tensor(s["labels"])
+            n = int(lengths[k])
+            ids_np[k, :n] = s["input_ids"]
+            labels_np[k, :n] = s["labels"]
             batch["attention_mask"][k, :n] = 1
             batch["sequence_index"][k, :n] = k
     batch["num_pairs"] = len(examples)

@@ -18,7 +18,7 @@ from llmft.data.encode import IGNORE_INDEX
 from llmft.data.pack import positions
 from llmft.errors import Problem, UserError
 
-Row = tuple[list[int], list[int], "list[int] | None"]
+Row = tuple["list[int] | np.ndarray", "list[int] | np.ndarray", "list[int] | np.ndarray | None"]
 
 
 class TokenDataset:
@@ -28,21 +28,25 @@ class TokenDataset:
     itself or IGNORE_INDEX) and position ids as each packed row's sequence
     lengths, so a token costs 5 bytes. ``open`` memory-maps a cache file:
     every process (ranks, DataLoader workers) shares the same pages.
+
+    An item is a row as arrays, never as Python lists: a 1M-token row costs its bytes (the ids are
+    a view of the map, labels 4 bytes a token, position ids 8), not a million int objects.
     """
 
     def __init__(self, rows: list[Row]) -> None:
+        """Rows given in memory (tests, small data): ``(input_ids, labels, position_ids or None)`` each."""
         lengths = np.array([len(ids) for ids, _, _ in rows], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        ids = np.array([t for r in rows for t in r[0]], dtype=np.int32)
-        labels = np.array([t for r in rows for t in r[1]], dtype=np.int64)
+        ids = _flat([r[0] for r in rows], np.int32)
+        labels = _flat([r[1] for r in rows], np.int64)
         target = labels != IGNORE_INDEX
         assert (labels[target] == ids[target]).all(), "a label is either its token or IGNORE_INDEX"
         packed = bool(rows) and rows[0][2] is not None
         segments = seg_offsets = None
         if packed:
-            segs = [_segments_of(pos) for _, _, pos in rows]
+            segs = [_segments_of(np.asarray(pos)) for _, _, pos in rows]
             seg_offsets = np.concatenate([[0], np.cumsum([len(s) for s in segs])]).astype(np.int64)
-            segments = np.array([n for s in segs for n in s], dtype=np.int32)
+            segments = _flat(segs, np.int32)
         self._set(ids, target.astype(np.uint8), offsets, segments, seg_offsets)
 
     @classmethod
@@ -71,15 +75,14 @@ class TokenDataset:
         if not 0 <= i < len(self):
             raise IndexError(f"row {i} of {len(self)}")
         lo, hi = int(self._offsets[i]), int(self._offsets[i + 1])
-        ids = self._input_ids[lo:hi]
+        ids = self._input_ids[lo:hi]  # a read-only view of the map: no copy
         item = {
-            "input_ids": ids.tolist(),
-            "labels": np.where(self._target[lo:hi] != 0, ids, IGNORE_INDEX).tolist(),
+            "input_ids": ids,
+            "labels": np.where(self._target[lo:hi] != 0, ids, np.int32(IGNORE_INDEX)).astype(np.int32, copy=False),
             "position_ids": None,
         }
         if self._segments is not None:
-            segs = self._segments[self._seg_offsets[i] : self._seg_offsets[i + 1]]
-            item["position_ids"] = positions(segs).tolist()
+            item["position_ids"] = positions(self._segments[self._seg_offsets[i] : self._seg_offsets[i + 1]])
         return item
 
     @property
@@ -147,9 +150,13 @@ class TokenDataset:
         )
 
 
-def _segments_of(pos: list[int]) -> list[int]:
-    starts = [t for t, p in enumerate(pos) if p == 0] + [len(pos)]
-    return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+def _segments_of(pos: np.ndarray) -> np.ndarray:
+    """The sequence lengths of a row from its position ids (a sequence starts where a position is 0)."""
+    return np.diff(np.append(np.flatnonzero(pos == 0), len(pos)))
+
+
+def _flat(parts: list, dtype: type) -> np.ndarray:
+    return np.concatenate([np.asarray(p, dtype=dtype) for p in parts]) if parts else np.zeros(0, dtype)
 
 
 def _layout_path(path: Path) -> Path:

@@ -6,7 +6,7 @@ import pytest
 from helpers import metrics
 
 
-@pytest.mark.slow  # six `llmft train` processes, three of them compiling: ~2.5 min on 2 cores
+@pytest.mark.slow  # seven `llmft train` processes, three of them compiling: ~4.5 min on 2 cores
 def test_bench_gpu_check_runs_every_case_and_variant(tmp_path):
     import os
     import subprocess
@@ -33,4 +33,6 @@ def test_bench_gpu_check_runs_every_case_and_variant(tmp_path):
         assert len(on) == len(off) == 2
         # bf16 on CPU, compiled against eager: the tolerance docs/benchmarks.md sets for a speed switch
         assert all(abs(a["loss"] - b["loss"]) < 1e-3 for a, b in zip(on, off, strict=True))
+    # long context: one variant, rows of 2048 tokens here, the memory switches on
+    assert "| long-8b | long |" in table and len(metrics(out / "long-8b" / "long")) == 2
     assert "failed" not in table

@@ -23,7 +23,7 @@ def test_a_rank_maps_the_cache_with_numpy_alone_and_the_file_stays_arrow(tmp_pat
     file = built.train.path
     child = (
         "import sys, json; from llmft.data.tokens import TokenDataset; ds = TokenDataset.open(sys.argv[1]); "
-        "print(json.dumps([ds[i] for i in range(len(ds))])); "
+        "print(json.dumps([{k: None if v is None else v.tolist() for k, v in ds[i].items()} for i in range(len(ds))])); "
         "print(json.dumps([m for m in ('pyarrow', 'pandas', 'datasets') if m in sys.modules]))"
     )
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(llmft.__file__))}

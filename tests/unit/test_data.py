@@ -136,12 +136,12 @@ def test_train_on_all(tmp_path, tok):
     bundle = build_data(recipe(path, train_on="all"), tok)
     for i in range(2):
         row = bundle.train[i]
-        assert row["labels"] == row["input_ids"]
+        assert row["labels"].tolist() == row["input_ids"].tolist()
 
 
 def test_text_trains_on_everything_even_with_train_on_completion(tmp_path, tok):
     row = build_data(recipe(write_jsonl(tmp_path / "t.jsonl", [{"text": "abc"}])), tok).train[0]
-    assert row["labels"] == row["input_ids"] and targets(row, tok) == "abc<eos>"
+    assert row["labels"].tolist() == row["input_ids"].tolist() and targets(row, tok) == "abc<eos>"
 
 
 # --- truncation, eval --------------------------------------------------------

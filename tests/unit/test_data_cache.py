@@ -93,7 +93,14 @@ def test_num_proc_gives_the_same_rows(tmp_path):
     assert np.array_equal(one.train._target, two.train._target)
     # the lines the workers mapped were written into the build dir, and removed with it
     entry = two.entries[0]["entry"]
-    assert sorted(os.listdir(entry)) == ["meta.json", "prompts.json", "rows.arrow", "rows.layout.json"]
+    assert sorted(os.listdir(entry)) == [
+        "meta.json",
+        "prompts.arrow",
+        "prompts.json",
+        "prompts.layout.json",
+        "rows.arrow",
+        "rows.layout.json",
+    ]
 
 
 def test_token_dataset_round_trips_through_arrow(tmp_path):

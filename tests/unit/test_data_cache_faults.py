@@ -85,7 +85,13 @@ def test_a_damaged_meta_json_rebuilds_the_entry(tmp_path, data, damage, caplog):
 def test_verify_reads_blocks_and_names_the_file(tmp_path, data):
     entry = build_data(recipe(tmp_path, data), byte_tokenizer()).train.path.parent
     meta = verify(entry)
-    assert set(meta["files"]) == {"rows.arrow", "rows.layout.json", "prompts.json"}
+    assert set(meta["files"]) == {
+        "rows.arrow",
+        "rows.layout.json",
+        "prompts.arrow",
+        "prompts.layout.json",
+        "prompts.json",
+    }
     assert all(len(f["crc32"]) == -(-f["bytes"] // CHECKSUM_BLOCK) for f in meta["files"].values())
     (entry / "prompts.json").unlink()
     with pytest.raises(Damaged, match=f"{entry / 'prompts.json'}: cannot be read"):
@@ -195,7 +201,7 @@ def test_a_stop_keeps_finished_shards_and_the_next_build_reuses_them(tmp_path, m
     assert not work.exists()
     entry, other = Path(again.entries[0]["entry"]), Path(whole.entries[0]["entry"])
     assert entry.name == other.name  # the same key
-    for name in ("rows.arrow", "rows.layout.json", "prompts.json"):
+    for name in ("rows.arrow", "rows.layout.json", "prompts.arrow", "prompts.layout.json", "prompts.json"):
         assert (entry / name).read_bytes() == (other / name).read_bytes()
 
 

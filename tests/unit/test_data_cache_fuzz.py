@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import as_lists
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,7 +40,16 @@ FAST_EXAMPLES = 200
 SLOW_EXAMPLES = 2000
 EXAMPLE_SECONDS = 60
 
-FILES = ["meta.json", "rows.arrow", "rows.layout.json", "held.arrow", "held.layout.json", "prompts.json"]
+FILES = [
+    "meta.json",
+    "rows.arrow",
+    "rows.layout.json",
+    "held.arrow",
+    "held.layout.json",
+    "prompts.arrow",
+    "prompts.layout.json",
+    "prompts.json",
+]
 JSON_VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=True), st.text(max_size=8),
     st.lists(st.integers(0, 9), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
@@ -96,7 +106,7 @@ class Harness:
 
     @staticmethod
     def result(data) -> tuple:
-        return _arrays(data.train), _arrays(data.eval), data.eval_prompts, data.stats
+        return _arrays(data.train), _arrays(data.eval), as_lists(data.eval_prompts), data.stats
 
     def reset(self) -> None:
         shutil.rmtree(self.cache)

@@ -80,7 +80,7 @@ def test_packed_rows_keep_every_token_and_never_cross_a_boundary(tmp_path):
     pieces = []
     for i in range(len(packed.train)):
         row = packed.train[i]
-        ids, labels, pos = row["input_ids"], row["labels"], row["position_ids"]
+        ids, labels, pos = (row[k].tolist() for k in ("input_ids", "labels", "position_ids"))
         assert len(ids) == len(labels) == len(pos) == 24
         starts = [t for t, p in enumerate(pos) if p == 0] + [24]
         for a, b in zip(starts, starts[1:], strict=False):
@@ -88,7 +88,7 @@ def test_packed_rows_keep_every_token_and_never_cross_a_boundary(tmp_path):
             assert labels[a] == IGNORE_INDEX  # would be predicted from the previous sequence
             pieces.append((ids[a:b], labels[a + 1 : b]))
     # every unpacked example appears exactly once (plus pad-only tail pieces), labels unchanged
-    expected = sorted((plain.train[i]["input_ids"], plain.train[i]["labels"][1:]) for i in range(30))
+    expected = sorted((plain.train[i]["input_ids"].tolist(), plain.train[i]["labels"][1:].tolist()) for i in range(30))
     real = sorted(p for p in pieces if set(p[0]) != {tok.pad_token_id})
     assert real == expected
 

@@ -51,7 +51,10 @@ def write_jsonl(path, records):
 
 def pairs_of(ds) -> list[tuple]:
     """Each pair's (chosen ids, chosen labels, rejected ids, rejected labels)."""
-    return [tuple(ds[i][s][k] for s in ("chosen", "rejected") for k in ("input_ids", "labels")) for i in range(len(ds))]
+    return [
+        tuple(ds[i][s][k].tolist() for s in ("chosen", "rejected") for k in ("input_ids", "labels"))
+        for i in range(len(ds))
+    ]
 
 
 def targets(row, tok) -> str:
@@ -74,7 +77,7 @@ def test_string_pair_is_two_prompt_completion_records(tmp_path, tok):
     for side in ("chosen", "rejected"):
         want = enc.encode(PromptCompletion(PAIR["prompt"], PAIR[side]))
         got = bundle.train[0][side]
-        assert got["input_ids"] == want.input_ids and got["labels"] == want.labels
+        assert got["input_ids"].tolist() == want.input_ids.tolist() and got["labels"].tolist() == want.labels.tolist()
         assert targets(got, tok) == PAIR[side] + tok.eos_token
 
 
@@ -88,7 +91,7 @@ def test_chat_pair_targets_only_the_completion_after_the_shared_prompt(tmp_path,
     for side, msgs in (("chosen", CHOSEN_MSGS), ("rejected", REJECTED_MSGS)):
         sft = enc.encode(parse_chat(PROMPT_MSGS + msgs))  # SFT masking: both assistant turns
         row = ds[0][side]
-        assert row["input_ids"] == sft.input_ids  # the same rendering and tokens as SFT chat
+        assert row["input_ids"].tolist() == sft.input_ids.tolist()  # the same rendering and tokens as SFT chat
         # SFT's targets of the conversation, less those of the prompt's own assistant turn
         first_turn = targets({"labels": enc.encode(parse_chat(PROMPT_MSGS[:3])).labels}, tok)
         assert first_turn.startswith("4")
@@ -186,7 +189,8 @@ def test_pair_with_no_target_left_is_dropped_and_counted(tmp_path, tok):
     cfg.max_seq_len = 3
     rows, stats = build_pair_rows(ids, np.concatenate(target), offsets, np.array([0, 1]), cfg, "data.train")
     assert len(rows) == 1 and stats["dropped_no_targets"] == 1 and stats["truncated"] == 1
-    assert rows[0]["chosen"]["input_ids"] == [1, 2, 3] and rows[0]["rejected"]["labels"] == [IGNORE_INDEX, 4]
+    assert rows[0]["chosen"]["input_ids"].tolist() == [1, 2, 3]
+    assert rows[0]["rejected"]["labels"].tolist() == [IGNORE_INDEX, 4]
     with pytest.raises(UserError, match="no pair keeps a target token in both chosen and rejected"):
         build_pair_rows(ids, np.concatenate(target), offsets, np.array([0]), cfg, "data.train")
     # through build_data: max_seq_len 1 leaves no target anywhere (labels[0] is never one)
@@ -226,7 +230,8 @@ def test_vectorised_pair_rows_are_truncate_pair_on_every_pair():
         np.concatenate(ids).astype(np.int32), np.concatenate(target), np.array(offsets), items, cfg, "k"
     )
     got = [
-        tuple((rows[i][s]["input_ids"], rows[i][s]["labels"]) for s in ("chosen", "rejected")) for i in range(len(rows))
+        tuple((rows[i][s]["input_ids"].tolist(), rows[i][s]["labels"].tolist()) for s in ("chosen", "rejected"))
+        for i in range(len(rows))
     ]
     assert got == want and stats["dropped_no_targets"] == len(items) - len(want) > 0
 
@@ -245,7 +250,7 @@ def test_pair_entries_are_their_own_format_and_never_read_as_sft(tmp_path, tok):
     assert len(entries) == 3  # the objective is part of the key
     assert "chosen" not in b_sft.train[0] and "chosen" in b_dpo.train[0]
     meta = json.loads((Path(b_dpo.entries[0]["entry"]) / "meta.json").read_text())
-    assert meta["parts"]["format"] == "pairs-1" and meta["parts"]["objective"] == "dpo"
+    assert meta["parts"]["format"] == "pairs-2" and meta["parts"]["objective"] == "dpo"
     sft_meta = json.loads((Path(b_sft.entries[0]["entry"]) / "meta.json").read_text())
     assert "objective" not in sft_meta["parts"] and sft_meta["parts"]["format"] == CACHE_FORMAT  # SFT keys unchanged
     assert build_data(recipe(sft, objective="sft", cache_dir=cache), tok).train[0]["position_ids"] is None

@@ -88,8 +88,8 @@ def test_a_cut_record_keeps_the_first_max_seq_len_tokens_of_the_whole_one(name, 
     got, want = cut.encode_batch(recs), whole.encode_batch(recs)
     longest = 0
     for g, w, r in zip(got, want, recs, strict=True):
-        assert g.input_ids[:L] == w.input_ids[:L], r
-        assert g.labels[:L] == w.labels[:L], r
+        assert g.input_ids[:L].tolist() == w.input_ids[:L].tolist(), r
+        assert g.labels[:L].tolist() == w.labels[:L].tolist(), r
         assert (len(g.input_ids) > L) == (len(w.input_ids) > L)  # counted as truncated alike
         longest = max(longest, len(g.input_ids))
     # what the tokenizer saw is bounded by the budget, not by the 10x records (3 texts in a chat)
@@ -117,7 +117,7 @@ def test_the_cache_of_huge_records_equals_the_uncut_rows(tmp_path, monkeypatch):
     assert cut.stats == whole.stats and cut.stats["truncated"] == 6
     assert np.array_equal(cut.train._input_ids, whole.train._input_ids)
     assert np.array_equal(cut.train._target, whole.train._target)
-    assert [p for p, _ in cut.eval_prompts] == [p for p, _ in whole.eval_prompts]
+    assert [p.tolist() for p, _ in cut.eval_prompts] == [p.tolist() for p, _ in whole.eval_prompts]
     max_chars = Encoder(byte_tokenizer(), "completion", L).max_chars
     assert [r for _, r in cut.eval_prompts] == [r[:max_chars] for _, r in whole.eval_prompts]  # a reference is cut too
 
@@ -153,4 +153,4 @@ def test_random_texts_around_the_cut_on_bpe():
         text = "".join(rng.choice(alphabet) for _ in range(cut.max_chars + rng.randint(-80, 80)))
         recs.append(parse_record({"text": text}, {}))
     for g, w in zip(cut.encode_batch(recs), whole.encode_batch(recs), strict=True):
-        assert g.input_ids[:L] == w.input_ids[:L]
+        assert g.input_ids[:L].tolist() == w.input_ids[:L].tolist()
