@@ -59,16 +59,25 @@ def sequence_logps(
     only inside one sequence (in a packed row the last token of a sequence does not predict the
     first of the next) and only on target tokens."""
     target = labels[:, 1:]
-    seq = sequence_index[:, 1:]
-    valid = (target != IGNORE_INDEX) & (seq >= 0) & (seq == sequence_index[:, :-1])
+    valid, counts = target_counts(labels, sequence_index, num_sequences)
     flat_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
     safe_target = torch.where(valid, target, 0).reshape(-1)
     token_logps = -F.cross_entropy(flat_logits, safe_target, reduction="none")
     token_logps = torch.where(valid.reshape(-1), token_logps, 0.0)
-    index = torch.where(valid, seq, 0).reshape(-1)
+    index = torch.where(valid, sequence_index[:, 1:], 0).reshape(-1)
     sums = token_logps.new_zeros(num_sequences).index_add(0, index, token_logps)
-    counts = token_logps.new_zeros(num_sequences).index_add(0, index, valid.reshape(-1).float())
     return sums, counts
+
+
+def target_counts(
+    labels: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which predictions count ``[R, T-1]``, target tokens per sequence ``[num_sequences]`` float32)."""
+    target, seq = labels[:, 1:], sequence_index[:, 1:]
+    valid = (target != IGNORE_INDEX) & (seq >= 0) & (seq == sequence_index[:, :-1])
+    index = torch.where(valid, seq, 0).reshape(-1)
+    counts = torch.zeros(num_sequences, device=labels.device).index_add(0, index, valid.reshape(-1).float())
+    return valid, counts
 
 
 @dataclass
@@ -143,7 +152,10 @@ class PreferenceObjective:
         self.reference_kind = plan.reference
         self.policy = engine.unwrap()  # the HF / PEFT model (sharded in place under FSDP2 / ZeRO-3)
         self.reference = getattr(engine, "reference", None)
-        if plan.reference not in (NO_REFERENCE, ADAPTERS_DISABLED):
+        # preference.precompute_reference: every batch carries ``reference_logps`` (the sums,
+        # llmft.objectives.reference); no reference model is held or run.
+        self.precomputed = self.cfg.precompute_reference and plan.reference != NO_REFERENCE
+        if plan.reference not in (NO_REFERENCE, ADAPTERS_DISABLED) and not self.precomputed:
             assert self.reference is not None, f"the engine built no reference model for {plan.reference}"
         disable_dropout(self.policy)
         if self.reference is not None:
@@ -162,8 +174,11 @@ class PreferenceObjective:
     def _reference_logps(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.reference_kind == NO_REFERENCE:
             return None
-        if "reference_logps" in batch:  # precomputed with the cache entry
+        if self.precomputed:  # sums stored with the cache entry; a mean divides by the same counts
+            assert "reference_logps" in batch, "precompute_reference: the collator adds reference_logps"
             ref = batch["reference_logps"].float()
+            if self.mean_logps:
+                ref = ref / target_counts(batch["labels"], batch["sequence_index"], ref.numel())[1].clamp_min(1.0)
             return ref[0::2], ref[1::2]
         model, scope = self.reference, contextlib.nullcontext()
         if self.reference_kind == ADAPTERS_DISABLED:
