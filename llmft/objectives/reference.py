@@ -14,7 +14,7 @@ and names the ``.npy``'s crc32: a file without it, or not matching it, is comput
 
 ``fingerprint`` hashes what the reference weights are made of (docs/preference.md
 "Precomputed reference"): the model's name or resolved directory and revision; for a fresh model
-its ``model.config``, ``run.seed`` and whether adapters are added (the seeded init); the dtype,
+its ``model.config`` and ``run.seed`` (the seeded init, the same with or without adapters); the dtype,
 quantization and attention kernel it runs with; and each weight file's name, size, mtime and
 safetensors header (tensor names, dtypes, shapes, offsets) — for a hub snapshot the blob each
 file links to, which the hub names by the file's sha256. A changed weight file changes its size,
@@ -94,7 +94,7 @@ def fingerprint_parts(plan: RunPlan) -> dict[str, Any] | None:
         "attn_implementation": m.attn_implementation,
     }
     if name is None:  # a fresh model: the seeded init is its weights
-        parts.update(config=m.config, seed=r.run.seed, adapters=r.peft.method != "none")
+        parts.update(config=m.config, seed=r.run.seed)
         return parts
     directory = _model_dir(name, None if named else m.revision)
     if directory is None:
