@@ -7,74 +7,15 @@ reference forward during training; and exact resume of dpo with and without it (
 
 from __future__ import annotations
 
-import json
-import random
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from helpers import checkpoint_weights, metrics, train_inproc, write_recipe
+from helpers import metrics, train_inproc
+from preference_runs import assert_same_run, dpo_recipe, final_weights, reference_files
 
 from llmft.objectives import preference
 
-TOL = 1e-6
 STEPS = 4
-
-
-def write_pairs(path: Path, n: int = 40, seed: int = 0) -> Path:
-    """Reversal pairs of very different lengths (chosen: the reversal, rejected: the word)."""
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 20)))
-            f.write(json.dumps({"prompt": f"reverse {word}:", "chosen": word[::-1], "rejected": word}) + "\n")
-    return path
-
-
-def dpo_recipe(tmp: Path, **sections) -> Path:
-    """A tiny dpo recipe on 40 pairs (4 held out), its cache in ``tmp/../cache`` (shared by a test's runs)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    data = tmp.parent / "pairs.jsonl"
-    if not data.exists():
-        write_pairs(data)
-    base = dict(
-        data__train=str(data),
-        data__cache_dir=str(tmp.parent / "cache"),
-        data__eval_fraction=0.1,
-        train__objective="dpo",
-        train__max_steps=STEPS,
-        train__eval_every_steps=2,
-        batch__global_batch_size=8,
-        batch__micro_batch_size=2,
-        optim__name="adamw",
-        optim__lr=1e-2,
-        peft__r=4,
-    )
-    return write_recipe(tmp, **{**base, **sections})
-
-
-def reference_files(cache: Path) -> list[Path]:
-    return sorted(cache.glob("*/reference/*/*.npy"))
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The last checkpoint's weights of the run written under ``run_dir`` (a test dir: ``<dir>/run``)."""
-    steps = (run_dir / "run" / "checkpoints").glob("step-*")
-    return checkpoint_weights(max(steps, key=lambda p: int(p.name[5:])))
-
-
-def assert_same_run(a: Path, b: Path, tol: float = TOL) -> None:
-    wa, wb = final_weights(a), final_weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.allclose(wa[k], wb[k], rtol=0, atol=tol), k
-    for split in ("train", "eval"):
-        ra, rb = metrics(a / "run", split), metrics(b / "run", split)
-        assert len(ra) == len(rb) > 0
-        for x, y in zip(ra, rb, strict=True):
-            for key in ("loss", "rewards/chosen", "rewards/margin", "rewards/accuracy", "logps/rejected"):
-                assert abs(x[key] - y[key]) <= tol * max(1.0, abs(y[key])), (split, key)
 
 
 CASES = [
