@@ -118,8 +118,8 @@ def main() -> None:
     args = p.parse_args()
     common.one_thread()
     common.quiet_llmft()
-    from llmft.train import setup_logging
     from llmft.dist import DistEnv
+    from llmft.train import setup_logging
 
     setup_logging(DistEnv())
     tmp = common.scratch_dir("llmft-bench-precompute-")
