@@ -221,13 +221,13 @@ def _score(plan: RunPlan, engine: Engine, ds: PairDataset, env: DistEnv, pad_id:
     disable_dropout(model)
     found: list[tuple[list[int], np.ndarray]] = []
     with torch.no_grad(), scope, engine.autocast():
-        for k in range(rounds):
-            idx = mine[k] if k < len(mine) else batches[0]  # every rank runs as many (collective) forwards
+        for r in range(rounds):
+            idx = mine[r] if r < len(mine) else batches[0]  # every rank runs as many (collective) forwards
             batch = collate_pairs([ds.item(i, reference=False) for i in idx], pad_id)
-            batch = {k: v.to(env.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = {name: v.to(env.device) if isinstance(v, torch.Tensor) else v for name, v in batch.items()}
             logits = model(**model_inputs(batch), use_cache=False).logits
             sums, counts = sequence_logps(logits, batch["labels"], batch["sequence_index"], 2 * len(idx))
-            if k < len(mine):
+            if r < len(mine):
                 rows = torch.stack([sums[0::2], sums[1::2], counts[0::2], counts[1::2]], 1)
                 found.append((idx, rows.float().cpu().numpy()))
     if env.distributed and dist.is_initialized():
