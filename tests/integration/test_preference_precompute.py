@@ -84,6 +84,7 @@ def test_a_second_run_reuses_and_another_reference_recomputes(tmp_path, capfd):
     assert np.array_equal(np.load(rows), want)
 
 
+@pytest.mark.slow
 def test_a_named_reference_model_is_hashed_by_its_files(tmp_path, capfd):
     from helpers import save_tiny_pretrained
 
@@ -102,8 +103,16 @@ def test_a_named_reference_model_is_hashed_by_its_files(tmp_path, capfd):
     assert "reference log-probs: computed 36 pairs" in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("method", ["lora", "none"])
-@pytest.mark.parametrize("precompute", [False, True], ids=["on-the-fly", "precomputed"])
+SLOW = pytest.mark.slow  # three whole runs each; one case stays in the default tier
+RESUMES = [
+    pytest.param("lora", True, id="lora-precomputed"),
+    pytest.param("none", True, id="full-precomputed", marks=SLOW),
+    pytest.param("lora", False, id="lora-on-the-fly", marks=SLOW),
+    pytest.param("none", False, id="full-on-the-fly", marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("method,precompute", RESUMES)
 def test_resume_is_bit_exact(tmp_path, capfd, method, precompute):
     """4 steps straight == 2 steps, stop, resume to 4: the same weight bytes; a precomputed
     reference is read back on resume (keyed by the weights), not computed again."""
