@@ -84,7 +84,6 @@ def test_a_second_run_reuses_and_another_reference_recomputes(tmp_path, capfd):
     assert np.array_equal(np.load(rows), want)
 
 
-@pytest.mark.slow
 def test_a_named_reference_model_is_hashed_by_its_files(tmp_path, capfd):
     from helpers import save_tiny_pretrained
 
@@ -103,10 +102,10 @@ def test_a_named_reference_model_is_hashed_by_its_files(tmp_path, capfd):
     assert "reference log-probs: computed 36 pairs" in capfd.readouterr().err
 
 
-SLOW = pytest.mark.slow  # three whole runs each; one case stays in the default tier
+SLOW = pytest.mark.slow  # three whole runs each; the unit test in test_preference.py covers on-the-fly resume
 RESUMES = [
     pytest.param("lora", True, id="lora-precomputed"),
-    pytest.param("none", True, id="full-precomputed", marks=SLOW),
+    pytest.param("none", True, id="full-precomputed"),
     pytest.param("lora", False, id="lora-on-the-fly", marks=SLOW),
     pytest.param("none", False, id="full-on-the-fly", marks=SLOW),
 ]
