@@ -3,7 +3,7 @@
 
 - 2 ranks with the precomputed reference == 2 ranks with the on-the-fly one (weights and every
   train/eval metric, fp32, 1e-6), on DDP, FSDP2 and ZeRO-3; the file the 2-rank pass writes holds
-  the same bytes as the one a single process writes.
+  the same bytes as the one a single process writes (LoRA on DDP and ZeRO-3, full on FSDP2 and ZeRO-3).
 - Elastic resume: 2 ranks for 2 steps, resumed by one process for 2 more == 2 ranks for 4 steps
   (weights and loss curve, 1e-5), with and without the precomputed reference; the resumed run
   reads the stored log-probs back (the pass does not run again).
@@ -28,7 +28,7 @@ ENGINES = {
     "fsdp": ["distributed.engine=fsdp"],
     "zero3": ["distributed.engine=deepspeed", "distributed.zero_stage=3"],
 }
-CASES = [("ddp", "lora"), ("fsdp", "none"), ("zero3", "lora")]
+CASES = [("ddp", "lora"), ("fsdp", "none"), ("zero3", "lora"), ("zero3", "none")]
 
 
 def _train_2(recipe: Path, *overrides: str) -> str:
