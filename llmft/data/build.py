@@ -250,7 +250,7 @@ def _source(
 
 def _open_rows(path: Path, objective: str, cfg: DataConfig) -> TokenDataset | pairs.PairDataset:
     rows = TokenDataset.open(path)
-    return pairs.PairDataset(rows, cfg.packing) if pairs.is_preference(objective) else rows
+    return pairs.PairDataset(rows, cfg.packing, path) if pairs.is_preference(objective) else rows
 
 
 def _log_source(key: str, meta: dict, built: bool) -> None:

@@ -21,6 +21,7 @@ A pair goes through the SFT pipeline with one item per pair:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -303,20 +304,30 @@ class PairDataset:
 
     packed = False  # rows are never bin-packed in the cache; padding-free is a collation layout
 
-    def __init__(self, rows: TokenDataset, padding_free: bool) -> None:
+    def __init__(self, rows: TokenDataset, padding_free: bool, path: Path | None = None) -> None:
         assert len(rows) % 2 == 0, f"a pair entry holds an even number of rows, not {len(rows)}"
         self.rows, self.padding_free = rows, padding_free
+        self.path = path  # the cache entry's Arrow file (precomputed reference log-probs live beside it)
+        # preference.precompute_reference: [pairs, 4] float32 (chosen sum, rejected sum, and their
+        # target-token counts), attached by llmft.objectives.reference; items then carry the sums.
+        self.reference: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.rows) // 2
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.item(i)
+
+    def item(self, i: int, reference: bool = True) -> dict[str, Any]:
+        """Pair ``i``; with its reference log-probs (``reference_logps``) when they are attached."""
         if not 0 <= i < len(self):
             raise IndexError(f"pair {i} of {len(self)}")
-        item = {"chosen": self.rows[2 * i], "rejected": self.rows[2 * i + 1]}
+        item: dict[str, Any] = {"chosen": self.rows[2 * i], "rejected": self.rows[2 * i + 1]}
         if self.padding_free:
-            for side in item.values():
+            for side in (item["chosen"], item["rejected"]):
                 side["position_ids"] = np.arange(len(side["input_ids"]), dtype=np.int64)
+        if reference and self.reference is not None:
+            item["reference_logps"] = (self.reference[i, 0], self.reference[i, 1])
         return item
 
     @property

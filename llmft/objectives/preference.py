@@ -87,6 +87,13 @@ def sum_per_sequence(
     return sums, counts
 
 
+def target_counts(labels: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """Target tokens per sequence ``[num_sequences]`` (float32), counted as ``sequence_logps`` counts them."""
+    _, valid = predicted_targets(labels, sequence_index)
+    index = torch.where(valid, sequence_index, 0).reshape(-1)
+    return torch.zeros(num_sequences, device=labels.device).index_add(0, index, valid.reshape(-1).float())
+
+
 @dataclass
 class PairLosses:
     """Per pair: the loss and what the metrics report (all ``[P]``)."""
@@ -159,7 +166,10 @@ class PreferenceObjective:
         self.reference_kind = plan.reference
         self.policy = engine.unwrap()  # the HF / PEFT model (sharded in place under FSDP2 / ZeRO-3)
         self.reference = getattr(engine, "reference", None)
-        if plan.reference not in (NO_REFERENCE, ADAPTERS_DISABLED):
+        # preference.precompute_reference: every batch carries ``reference_logps`` (the sums,
+        # llmft.objectives.reference); no reference model is held or run.
+        self.precomputed = self.cfg.precompute_reference and plan.reference != NO_REFERENCE
+        if plan.reference not in (NO_REFERENCE, ADAPTERS_DISABLED) and not self.precomputed:
             assert self.reference is not None, f"the engine built no reference model for {plan.reference}"
         disable_dropout(self.policy)
         if self.reference is not None:
@@ -188,8 +198,11 @@ class PreferenceObjective:
     def _reference_logps(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.reference_kind == NO_REFERENCE:
             return None
-        if "reference_logps" in batch:  # precomputed with the cache entry
+        if self.precomputed:  # sums stored with the cache entry; a mean divides by the same counts
+            assert "reference_logps" in batch, "precompute_reference: the collator adds reference_logps"
             ref = batch["reference_logps"].float()
+            if self.mean_logps:
+                ref = ref / target_counts(batch["labels"], batch["sequence_index"], ref.numel()).clamp_min(1.0)
             return ref[0::2], ref[1::2]
         model, scope = self.reference, contextlib.nullcontext()
         if self.reference_kind == ADAPTERS_DISABLED:

@@ -114,11 +114,34 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
             Problem(where("preference.label_smoothing"), f"is {p.label_smoothing}", "Use a value in [0, 0.5).")
         )
     if p.precompute_reference:
-        problems.append(
+        problems += _precompute_problems(recipe, where)
+    return problems
+
+
+def _precompute_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
+    """``preference.precompute_reference``: stored with the token cache entry, so cached pairs and
+    a loss that has a reference (docs/preference.md "Precomputed reference")."""
+    if reference_kind(recipe) == NO_REFERENCE:
+        what = (
+            f"loss_type={recipe.preference.loss_type} is reference-free"
+            if recipe.train.objective == "dpo"
+            else f"train.objective={recipe.train.objective} has no reference model"
+        )
+        return [
             Problem(
                 where("preference.precompute_reference"),
-                "precomputed reference log-probs are not implemented yet",
-                "Set preference.precompute_reference=false (the reference runs on the fly).",
+                f"is true, but {what}: there are no reference log-probs to precompute",
+                "Set preference.precompute_reference=false.",
             )
-        )
-    return problems
+        ]
+    if recipe.data.streaming:
+        return [
+            Problem(
+                where("preference.precompute_reference"),
+                "is true, but data.streaming is true: the reference log-probs are stored with the token cache "
+                "entry, and a stream has none (its pairs are tokenized as training reaches them)",
+                "Set data.streaming=false (the pairs go through the token cache; `llmft prepare` builds it "
+                "ahead), or preference.precompute_reference=false (the reference runs on the fly).",
+            )
+        ]
+    return []

@@ -83,8 +83,6 @@ def test_what_is_not_built_is_refused_with_what_works(tmp_path):
         "override 'train.objective=reward': train.objective: reward (reward model) is not implemented yet | "
         "Use train.objective=sft or dpo (docs/preference.md says what is done)."
     ]
-    (pre,) = _problems(tmp_path, "train.objective=dpo", "preference.precompute_reference=true")
-    assert "not implemented yet" in pre
     (ls,) = _problems(tmp_path, "train.objective=dpo", "preference.loss_type=ipo", "preference.label_smoothing=0.1")
     assert "preference.label_smoothing: is 0.1, but only loss_type=sigmoid (conservative DPO) uses it" in ls
 
