@@ -45,7 +45,14 @@ OBJECTIVES: tuple[ObjectiveSpec, ...] = (
         counts="pairs",
         pairs=True,
     ),
-    ObjectiveSpec(name="reward", title="reward model", runtime=None, counts="pairs", head="score", pairs=True),
+    ObjectiveSpec(
+        name="reward",
+        title="reward model",
+        runtime="llmft.objectives.reward:RewardObjective",
+        counts="pairs",
+        head="score",
+        pairs=True,
+    ),
 )
 
 _BY_NAME = {spec.name: spec for spec in OBJECTIVES}
@@ -91,6 +98,15 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
                 where("train.objective"),
                 f"{spec.name} ({spec.title}) is not implemented yet",
                 "Use train.objective=sft or dpo (docs/preference.md says what is done).",
+            )
+        )
+    if spec.head != "lm" and recipe.model.liger_kernels:  # Liger patches a causal LM's head and loss
+        problems.append(
+            Problem(
+                where("model.liger_kernels"),
+                f"is true, but train.objective={spec.name} trains a {spec.head} head, not the causal-LM head "
+                "Liger's fused loss replaces",
+                "Set model.liger_kernels=false.",
             )
         )
     if not spec.pairs:

@@ -1,0 +1,95 @@
+"""Reward models end to end (``train.objective: reward``, docs/preference.md "Reward models"):
+``llmft train`` on the shipped preference pairs, then ``llmft export``: the exported dir loads with
+``AutoModelForSequenceClassification`` and scores pairs as the checkpoint does (to 1e-5), for a
+LoRA adapter merged into a pretrained causal-LM base (the score head is new, trained and saved
+with the adapter) and for a full fine-tune of a fresh ``model.config`` model; the model card names
+the objective."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import ROOT, TINY_LLAMA, metrics, pretrained_model, save_tiny_pretrained, train_inproc
+
+from llmft.consolidate import load_checkpoint_model
+from llmft.export import export
+
+PAIRS = ROOT / "data/preference/train.jsonl"
+
+
+def _recipe(tmp: Path, model: dict, method: str) -> Path:
+    data = tmp / "pairs.jsonl"
+    data.write_text("".join(PAIRS.read_text().splitlines(keepends=True)[:40]))
+    recipe = {
+        "run": {"output_dir": str(tmp / "run"), "seed": 0, "tensorboard": False},
+        "model": model,
+        "peft": {"method": method, "r": 4},
+        "data": {"train": str(data), "max_seq_len": 64, "num_workers": 0, "eval_fraction": 0.1},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 4},
+        "optim": {"name": "adamw", "lr": 1e-2, "scheduler": "constant"},
+        "train": {"objective": "reward", "max_steps": 3, "progress_bar": False, "eval_every_steps": 3},
+        "checkpoint": {"every_steps": 3},
+    }
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def _texts(n: int = 6) -> list[str]:
+    out = []
+    for line in PAIRS.read_text().splitlines()[100 : 100 + n]:
+        pair = json.loads(line)
+        out += [pair["prompt"] + pair["chosen"], pair["prompt"] + pair["rejected"]]
+    return out
+
+
+def _scores(model, tokenizer, texts: list[str]) -> torch.Tensor:
+    """transformers' own scoring: right-padded rows, the score at each row's last non-pad token."""
+    rows = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+
+
+@pytest.mark.parametrize("method", ["lora", "none"])
+def test_exported_reward_model_scores_like_the_checkpoint(tmp_path, method):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if method == "lora":  # a pretrained causal LM: its checkpoint has no score head
+        model = pretrained_model(save_tiny_pretrained(tmp_path / "base", seed=3))
+    else:  # a fresh model.config model
+        model = {"config": TINY_LLAMA, "dtype": "fp32", "attn_implementation": "eager"}
+    recipe = _recipe(tmp_path, model, method)
+    assert train_inproc(recipe) == 0
+    run = tmp_path / "run"
+    rows = metrics(run)
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin"} <= set(rows[-1])
+    assert "logps/chosen" not in rows[-1]  # a score head predicts no tokens
+    assert {"rewards/accuracy", "loss"} <= set(metrics(run, "eval")[-1])
+
+    step = run / "checkpoints/step-3"
+    trained, tokenizer, _, _ = load_checkpoint_model(step)
+    trained.eval()
+    out = export(step, tmp_path / "export", merge_lora=True)
+    exported = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    assert exported.config.num_labels == 1 and exported.config.pad_token_id == tokenizer.pad_token_id
+    texts = _texts()
+    want = _scores(trained, tokenizer, texts)
+    got = _scores(exported, AutoTokenizer.from_pretrained(out), texts)
+    assert want.abs().max() > 0
+    assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
+    if method == "lora":  # the head is trained and saved with the adapter, not left at its init
+        adapter = json.loads((step / "model/adapter_config.json").read_text())
+        assert adapter["task_type"] == "SEQ_CLS" and "score" in adapter["modules_to_save"]
+
+    card = (out / "README.md").read_text()
+    assert "| objective | reward (a scalar score head, loss -log sigmoid(r_chosen - r_rejected) per pair) |" in card
+    assert "pipeline_tag: text-classification" in card and "AutoModelForSequenceClassification" in card
