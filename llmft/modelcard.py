@@ -181,6 +181,51 @@ def render(f: dict[str, Any]) -> str:
         tags=tags,
         datasets=[s for s in f["data"] if _is_hub_id(s)] or None,
     )
+    base, rows = _rows(f)
+    lines = [
+        f"# {f['name']}",
+        "",
+        f"Fine-tuned from {base} with llmft ({_method(f)}).",
+        "",
+        "## Training",
+        "",
+        "| | |",
+        "| --- | --- |",
+        *(f"| {k} | {v} |" for k, v in rows),
+        "",
+        "## Results",
+        "",
+        *_results(f["train"], f["eval"]),
+        "",
+        "## Versions",
+        "",
+        "| package | version |",
+        "| --- | --- |",
+        *(f"| {k} | {v} |" for k, v in sorted(_versions(state).items())),
+        "",
+        "## Use",
+        "",
+        "```python",
+        *_usage(f),
+        "```",
+        "",
+        "## Recipe",
+        "",
+        "The resolved recipe of the run (`llmft train` takes it as it is):",
+        "",
+        "```yaml",
+        _yaml(recipe).rstrip(),
+        "```",
+        "",
+    ]
+    # Front matter by hand rather than ModelCard.from_template: that is a Jinja template, and a
+    # recipe may hold "{{" (a chat template).
+    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
+
+
+def _rows(f: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
+    """The base model in words, and the card's "Training" table."""
+    recipe, state = f["recipe"], f["state"]
     base = f"`{f['base']}`" if f["base"] else f"a randomly initialised `{f['model_type']}` (built from `model.config`)"
     batch = state.get("batch") or {}
     equation = (
@@ -226,45 +271,7 @@ def render(f: dict[str, Any]) -> str:
         ),
         ("seed", str(recipe["run"]["seed"])),
     ]
-    lines = [
-        f"# {f['name']}",
-        "",
-        f"Fine-tuned from {base} with llmft ({_method(f)}).",
-        "",
-        "## Training",
-        "",
-        "| | |",
-        "| --- | --- |",
-        *(f"| {k} | {v} |" for k, v in rows),
-        "",
-        "## Results",
-        "",
-        *_results(f["train"], f["eval"]),
-        "",
-        "## Versions",
-        "",
-        "| package | version |",
-        "| --- | --- |",
-        *(f"| {k} | {v} |" for k, v in sorted(_versions(state).items())),
-        "",
-        "## Use",
-        "",
-        "```python",
-        *_usage(f),
-        "```",
-        "",
-        "## Recipe",
-        "",
-        "The resolved recipe of the run (`llmft train` takes it as it is):",
-        "",
-        "```yaml",
-        _yaml(recipe).rstrip(),
-        "```",
-        "",
-    ]
-    # Front matter by hand rather than ModelCard.from_template: that is a Jinja template, and a
-    # recipe may hold "{{" (a chat template).
-    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
+    return base, rows
 
 
 def _results(train: dict | None, evals: dict | None) -> list[str]:

@@ -26,7 +26,7 @@ from llmft import loss
 from llmft.errors import Problem, UserError
 from llmft.model import kernels
 from llmft.model.adapters import apply_peft, init_adapters
-from llmft.model.heads import configure, init_head, model_class, recipe_head
+from llmft.model.heads import PEFT_TASK_TYPES, configure, init_head, model_class, recipe_head
 from llmft.model.precision import DTYPES, upcast_trainable
 from llmft.model.quant import prepare_kbit, quantization_config, quantized_skeleton
 from llmft.model.source import attn_unavailable, bad_pretrained, first_line, model_config, not_found, resolve_name
@@ -105,7 +105,7 @@ def build_model(
     elif m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GRADIENT_CHECKPOINTING_KWARGS)
     if recipe.peft.method != "none":
-        model = apply_peft(model, recipe.peft, head)
+        model = apply_peft(model, recipe.peft, PEFT_TASK_TYPES[head])
         init_adapters(model, recipe.run.seed)
     return model
 

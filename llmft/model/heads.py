@@ -17,15 +17,21 @@ head (``score``, reward models).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from llmft.model.adapters import base_key
+from llmft.plan.objectives import objective_spec
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from llmft.recipe.schema import Recipe
+
+log = logging.getLogger("llmft")
 
 LM, SCORE = "lm", "score"
 MODEL_CLASSES = {LM: AutoModelForCausalLM, SCORE: AutoModelForSequenceClassification}
@@ -35,8 +41,6 @@ SCORE_MODULE = "score"  # transformers' name of the scalar head (GenericForSeque
 
 def recipe_head(recipe: Recipe) -> str:
     """The head of ``recipe``'s objective (its registry record's ``head``)."""
-    from llmft.plan.objectives import objective_spec
-
     return objective_spec(recipe.train.objective).head
 
 
@@ -56,6 +60,13 @@ def configure(config: PretrainedConfig, head: str, tokenizer: Any) -> None:
     if isinstance(pad, list):
         pad = pad[0]
     config.pad_token_id = text.pad_token_id = pad
+    if pad is not None and pad == getattr(tokenizer, "eos_token_id", None):
+        log.warning(
+            "the tokenizer's pad token is its eos token (id %d): training scores each sequence at its last token "
+            "(its eos), but transformers' sequence classifier scores the rightmost token that is not pad, the one "
+            "before a final eos; give the tokenizer a pad token of its own for an export that scores alike",
+            pad,
+        )
 
 
 def head_keys(model: torch.nn.Module) -> dict[str, torch.Size]:
@@ -64,8 +75,6 @@ def head_keys(model: torch.nn.Module) -> dict[str, torch.Size]:
     score = getattr(model, SCORE_MODULE, None)
     if score is None or not type(model).__name__.endswith("ForSequenceClassification"):
         return {}
-    from llmft.model.adapters import base_key
-
     # PEFT's modules_to_save wrapper holds the head twice (original and trained copy): one base name
     return {base_key(f"{SCORE_MODULE}.{name}"): p.shape for name, p in score.named_parameters()}
 

@@ -50,7 +50,10 @@ def test_the_card_lists_the_objective(lora_run, tmp_path):
     cases = {
         ("dpo", "sigmoid"): "| objective | dpo, loss_type sigmoid, beta 0.1 |",
         ("dpo", "simpo"): "| objective | dpo, loss_type simpo, beta 0.1, simpo_gamma 0.5 |",
-        ("reward", "sigmoid"): "| objective | reward (a scalar score head, loss -log sigmoid(r_chosen - r_rejected) per pair) |",
+        (
+            "reward",
+            "sigmoid",
+        ): "| objective | reward (a scalar score head, loss -log sigmoid(r_chosen - r_rejected) per pair) |",
     }
     for (objective, loss_type), row in cases.items():
         f = copy.deepcopy(facts)

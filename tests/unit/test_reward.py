@@ -87,12 +87,12 @@ def test_loss_and_metrics_are_the_pair_means(tmp_path):
         chosen, rejected = objective.scores(model, batch)
         loss, sums = objective.micro_loss(model, batch, torch.tensor(6.0))
     c, r = chosen.tolist(), rejected.tolist()
-    want_loss = sum(-math.log(1 / (1 + math.exp(-(a - b)))) for a, b in zip(c, r)) / 6
+    want_loss = sum(-math.log(1 / (1 + math.exp(-(a - b)))) for a, b in zip(c, r, strict=True)) / 6
     assert abs(float(loss) - want_loss) <= 1e-6 * max(1.0, want_loss)
     m = objective.metrics(sums.tolist(), 6.0)
     assert set(m) == {"rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin"}
     assert abs(m["rewards/chosen"] - sum(c) / 6) < 1e-6 and abs(m["rewards/rejected"] - sum(r) / 6) < 1e-6
-    assert m["rewards/accuracy"] == sum(a > b for a, b in zip(c, r)) / 6
+    assert m["rewards/accuracy"] == sum(a > b for a, b in zip(c, r, strict=True)) / 6
     assert abs(m["rewards/margin"] - (sum(c) - sum(r)) / 6) < 1e-6
 
 
