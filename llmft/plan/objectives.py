@@ -109,6 +109,15 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
                 "Set model.liger_kernels=false.",
             )
         )
+    if spec.head != "lm" and recipe.train.eval_generate_samples:  # a score head generates no text
+        problems.append(
+            Problem(
+                where("train.eval_generate_samples"),
+                f"is {recipe.train.eval_generate_samples}, but train.objective={spec.name} trains a {spec.head} "
+                "head, which generates no text",
+                "Set train.eval_generate_samples=0 (the eval reports the pair loss and rewards/accuracy).",
+            )
+        )
     if not spec.pairs:
         return problems
     if p.label_smoothing and p.loss_type != "sigmoid":

@@ -146,7 +146,7 @@ def test_a_causal_lm_checkpoint_gets_the_seeded_head(tmp_path):
     assert torch.equal(head, want)
 
 
-def test_resolve_accepts_reward_and_refuses_liger(tmp_path):
+def test_resolve_accepts_reward_and_refuses_liger_and_generation(tmp_path):
     plan = _plan(tmp_path, "lora", 2, "model.chunked_loss=true")
     assert plan.objective_spec.head == "score" and not plan.chunked_loss  # a score head has no vocabulary
     with pytest.raises(UserError) as e:
@@ -155,3 +155,52 @@ def test_resolve_accepts_reward_and_refuses_liger(tmp_path):
         "model.liger_kernels: is true, but train.objective=reward trains a score head, not the causal-LM head "
         "Liger's fused loss replaces" in str(e.value)
     )
+    with pytest.raises(UserError) as e:
+        _plan(tmp_path, "none", 2, "train.eval_generate_samples=10")
+    assert (
+        "train.eval_generate_samples: is 10, but train.objective=reward trains a score head, which generates no "
+        "text. Set train.eval_generate_samples=0" in str(e.value)
+    )
+
+
+def _run(plan, steps: list[list[dict]], start: int, stop: int, load_from=None, save_to=None):
+    """Steps ``start`` .. ``stop`` of a reward run (AdamW) through the real loop, from a saved engine and
+    schedule (``load_from``) or fresh; saves both to ``save_to``. Returns the trainable weights."""
+    from llmft.engines import build_engine
+    from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
+    from llmft.objectives import build_objective
+    from llmft.optim import build_optimizer, build_scheduler
+    from llmft.stop import StopRequest
+
+    optim = plan.recipe.optim
+    engine = build_engine(plan, DistEnv(), byte_tokenizer(), lambda m: build_optimizer(m, optim, optim.lr))
+    objective = build_objective(plan, engine)
+    scheduler = build_scheduler(engine.optimizer, optim, len(steps))
+    if load_from is not None:
+        engine.load(load_from, load_optimizer=True)
+        scheduler.load_state_dict(torch.load(load_from / "scheduler.pt"))
+    batches = iter([mb for step in steps[start:stop] for mb in step])
+    hooks = LoopHooks(log_train=lambda row: None, evaluate=lambda s: None, checkpoint=lambda s: None)
+    args = (engine, objective, scheduler, batches, plan.batch, DistEnv(), LoopConfig(max_steps=stop))
+    train_loop(*args, LoopState(step=start), hooks, StopRequest())
+    if save_to is not None:
+        save_to.mkdir()
+        engine.save(save_to, save_optimizer=True)
+        torch.save(scheduler.state_dict(), save_to / "scheduler.pt")
+    return {n: p.detach().clone() for n, p in engine.unwrap().named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("method", ["lora", "none"])
+def test_resume_is_bit_exact(tmp_path, method):
+    """4 AdamW steps straight == 2 steps, save (the LoRA head saved with the adapter), a new engine, load,
+    2 more steps: the head and everything else to the bit."""
+    plan = _plan(tmp_path, method, 2, "optim.name=adamw", "optim.lr=1e-2")
+    pairs = make_pairs(16, seed=6)
+    steps = [micro_batches(pairs[i : i + 4], 2) for i in range(0, 16, 4)]
+    straight = _run(plan, steps, 0, 4)
+    _run(plan, steps, 0, 2, save_to=tmp_path / "ckpt")
+    resumed = _run(plan, steps, 2, 4, load_from=tmp_path / "ckpt")
+    assert straight.keys() == resumed.keys() and any("score" in k for k in straight)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    first_two = _run(plan, steps, 0, 2)
+    assert all(not torch.equal(straight[k], first_two[k]) for k in straight if "score" in k)  # the head moved
