@@ -265,18 +265,21 @@ def _from_pretrained(
 ) -> PreTrainedModel:
     """A pretrained model; a score head its checkpoint lacks gets llmft's seeded init (``llmft.model.heads``)."""
     name = resolve_name(m.name_or_path)
+    # transformers draws the init of weights the checkpoint lacks (a new score head) from the global RNG:
+    # forked, so that data order and dropout see the RNG a meta-device build (which draws none) leaves
     try:
-        model, info = model_class(head).from_pretrained(
-            name,
-            config=config,
-            revision=m.revision,
-            trust_remote_code=m.trust_remote_code,
-            dtype=dtype,
-            attn_implementation=m.attn_implementation,
-            quantization_config=quant,
-            device_map=device_map,
-            output_loading_info=True,
-        )
+        with _rng_kept(device_map):
+            model, info = model_class(head).from_pretrained(
+                name,
+                config=config,
+                revision=m.revision,
+                trust_remote_code=m.trust_remote_code,
+                dtype=dtype,
+                attn_implementation=m.attn_implementation,
+                quantization_config=quant,
+                device_map=device_map,
+                output_loading_info=True,
+            )
     except ImportError as e:
         raise attn_unavailable(m, e) from None
     except OSError as e:  # config found but weights missing (or not cached)
@@ -285,6 +288,14 @@ def _from_pretrained(
         raise bad_pretrained(m, name, e) from None
     init_head(model, seed, list(info.get("missing_keys", ())))
     return model
+
+
+def _rng_kept(device_map: dict[str, str] | None) -> ContextManager:
+    """The global RNG of the CPU (and of the CUDA device a model is loaded on) as it was, afterwards."""
+    device = torch.device(device_map[""]) if device_map else torch.device("cpu")
+    if device.type == "cuda":
+        return torch.random.fork_rng(devices=[device.index or 0])
+    return torch.random.fork_rng(devices=[])
 
 
 def _architecture(m: ModelConfig, config: PretrainedConfig, dtype: torch.dtype, head: str) -> PreTrainedModel:

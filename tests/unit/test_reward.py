@@ -129,7 +129,9 @@ def test_a_causal_lm_checkpoint_gets_the_seeded_head(tmp_path):
     base = save_tiny_pretrained(tmp_path / "base", seed=3)
     recipe = write_recipe(tmp_path, model=pretrained_model(base))
     plan = resolve(load_recipe(recipe, ["train.objective=reward"]))
+    rng = torch.random.get_rng_state()
     a = build_model(plan.recipe, byte_tokenizer())
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the new head drew nothing from the global RNG
     b = build_model(plan.recipe, byte_tokenizer())
     assert type(a).__name__ == "LlamaForSequenceClassification" and a.config.num_labels == 1
     assert a.config.pad_token_id == byte_tokenizer().pad_token_id
