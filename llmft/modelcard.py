@@ -296,6 +296,8 @@ def _usage(f: dict) -> list[str]:
         f'model = {auto}.from_pretrained("THIS_DIR_OR_REPO"{extra if f["adapter"] else ""})',
         'tokenizer = AutoTokenizer.from_pretrained("THIS_DIR_OR_REPO")',
     ]
+    if f["objective"] == "reward" and f["adapter"]:  # an adapter dir has no config of its own
+        lines.append("model.config.pad_token_id = tokenizer.pad_token_id")
     if f["objective"] == "reward":
         lines.append("score = model(**tokenizer(text, return_tensors='pt')).logits[0, 0]  # its last token's score")
     return lines

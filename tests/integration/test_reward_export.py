@@ -2,8 +2,8 @@
 ``llmft train`` on the shipped preference pairs, then ``llmft export``: the exported dir loads with
 ``AutoModelForSequenceClassification`` and scores pairs as the checkpoint does (to 1e-5), for a
 LoRA adapter merged into a pretrained causal-LM base (the score head is new, trained and saved
-with the adapter) and for a full fine-tune of a fresh ``model.config`` model; the model card names
-the objective."""
+with the adapter; and the adapter export loaded with PEFT's ``AutoPeftModelForSequenceClassification``)
+and for a full fine-tune of a fresh ``model.config`` model; the model card names the objective."""
 
 from __future__ import annotations
 
@@ -87,8 +87,17 @@ def test_exported_reward_model_scores_like_the_checkpoint(tmp_path, method):
     assert want.abs().max() > 0
     assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
     if method == "lora":  # the head is trained and saved with the adapter, not left at its init
+        from peft import AutoPeftModelForSequenceClassification
+
         adapter = json.loads((step / "model/adapter_config.json").read_text())
         assert adapter["task_type"] == "SEQ_CLS" and "score" in adapter["modules_to_save"]
+        # the adapter export, as the model card shows it; an adapter dir has no config: the pad token is set here
+        peft_model = AutoPeftModelForSequenceClassification.from_pretrained(
+            export(step, tmp_path / "adapter"), num_labels=1
+        ).eval()
+        peft_model.config.pad_token_id = tokenizer.pad_token_id
+        got = _scores(peft_model, tokenizer, texts)
+        assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
 
     card = (out / "README.md").read_text()
     assert "| objective | reward (a scalar score head, loss -log sigmoid(r_chosen - r_rejected) per pair) |" in card
