@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import ROOT, TINY_LLAMA, metrics, pretrained_model, save_tiny_pretrained, train_inproc
+from helpers import (
+    ROOT,
+    TINY_LLAMA,
+    metrics,
+    preference_texts,
+    pretrained_model,
+    reward_scores,
+    save_tiny_pretrained,
+    train_inproc,
+)
 
 from llmft.consolidate import load_checkpoint_model
 from llmft.export import export
@@ -39,26 +48,6 @@ def _recipe(tmp: Path, model: dict, method: str) -> Path:
     return path
 
 
-def _texts(n: int = 6) -> list[str]:
-    out = []
-    for line in PAIRS.read_text().splitlines()[100 : 100 + n]:
-        pair = json.loads(line)
-        out += [pair["prompt"] + pair["chosen"], pair["prompt"] + pair["rejected"]]
-    return out
-
-
-def _scores(model, tokenizer, texts: list[str]) -> torch.Tensor:
-    """transformers' own scoring: right-padded rows, the score at each row's last non-pad token."""
-    rows = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
-
-
 @pytest.mark.parametrize("method", ["lora", "none"])
 def test_exported_reward_model_scores_like_the_checkpoint(tmp_path, method):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -81,9 +70,9 @@ def test_exported_reward_model_scores_like_the_checkpoint(tmp_path, method):
     out = export(step, tmp_path / "export", merge_lora=True)
     exported = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
     assert exported.config.num_labels == 1 and exported.config.pad_token_id == tokenizer.pad_token_id
-    texts = _texts()
-    want = _scores(trained, tokenizer, texts)
-    got = _scores(exported, AutoTokenizer.from_pretrained(out), texts)
+    texts = preference_texts()
+    want = reward_scores(trained, tokenizer, texts)
+    got = reward_scores(exported, AutoTokenizer.from_pretrained(out), texts)
     assert want.abs().max() > 0
     assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
     if method == "lora":  # the head is trained and saved with the adapter, not left at its init
@@ -96,7 +85,7 @@ def test_exported_reward_model_scores_like_the_checkpoint(tmp_path, method):
             export(step, tmp_path / "adapter"), num_labels=1
         ).eval()
         peft_model.config.pad_token_id = tokenizer.pad_token_id
-        got = _scores(peft_model, tokenizer, texts)
+        got = reward_scores(peft_model, tokenizer, texts)
         assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
 
     card = (out / "README.md").read_text()
