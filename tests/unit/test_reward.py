@@ -206,3 +206,15 @@ def test_resume_is_bit_exact(tmp_path, method):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     first_two = _run(plan, steps, 0, 2)
     assert all(not torch.equal(straight[k], first_two[k]) for k in straight if "score" in k)  # the head moved
+
+
+def test_qlora_keeps_the_score_head_unquantized_and_trained(tmp_path):
+    """A 4-bit base (bitsandbytes on the CPU here): the decoder's linear layers are packed, the score head
+    stays a plain trainable Linear beside the adapters (PEFT's modules_to_save copy)."""
+    plan = _plan(tmp_path, "lora", 2, "model.quantization={bits: 4}", "model.dtype=bf16")
+    model = build_model(plan.recipe, byte_tokenizer())
+    modules = dict(model.named_modules())
+    assert type(modules["base_model.model.model.layers.0.mlp.up_proj.base_layer"]).__name__ == "Linear4bit"
+    head = modules["base_model.model.score.modules_to_save.default"]
+    assert type(head) is torch.nn.Linear and head.weight.requires_grad
+    assert not modules["base_model.model.score.original_module"].weight.requires_grad
