@@ -148,7 +148,7 @@ def test_a_causal_lm_checkpoint_gets_the_seeded_head(tmp_path):
     assert torch.equal(head, want)
 
 
-def test_resolve_accepts_reward_and_refuses_liger_and_generation(tmp_path):
+def test_resolve_accepts_reward_and_refuses_what_it_cannot_do(tmp_path):
     plan = _plan(tmp_path, "lora", 2, "model.chunked_loss=true")
     assert plan.objective_spec.head == "score" and not plan.chunked_loss  # a score head has no vocabulary
     with pytest.raises(UserError) as e:
@@ -162,6 +162,12 @@ def test_resolve_accepts_reward_and_refuses_liger_and_generation(tmp_path):
     assert (
         "train.eval_generate_samples: is 10, but train.objective=reward trains a score head, which generates no "
         "text. Set train.eval_generate_samples=0" in str(e.value)
+    )
+    with pytest.raises(UserError) as e:
+        _plan(tmp_path, "lora", 2, "preference.beta=0.5")
+    assert (
+        "preference.beta: is 0.5, but train.objective=reward does not read preference.* (the DPO family's "
+        "settings). Remove it (default 0.1), or set train.objective=dpo." in str(e.value)
     )
 
 
