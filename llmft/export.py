@@ -37,7 +37,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -56,6 +56,7 @@ from llmft.checkpoint.verify import verify
 from llmft.consolidate import checkpoint_engine, load_checkpoint_model, offline_recipe
 from llmft.errors import Problem, UserError
 from llmft.model.build import build_model, load_base_model
+from llmft.model.heads import LM, model_class, recipe_head
 from llmft.model.precision import DTYPES
 from llmft.model.save import plain_config, staged
 from llmft.model.source import resolve_name
@@ -196,7 +197,8 @@ def write_full_streamed(step_dir: Path, recipe: Recipe, dtype: torch.dtype, out:
     stream_reader = engine_spec(checkpoint_engine(step_dir)).stream_reader
     assert stream_reader is not None, "only sharded checkpoints are streamed"
     read = load(stream_reader)(step_dir)
-    model = build_model(offline_recipe(recipe), None, init_context=lambda: torch.device("meta"))
+    tokenizer = _step_tokenizer(step_dir)  # a score head's config takes its pad token
+    model = build_model(offline_recipe(recipe), tokenizer, init_context=lambda: torch.device("meta"))
     entries, seen = [], set()
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in seen:  # a tied weight once, under its first name
@@ -255,16 +257,29 @@ def _write_merged(step_dir: Path, model_dir: Path, recipe: Recipe, dtype: torch.
     only where the base has no safetensors files here (a fresh base that training did not save)
     or the adapter is not plain LoRA (DoRA, rank patterns) is the base built and merged by PEFT."""
     base_dir = _base_weights_dir(step_dir, recipe)
+    if base_dir is not None and not _has_head(base_dir, recipe_head(recipe)):
+        base_dir = None  # e.g. a causal LM's files under a reward model's adapter: the head is built, not streamed
     deltas = lora_deltas(model_dir) if base_dir is not None else None
     if base_dir is not None and deltas is not None:
         stream_model(base_dir, out, dtype, deltas)
         return
     from peft import PeftModel
 
-    log.info("merging in memory: %s", "the base has no weight files" if base_dir is None else "not plain LoRA")
+    log.info(
+        "merging in memory: %s",
+        "the base has no weight files of this head" if base_dir is None else "not plain LoRA",
+    )
     base = _load_base(step_dir, recipe, dtype)
     merged = PeftModel.from_pretrained(base, model_dir).merge_and_unload()
     _save_for_inference(merged, dtype, out)
+
+
+def _has_head(model_dir: Path, head: str) -> bool:
+    """Whether the model dir's architecture is the one of ``head`` (a score head: a sequence classifier)."""
+    if head == LM:
+        return True
+    architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    return any(a.endswith("ForSequenceClassification") for a in architectures)
 
 
 # --- streaming: one weight file in memory at a time ----------------------------------------------
@@ -423,11 +438,10 @@ def _write_base(step_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path) -
 
 
 def _load_base(step_dir: Path, recipe: Recipe, dtype: torch.dtype) -> PreTrainedModel:
-    from transformers import AutoModelForCausalLM
-
+    head = recipe_head(recipe)
     saved = _saved_base(step_dir) if recipe.model.config is not None else None
     if saved is not None:
-        return AutoModelForCausalLM.from_pretrained(saved, dtype=dtype, use_safetensors=True)
+        return model_class(head).from_pretrained(saved, dtype=dtype, use_safetensors=True)
     if recipe.model.config is not None:
         log.warning(
             "no saved base model beside %s: rebuilding it from model.config and run.seed=%d; the weights "
@@ -435,7 +449,16 @@ def _load_base(step_dir: Path, recipe: Recipe, dtype: torch.dtype) -> PreTrained
             step_dir,
             recipe.run.seed,
         )
-    return load_base_model(recipe, dtype=dtype)
+    return load_base_model(recipe, dtype=dtype, tokenizer=_step_tokenizer(step_dir))
+
+
+def _step_tokenizer(step_dir: Path) -> Any:
+    """The checkpoint's tokenizer (its pad token goes into a score head's config), or None."""
+    if not (step_dir / TOKENIZER_DIR).is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(step_dir / TOKENIZER_DIR)
 
 
 def _save_for_inference(model: PreTrainedModel, dtype: torch.dtype, out: Path) -> None:

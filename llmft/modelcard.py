@@ -61,6 +61,7 @@ def card_facts(step_dir: Path, out: Path) -> dict[str, Any]:
         "base_is_hub_id": _is_hub_id(model.get("name_or_path")),
         "model_type": (model.get("config") or {}).get("model_type"),
         "method": peft["method"],
+        "objective": (recipe.get("train") or {}).get("objective", "sft"),
         "quantization": model.get("quantization"),
         "license": _base_license(model.get("name_or_path"), model.get("revision")),
         "data": _sources(recipe["data"]["train"]),
@@ -144,11 +145,30 @@ def _method(f: dict) -> str:
     return f["method"].upper() + (f" on an {q['bits']}-bit base" if q else "")
 
 
+def _objective(recipe: dict) -> str:
+    """``train.objective`` in words: sft; dpo with its loss_type and beta (and what else it reads); reward."""
+    objective = (recipe.get("train") or {}).get("objective", "sft")
+    if objective == "sft":
+        return "sft (next-token loss on the target tokens)"
+    if objective == "reward":
+        return "reward (a scalar score head, loss -log sigmoid(r_chosen - r_rejected) per pair)"
+    p = recipe.get("preference") or {}
+    words = f"{objective}, loss_type {p.get('loss_type')}, beta {p.get('beta')}"
+    if p.get("label_smoothing"):
+        words += f", label_smoothing {p['label_smoothing']}"
+    if p.get("loss_type") == "simpo":
+        words += f", simpo_gamma {p.get('simpo_gamma')}"
+    return words
+
+
 def render(f: dict[str, Any]) -> str:
     from huggingface_hub import ModelCardData
 
     recipe, state = f["recipe"], f["state"]
-    tags = ["llmft", "text-generation"]
+    scorer = f["objective"] == "reward"  # a sequence classifier: scores, not text
+    tags = ["llmft", "text-classification" if scorer else "text-generation"]
+    if f["objective"] != "sft":
+        tags.append(f["objective"])
     if f["method"] != "none":
         tags.append(f["method"])
     if f["quantization"] and f["quantization"].get("bits") == 4 and f["method"] != "none":
@@ -157,54 +177,11 @@ def render(f: dict[str, Any]) -> str:
         base_model=f["base"] if f["base_is_hub_id"] else None,
         library_name="peft" if f["adapter"] else "transformers",
         license=f["license"],
-        pipeline_tag="text-generation",
+        pipeline_tag="text-classification" if scorer else "text-generation",
         tags=tags,
         datasets=[s for s in f["data"] if _is_hub_id(s)] or None,
     )
-    base = f"`{f['base']}`" if f["base"] else f"a randomly initialised `{f['model_type']}` (built from `model.config`)"
-    batch = state.get("batch") or {}
-    equation = (
-        f"micro {batch['micro_batch_size']} x accumulation {batch['gradient_accumulation_steps']} "
-        f"x data-parallel {batch['dp_size']} = global {batch['global_batch_size']}"
-        if batch
-        else "unknown"
-    )
-    peft = recipe["peft"]
-    q = f["quantization"]
-    optim = recipe["optim"]
-    rows = [
-        ("base model", base),
-        ("method", _method(f)),
-        (
-            "export",
-            "PEFT adapter" if f["adapter"] else "full model (merged)" if f["method"] != "none" else "full model",
-        ),
-    ]
-    if f["method"] != "none":
-        targets = peft["target_modules"]
-        targets = ", ".join(targets) if isinstance(targets, list) else targets
-        rows.append(("adapter", f"r {peft['r']}, alpha {peft['alpha']}, dropout {peft['dropout']}, targets {targets}"))
-    if q:
-        rows.append(
-            ("quantization", f"{q['bits']}-bit ({q.get('quant_type', '')}, double quant {q.get('double_quant')})")
-        )
-    rows += [
-        ("training dtype", recipe["model"]["dtype"]),
-        ("data", _data_line(f["data"], state.get("data_sources") or [])),
-        ("target tokens trained", f"{state['tokens']:,}" if "tokens" in state else "unknown"),
-        ("sequences trained", f"{state['samples']:,}" if "samples" in state else "unknown"),
-        ("optimizer steps", str(state.get("step", "unknown"))),
-        ("batch", f"{equation} sequences of up to {recipe['data']['max_seq_len']} tokens"),
-        (
-            "engine",
-            f"{state.get('engine', recipe['distributed']['engine'])}, {state.get('world_size', '?')} process(es)",
-        ),
-        (
-            "optimizer",
-            f"{optim['name']}, lr {optim['lr']}, {optim['scheduler']} schedule, {optim['warmup_steps']} warmup",
-        ),
-        ("seed", str(recipe["run"]["seed"])),
-    ]
+    base, rows = _rows(f)
     lines = [
         f"# {f['name']}",
         "",
@@ -246,6 +223,57 @@ def render(f: dict[str, Any]) -> str:
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
 
 
+def _rows(f: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
+    """The base model in words, and the card's "Training" table."""
+    recipe, state = f["recipe"], f["state"]
+    base = f"`{f['base']}`" if f["base"] else f"a randomly initialised `{f['model_type']}` (built from `model.config`)"
+    batch = state.get("batch") or {}
+    equation = (
+        f"micro {batch['micro_batch_size']} x accumulation {batch['gradient_accumulation_steps']} "
+        f"x data-parallel {batch['dp_size']} = global {batch['global_batch_size']}"
+        if batch
+        else "unknown"
+    )
+    peft = recipe["peft"]
+    q = f["quantization"]
+    optim = recipe["optim"]
+    rows = [
+        ("base model", base),
+        ("method", _method(f)),
+        ("objective", _objective(recipe)),
+        (
+            "export",
+            "PEFT adapter" if f["adapter"] else "full model (merged)" if f["method"] != "none" else "full model",
+        ),
+    ]
+    if f["method"] != "none":
+        targets = peft["target_modules"]
+        targets = ", ".join(targets) if isinstance(targets, list) else targets
+        rows.append(("adapter", f"r {peft['r']}, alpha {peft['alpha']}, dropout {peft['dropout']}, targets {targets}"))
+    if q:
+        rows.append(
+            ("quantization", f"{q['bits']}-bit ({q.get('quant_type', '')}, double quant {q.get('double_quant')})")
+        )
+    rows += [
+        ("training dtype", recipe["model"]["dtype"]),
+        ("data", _data_line(f["data"], state.get("data_sources") or [])),
+        ("target tokens trained", f"{state['tokens']:,}" if "tokens" in state else "unknown"),
+        ("sequences trained", f"{state['samples']:,}" if "samples" in state else "unknown"),
+        ("optimizer steps", str(state.get("step", "unknown"))),
+        ("batch", f"{equation} sequences of up to {recipe['data']['max_seq_len']} tokens"),
+        (
+            "engine",
+            f"{state.get('engine', recipe['distributed']['engine'])}, {state.get('world_size', '?')} process(es)",
+        ),
+        (
+            "optimizer",
+            f"{optim['name']}, lr {optim['lr']}, {optim['scheduler']} schedule, {optim['warmup_steps']} warmup",
+        ),
+        ("seed", str(recipe["run"]["seed"])),
+    ]
+    return base, rows
+
+
 def _results(train: dict | None, evals: dict | None) -> list[str]:
     out = []
     if train:
@@ -257,20 +285,22 @@ def _results(train: dict | None, evals: dict | None) -> list[str]:
 
 
 def _usage(f: dict) -> list[str]:
-    if f["adapter"]:
-        return [
-            "from peft import AutoPeftModelForCausalLM",
-            "from transformers import AutoTokenizer",
-            "",
-            'model = AutoPeftModelForCausalLM.from_pretrained("THIS_DIR_OR_REPO")',
-            'tokenizer = AutoTokenizer.from_pretrained("THIS_DIR_OR_REPO")',
-        ]
-    return [
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "",
-        'model = AutoModelForCausalLM.from_pretrained("THIS_DIR_OR_REPO")',
+    kind, extra = ("SequenceClassification", ", num_labels=1") if f["objective"] == "reward" else ("CausalLM", "")
+    lines = (
+        [f"from peft import AutoPeftModelFor{kind}", "from transformers import AutoTokenizer", ""]
+        if f["adapter"]
+        else [f"from transformers import AutoModelFor{kind}, AutoTokenizer", ""]
+    )
+    auto = f"AutoPeftModelFor{kind}" if f["adapter"] else f"AutoModelFor{kind}"
+    lines += [
+        f'model = {auto}.from_pretrained("THIS_DIR_OR_REPO"{extra if f["adapter"] else ""})',
         'tokenizer = AutoTokenizer.from_pretrained("THIS_DIR_OR_REPO")',
     ]
+    if f["objective"] == "reward" and f["adapter"]:  # an adapter dir has no config of its own
+        lines.append("model.config.pad_token_id = tokenizer.pad_token_id")
+    if f["objective"] == "reward":
+        lines.append("score = model(**tokenizer(text, return_tensors='pt')).logits[0, 0]  # its last token's score")
+    return lines
 
 
 def _yaml(recipe: dict) -> str:

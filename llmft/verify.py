@@ -2,16 +2,23 @@
 
 One optimizer step's gradient is computed three ways from the same weights and
 the first global batch of the real data order (``GlobalOrder`` +
-``MicroBatchSampler``, exactly the sequences step 1 of ``llmft train`` sees):
+``MicroBatchSampler``, exactly the items step 1 of ``llmft train`` sees), with
+the run's own objective (``llmft.objectives``: SFT counts target tokens, ``dpo``
+and ``reward`` count pairs, ``ObjectiveSpec.counts``):
 
-- **big batch**: one forward/backward of all G sequences, loss = the token mean
-  (transformers' own ``mean`` reduction, independent of llmft's arithmetic);
+- **big batch**: one forward/backward of all G items (sequences, or pairs), loss
+  = the objective's loss of that one batch, normalised by its own count (for
+  SFT transformers' token mean);
 - **llmft**: the configured split, computed as ``loop.py`` does it: each micro
-  loss is its token-loss sum divided by the target tokens of the whole global
-  batch (``num_items_in_batch``), gradients summed over the micro-steps;
-- **naive**: each micro loss is its own token mean divided by the number of
-  micro-batches (what per-micro-batch averaging gives), shown so that the user
-  sees the size of the error llmft avoids.
+  loss is the objective's numerator divided by the count (target tokens, pairs)
+  of the whole global batch, gradients summed over the micro-steps;
+- **naive**: each micro loss is its own mean (normalised by its own count)
+  divided by the number of micro-batches (what per-micro-batch averaging gives:
+  TRL's DPO), shown so that the user sees the size of the error llmft avoids.
+
+A preference run builds its reference as training does in one process
+(``llmft.engines.base.unsharded_reference``: LoRA's is the policy with adapters
+disabled, a full fine-tune's a frozen copy, or the named model).
 
 Relative differences ``|g - g_big| / |g_big|`` are reported per trainable
 tensor and over all of them; the check fails when the largest one exceeds the
@@ -41,21 +48,27 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmft.data import MicroBatchSampler, build_data, collate, count_targets
+from llmft.data import MicroBatchSampler, build_data, collate
 from llmft.dist import DistEnv
 from llmft.engines import autocast_for
+from llmft.engines.base import unsharded_reference
 from llmft.errors import Problem, UserError
 from llmft.model.build import prepare_model
 from llmft.model.precision import compute_dtype
 from llmft.model.structure import describe
-from llmft.objectives.sft import micro_loss
+from llmft.objectives import Objective, build_objective
 from llmft.plan.batch import BatchPlan, divisors
 from llmft.plan.resolve import RunPlan, load_plan
 from llmft.run import seed_everything
 from llmft.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 WORST_SHOWN = 5  # tensors listed in the table besides the global row
 
@@ -72,15 +85,17 @@ class TensorDiff:
 
 @dataclass
 class VerifyResult:
-    plan: BatchPlan  # the split that was checked (global = the sequences used)
+    plan: BatchPlan  # the split that was checked (global = the items used)
     configured_global: int  # the recipe's global batch (plan.global_batch_size < it with --samples)
-    targets: list[list[int]]  # target tokens per rank, per micro-batch
+    targets: list[list[int]]  # the objective's count (target tokens, or pairs) per rank, per micro-batch
     losses: dict[str, float]  # big, llmft, naive: the step's loss as each computation sees it
     overall: TensorDiff  # all trainable tensors as one vector
     tensors: list[TensorDiff] = field(default_factory=list)
     dtype: str = "fp32"
     device: str = "cpu"
     params: str = ""
+    counts: str = "tokens"  # what the objective normalises by (ObjectiveSpec.counts)
+    objective: str = "sft"
 
     @property
     def worst(self) -> TensorDiff:
@@ -113,21 +128,11 @@ def verify(
 def load_for_verify(recipe_path: str, overrides: list[str] | tuple[str, ...] = ()) -> RunPlan:
     """The run on its own layout (its dp is emulated), in fp32 unless ``model.dtype`` is overridden."""
     # Later overrides win, so a user's model.dtype=bf16 replaces this default.
-    plan = load_plan(recipe_path, ["model.dtype=fp32", *overrides])
-    if plan.objective_spec.counts != "tokens":  # its check counts target tokens: it would prove nothing
-        raise UserError(
-            Problem(
-                "train.objective",
-                f"llmft verify does not check {plan.objective} runs yet",
-                "tests/distributed/test_preference_engines.py holds the big-batch equivalence for dpo "
-                "(docs/preference.md); verify an SFT recipe of the same model.",
-            )
-        )
-    return plan
+    return load_plan(recipe_path, ["model.dtype=fp32", *overrides])
 
 
 def split_for_samples(plan: BatchPlan, samples: int | None) -> BatchPlan:
-    """``--samples N``: the first N sequences, same micro-batch and ranks, fewer accumulation steps."""
+    """``--samples N``: the first N items (sequences, or pairs), same micro-batch and ranks, fewer accumulation steps."""
     if samples is None:
         return plan
     unit = plan.micro_batch_size * plan.dp_size
@@ -156,19 +161,30 @@ def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult
     ranks, big = _first_step(data.train, order, plan, tokenizer.pad_token_id)
 
     device = DistEnv().device
-    model = prepare_model(run.on_one_process(), tokenizer, device)  # the ranks are emulated in this process
+    one = run.on_one_process()  # the ranks are emulated in this process
+    model = prepare_model(one, tokenizer, device)
+    objective = _objective(one, model, tokenizer, device)
     _switch_off_dropout(model)
     dtype = compute_dtype(recipe)
 
     def autocast():
         return autocast_for(dtype, device)
 
-    targets = [[_count(mb) for mb in micro_batches] for micro_batches in ranks]
-    g_big, loss_big = _big_batch_grads(model, big, device, autocast, plan)
-    g_llmft, loss_llmft = _accumulated_grads(model, ranks, sum(map(sum, targets)), device, autocast, naive=False)
+    def loss_of(batch: dict[str, Any], count: int | None = None) -> torch.Tensor:
+        """The objective's loss of ``batch`` over ``count`` items of the normaliser (None: its own)."""
+        batch = _to(batch, device)
+        count = objective.count(batch) if count is None else count
+        with autocast():
+            return objective.micro_loss(model, batch, torch.tensor(float(max(count, 1)), device=device))[0]
+
+    targets = [[objective.count(mb) for mb in micro_batches] for micro_batches in ranks]
+    total = sum(map(sum, targets))
+    g_big, loss_big = _big_batch_grads(model, big, loss_of, plan, _items(run))
+    g_llmft, loss_llmft = _accumulated_grads(model, ranks, lambda mb: loss_of(mb, total))
     llmft = _compare(g_big, g_llmft)
     del g_llmft
-    g_naive, loss_naive = _accumulated_grads(model, ranks, sum(map(sum, targets)), device, autocast, naive=True)
+    per_step = sum(len(micro_batches) for micro_batches in ranks)  # accumulation x dp
+    g_naive, loss_naive = _accumulated_grads(model, ranks, lambda mb: loss_of(mb) / per_step)
     naive = _compare(g_big, g_naive)
     tensors = [TensorDiff(name, *llmft[name][:2], naive[name][1]) for name in g_big]
     overall = TensorDiff("all", *llmft[None][:2], naive[None][1])
@@ -182,7 +198,20 @@ def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult
         dtype=recipe.model.dtype,
         device=str(device),
         params=describe(model),
+        counts=run.objective_spec.counts,
+        objective=run.objective,
     )
+
+
+def _objective(plan: RunPlan, model: torch.nn.Module, tokenizer: Any, device: torch.device) -> Objective:
+    """The run's objective over ``model``, with the reference a preference run builds in one process."""
+    engine = SimpleNamespace(unwrap=lambda: model, reference=unsharded_reference(plan, tokenizer, device, model))
+    return build_objective(plan, engine)
+
+
+def _items(plan: RunPlan) -> str:
+    """What one item of the batch is, in messages."""
+    return "pairs" if plan.objective_spec.pairs else "sequences"
 
 
 def _first_step(dataset, order, plan: BatchPlan, pad_id: int):
@@ -199,10 +228,6 @@ def _first_step(dataset, order, plan: BatchPlan, pad_id: int):
     return ranks, collate([dataset[i] for i in whole], pad_id)
 
 
-def _count(batch: dict[str, torch.Tensor]) -> int:
-    return count_targets(batch["labels"])
-
-
 def _switch_off_dropout(model: torch.nn.Module) -> None:
     """Training mode (as the loop runs it), but deterministic: no dropout anywhere."""
     model.train()
@@ -213,8 +238,8 @@ def _switch_off_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0  # HF attention applies it functionally while training
 
 
-def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in batch.items()}
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def _take_grads(model: torch.nn.Module) -> Grads:
@@ -228,18 +253,20 @@ def _take_grads(model: torch.nn.Module) -> Grads:
     return out
 
 
-def _big_batch_grads(model, batch, device, autocast, plan: BatchPlan) -> tuple[Grads, float]:
+def _big_batch_grads(
+    model, batch, loss_of: Callable[[dict[str, Any]], torch.Tensor], plan: BatchPlan, items: str = "sequences"
+) -> tuple[Grads, float]:
     model.zero_grad(set_to_none=True)
+    device = next(model.parameters(), torch.empty(0)).device
     try:
-        with autocast():
-            loss = micro_loss(model, _to(batch, device), None)  # transformers' token mean
+        loss = loss_of(batch)  # the big batch's own mean (SFT: transformers' token mean)
         loss.backward()
     except torch.OutOfMemoryError:
         model.zero_grad(set_to_none=True)
         raise UserError(
             Problem(
                 "--samples",
-                f"the big batch of {plan.global_batch_size} sequences does not fit in {device} memory as one "
+                f"the big batch of {plan.global_batch_size} {items} does not fit in {device} memory as one "
                 "forward/backward (the check needs it as the reference)",
                 f"Check a smaller batch with the same micro-batch and ranks: --samples {_fmt_list(_smaller(plan))}.",
             )
@@ -252,20 +279,15 @@ def _smaller(plan: BatchPlan) -> list[int]:
     return [unit * d for d in divisors(plan.gradient_accumulation_steps)][:-1] or [unit]
 
 
-def _accumulated_grads(model, ranks, num_targets: int, device, autocast, *, naive: bool) -> tuple[Grads, float]:
-    """Each emulated rank accumulates its micro-batches; the ranks' gradients are summed (the all-reduce)."""
-    num_items = torch.tensor(float(max(num_targets, 1)), device=device)
-    per_step = sum(len(micro_batches) for micro_batches in ranks)  # accumulation x dp
+def _accumulated_grads(model, ranks, loss_of: Callable[[dict[str, Any]], torch.Tensor]) -> tuple[Grads, float]:
+    """Each emulated rank accumulates its micro-batches; the ranks' gradients are summed (the all-reduce).
+    ``loss_of``: a micro-batch's loss (the loop's: over the global count; naive: its own mean / micro-steps)."""
     total: Grads = {}
     loss_sum = 0.0
     model.zero_grad(set_to_none=True)
     for micro_batches in ranks:
         for mb in micro_batches:
-            with autocast():
-                if naive:
-                    loss = micro_loss(model, _to(mb, device), None) / per_step
-                else:  # exactly the loop's micro loss
-                    loss = micro_loss(model, _to(mb, device), num_items)
+            loss = loss_of(mb)
             loss.backward()
             loss_sum += float(loss.detach())
         rank_grads = _take_grads(model)
@@ -304,8 +326,9 @@ def _fmt_list(values: list[int], limit: int = 10) -> str:
     return ", ".join(map(str, values[:limit])) + (", ..." if len(values) > limit else "")
 
 
-def _fmt_targets(targets: list[list[int]]) -> str:
+def _fmt_targets(targets: list[list[int]], counts: str = "tokens") -> str:
     total = sum(map(sum, targets))
+    noun = "target tokens" if counts == "tokens" else counts
     flat = [t for rank in targets for t in rank]
     if len(flat) > 16:
         detail = f"per micro-batch {min(flat)} to {max(flat)}"
@@ -313,7 +336,7 @@ def _fmt_targets(targets: list[list[int]]) -> str:
         detail = "per micro-batch " + " | ".join(" ".join(map(str, rank)) for rank in targets)
         if len(targets) > 1:
             detail += " (ranks separated by |)"
-    return f"{total} target tokens; {detail}"
+    return f"{total} {noun}; {detail}"
 
 
 def render(result: VerifyResult, tolerance: float, title: str = "llmft verify") -> str:
@@ -332,9 +355,11 @@ def render(result: VerifyResult, tolerance: float, title: str = "llmft verify") 
         title,
         f"split:   {plan.equation()}",
         f"data:    {used}{ranks}",
-        f"targets: {_fmt_targets(result.targets)}",
+        f"{'targets:' if result.counts == 'tokens' else result.counts + ':':<8} "
+        f"{_fmt_targets(result.targets, result.counts)}",
         f"model:   {result.params}, {result.dtype} on {result.device}",
-        "loss:    big batch {big:.6f}, llmft accumulated {llmft:.6f}, naive per-micro-batch mean {naive:.6f}".format(
+        f"loss:    {result.objective}, "
+        + "big batch {big:.6f}, llmft accumulated {llmft:.6f}, naive per-micro-batch mean {naive:.6f}".format(
             **result.losses
         ),
         "",
@@ -370,6 +395,10 @@ def failure_message(result: VerifyResult, tolerance: float) -> str:
         else "In fp32 the difference should be ~1e-6: a larger one means this model's loss ignores "
         "num_items_in_batch or its forward depends on the batch (BatchNorm, MoE capacity limits); "
         "a slightly larger one can be rounding on very deep models (raise --tolerance)."
+        if result.counts == "tokens"
+        else "In fp32 the difference should be ~1e-6: a larger one means this model's forward depends on the "
+        "batch (BatchNorm, MoE capacity limits, padding); a slightly larger one can be rounding on very deep "
+        "models (raise --tolerance)."
     )
     return (
         f"gradient accumulation is not equivalent to the big batch within tolerance: the accumulated gradient "

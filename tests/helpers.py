@@ -317,3 +317,27 @@ PLOT_ROWS = [
     {"split": "train", "step": 5, "loss": 0.8, "lr": 1e-3, "grad_norm": 1.0},
     {"split": "eval", "step": 4, "loss": 1.0, "perplexity": 2.7, "exact_match": 0.5},
 ]
+
+
+# --- reward models: texts to score, and transformers' own scoring of them ----------------------
+
+
+def preference_texts(n: int = 6) -> list[str]:
+    """prompt + chosen and prompt + rejected of ``n`` shipped demo pairs (data/preference)."""
+    out = []
+    for line in (ROOT / "data/preference/train.jsonl").read_text().splitlines()[100 : 100 + n]:
+        pair = json.loads(line)
+        out += [pair["prompt"] + pair["chosen"], pair["prompt"] + pair["rejected"]]
+    return out
+
+
+def reward_scores(model, tokenizer, texts: list[str]) -> torch.Tensor:
+    """transformers' own scoring: right-padded rows, the score at each row's last non-pad token."""
+    rows = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import re
 import shutil
@@ -49,6 +50,12 @@ from llmft.plan.objectives import FROZEN_COPY, REFERENCE_MODEL
 from llmft.plan.resolve import RunPlan
 from llmft.safe_load import torch_load
 
+log = logging.getLogger("llmft")
+
+# The ops DeepSpeed JIT-builds and loads in every process on a CPU machine (its shared-memory
+# collectives, loaded when its communication backend starts), through torch's cpp_extension.
+CPU_JIT_OPS = ("deepspeed_shm_comm",)
+
 
 class DeepSpeedEngineAdapter:
     # A preference run's separate reference model (a DeepSpeed engine without optimizer); None for
@@ -60,6 +67,7 @@ class DeepSpeedEngineAdapter:
 
         self.name = plan.engine
         self.env = env
+        warn_stale_build_locks()
         # DeepSpeed's comm layer wraps the process group train.py created; its config checks
         # (batch x world size, also inside zero.Init) read the world size from there.
         deepspeed.init_distributed(
@@ -331,3 +339,47 @@ def deepspeed_reader(step_dir: Path):
         return tensors
 
     return read
+
+
+def warn_stale_build_locks() -> list[Path]:
+    """Warn about a JIT build lock no process on this machine holds; returns those locks.
+
+    torch's ``cpp_extension.load`` takes ``<build dir>/lock`` (a ``FileBaton``) before it loads or
+    builds an op, and a process that finds the file waits, without a timeout, until it is gone. A
+    process killed while holding it (a timeout during the build) leaves it behind, and every later
+    DeepSpeed process then waits forever before llmft can say anything (docs/preference.md,
+    "Status"). The holder keeps the file open, so a lock no process has open is stale, unless a
+    process on another machine sharing this directory holds it: warned about, never removed."""
+    if torch.cuda.is_available():
+        return []
+    from torch.utils.cpp_extension import _get_build_directory
+
+    stale = []
+    for name in CPU_JIT_OPS:
+        lock = Path(_get_build_directory(name, False)) / "lock"
+        if lock.exists() and not held_open(lock):
+            stale.append(lock)
+            log.warning(
+                "%s exists but no process on this machine has it open: a JIT build of %s was killed while "
+                "holding it, and DeepSpeed waits for it forever; if no other machine builds into this "
+                "directory, remove it (rm %s)",
+                lock,
+                name,
+                lock,
+            )
+    return stale
+
+
+def held_open(path: Path) -> bool:
+    """Whether a process on this machine has ``path`` open (Linux ``/proc``; True where that cannot be read)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "fd").is_dir():
+        return True
+    target = str(path.resolve())
+    for fds in proc.glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == target for fd in fds.iterdir()):
+                return True
+        except OSError:  # gone, or another user's
+            continue
+    return False

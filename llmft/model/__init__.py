@@ -13,6 +13,8 @@ imports only those above it):
 - ``adapters``: LoRA/DoRA wrapping, the adapters' seeded init, ``base_key``, ``is_peft``;
 - ``kernels``: Liger, regional ``torch.compile``, packed-row boundaries for varlen attention
   (the recipe-time refusals are ``llmft.plan.kernels``, with no torch);
+- ``heads``: the head the objective's record names (causal LM, or a scalar score for reward models),
+  its class and config, and the seeded init of a score head a checkpoint lacks;
 - ``build``: ``build_model`` (whole, from a name or from ``model.config``), ``load_base_model``,
   and ``prepare_model``, the one entry the engines call for a model built whole;
 - ``meta``: FSDP2's build on the meta device and each rank's shards loaded from safetensors;

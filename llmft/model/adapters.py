@@ -22,8 +22,10 @@ def is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def apply_peft(model: PreTrainedModel, p: PeftConfig) -> torch.nn.Module:
-    """Wrap in a LoRA (or DoRA) adapter; only adapter weights (and modules_to_save) stay trainable."""
+def apply_peft(model: PreTrainedModel, p: PeftConfig, task_type: str = "CAUSAL_LM") -> torch.nn.Module:
+    """Wrap in a LoRA (or DoRA) adapter; only adapter weights (and modules_to_save) stay trainable.
+    ``task_type``: PEFT's, for the model's head (``llmft.model.heads``); a score head's ``SEQ_CLS``
+    trains the head in full and saves it with the adapter (PEFT adds it to ``modules_to_save``)."""
     # peft imports bitsandbytes where installed (seconds): only a PEFT run pays for it
     from peft import LoraConfig, get_peft_model
 
@@ -35,7 +37,7 @@ def apply_peft(model: PreTrainedModel, p: PeftConfig) -> torch.nn.Module:
         target_modules=targets,
         modules_to_save=list(p.modules_to_save) if p.modules_to_save else None,
         use_dora=p.method == "dora",
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     try:
         return get_peft_model(model, lora)

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 import torch
 from safetensors.torch import save_model
-from transformers import AutoModelForCausalLM
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from llmft import loss
 from llmft.errors import Problem, UserError
 from llmft.model import kernels
 from llmft.model.adapters import apply_peft, init_adapters
+from llmft.model.heads import PEFT_TASK_TYPES, configure, init_head, model_class, recipe_head
 from llmft.model.precision import DTYPES, upcast_trainable
 from llmft.model.quant import prepare_kbit, quantization_config, quantized_skeleton
 from llmft.model.source import attn_unavailable, bad_pretrained, first_line, model_config, not_found, resolve_name
@@ -70,7 +70,9 @@ def build_model(
     m = recipe.model
     dtype = DTYPES[m.dtype]
     quant = quantization_config(m.quantization, dtype, storage=quant_storage)
+    head = recipe_head(recipe)  # the objective's head: the causal LM, or a scalar score (reward models)
     config = model_config(m)
+    configure(config, head, tokenizer)
     check_vocab(config, tokenizer, m)
 
     # bitsandbytes packs real weights as they load, so a quantized base is built whole and sharded
@@ -85,13 +87,13 @@ def build_model(
     device_map = {"": str(device)} if placed else None
     with context() if context is not None else contextlib.nullcontext():
         if m.config is not None:
-            model = _from_config(m, config, recipe.run.seed, dtype, quant, device)
+            model = _from_config(m, config, recipe.run.seed, dtype, quant, device, head)
         elif context is not None:
-            model = _architecture(m, config, dtype)
+            model = _architecture(m, config, dtype, head)
             if packs_later:
                 quantized_skeleton(model, quant, dtype)
         else:
-            model = _from_pretrained(m, config, dtype, quant, device_map=device_map)
+            model = _from_pretrained(m, config, dtype, quant, device_map=device_map, head=head, seed=recipe.run.seed)
     if placed and quant is None:
         model = model.to(device)
 
@@ -103,7 +105,7 @@ def build_model(
     elif m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GRADIENT_CHECKPOINTING_KWARGS)
     if recipe.peft.method != "none":
-        model = apply_peft(model, recipe.peft)
+        model = apply_peft(model, recipe.peft, PEFT_TASK_TYPES[head])
         init_adapters(model, recipe.run.seed)
     return model
 
@@ -132,14 +134,16 @@ def install_chunked_loss(plan: RunPlan, model: torch.nn.Module) -> None:
         loss.install(model)
 
 
-def load_base_model(recipe: Recipe, *, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def load_base_model(recipe: Recipe, *, dtype: torch.dtype | None = None, tokenizer: Any = None) -> PreTrainedModel:
     """The unquantized base model without adapters, for export: by name, or rebuilt from the seed."""
     m = recipe.model
     dtype = dtype or DTYPES[m.dtype]
+    head = recipe_head(recipe)
     config = model_config(m)
+    configure(config, head, tokenizer)
     if m.config is not None:
-        return _from_config(m, config, recipe.run.seed, dtype, None, "cpu")
-    return _from_pretrained(m, config, dtype, None, device_map={"": "cpu"})
+        return _from_config(m, config, recipe.run.seed, dtype, None, "cpu", head)
+    return _from_pretrained(m, config, dtype, None, device_map={"": "cpu"}, head=head, seed=recipe.run.seed)
 
 
 def check_vocab(config: PretrainedConfig, tokenizer: Any, m: ModelConfig) -> None:
@@ -188,6 +192,7 @@ def _from_config(
     dtype: torch.dtype,
     quant: BitsAndBytesConfig | None,
     device: str | torch.device,
+    head: str,
 ) -> PreTrainedModel:
     """A fresh model, the same weights for the same seed (and torch/transformers versions).
 
@@ -197,7 +202,7 @@ def _from_config(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=m.attn_implementation)
+            model = model_class(head).from_config(config, dtype=dtype, attn_implementation=m.attn_implementation)
         except ImportError as e:
             raise attn_unavailable(m, e) from None
         except Exception as e:  # config values checked only at construction (e.g. hidden size vs heads)
@@ -206,11 +211,16 @@ def _from_config(
             ) from None
     if quant is None:
         return model
-    return _quantize_fresh(model, m, dtype, quant, device)
+    return _quantize_fresh(model, m, dtype, quant, device, head)
 
 
 def _quantize_fresh(
-    model: PreTrainedModel, m: ModelConfig, dtype: torch.dtype, quant: BitsAndBytesConfig, device: str | torch.device
+    model: PreTrainedModel,
+    m: ModelConfig,
+    dtype: torch.dtype,
+    quant: BitsAndBytesConfig,
+    device: str | torch.device,
+    head: str,
 ) -> PreTrainedModel:
     """Quantize a model built from a config the way a pretrained one is: on load.
 
@@ -230,7 +240,7 @@ def _quantize_fresh(
         save_model(model, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         del model
         # disable_mmap: the tensors must not outlive the files they would be mapped from
-        quantized = AutoModelForCausalLM.from_pretrained(
+        quantized = model_class(head).from_pretrained(
             tmp,
             dtype=dtype,
             attn_implementation=m.attn_implementation,
@@ -250,32 +260,49 @@ def _from_pretrained(
     dtype: torch.dtype,
     quant: BitsAndBytesConfig | None,
     device_map: dict[str, str] | None,
+    head: str,
+    seed: int,
 ) -> PreTrainedModel:
+    """A pretrained model; a score head its checkpoint lacks gets llmft's seeded init (``llmft.model.heads``)."""
     name = resolve_name(m.name_or_path)
+    # transformers draws the init of weights the checkpoint lacks (a new score head) from the global RNG:
+    # forked, so that data order and dropout see the RNG a meta-device build (which draws none) leaves
     try:
-        return AutoModelForCausalLM.from_pretrained(
-            name,
-            config=config,
-            revision=m.revision,
-            trust_remote_code=m.trust_remote_code,
-            dtype=dtype,
-            attn_implementation=m.attn_implementation,
-            quantization_config=quant,
-            device_map=device_map,
-        )
+        with _rng_kept(device_map):
+            model, info = model_class(head).from_pretrained(
+                name,
+                config=config,
+                revision=m.revision,
+                trust_remote_code=m.trust_remote_code,
+                dtype=dtype,
+                attn_implementation=m.attn_implementation,
+                quantization_config=quant,
+                device_map=device_map,
+                output_loading_info=True,
+            )
     except ImportError as e:
         raise attn_unavailable(m, e) from None
     except OSError as e:  # config found but weights missing (or not cached)
         raise not_found(m, name, e) from None
     except ValueError as e:
         raise bad_pretrained(m, name, e) from None
+    init_head(model, seed, list(info.get("missing_keys", ())))
+    return model
 
 
-def _architecture(m: ModelConfig, config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
+def _rng_kept(device_map: dict[str, str] | None) -> ContextManager:
+    """The global RNG of the CPU (and of the CUDA device a model is loaded on) as it was, afterwards."""
+    device = torch.device(device_map[""]) if device_map else torch.device("cpu")
+    if device.type == "cuda":
+        return torch.random.fork_rng(devices=[device.index or 0])
+    return torch.random.fork_rng(devices=[])
+
+
+def _architecture(m: ModelConfig, config: PretrainedConfig, dtype: torch.dtype, head: str) -> PreTrainedModel:
     """A pretrained model's modules without its weights: ``from_pretrained`` refuses a meta-device
     context, so the architecture comes from its config and the engine loads the weights."""
     try:
-        return AutoModelForCausalLM.from_config(
+        return model_class(head).from_config(
             config, dtype=dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code
         )
     except ImportError as e:

@@ -45,6 +45,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from llmft.errors import Problem, UserError
 from llmft.model import build, kernels
 from llmft.model.adapters import base_key, initial_adapter_weights, is_peft
+from llmft.model.heads import initial_head_weights
 from llmft.model.precision import upcast_trainable
 from llmft.model.quant_shard import quantize_part, values_per_element
 from llmft.model.source import resolve_name
@@ -137,10 +138,13 @@ def build_on_meta(plan: RunPlan, tokenizer: Any) -> tuple[torch.nn.Module, Param
 class SafetensorsWeights:
     """The safetensors files of a pretrained model; each rank reads only the rows it keeps."""
 
-    def __init__(self, directory: Path, files: dict[str, str], keys: dict[str, str]) -> None:
+    def __init__(
+        self, directory: Path, files: dict[str, str], keys: dict[str, str], fresh: frozenset[str] = frozenset()
+    ) -> None:
         self.directory = directory
         self.files = files  # checkpoint key -> file name
         self.keys = keys  # base-model key -> checkpoint key
+        self.fresh = fresh  # base-model keys of a score head the checkpoint lacks: seeded init (llmft.model.heads)
 
     @classmethod
     def of(cls, recipe: Recipe, slots: ParamSlots) -> SafetensorsWeights:
@@ -150,13 +154,14 @@ class SafetensorsWeights:
         ignore = [re.compile(p) for p in (getattr(slots.base, "_keys_to_ignore_on_load_missing", None) or [])]
         keys: dict[str, str] = {}
         missing: list[str] = []
+        head = {name for name, _ in initial_head_weights(slots.base, 0)}
         for key in slots.by_key():
             # A checkpoint of the bare base model (LlamaModel) names its weights without the prefix.
             candidates = (key, key.removeprefix(f"{prefix}."), f"{prefix}.{key}") if prefix else (key,)
             found = next((c for c in candidates if c in files), None)
             if found is not None:
                 keys[key] = found
-            elif not any(p.search(key) for p in ignore):
+            elif key not in head and not any(p.search(key) for p in ignore):
                 missing.append(key)
         if missing:
             raise UserError(
@@ -169,7 +174,7 @@ class SafetensorsWeights:
                     "save_pretrained from this transformers version, or use distributed.engine=deepspeed.",
                 )
             )
-        return cls(directory, files, keys)
+        return cls(directory, files, keys, frozenset(head - set(keys)))
 
     def read(self, key: str, index: tuple[slice, ...], shape: torch.Size) -> torch.Tensor:
         """Rows ``index`` of the weight of base-model ``key`` (the full tensor is never read)."""
@@ -261,6 +266,8 @@ def materialize(
         init_buffers(model, slots, device)
         if weights is not None:
             for key, names in slots.by_key().items():
+                if key in weights.fresh:
+                    continue
                 for name in names:
                     if name in slots.packed:
                         _quantize_into_shard(slots, name, weights, key, device)
@@ -269,6 +276,7 @@ def materialize(
                         local.copy_(weights.read(key, index, slots.param(name).shape).to(slots.dtype[name]))
                     written.add(name)
             weights.close()
+            written |= _init_head(slots, weights.fresh, seed)
         else:
             written |= _init_fresh(model, slots, seed, device)
         if slots.peft:
@@ -406,6 +414,21 @@ def _init_fresh(model: torch.nn.Module, slots: ParamSlots, seed: int, device: to
                     local.copy_(full[attr][index])
                     written.add(name)
                 done.add(key)
+    return written
+
+
+def _init_head(slots: ParamSlots, fresh: frozenset[str], seed: int) -> set[str]:
+    """A score head the checkpoint lacks: llmft's seeded init (``llmft.model.heads``), as a model
+    built whole gets it; a ``modules_to_save`` copy and its original alike."""
+    by_key = slots.by_key()
+    written: set[str] = set()
+    for key, value in initial_head_weights(slots.base, seed):
+        if key not in fresh:
+            continue
+        for name in by_key[key]:
+            local, index = local_shard(slots.param(name))
+            local.copy_(value[index].to(slots.dtype[name]))
+            written.add(name)
     return written
 
 

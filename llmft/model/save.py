@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
 
 from llmft.checkpoint.layout import MODEL_DIR, TOKENIZER_DIR
 from llmft.model.adapters import base_key
@@ -51,7 +50,7 @@ def save_base_model(model: torch.nn.Module, out: Path, *, dtype: torch.dtype | N
     dtype = dtype or _config_dtype(base.config)
     state = base_state_dict(base, dtype)
     config = plain_config(base.config, dtype)
-    _check_keys(state, config)
+    _check_keys(state, config, type(base))
 
     out = Path(out)
     with staged(out) as tmp:
@@ -102,10 +101,11 @@ def plain_config(config: PretrainedConfig, dtype: torch.dtype) -> PretrainedConf
     return config
 
 
-def _check_keys(state: dict[str, torch.Tensor], config: PretrainedConfig) -> None:
-    """Our renaming of PEFT's parameter paths must give exactly the plain model's names."""
+def _check_keys(state: dict[str, torch.Tensor], config: PretrainedConfig, model_class: type) -> None:
+    """Our renaming of PEFT's parameter paths must give exactly the plain model's names (of the
+    base's own class: a causal LM, or a sequence classifier with its score head)."""
     with torch.device("meta"):
-        expected_model = AutoModelForCausalLM.from_config(config)
+        expected_model = model_class(config)
     expected = set(expected_model.state_dict())
     unexpected = sorted(set(state) - expected)
     missing = expected - set(state)

@@ -33,6 +33,7 @@ import torch
 
 from llmft.errors import Problem, UserError
 from llmft.model.adapters import initial_adapter_weights
+from llmft.model.heads import initial_head_weights
 from llmft.model.meta import ParamSlots, SafetensorsWeights, init_buffers, quantized_part
 
 
@@ -58,6 +59,7 @@ def materialize(
     import deepspeed  # optional (the deepspeed extra): only a ZeRO-3 run gets here
 
     adapters = dict(initial_adapter_weights(model, seed)) if slots.peft else {}  # shapes: before partitioning
+    head = {k: v for k, v in initial_head_weights(slots.base, seed) if k in weights.fresh}  # a new score head
     init = deepspeed.zero.Init(config_dict_or_path=ds_config)  # not entered: its partitioner only
     if not hasattr(init, "_convert_to_deepspeed_param"):
         raise UserError(
@@ -81,6 +83,8 @@ def materialize(
                 values, param.quant_state = quantized_part(
                     slots, name, weights, by_key[name], start, end, device, param.ds_process_group
                 )
+            elif by_key.get(name) in head:
+                values = head[by_key[name]].reshape(-1)[start:end].to(slots.dtype[name])
             elif name in by_key:
                 values = weights.read_flat(by_key[name], param.ds_shape, start, end).to(slots.dtype[name])
             elif name in adapters:

@@ -15,10 +15,11 @@ the recipe: the plan carries the decision and the engines build what it says.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Literal
 
 from llmft.errors import Problem
+from llmft.recipe.schema import PreferenceConfig
 
 if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
@@ -34,6 +35,7 @@ class ObjectiveSpec:
     counts: Literal["tokens", "pairs"]  # what the micro loss is normalised by (global batch)
     head: Literal["lm", "score"] = "lm"  # the causal-LM head, or a scalar score head
     pairs: bool = False  # consumes preference pairs (batch.global_batch_size counts pairs)
+    preference_keys: bool = False  # reads preference.* (loss_type, beta, reference, ...)
 
     @property
     def rows_per_item(self) -> int:
@@ -49,8 +51,16 @@ OBJECTIVES: tuple[ObjectiveSpec, ...] = (
         runtime="llmft.objectives.preference:PreferenceObjective",
         counts="pairs",
         pairs=True,
+        preference_keys=True,
     ),
-    ObjectiveSpec(name="reward", title="reward model", runtime=None, counts="pairs", head="score", pairs=True),
+    ObjectiveSpec(
+        name="reward",
+        title="reward model",
+        runtime="llmft.objectives.reward:RewardObjective",
+        counts="pairs",
+        head="score",
+        pairs=True,
+    ),
 )
 
 _BY_NAME = {spec.name: spec for spec in OBJECTIVES}
@@ -98,7 +108,8 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
                 "Use train.objective=sft or dpo (docs/preference.md says what is done).",
             )
         )
-    if not spec.pairs:
+    problems += head_problems(spec, recipe, where)
+    if not spec.pairs or not spec.preference_keys:  # head_problems named any preference.* key set
         return problems
     if p.label_smoothing and p.loss_type != "sigmoid":
         problems.append(
@@ -145,3 +156,41 @@ def _precompute_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Pr
             )
         ]
     return []
+
+
+def head_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
+    """What an objective that trains another head than the causal LM's (a reward model's score)
+    cannot do, and ``preference.*`` keys set for an objective that does not read them."""
+    problems: list[Problem] = []
+    if spec.head != "lm" and recipe.model.liger_kernels:  # Liger patches a causal LM's head and loss
+        problems.append(
+            Problem(
+                where("model.liger_kernels"),
+                f"is true, but train.objective={spec.name} trains a {spec.head} head, not the causal-LM head "
+                "Liger's fused loss replaces",
+                "Set model.liger_kernels=false.",
+            )
+        )
+    if spec.head != "lm" and recipe.train.eval_generate_samples:  # a score head generates no text
+        problems.append(
+            Problem(
+                where("train.eval_generate_samples"),
+                f"is {recipe.train.eval_generate_samples}, but train.objective={spec.name} trains a {spec.head} "
+                "head, which generates no text",
+                "Set train.eval_generate_samples=0 (the eval reports the pair loss and rewards/accuracy).",
+            )
+        )
+    if spec.pairs and not spec.preference_keys:  # a key the user set would be silently ignored
+        default = PreferenceConfig()
+        for f in fields(PreferenceConfig):
+            value = getattr(recipe.preference, f.name)
+            if value != getattr(default, f.name):
+                problems.append(
+                    Problem(
+                        where(f"preference.{f.name}"),
+                        f"is {value}, but train.objective={spec.name} does not read preference.* (the DPO "
+                        "family's settings)",
+                        f"Remove it (default {getattr(default, f.name)}), or set train.objective=dpo.",
+                    )
+                )
+    return problems

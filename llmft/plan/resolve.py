@@ -167,8 +167,8 @@ class RunPlan:
 
     @property
     def chunked_loss(self) -> bool:
-        """The LM head and loss run in chunks of tokens (``llmft.loss``)."""
-        return memory.chunked_loss_on(self.recipe, self.batch.micro_batch_size)
+        """The LM head and loss run in chunks of tokens (``llmft.loss``); a score head has no vocabulary."""
+        return self.objective_spec.head == "lm" and memory.chunked_loss_on(self.recipe, self.batch.micro_batch_size)
 
     def on_one_process(self) -> RunPlan:
         """The same run built as one process would build it (``llmft verify`` emulates the ranks)."""

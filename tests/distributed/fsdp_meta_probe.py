@@ -31,6 +31,9 @@ VARIANTS = {
     "lora_save_head": ("pretrained", [*LORA, "peft.modules_to_save=[lm_head]"]),
     # tied embeddings, an odd vocabulary (uneven shards), bf16 weights in several files + index
     "tied_sharded": ("tied", LORA),
+    # a reward model on a causal-LM checkpoint: the score head it lacks gets the seeded init
+    "reward_full": ("pretrained", ["train.objective=reward"]),
+    "reward_lora": ("pretrained", ["train.objective=reward", *LORA]),
     "fresh_big": ("fresh", LORA),  # a tiny model.config model, treated as if above the threshold
     # QLoRA: the NF4 base quantized weight by weight into each rank's part of the packed bytes
     "qlora": ("pretrained", [*LORA, "model.quantization={bits: 4}"]),

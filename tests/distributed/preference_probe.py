@@ -1,14 +1,17 @@
-"""Run under torchrun: one optimizer step of a DPO-family run through the real engine, objective
-and loop, on contract micro-batches built by hand (tests/preference_batches.py), and save the
-reduced gradients the optimizer stepped with.
+"""Run under torchrun: a few steps of preference runs through the real engine, objective and loop,
+on contract micro-batches built by hand (tests/preference_batches.py), and save the reduced
+gradients the optimizer stepped with at the last step. Several variants (objective, loss, method)
+run one after the other in one launch, each with its own engine, on the same process group.
 
-Arguments: RECIPE OUT_FILE NUM_PAIRS STEPS [KEY=VALUE ...]. Each step takes the next NUM_PAIRS
-pairs; rank r takes the r-th contiguous share of them, cut into micro-batches. Rank 0 writes
-{"grads": ..., "row": ...} of the last step to OUT_FILE.
+Arguments: RECIPE OUT_FILE NUM_PAIRS STEPS VARIANTS_JSON [KEY=VALUE ...]. VARIANTS_JSON maps a
+variant's name to its overrides (applied after the common KEY=VALUEs). Each step takes the next
+NUM_PAIRS pairs; rank r takes the r-th contiguous share of them, cut into micro-batches. Rank 0
+writes {name: {"grads": ..., "row": ...}} to OUT_FILE.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -22,20 +25,25 @@ from llmft.dist import init_distributed, read_env, shutdown  # noqa: E402
 from llmft.plan.resolve import load_plan  # noqa: E402
 
 
-def main(recipe: str, out: str, num_pairs: str, steps: str, *overrides: str) -> None:
+def main(recipe: str, out: str, num_pairs: str, steps: str, variants: str, *overrides: str) -> None:
     env = read_env()
-    plan = load_plan(recipe, list(overrides), world_size=env.world_size, local_world_size=env.local_world_size)
-    d = plan.recipe.distributed
-    init_distributed(env, d.backend, d.timeout_minutes, force=plan.spec.multi_rank)
-    per_step, share = int(num_pairs), int(num_pairs) // env.world_size
-    pairs = make_pairs(per_step * int(steps), seed=5)
-    mine = []
-    for start in range(0, len(pairs), per_step):
-        rank_start = start + env.rank * share
-        mine += micro_batches(pairs[rank_start : rank_start + share], plan.batch.micro_batch_size)
-    grads, row = preference_step(plan, env, mine, steps=int(steps))
+    results = {}
+    for i, (name, extra) in enumerate(json.loads(variants).items()):
+        plan = load_plan(recipe, [*overrides, *extra], world_size=env.world_size, local_world_size=env.local_world_size)
+        if i == 0:
+            d = plan.recipe.distributed
+            init_distributed(env, d.backend, d.timeout_minutes, force=plan.spec.multi_rank)
+        per_step, share = int(num_pairs), int(num_pairs) // env.world_size
+        pairs = make_pairs(per_step * int(steps), seed=5)
+        mine = []
+        for start in range(0, len(pairs), per_step):
+            rank_start = start + env.rank * share
+            mine += micro_batches(pairs[rank_start : rank_start + share], plan.batch.micro_batch_size)
+        grads, row = preference_step(plan, env, mine, steps=int(steps))
+        results[name] = {"grads": grads, "row": row}
+        print(f"rank {env.rank}: {name} done", flush=True)
     if env.is_main:
-        torch.save({"grads": grads, "row": row}, out)
+        torch.save(results, out)
     shutdown()
 
 

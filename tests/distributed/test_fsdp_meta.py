@@ -7,7 +7,8 @@ still on the meta device when ``fully_shard`` runs and ``from_pretrained`` is ne
 each rank holds about half the parameters; every gathered parameter, every buffer and the logits
 equal the whole-model build (full fine-tune, LoRA, DoRA in bf16, LoRA + modules_to_save, tied
 embeddings with uneven shards from several weight files, a 4-bit QLoRA base quantized weight by
-weight into each rank's packed shard); a fresh model above the size threshold
+weight into each rank's packed shard, a reward model's score head, new to the checkpoint, full and
+LoRA); a fresh model above the size threshold
 gets a seeded init that differs between shards; and 2 training steps give the single-process losses.
 """
 
@@ -29,7 +30,17 @@ from helpers import (
 
 pytestmark = pytest.mark.distributed
 
-VARIANTS = ["full", "lora", "dora_bf16", "lora_save_head", "tied_sharded", "fresh_big", "qlora"]
+VARIANTS = [
+    "full",
+    "lora",
+    "dora_bf16",
+    "lora_save_head",
+    "tied_sharded",
+    "fresh_big",
+    "qlora",
+    "reward_full",
+    "reward_lora",
+]
 
 
 @pytest.fixture(scope="module")

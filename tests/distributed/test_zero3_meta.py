@@ -7,7 +7,8 @@ One torchrun launch (tests/distributed/zero3_meta_probe.py) checks, on 2 ranks: 
 is never called; each rank holds half of every parameter; every gathered parameter, every buffer,
 every 4-bit module's statistics and the logits equal the whole build (full fine-tune, LoRA, DoRA,
 LoRA + modules_to_save, tied embeddings with uneven partitions from several bf16 files, QLoRA,
-QLoRA with parameters and optimizer offloaded to the CPU);
+QLoRA with parameters and optimizer offloaded to the CPU, a reward model's score head, new to the
+checkpoint, full and LoRA);
 and 3 QLoRA steps on ZeRO-3 give the single-process losses.
 """
 
@@ -18,7 +19,17 @@ from helpers import metrics, run_sharded_load_probe, train_inproc
 
 pytestmark = pytest.mark.distributed
 
-VARIANTS = ["full", "lora", "dora", "lora_save_head", "tied_sharded", "qlora", "qlora_offload"]
+VARIANTS = [
+    "full",
+    "lora",
+    "dora",
+    "lora_save_head",
+    "tied_sharded",
+    "qlora",
+    "qlora_offload",
+    "reward_full",
+    "reward_lora",
+]
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,9 @@ VARIANTS = {
     "lora_save_head": ("pretrained", [*LORA, "peft.modules_to_save=[lm_head]"]),
     # tied embeddings, an odd vocabulary (uneven partitions), bf16 weights in several files + index
     "tied_sharded": ("tied", LORA),
+    # a reward model on a causal-LM checkpoint: the score head it lacks gets the seeded init
+    "reward_full": ("pretrained", ["train.objective=reward"]),
+    "reward_lora": ("pretrained", ["train.objective=reward", *LORA]),
     # QLoRA: the NF4 base quantized weight by weight into each rank's partition of the packed bytes
     "qlora": ("pretrained", QLORA),
     # parameters offloaded: DeepSpeed's partition() puts each rank's range in CPU memory

@@ -36,3 +36,35 @@ def test_hub_base_and_license_go_to_the_front_matter(lora_run, tmp_path):
     assert data["datasets"] == ["HuggingFaceH4/ultrachat_200k"]  # local files are not hub datasets
     assert "| method | QLoRA (lora on a 4-bit nf4 base) |" in card.text
     assert "| export | full model (merged) |" in card.text
+
+
+def test_the_card_lists_the_objective(lora_run, tmp_path):
+    """sft, dpo with its loss_type and beta, reward (a sequence classifier: its pipeline and loader)."""
+    import copy
+
+    from huggingface_hub import ModelCard
+
+    facts = card_facts(lora_run / "checkpoints/step-3", tmp_path)
+    assert facts["objective"] == "sft"
+    assert "| objective | sft (next-token loss on the target tokens) |" in render(facts)
+    cases = {
+        ("dpo", "sigmoid"): "| objective | dpo, loss_type sigmoid, beta 0.1 |",
+        ("dpo", "simpo"): "| objective | dpo, loss_type simpo, beta 0.1, simpo_gamma 0.5 |",
+        (
+            "reward",
+            "sigmoid",
+        ): "| objective | reward (a scalar score head, loss -log sigmoid(r_chosen - r_rejected) per pair) |",
+    }
+    for (objective, loss_type), row in cases.items():
+        f = copy.deepcopy(facts)
+        f["objective"] = f["recipe"]["train"]["objective"] = objective
+        f["recipe"]["preference"]["loss_type"] = loss_type
+        (tmp_path / "README.md").write_text(render(f))
+        card = ModelCard.load(tmp_path / "README.md")
+        assert row in card.text
+        assert objective in card.data.to_dict()["tags"]
+        scorer = objective == "reward"
+        assert card.data.to_dict()["pipeline_tag"] == ("text-classification" if scorer else "text-generation")
+        assert ("AutoModelForSequenceClassification" in card.text) == scorer
+    f["adapter"] = True  # a reward adapter: PEFT's sequence-classification loader, one label
+    assert 'AutoPeftModelForSequenceClassification.from_pretrained("THIS_DIR_OR_REPO", num_labels=1)' in render(f)

@@ -79,10 +79,7 @@ def _problems(tmp_path, *overrides: str, world_size: int = 1) -> list[str]:
 
 
 def test_what_is_not_built_is_refused_with_what_works(tmp_path):
-    assert _problems(tmp_path, "train.objective=reward") == [
-        "override 'train.objective=reward': train.objective: reward (reward model) is not implemented yet | "
-        "Use train.objective=sft or dpo (docs/preference.md says what is done)."
-    ]
+    assert _plan(tmp_path, "train.objective=reward").objective_spec.head == "score"  # built: objectives/reward.py
     (ls,) = _problems(tmp_path, "train.objective=dpo", "preference.loss_type=ipo", "preference.label_smoothing=0.1")
     assert "preference.label_smoothing: is 0.1, but only loss_type=sigmoid (conservative DPO) uses it" in ls
 
@@ -113,16 +110,15 @@ def test_the_loop_never_names_an_objective():
         assert not hits, f"{path}: {hits}"
 
 
-def test_verify_refuses_what_it_cannot_check(tmp_path):
-    from llmft.errors import UserError
+def test_verify_checks_preference_runs_by_their_count(tmp_path):
+    """llmft verify takes dpo and reward recipes (tests/integration/test_verify.py runs them)."""
     from llmft.verify import load_for_verify
 
     path = tmp_path / "recipe.yaml"
     path.write_text(RECIPE)
-    with pytest.raises(UserError) as e:
-        load_for_verify(str(path), ["train.objective=dpo"])
-    (problem,) = e.value.problems
-    assert problem.what == "llmft verify does not check dpo runs yet"
+    for objective in ("dpo", "reward"):
+        plan = load_for_verify(str(path), [f"train.objective={objective}"])
+        assert plan.objective == objective and plan.objective_spec.counts == "pairs"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,106 @@
+"""Reward models (``train.objective: reward``): a scalar score head trained on chosen/rejected pairs.
+
+The model is the objective's ``score`` head (``llmft.model.heads``: a sequence classifier with one
+label). The score of a sequence is the head's output at its LAST token, what transformers'
+sequence-classification models return (their rightmost non-pad token); here the last token is
+found from ``sequence_index`` (the contract batch of docs/preference.md), so padded rows and a
+padding-free packed row give the same scores. The head's per-token outputs are read from a
+forward hook on it: the model runs its own forward (every engine's hooks, FSDP2's unsharding,
+ZeRO-3's gathering), and the pooled output transformers computes from ``pad_token_id`` (which a
+packed row would confuse) is not used.
+
+Loss (Bradley-Terry, as InstructGPT and TRL's ``RewardTrainer``): ``-log sigmoid(r_chosen -
+r_rejected)`` per pair, and, like every preference objective, the micro loss is the sum over this
+micro-batch's pairs divided by the global batch's pair count, so any split is the same step.
+
+Metrics (global-batch means, the DPO names where they mean the same thing): ``rewards/chosen``
+and ``rewards/rejected`` (the mean scores), ``rewards/accuracy`` (the fraction of pairs whose
+chosen score is strictly above the rejected one), ``rewards/margin`` (the mean of r_chosen -
+r_rejected). There are no log-probs: a score head predicts no tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from llmft.model.heads import SCORE_MODULE
+from llmft.objectives import model_inputs
+from llmft.objectives.preference import disable_dropout
+from llmft.plan.resolve import RunPlan
+
+if TYPE_CHECKING:
+    from llmft.engines import Engine
+
+METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
+
+
+def last_token_positions(sequence_index: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """The flat position (in ``sequence_index.reshape(-1)``) of each sequence's last token, ``[num_sequences]``."""
+    flat = sequence_index.reshape(-1)
+    positions = torch.arange(flat.numel(), device=flat.device)
+    valid = flat >= 0
+    last = torch.full((num_sequences,), -1, dtype=torch.long, device=flat.device)
+    last = last.scatter_reduce(0, flat[valid], positions[valid], reduce="amax")
+    assert bool((last >= 0).all()), "every sequence of a micro-batch has at least one token"
+    return last
+
+
+def sequence_scores(token_scores: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """Each sequence's score, ``[num_sequences]`` (fp32): the head's output at its last token.
+    ``token_scores``: the head's output on every token, ``[R, T, 1]`` (or ``[R, T]``)."""
+    flat = token_scores.reshape(sequence_index.numel(), -1)
+    assert flat.shape[1] == 1, f"a reward model's head has one output per token, not {flat.shape[1]}"
+    return flat[last_token_positions(sequence_index, num_sequences), 0].float()
+
+
+def score_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The score head of a (PEFT-wrapped) sequence classifier: PEFT's modules_to_save wrapper of it
+    when there is one (its output is the trained copy's)."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    head = getattr(base, SCORE_MODULE, None)
+    assert head is not None, f"{type(base).__name__} has no {SCORE_MODULE} head: not built for train.objective=reward"
+    return head
+
+
+class RewardObjective:
+    """A Bradley-Terry reward model over the contract batch (see the module docstring)."""
+
+    metric_names = METRIC_NAMES
+
+    def __init__(self, plan: RunPlan, engine: Engine) -> None:
+        policy = engine.unwrap()
+        disable_dropout(policy)  # the scores of a pair must not depend on how the batch is split
+        self._token_scores: torch.Tensor | None = None
+        score_module(policy).register_forward_hook(self._keep)
+
+    def _keep(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        self._token_scores = output
+
+    def count(self, batch: dict[str, Any]) -> int:
+        return int(batch["num_pairs"])
+
+    def scores(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) scores of the micro-batch's pairs, ``[P]`` each."""
+        self._token_scores = None
+        model(**model_inputs(batch), use_cache=False)
+        token_scores, self._token_scores = self._token_scores, None
+        assert token_scores is not None, "the forward did not run the score head"
+        scores = sequence_scores(token_scores, batch["sequence_index"], 2 * self.count(batch))
+        return scores[0::2], scores[1::2]
+
+    def micro_loss(
+        self, model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        chosen, rejected = self.scores(model, batch)
+        margin = chosen - rejected
+        loss = -F.logsigmoid(margin).sum() / num_items
+        margin = margin.detach()
+        sums = torch.stack([chosen.detach().sum(), rejected.detach().sum(), (margin > 0).float().sum(), margin.sum()])
+        return loss, sums
+
+    def metrics(self, sums: list[float], count: float) -> dict[str, float]:
+        return {name: value / max(count, 1.0) for name, value in zip(self.metric_names, sums, strict=True)}
