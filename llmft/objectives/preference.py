@@ -87,6 +87,23 @@ def sum_per_sequence(
     return sums, counts
 
 
+def model_sequence_logps(
+    model: torch.nn.Module, batch: dict[str, Any], num_sequences: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of target-token log-probs, number of target tokens) per sequence of a collated pair
+    batch, from ``model``'s forward. With the chunked head installed (``llmft.loss``) the model
+    returns the targets' log-probs a chunk at a time and never holds the micro-batch's logits."""
+    labels, index = batch["labels"], batch["sequence_index"]
+    head = lm_loss.find(model)
+    if head is None:
+        logits = model(**model_inputs(batch), use_cache=False).logits
+        return sequence_logps(logits, labels, index, num_sequences)
+    target, valid = predicted_targets(labels, index)
+    with lm_loss.token_logps(head, target):
+        token_logps = model(**model_inputs(batch), use_cache=False).logits
+    return sum_per_sequence(token_logps, valid, index, num_sequences)
+
+
 def target_counts(labels: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int) -> torch.Tensor:
     """Target tokens per sequence ``[num_sequences]`` (float32), counted as ``sequence_logps`` counts them."""
     _, valid = predicted_targets(labels, sequence_index)
@@ -179,19 +196,8 @@ class PreferenceObjective:
         return int(batch["num_pairs"])
 
     def _logps(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) per-sequence log-probs of ``model``, ``[P]`` each, as the loss uses them.
-        With the chunked head installed (``llmft.loss``) the model returns the targets' log-probs a
-        chunk at a time and never holds the micro-batch's logits."""
-        pairs, labels, index = self.count(batch), batch["labels"], batch["sequence_index"]
-        head = lm_loss.find(model)
-        if head is None:
-            logits = model(**model_inputs(batch), use_cache=False).logits
-            sums, counts = sequence_logps(logits, labels, index, 2 * pairs)
-        else:
-            target, valid = predicted_targets(labels, index)
-            with lm_loss.token_logps(head, target):
-                token_logps = model(**model_inputs(batch), use_cache=False).logits
-            sums, counts = sum_per_sequence(token_logps, valid, index, 2 * pairs)
+        """(chosen, rejected) per-sequence log-probs of ``model``, ``[P]`` each, as the loss uses them."""
+        sums, counts = model_sequence_logps(model, batch, 2 * self.count(batch))
         logps = sums / counts.clamp_min(1.0) if self.mean_logps else sums
         return logps[0::2], logps[1::2]
 

@@ -56,8 +56,7 @@ import torch.distributed as dist
 import llmft
 from llmft.data.pairs import PairDataset, collate_pairs
 from llmft.dist import barrier, broadcast_object
-from llmft.objectives import model_inputs
-from llmft.objectives.preference import disable_dropout, sequence_logps
+from llmft.objectives.preference import disable_dropout, model_sequence_logps
 from llmft.plan.objectives import ADAPTERS_DISABLED, FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL
 from llmft.plan.resolve import RunPlan
 
@@ -225,8 +224,7 @@ def _score(plan: RunPlan, engine: Engine, ds: PairDataset, env: DistEnv, pad_id:
             idx = mine[r] if r < len(mine) else batches[0]  # every rank runs as many (collective) forwards
             batch = collate_pairs([ds.item(i, reference=False) for i in idx], pad_id)
             batch = {name: v.to(env.device) if isinstance(v, torch.Tensor) else v for name, v in batch.items()}
-            logits = model(**model_inputs(batch), use_cache=False).logits
-            sums, counts = sequence_logps(logits, batch["labels"], batch["sequence_index"], 2 * len(idx))
+            sums, counts = model_sequence_logps(model, batch, 2 * len(idx))
             if r < len(mine):
                 rows = torch.stack([sums[0::2], sums[1::2], counts[0::2], counts[1::2]], 1)
                 found.append((idx, rows.float().cpu().numpy()))
