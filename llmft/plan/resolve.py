@@ -159,13 +159,6 @@ class RunPlan:
         return self.spec.zero_init and self.layout.shards_params and not self.builds_whole and not self.meta_init
 
     @property
-    def upcast_unquantized(self) -> bool:
-        """QLoRA: PEFT's k-bit preparation upcasts norms, embeddings and head to fp32, except
-        where the engine shards parameters (FSDP2, ZeRO-3): they stay in the compute dtype, the
-        dtype the packed 4-bit weights are stored in, so every sharded tensor has one dtype."""
-        return not self.layout.shards_params
-
-    @property
     def chunked_loss(self) -> bool:
         """The LM head and loss run in chunks of tokens (``llmft.loss``)."""
         return memory.chunked_loss_on(self.recipe, self.batch.micro_batch_size)

@@ -188,6 +188,14 @@ def _combinations(r: Recipe, where) -> list[Problem]:
                 "Use all-linear or a list such as [q_proj, v_proj].",
             )
         )
+    if m.activation_offload and not m.gradient_checkpointing:
+        p.append(
+            Problem(
+                where("model.activation_offload"),
+                "offloads the activations that gradient checkpointing saves, and model.gradient_checkpointing is false",
+                "Set model.gradient_checkpointing=true, or model.activation_offload=false.",
+            )
+        )
     if r.batch.global_batch_tokens is not None and not r.data.packing:
         p.append(
             Problem(
