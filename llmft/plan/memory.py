@@ -441,12 +441,14 @@ def _activations(recipe: Recipe, shape: ModelShape, params: Params, tokens: int,
     eager_seq = seq if m.attn_implementation == "eager" else 0
     whole = activation_bytes_per_token_layer(shape, a, params.adapted_inputs, eager_seq)
     mlp = mlp_activation_bytes_per_token(shape, a, params.adapted_mlp_inputs)
-    tile = mlp_tile_tokens(tokens, -(-seq // sequence_parallel(recipe)), h) if m.tiled_mlp else tokens
-    per_layer = (whole - mlp) * tokens + mlp * tile
+    # Tiled, a layer saves no MLP intermediates: backward recomputes them for one tile of one layer.
+    tile = mlp_tile_tokens(tokens, -(-seq // sequence_parallel(recipe)), h) if m.tiled_mlp else 0
+    saved = whole - mlp if m.tiled_mlp else whole
+    per_layer = saved * tokens + mlp * tile
     # Embedding output and final norm, outside the layers.
     outside = (a + 4 + 2 * a) * h * tokens
     if not m.gradient_checkpointing:
-        return shape.num_layers * per_layer + outside
+        return shape.num_layers * saved * tokens + mlp * tile + outside
     layer_input = a * h * tokens
     if m.activation_offload:
         kept = layer_input  # the recomputed layer's input, brought back from the host
