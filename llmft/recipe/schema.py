@@ -154,7 +154,12 @@ class DataConfig:
         None, "Held-out data in the same forms (no weights); null disables eval (unless eval_fraction > 0)."
     )
     eval_fraction: float = doc(0.0, "Hold out this fraction of each data.train source for eval when data.eval is null.")
-    max_seq_len: int = doc(2048, "Tokens per sequence; longer records are truncated (and counted).")
+    max_seq_len: Any = doc(
+        2048,
+        "Tokens per sequence; longer records are truncated (and counted). auto (with distributed.gpu_memory_gb): "
+        "the longest sequence the planner fits per GPU for the recipe's sequence parallelism, activation offload, "
+        "tiling and chunked loss, at batch.micro_batch_size (1 where that is auto); llmft plan prints it.",
+    )
     packing: bool = doc(False, "Concatenate records into max_seq_len rows; attention never crosses record boundaries.")
     shuffle: bool = doc(True, "Reshuffle the records every epoch with a seeded permutation.")
     train_on: str = doc(

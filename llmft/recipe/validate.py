@@ -83,11 +83,17 @@ def _output_dir(r: Recipe, where) -> list[Problem]:
     return [Problem(where("run.output_dir"), what, "Set run.output_dir to a new directory or an llmft run directory.")]
 
 
+def _seq_len_ok(value: Any) -> bool:
+    if value == "auto":  # the planner picks it (llmft.plan.resolve)
+        return True
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 2
+
+
 def _ranges(r: Recipe, where) -> list[Problem]:
     checks: list[tuple[str, bool, str]] = [
         # numpy seeds from 32 bits; a larger seed would fail after the run directory was claimed
         ("run.seed", 0 <= r.run.seed < 2**32, "must be in [0, 2**32)"),
-        ("data.max_seq_len", r.data.max_seq_len >= 2, "must be >= 2"),
+        ("data.max_seq_len", _seq_len_ok(r.data.max_seq_len), "must be a whole number >= 2, or auto"),
         ("data.eval_fraction", 0.0 <= r.data.eval_fraction < 1.0, "must be in [0, 1)"),
         ("data.num_workers", r.data.num_workers >= 0, "must be >= 0"),
         ("data.prefetch_factor", r.data.prefetch_factor >= 1, "must be >= 1"),

@@ -198,3 +198,43 @@ def test_planner_activations_match_the_measured_peak(tmp_path, monkeypatch, over
         f"measured {mode.peak:,} B, planner {expected:,} B (activations {est.activations:,} + logits "
         f"{est.logits:,}), ratio {ratio:.3f}"
     )
+
+
+# --- the longest sequence and data.max_seq_len: auto -------------------------------------------
+
+
+def test_longest_sequence_grows_with_each_switch_and_auto_picks_it(tmp_path_factory):
+    from helpers import LLAMA_8B_RECIPE, write_text_recipe
+
+    from llmft.plan.memory import estimate, longest_sequence
+
+    path = str(write_text_recipe(tmp_path_factory, "long", LLAMA_8B_RECIPE))
+    qlora = ["model.quantization={bits: 4}", "peft.method=lora", "peft.dropout=0", "batch.micro_batch_size=1"]
+    qlora.append("model.chunked_loss=true")  # what auto picks at these lengths anyway
+    steps = [
+        ["model.gradient_checkpointing=true"],
+        ["model.tiled_mlp=true"],
+        ["model.activation_offload=true"],
+    ]
+    lengths, overrides = [], list(qlora)
+    for more in steps:
+        overrides += more
+        plan = load_plan(path, overrides, world_size=1)
+        lengths.append(longest_sequence(plan.recipe, plan.engine, 1, 24))
+    assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths), lengths
+    # Issue 24: with offload, tiling and chunked loss, 8B QLoRA fits at least 64K tokens on 24 GB.
+    assert lengths[-1] >= 65536 and lengths[-1] % 128 == 0
+    auto = load_plan(path, [*overrides, "data.max_seq_len=auto", "distributed.gpu_memory_gb=24"], world_size=1)
+    assert auto.recipe.data.max_seq_len == lengths[-1]
+    assert auto.resolved_recipe().data.max_seq_len == lengths[-1]
+    assert any("data.max_seq_len=auto" in n for n in auto.notes)
+    fits = estimate(auto.recipe, auto.engine, 1, 1, 1)
+    longer = load_plan(path, [*overrides, f"data.max_seq_len={lengths[-1] + 128}"], world_size=1)
+    assert fits.fits(24) and not estimate(longer.recipe, longer.engine, 1, 1, 1).fits(24)
+
+
+def test_max_seq_len_auto_needs_a_memory_size(tmp_path):
+    with pytest.raises(RecipeError, match="data.max_seq_len: auto needs a GPU memory size"):
+        load_plan(str(write_recipe(tmp_path, data__max_seq_len="auto")), [], world_size=1)
+    with pytest.raises(RecipeError, match="data.max_seq_len: 'long' must be a whole number >= 2, or auto"):
+        load_plan(str(write_recipe(tmp_path, data__max_seq_len="long")), [], world_size=1)
