@@ -22,6 +22,10 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
     """Build (or find) the cache entries of the recipe's data; the report to print."""
     _log_to_stderr()
     recipe = load_recipe(recipe_path, overrides)
+    if recipe.data.max_seq_len == "auto":  # the planner picks it, as llmft train does for the same layout
+        from llmft.plan.resolve import load_plan
+
+        recipe = load_plan(recipe_path, overrides).recipe
     if recipe.data.streaming:
         raise UserError(
             Problem(
