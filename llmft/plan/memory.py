@@ -22,6 +22,7 @@ and output means GiB (2**30 bytes), the unit ``nvidia-smi`` and torch report in.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -463,7 +464,6 @@ def longest_sequence(recipe: Recipe, engine: str, dp_size: int, gpu_memory_gb: f
     ``micro`` sequences per micro-batch, for the recipe's sequence parallelism, offload, tiling and
     loss chunking; 0 when even one token per sequence does not fit. A multiple of 128 x
     sequence_parallel where it is that long: every rank's slice a whole number of 128-token blocks."""
-    import dataclasses
 
     def fits(n: int) -> bool:
         probe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, max_seq_len=n))
