@@ -2,9 +2,10 @@
 (80 GB) and H200 (141 GB), sequence parallel 1, 2, 8, with and without activation offload, beside
 the published ALST numbers (docs/long-context.md). Planner only: nothing is measured here.
 
-With ``sequence_parallel`` N on N GPUs the run is DeepSpeed ZeRO-3 over all N ranks (ALST's
-layout: ZeRO partitions over the whole world, sequence ranks included), so weights, gradients and
-optimizer state are divided by N and each rank holds 1/N of every sequence. The key
+With ``sequence_parallel`` N on N GPUs (data-parallel 1) the run is DeepSpeed ZeRO-3 over all N
+ranks (ALST's layout: ZeRO partitions over the whole world, sequence ranks included; the planner
+shards over data-parallel x sequence-parallel ranks), so weights, gradients and optimizer state are
+divided by N and each rank holds 1/N of every sequence. The key
 ``distributed.sequence_parallel`` belongs to the sequence-parallel work (issue 24 item 1); where
 this checkout's schema lacks it the planner reads it with a default of 1, so the script sets it on
 the recipe object directly.
@@ -44,7 +45,7 @@ def longest(path: str, method: list[str], sp: int, offload: bool, gb: float) -> 
     overrides = [*BASE, *method, f"model.activation_offload={str(offload).lower()}"]
     plan = load_plan(path, overrides, world_size=1)
     plan.recipe.distributed.sequence_parallel = sp  # see the module docstring
-    return longest_sequence(plan.recipe, plan.engine, sp, gb, 1)
+    return longest_sequence(plan.recipe, plan.engine, 1, gb, 1)  # data-parallel 1: the N GPUs share one sequence
 
 
 def recipe_path() -> str:

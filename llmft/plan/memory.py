@@ -250,7 +250,10 @@ def _layout(recipe: Recipe, engine: str, dp_size: int) -> _Layout:
     d = recipe.distributed
     spec = engine_spec(engine)
     sharding = spec.sharding_for(d.zero_stage)
-    group = max(dp_size // d.hsdp_replicate, 1)  # HSDP shards within a replica group
+    # The ranks of a sequence-parallel group hold the same weights, so ZeRO (ALST partitions over
+    # the whole world) and FSDP2 (a data-shard x sequence mesh) shard over them too; HSDP shards
+    # within a replica group.
+    group = max(dp_size * sequence_parallel(recipe) // d.hsdp_replicate, 1)
     params_on_gpu = d.offload_params == "none" or not spec.param_offload
     optimizer_on_gpu = d.offload_optimizer == "none" or not spec.optimizer_offload
     return _Layout(

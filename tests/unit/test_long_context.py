@@ -267,3 +267,24 @@ def test_tiled_mlp_replays_autocast_in_backward(tmp_path):
     assert want.keys() == got.keys() and want
     worst = max(rel(got[name], want[name]) for name in want)
     assert worst <= 1e-2, worst
+
+
+def test_planner_divides_tokens_and_sharded_state_over_the_sequence_group(tmp_path_factory):
+    """distributed.sequence_parallel (read with a default of 1 until the key exists): each of N ranks
+    holds ceil(seq / N) tokens, and ZeRO-3 shards over data-parallel x N ranks."""
+    from helpers import LLAMA_8B_RECIPE, write_text_recipe
+
+    from llmft.plan.memory import estimate, sequence_parallel, tokens_per_rank
+
+    path = str(write_text_recipe(tmp_path_factory, "sp", LLAMA_8B_RECIPE))
+    overrides = ["peft.method=lora", "model.gradient_checkpointing=true", "data.max_seq_len=32769"]
+    overrides += ["distributed.engine=deepspeed", "distributed.zero_stage=3", "batch.micro_batch_size=1"]
+    plan = load_plan(path, overrides, world_size=1)
+    recipe = plan.recipe
+    one = estimate(recipe, plan.engine, 1, 1, 1)
+    assert sequence_parallel(recipe) == 1 and tokens_per_rank(recipe, 1) == 32769
+    object.__setattr__(recipe.distributed, "sequence_parallel", 2)
+    two = estimate(recipe, plan.engine, 1, 1, 1)
+    assert tokens_per_rank(recipe, 1) == 16385  # the longer slice of an odd length
+    assert two.weights == pytest.approx(one.weights / 2, abs=1)
+    assert 0.45 <= two.activations / one.activations <= 0.55
