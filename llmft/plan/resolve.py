@@ -234,7 +234,7 @@ def resolve(
             notes.append(note)
         except UserError as e:
             problems += [Problem(where(pr.where), pr.what, pr.fix) for pr in e.problems]
-            recipe = replace(recipe, data=replace(recipe.data, max_seq_len=2))  # to go on
+            recipe = _with_seq_len(recipe, 2)  # to go on and report every other problem too
     problems += engine_problems(recipe, spec, world.size, where)
     problems += objective_problems(recipe, where)
     batch = None
@@ -353,7 +353,15 @@ def _planned_seq_len(
         )
     log.info("data.max_seq_len=auto: %d tokens is the longest that fits %.0f GiB per GPU", n, gpu_gb)
     note = f"data.max_seq_len=auto: {n} tokens, the longest that fits {gpu_gb:g} GiB per GPU at micro-batch {micro}"
-    return replace(recipe, data=replace(recipe.data, max_seq_len=n)), note
+    return _with_seq_len(recipe, n), note
+
+
+def _with_seq_len(recipe: Recipe, n: int) -> Recipe:
+    """A copy of ``recipe`` with ``data.max_seq_len = n``; the copy keeps where each key was set
+    (``provenance``), which ``dataclasses.replace`` would drop."""
+    out = copy.copy(recipe)
+    out.data = replace(recipe.data, max_seq_len=n)
+    return out
 
 
 def _planned_micro(
