@@ -58,7 +58,7 @@ def offload_checkpointed_inputs(model: torch.nn.Module) -> None:
 
 def offloaded_checkpoint(checkpoint_fn: Callable[..., Any], function: Callable[..., Any], *args: Any) -> Any:
     """``checkpoint_fn(function, *args)`` with the tensors it saves (the layer's inputs) in host memory."""
-    pin = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)  # pinned: asynchronous copies
+    pin = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)  # pinned: full-bandwidth copies
     with torch.autograd.graph.save_on_cpu(pin_memory=pin):
         return checkpoint_fn(function, *args)
 
