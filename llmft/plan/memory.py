@@ -58,6 +58,8 @@ FRAGMENTATION = 0.05
 # Chunked loss (llmft/loss.py): rows of the LM head computed at once, so that one chunk's fp32
 # logits are about 64 MiB (2**24 elements): 524 tokens at vocab 32k, 131 at vocab 128k.
 LOSS_CHUNK_ELEMENTS = 2**24
+# Bytes per logit at the cross-entropy's backward: the saved fp32 log-softmax and two fp32 gradients.
+LOSS_BACKWARD_BYTES = 12
 
 # LoRA "all-linear" on a Llama-style decoder, and each module's (in, out) features.
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -301,12 +303,14 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
     }
     tokens = tokens_per_rank(recipe, micro)
     placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])
-    # The head's output in the compute dtype, its fp32 copy for the loss, and the fp32
-    # log-softmax that cross-entropy keeps for backward: for the whole micro-batch, or for one
-    # chunk of the chunked loss (llmft/loss.py; backward recomputes one chunk at a time).
+    # Forward holds the head's output in the compute dtype, its fp32 copy for the loss and the fp32
+    # log-softmax cross-entropy keeps (a + 8 bytes per logit); backward the saved log-softmax, its
+    # incoming gradient and the gradient it returns, all fp32 (12: the peak, the compute-dtype
+    # logits being freed by then; measured on CPU in bf16, tests/unit/test_long_context.py). For the
+    # whole micro-batch, or one chunk of the chunked loss (llmft/loss.py recomputes one at a time).
     chunked = chunked_loss_on(recipe, micro) or recipe.model.liger_kernels  # Liger's fused loss chunks too
     logit_rows = min(tokens, loss_chunk_tokens(shape.vocab_size)) if chunked else tokens
-    placed["logits"] = logit_rows * shape.vocab_size * (a + 4 + 4)
+    placed["logits"] = logit_rows * shape.vocab_size * max(a + 8, LOSS_BACKWARD_BYTES)
     placed["activations"] = _activations(recipe, shape, params, tokens, a, placed["logits"])
     placed["overhead"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * sum(placed.values())
 

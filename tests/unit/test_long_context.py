@@ -167,6 +167,7 @@ class HostCopy(torch.autograd.graph.saved_tensors_hooks):
 
 
 PLANNER_BAND = 0.15  # issue 24: the planner's activation bytes within +-15 % of the measured peak
+BF16 = ("model.dtype=bf16", "peft.method=lora")  # on CPU autocast bf16 runs the LoRA model's matmuls in bf16
 
 
 @pytest.mark.parametrize(
@@ -182,8 +183,10 @@ PLANNER_BAND = 0.15  # issue 24: the planner's activation bytes within +-15 % of
             "model.tiled_mlp=true",
             "model.chunked_loss=true",
         ),
+        ("model.attn_implementation=sdpa", "model.gradient_checkpointing=true", *BF16),
+        ("model.attn_implementation=sdpa", "model.gradient_checkpointing=true", "model.tiled_mlp=true", *BF16),
     ],
-    ids=["checkpointing", "offload", "tiled", "offload-tiled-chunked"],
+    ids=["checkpointing", "offload", "tiled", "offload-tiled-chunked", "bf16-lora-checkpointing", "bf16-lora-tiled"],
 )
 def test_planner_activations_match_the_measured_peak(tmp_path, monkeypatch, overrides):
     monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", HostCopy)
