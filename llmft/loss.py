@@ -2,7 +2,7 @@
 
 The plain path (transformers' ``ForCausalLMLoss``) materialises the logits of the whole
 micro-batch in the compute dtype, an fp32 copy, and the fp32 log-softmax cross-entropy saves
-for backward: ``tokens x vocab x (a + 8)`` bytes at once (4.9 GiB for 4096 tokens at vocab
+for backward: ``tokens x vocab x (a + 8)`` bytes at once, and its backward 12 (5.9 GiB for 4096 tokens at vocab
 128k). Here the head's input is split into chunks of ``chunk_tokens`` rows; each chunk's
 logits and loss run under non-reentrant activation checkpointing, so forward keeps only the
 chunk's input (a view of the hidden states) and backward recomputes one chunk at a time. The

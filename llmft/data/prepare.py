@@ -13,6 +13,7 @@ import time
 
 from llmft.data.build import build_data, cache_root
 from llmft.errors import Problem, UserError
+from llmft.plan.resolve import load_plan
 from llmft.recipe import load_recipe
 from llmft.stop import StopRequest
 from llmft.tokenizer import load_tokenizer
@@ -22,6 +23,8 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
     """Build (or find) the cache entries of the recipe's data; the report to print."""
     _log_to_stderr()
     recipe = load_recipe(recipe_path, overrides)
+    if recipe.data.max_seq_len == "auto":  # the planner picks it, as llmft train does for the same layout
+        recipe = load_plan(recipe_path, overrides).recipe
     if recipe.data.streaming:
         raise UserError(
             Problem(

@@ -24,7 +24,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from llmft import loss
 from llmft.errors import Problem, UserError
-from llmft.model import kernels
+from llmft.model import kernels, long_context
 from llmft.model.adapters import apply_peft, init_adapters
 from llmft.model.heads import PEFT_TASK_TYPES, configure, init_head, model_class, recipe_head
 from llmft.model.precision import DTYPES, upcast_trainable
@@ -52,7 +52,6 @@ def build_model(
     device: str | torch.device = "cpu",
     init_context: Callable[[], ContextManager] | None = None,
     quant_storage: str | None = None,
-    upcast_unquantized: bool = True,
 ) -> torch.nn.Module:
     """The model to train: loaded or built, quantized if asked, PEFT-wrapped if asked.
 
@@ -64,8 +63,6 @@ def build_model(
     ``quant_storage``: the storage dtype of packed 4-bit weights the run plan decided (FSDP2 needs
     the compute dtype, so that every parameter it shards has one dtype, and so does ZeRO-3); None: the
     recipe's, or uint8.
-    ``upcast_unquantized``: QLoRA's fp32 norms/embeddings/head (PEFT's k-bit preparation); off for FSDP2
-    and ZeRO-3, which shard parameters of one dtype.
     """
     m = recipe.model
     dtype = DTYPES[m.dtype]
@@ -101,12 +98,13 @@ def build_model(
     model.config.use_cache = False  # the KV cache is for generation; training only pays its memory
     if quant is not None:
         checkpointing = GRADIENT_CHECKPOINTING_KWARGS if m.gradient_checkpointing else None
-        prepare_kbit(model, checkpointing, upcast_unquantized=upcast_unquantized)
+        prepare_kbit(model, checkpointing)
     elif m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GRADIENT_CHECKPOINTING_KWARGS)
     if recipe.peft.method != "none":
         model = apply_peft(model, recipe.peft, PEFT_TASK_TYPES[head])
         init_adapters(model, recipe.run.seed)
+    long_context.apply(model, m)  # activation offload, tiled MLP: after checkpointing and the adapters
     return model
 
 
@@ -119,7 +117,6 @@ def prepare_model(plan: RunPlan, tokenizer: Any, device: torch.device, **kwargs:
         tokenizer,
         device=str(device),
         quant_storage=plan.quant_storage,
-        upcast_unquantized=plan.upcast_unquantized,
         **kwargs,
     )
     upcast_trainable(model)

@@ -121,7 +121,6 @@ def build_on_meta(plan: RunPlan, tokenizer: Any) -> tuple[torch.nn.Module, Param
         tokenizer,
         init_context=lambda: torch.device("meta"),
         quant_storage=plan.quant_storage,
-        upcast_unquantized=plan.upcast_unquantized,
     )
     slots = ParamSlots(model)  # before the upcast: records the dtype each weight is loaded in
     # Before anything is allocated: a missing file or weight fails here, not after the load.

@@ -8,9 +8,12 @@ estimate mirrors how llmft's engines hold a model (see ``engines/``):
   matmuls in ``model.dtype``; frozen weights stay in ``model.dtype``.
 - DeepSpeed: weights and gradients in ``model.dtype``, fp32 master weights beside the
   optimizer state (the ZeRO paper's 2 + 2 + 12 bytes per parameter for bf16 + Adam).
-- QLoRA on one rank or DDP: PEFT's ``prepare_model_for_kbit_training`` upcasts the
-  unquantized weights (embedding, head, norms) to fp32; under FSDP and ZeRO-3 they stay in
-  ``model.dtype`` so that all sharded parameters share one dtype.
+- QLoRA: the unquantized weights (embedding, head, norms) are frozen and stay in
+  ``model.dtype`` on every engine (no fp32 copies of frozen weights: ``model.quant``).
+- Long sequences (``activation_bytes``): ``distributed.sequence_parallel`` divides a sequence's
+  tokens over ranks, ``model.activation_offload`` moves the checkpointed layer inputs to host
+  memory, ``model.tiled_mlp`` keeps one tile's MLP activations, the chunked loss one chunk's
+  logits; ``longest_sequence`` is the longest ``max_seq_len`` that fits.
 
 Every number is bytes on one GPU. Each component is exposed on its own so that
 tests (and users) can compare them against a measured peak. "GB" in recipe keys
@@ -19,6 +22,7 @@ and output means GiB (2**30 bytes), the unit ``nvidia-smi`` and torch report in.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
@@ -55,9 +59,12 @@ FRAGMENTATION = 0.05
 # Chunked loss (llmft/loss.py): rows of the LM head computed at once, so that one chunk's fp32
 # logits are about 64 MiB (2**24 elements): 524 tokens at vocab 32k, 131 at vocab 128k.
 LOSS_CHUNK_ELEMENTS = 2**24
+# Bytes per logit at the cross-entropy's backward: the saved fp32 log-softmax and two fp32 gradients.
+LOSS_BACKWARD_BYTES = 12
 
 # LoRA "all-linear" on a Llama-style decoder, and each module's (in, out) features.
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_LINEARS = ALL_LINEAR[4:]
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class Params:
     adapters: int  # LoRA A/B (+ DoRA magnitudes): fp32
     saved: int  # modules_to_save: a trainable fp32 copy beside the frozen original
     adapted_inputs: int  # sum of in_features over adapted linears of one layer (activation cost)
+    adapted_mlp_inputs: int  # the part of adapted_inputs that feeds the MLP's linears
     largest_linear: int  # largest single weight matrix of a layer
 
     @property
@@ -91,7 +99,7 @@ def count_params(recipe: Recipe, shape: ModelShape) -> Params:
     per_layer_linear = shape.layer_linear_params
     embed = shape.vocab_size * h
     head = shape.embedding_params - embed
-    adapters = saved = adapted_inputs = 0
+    adapters = saved = adapted_inputs = adapted_mlp_inputs = 0
     p = recipe.peft
     if p.method != "none":
         targets = _targets(p.target_modules)
@@ -99,6 +107,7 @@ def count_params(recipe: Recipe, shape: ModelShape) -> Params:
         if p.method == "dora":
             adapters += n_layers * sum(linears[t][1] for t in targets)  # one magnitude per output feature
         adapted_inputs = sum(linears[t][0] for t in targets)
+        adapted_mlp_inputs = sum(linears[t][0] for t in targets if t in MLP_LINEARS)
         for name in p.modules_to_save or ():
             saved += {"lm_head": head or embed, "embed_tokens": embed}.get(name.rsplit(".", 1)[-1], h)
     return Params(
@@ -108,6 +117,7 @@ def count_params(recipe: Recipe, shape: ModelShape) -> Params:
         adapters=adapters,
         saved=saved,
         adapted_inputs=adapted_inputs,
+        adapted_mlp_inputs=adapted_mlp_inputs,
         largest_linear=max(i * o for i, o in linears.values()),
     )
 
@@ -205,6 +215,13 @@ class MemoryEstimate:
     def total(self) -> int:
         return sum(b for _, b in self.components())
 
+    @property
+    def allocated(self) -> int:
+        """The tensors alone: what torch's allocator counts at its peak
+        (``torch.cuda.max_memory_allocated``, the number torchtune and most papers publish), without
+        the CUDA context and the caching allocator's fragmentation (``overhead``)."""
+        return self.total - self.overhead
+
     def components(self) -> list[tuple[str, int]]:
         return [(name, getattr(self, name)) for name in self.COMPONENTS]
 
@@ -243,7 +260,10 @@ def _layout(recipe: Recipe, engine: str, dp_size: int) -> _Layout:
     d = recipe.distributed
     spec = engine_spec(engine)
     sharding = spec.sharding_for(d.zero_stage)
-    group = max(dp_size // d.hsdp_replicate, 1)  # HSDP shards within a replica group
+    # The ranks of a sequence-parallel group hold the same weights, so ZeRO (ALST partitions over
+    # the whole world) and FSDP2 (a data-shard x sequence mesh) shard over them too; HSDP shards
+    # within a replica group.
+    group = max(dp_size * sequence_parallel(recipe) // d.hsdp_replicate, 1)
     params_on_gpu = d.offload_params == "none" or not spec.param_offload
     optimizer_on_gpu = d.offload_optimizer == "none" or not spec.optimizer_offload
     return _Layout(
@@ -290,15 +310,17 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         "master_weights": _placed(states["master_weights"], layout.optimizer, layout.optimizer_on_gpu),
     }
     spec = objective_spec(recipe.train.objective)
-    tokens = micro * spec.rows_per_item * recipe.data.max_seq_len  # a pair is two sequences
+    tokens = spec.rows_per_item * tokens_per_rank(recipe, micro)  # a pair is two sequences
     placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])
-    # The head's output in the compute dtype, its fp32 copy for the loss, and the fp32
-    # log-softmax that cross-entropy keeps for backward: for the whole micro-batch, or for one
-    # chunk of the chunked loss (llmft/loss.py; backward recomputes one chunk at a time).
+    # Forward holds the head's output in the compute dtype, its fp32 copy for the loss and the fp32
+    # log-softmax cross-entropy keeps (a + 8 bytes per logit); backward the saved log-softmax, its
+    # incoming gradient and the gradient it returns, all fp32 (12: the peak, the compute-dtype
+    # logits being freed by then; measured on CPU in bf16, tests/unit/test_long_context.py). For the
+    # whole micro-batch, or one chunk of the chunked loss (llmft/loss.py recomputes one at a time).
     # Liger's fused loss chunks SFT's too, not the preference log-probs.
     chunked = chunked_loss_on(recipe, micro) or (recipe.model.liger_kernels and not spec.pairs)
     logit_rows = min(tokens, loss_chunk_tokens(shape.vocab_size)) if chunked else tokens
-    placed["logits"] = logit_rows * shape.vocab_size * (a + 4 + 4)
+    placed["logits"] = logit_rows * shape.vocab_size * max(a + 8, LOSS_BACKWARD_BYTES)
     placed["activations"] = _activations(recipe, shape, params, tokens, a, placed["logits"])
     reference_weights = _placed(_frozen_copy(recipe, engine, params, a), layout.weights, layout.weights_on_gpu)
     placed["reference"] = _reference(recipe, shape, params, tokens, a, placed, reference_weights)
@@ -342,11 +364,9 @@ def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, fl
     spec = engine_spec(engine)
     low = spec.low_precision_weights
     if m.quantization is not None:
-        # prepare_model_for_kbit_training upcasts the unquantized weights, except where the
-        # parameters are sharded (RunPlan.upcast_unquantized).
-        other_bytes = a if spec.shards_parameters(recipe) else 4
+        # The unquantized weights are frozen and stay in the compute dtype (model.quant.prepare_kbit).
         weights = params.linear * quantized_bytes_per_param(m.quantization.bits, m.quantization.double_quant)
-        weights += params.other * other_bytes
+        weights += params.other * a
     elif peft:
         weights = params.base * a  # frozen
     else:
@@ -429,21 +449,85 @@ def _transient_weights(recipe: Recipe, engine: str, shape: ModelShape, params: P
     return out
 
 
+def mlp_activation_bytes_per_token(shape: ModelShape, act_bytes: int, adapted_mlp_inputs: int) -> int:
+    """The MLP's part of ``activation_bytes_per_token_layer``: gate output, silu(gate), up output and
+    their product (4 a i), and PEFT's cast copies of the adapted MLP linears' inputs."""
+    lora = act_bytes * adapted_mlp_inputs if act_bytes < 4 else 0
+    return 4 * act_bytes * shape.intermediate_size + lora
+
+
+def mlp_tile_tokens(tokens: int, seq_len: int, hidden_size: int) -> int:
+    """Tokens in one tile of the tiled MLP: the micro-batch's rows cut along the sequence into
+    ``ceil(seq / hidden)`` tiles (``model.long_context.tile_count``, ALST's choice)."""
+    tiles = max(1, -(-seq_len // hidden_size))
+    return -(-tokens // tiles)
+
+
+def sequence_parallel(recipe: Recipe) -> int:
+    """``distributed.sequence_parallel`` (ranks sharing one sequence), 1 where the key is absent."""
+    return int(getattr(recipe.distributed, "sequence_parallel", 1) or 1)
+
+
+def tokens_per_rank(recipe: Recipe, micro: int) -> int:
+    """Tokens of one micro-batch held by one rank: each of ``sequence_parallel`` ranks holds a slice
+    of every sequence (the last slice may be shorter; the longest one is counted)."""
+    return micro * -(-recipe.data.max_seq_len // sequence_parallel(recipe))
+
+
 def _activations(recipe: Recipe, shape: ModelShape, params: Params, tokens: int, a: int, logits: float) -> float:
-    """Saved activations for ``tokens`` tokens, with or without gradient checkpointing.
+    """Saved activations for ``tokens`` tokens on this rank, with or without gradient checkpointing.
 
     With checkpointing the logits are freed (the head's backward runs first) before any layer is
     recomputed, so the peak holds the larger of one recomputed layer and the logits, not both:
-    only the part of the recomputed layer above the logits is counted here."""
+    only the part of the recomputed layer above the logits is counted here.
+    ``model.tiled_mlp``: the MLP's own activations exist for one tile of the sequence, not all of it.
+    ``model.activation_offload``: the layer inputs checkpointing keeps (the embedding output is the
+    first) are in host memory; only the one being recomputed is back on the device."""
+    m = recipe.model
     seq = recipe.data.max_seq_len
-    eager_seq = seq if recipe.model.attn_implementation == "eager" else 0
-    per_layer = activation_bytes_per_token_layer(shape, a, params.adapted_inputs, eager_seq) * tokens
+    h = shape.hidden_size
+    eager_seq = seq if m.attn_implementation == "eager" else 0
+    whole = activation_bytes_per_token_layer(shape, a, params.adapted_inputs, eager_seq)
+    mlp = mlp_activation_bytes_per_token(shape, a, params.adapted_mlp_inputs)
+    # Tiled, a layer saves no MLP intermediates: backward recomputes them for one tile of one layer.
+    tile = mlp_tile_tokens(tokens, -(-seq // sequence_parallel(recipe)), h) if m.tiled_mlp else 0
+    saved = whole - mlp if m.tiled_mlp else whole
+    per_layer = saved * tokens + mlp * tile
     # Embedding output and final norm, outside the layers.
-    outside = (a + 4 + 2 * a) * shape.hidden_size * tokens
-    if recipe.model.gradient_checkpointing:
-        # Each layer keeps only its input; backward recomputes one layer at a time.
-        return shape.num_layers * a * shape.hidden_size * tokens + max(per_layer - logits, 0) + outside
-    return shape.num_layers * per_layer + outside
+    outside = (a + 4 + 2 * a) * h * tokens
+    if not m.gradient_checkpointing:
+        return shape.num_layers * saved * tokens + mlp * tile + outside
+    layer_input = a * h * tokens
+    if m.activation_offload:
+        kept = layer_input  # the recomputed layer's input, brought back from the host
+        outside -= layer_input  # the embedding output is layer 0's input: offloaded too
+    else:
+        kept = shape.num_layers * layer_input
+    return kept + max(per_layer - logits, 0) + outside
+
+
+def longest_sequence(recipe: Recipe, engine: str, dp_size: int, gpu_memory_gb: float, micro: int = 1) -> int:
+    """The longest ``data.max_seq_len`` whose run fits ``gpu_memory_gb`` GiB per GPU with
+    ``micro`` sequences per micro-batch, for the recipe's sequence parallelism, offload, tiling and
+    loss chunking; 0 when even one token per sequence does not fit. A multiple of 128 x
+    sequence_parallel where it is that long: every rank's slice a whole number of 128-token blocks."""
+
+    def fits(n: int) -> bool:
+        probe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, max_seq_len=n))
+        return estimate(probe, engine, dp_size, micro, 1).fits(gpu_memory_gb)
+
+    low, high = 0, 1
+    while fits(high) and high < MAX_SEQ_SEARCH:  # doubling, then bisection: about 2 log2(n) estimates
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    step = 128 * sequence_parallel(recipe)
+    return low // step * step if low >= step else low
+
+
+# Where the search for the longest sequence stops: 2**27 tokens (134M), far past any model's context.
+MAX_SEQ_SEARCH = 2**27
 
 
 # --- picking the micro-batch --------------------------------------------------------------------
@@ -605,4 +689,7 @@ def format_estimate(est: MemoryEstimate) -> str:
     lines = [f"{'component':<{width}}{'GiB':>8}"]
     lines += [f"{n:<{width}}{b / GIB:>8.2f}" for n, b in rows]
     lines.append(f"{'total':<{width}}{est.total / GIB:>8.2f}")
+    lines.append(
+        f"{'tensors':<{width}}{est.allocated / GIB:>8.2f}  (total - overhead: torch.cuda.max_memory_allocated)"
+    )
     return "\n".join(lines)

@@ -10,7 +10,9 @@ from llmft.plan.memory import (
     MemoryEstimate,
     estimate_memory,
     format_estimate,
+    longest_sequence,
     pick_micro_batch,
+    sequence_parallel,
 )
 from llmft.plan.resolve import RunPlan, describe_engine, load_plan
 
@@ -71,4 +73,21 @@ def _fit_lines(plan: RunPlan, est: MemoryEstimate, measure_gpu: Callable[[], flo
         lines.append(f"largest micro-batch that fits and divides the local batch: {best}")
     except UserError as e:
         lines.append(f"no micro-batch fits: {e.problems[0].what}")
-    return lines
+    return lines + [_longest_line(plan, gb)]
+
+
+def _longest_line(plan: RunPlan, gb: float) -> str:
+    """The longest sequence a rank fits with this recipe's long-context switches."""
+    m = plan.recipe.model
+    switches = [
+        f"sequence_parallel {sequence_parallel(plan.recipe)}",
+        f"activation_offload {str(m.activation_offload).lower()}",
+        f"tiled_mlp {str(m.tiled_mlp).lower()}",
+        f"chunked loss {'on' if plan.chunked_loss else 'off'}",
+        f"gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}",
+    ]
+    micro = plan.batch.micro_batch_size
+    n = longest_sequence(plan.recipe, plan.engine, plan.dp_size, gb, micro)
+    return (
+        f"longest sequence that fits in {gb:g} GiB per GPU at micro-batch {micro}: {n} tokens ({', '.join(switches)})"
+    )

@@ -159,13 +159,6 @@ class RunPlan:
         return self.spec.zero_init and self.layout.shards_params and not self.builds_whole and not self.meta_init
 
     @property
-    def upcast_unquantized(self) -> bool:
-        """QLoRA: PEFT's k-bit preparation upcasts norms, embeddings and head to fp32, except
-        where the engine shards parameters (FSDP2, ZeRO-3): they stay in the compute dtype, the
-        dtype the packed 4-bit weights are stored in, so every sharded tensor has one dtype."""
-        return not self.layout.shards_params
-
-    @property
     def chunked_loss(self) -> bool:
         """The LM head and loss run in chunks of tokens (``llmft.loss``); a score head has no vocabulary."""
         return self.objective_spec.head == "lm" and memory.chunked_loss_on(self.recipe, self.batch.micro_batch_size)
@@ -234,9 +227,17 @@ def resolve(
     world = compiled if same else World.running(world_size, local_world_size)
     engine = choose_engine(recipe, world.size)
     spec = engine_spec(engine)
+    notes: list[str] = []
+    if recipe.data.max_seq_len == "auto":
+        try:
+            recipe, note = _planned_seq_len(recipe, engine, world.size, measure_gpu)
+            notes.append(note)
+        except UserError as e:
+            problems += [Problem(where(pr.where), pr.what, pr.fix) for pr in e.problems]
+            recipe = _with_seq_len(recipe, 2)  # to go on and report every other problem too
     problems += engine_problems(recipe, spec, world.size, where)
     problems += objective_problems(recipe, where)
-    batch, notes = None, []
+    batch = None
     try:
         batch, note = _solve(recipe, engine, compiled, world, measure_gpu)
         if note:
@@ -323,6 +324,44 @@ def _solve(
     if all(isinstance(v, int) for v in values) and compiled.size != world.size:
         return resolve_for_world(solve_batch(*values, dp_size=compiled.size), world.size)
     return solve_batch(*values, dp_size=world.size), None
+
+
+def _planned_seq_len(
+    recipe: Recipe, engine: str, world_size: int, measure_gpu: Callable[[], float | None] | None
+) -> tuple[Recipe, str]:
+    """``data.max_seq_len: auto``: a copy of the recipe with the longest sequence that fits
+    (``memory.longest_sequence``) at the recipe's micro-batch (1 where it is auto), and the note
+    that says so. The plan carries the number; ``resolved_recipe`` writes it into recipe.yaml."""
+    gpu_gb = recipe.distributed.gpu_memory_gb
+    if gpu_gb is None and measure_gpu is not None:
+        gpu_gb = measure_gpu()
+    micro = recipe.batch.micro_batch_size
+    micro = micro if isinstance(micro, int) and not isinstance(micro, bool) else 1
+    dp = max(world_size // memory.sequence_parallel(recipe), 1)
+    n = memory.longest_sequence(recipe, engine, dp, gpu_gb, micro) if gpu_gb is not None else 0
+    if gpu_gb is None or n < 2:
+        raise UserError(
+            Problem(
+                "data.max_seq_len",
+                "auto needs a GPU memory size (distributed.gpu_memory_gb, or a detected GPU)"
+                if gpu_gb is None
+                else f"auto: not even 2 tokens per sequence fit {gpu_gb:g} GiB per GPU at micro-batch {micro}",
+                "Set distributed.gpu_memory_gb (GiB per GPU), or give data.max_seq_len a number."
+                if gpu_gb is None
+                else "Use LoRA/QLoRA, shard over more GPUs, or give a larger distributed.gpu_memory_gb.",
+            )
+        )
+    log.info("data.max_seq_len=auto: %d tokens is the longest that fits %.0f GiB per GPU", n, gpu_gb)
+    note = f"data.max_seq_len=auto: {n} tokens, the longest that fits {gpu_gb:g} GiB per GPU at micro-batch {micro}"
+    return _with_seq_len(recipe, n), note
+
+
+def _with_seq_len(recipe: Recipe, n: int) -> Recipe:
+    """A copy of ``recipe`` with ``data.max_seq_len = n``; the copy keeps where each key was set
+    (``provenance``), which ``dataclasses.replace`` would drop."""
+    out = copy.copy(recipe)
+    out.data = replace(recipe.data, max_seq_len=n)
+    return out
 
 
 def _planned_micro(

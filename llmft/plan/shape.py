@@ -33,6 +33,15 @@ KNOWN: dict[str, dict[str, Any]] = {
         intermediate_size=28672,
         vocab_size=128256,
     ),
+    # The model of PEFT's FSDP+QLoRA and ZeRO-3+QLoRA memory anchors (docs/benchmarks.md).
+    "meta-llama/Llama-2-70b-hf": dict(
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=32000,
+    ),
     "meta-llama/Llama-3.2-1B": dict(
         hidden_size=2048,
         num_hidden_layers=16,

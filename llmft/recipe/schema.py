@@ -93,6 +93,19 @@ class ModelConfig:
         choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
     gradient_checkpointing: bool = doc(False, "Recompute activations in the backward pass to save memory.")
+    activation_offload: bool = doc(
+        False,
+        "Keep the checkpointed activations (each decoder layer's input, saved by gradient checkpointing) in "
+        "host memory (torch's save_on_cpu, pinned on CUDA) and bring them back one layer at a time in backward: "
+        "device memory for long sequences, for host RAM and PCIe traffic. Requires model.gradient_checkpointing.",
+    )
+    tiled_mlp: bool = doc(
+        False,
+        "Compute each decoder layer's MLP in sequence tiles of about hidden_size tokens (DeepSpeed's TiledMLP, "
+        "from ALST): its tokens x intermediate_size activations exist for one tile at a time; backward "
+        "recomputes the MLP once more. Same gradients. Engines single and deepspeed; needs peft.dropout 0 "
+        "(the recomputed tiles do not replay dropout's random state).",
+    )
     chunked_loss: Any = doc(
         "auto",
         "true / false: compute the LM head and the cross-entropy in chunks of tokens, so the fp32 logits of "
@@ -141,7 +154,12 @@ class DataConfig:
         None, "Held-out data in the same forms (no weights); null disables eval (unless eval_fraction > 0)."
     )
     eval_fraction: float = doc(0.0, "Hold out this fraction of each data.train source for eval when data.eval is null.")
-    max_seq_len: int = doc(2048, "Tokens per sequence; longer records are truncated (and counted).")
+    max_seq_len: Any = doc(
+        2048,
+        "Tokens per sequence; longer records are truncated (and counted). auto (with distributed.gpu_memory_gb): "
+        "the longest sequence the planner fits per GPU for the recipe's sequence parallelism, activation offload, "
+        "tiling and chunked loss, at batch.micro_batch_size (1 where that is auto); llmft plan prints it.",
+    )
     packing: bool = doc(False, "Concatenate records into max_seq_len rows; attention never crosses record boundaries.")
     shuffle: bool = doc(True, "Reshuffle the records every epoch with a seeded permutation.")
     train_on: str = doc(

@@ -83,11 +83,17 @@ def _output_dir(r: Recipe, where) -> list[Problem]:
     return [Problem(where("run.output_dir"), what, "Set run.output_dir to a new directory or an llmft run directory.")]
 
 
+def _seq_len_ok(value: Any) -> bool:
+    if value == "auto":  # the planner picks it (llmft.plan.resolve)
+        return True
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 2
+
+
 def _ranges(r: Recipe, where) -> list[Problem]:
     checks: list[tuple[str, bool, str]] = [
         # numpy seeds from 32 bits; a larger seed would fail after the run directory was claimed
         ("run.seed", 0 <= r.run.seed < 2**32, "must be in [0, 2**32)"),
-        ("data.max_seq_len", r.data.max_seq_len >= 2, "must be >= 2"),
+        ("data.max_seq_len", _seq_len_ok(r.data.max_seq_len), "must be a whole number >= 2, or auto"),
         ("data.eval_fraction", 0.0 <= r.data.eval_fraction < 1.0, "must be in [0, 1)"),
         ("data.num_workers", r.data.num_workers >= 0, "must be >= 0"),
         ("data.prefetch_factor", r.data.prefetch_factor >= 1, "must be >= 1"),
@@ -186,6 +192,14 @@ def _combinations(r: Recipe, where) -> list[Problem]:
                 where("peft.target_modules"),
                 f"{r.peft.target_modules!r} is not a name or a list of names",
                 "Use all-linear or a list such as [q_proj, v_proj].",
+            )
+        )
+    if m.activation_offload and not m.gradient_checkpointing:
+        p.append(
+            Problem(
+                where("model.activation_offload"),
+                "offloads the activations that gradient checkpointing saves, and model.gradient_checkpointing is false",
+                "Set model.gradient_checkpointing=true, or model.activation_offload=false.",
             )
         )
     if r.batch.global_batch_tokens is not None and not r.data.packing:

@@ -452,18 +452,18 @@ def test_compile_time_refusals(changes, dp, message, base):
 
 
 @pytest.mark.parametrize(
-    "engine, stage, storage, upcast",
+    "engine, stage, storage",
     [
-        ("single", 0, "uint8", True),
-        ("ddp", 0, "uint8", True),
-        ("deepspeed", 2, "uint8", True),
-        ("fsdp", 0, "bf16", False),
-        ("deepspeed", 3, "bf16", False),  # ZeRO-3 partitions the packed weights like FSDP2
+        ("single", 0, "uint8"),
+        ("ddp", 0, "uint8"),
+        ("deepspeed", 2, "uint8"),
+        ("fsdp", 0, "bf16"),
+        ("deepspeed", 3, "bf16"),  # ZeRO-3 partitions the packed weights like FSDP2
     ],
 )
-def test_4bit_storage_follows_the_engine(base, engine, stage, storage, upcast):
+def test_4bit_storage_follows_the_engine(base, engine, stage, storage):
     """QLoRA: where parameters are sharded (FSDP2, ZeRO-3) the packed 4-bit bytes are stored as the
-    compute dtype and the unquantized weights stay in it; elsewhere uint8 and PEFT's fp32 upcast."""
+    compute dtype; elsewhere uint8."""
     plan = variant(
         base,
         1 if engine == "single" else 2,
@@ -473,7 +473,7 @@ def test_4bit_storage_follows_the_engine(base, engine, stage, storage, upcast):
         model__quantization=QuantizationConfig(bits=4),
         peft__method="lora",
     )
-    assert (plan.quant_storage, plan.upcast_unquantized) == (storage, upcast)
+    assert plan.quant_storage == storage
 
 
 @pytest.mark.parametrize("engine, stage, name", [("fsdp", 0, "FSDP2"), ("deepspeed", 3, "ZeRO-3")])

@@ -182,7 +182,7 @@ def test_qlora_gradients_are_the_same_after_an_eval(tmp_path, tok):
 
 def test_sharded_qlora_stores_packed_weights_in_the_compute_dtype(tmp_path, tok):
     recipe = make_recipe(tmp_path, peft__method="lora", model__dtype="bf16", model__quantization={"bits": 4})
-    model = build_model(recipe, tok, quant_storage="bf16", upcast_unquantized=False)  # what FSDP2's plan asks
+    model = build_model(recipe, tok, quant_storage="bf16")  # what FSDP2's plan asks
     weight = model.base_model.model.model.layers[0].mlp.up_proj.base_layer.weight
     assert type(weight).__name__ == "Params4bit" and weight.dtype == torch.bfloat16
     # no fp32 upcast of norms and embeddings: every frozen parameter has the one dtype FSDP flattens

@@ -50,12 +50,13 @@ def test_a_pair_is_two_sequences(base):
         sft = est(base, *LORA, off, micro=2 * micro)
         assert dpo.activations == sft.activations and dpo.logits == sft.logits
         assert dpo.weights == sft.weights and dpo.rows_per_item == 2 and sft.rows_per_item == 1
-    # Logits: 2 x 2048 tokens x 128256 vocab x (2 bf16 + 4 fp32 copy + 4 fp32 log-softmax) bytes.
-    assert est(base, *DPO, *LORA, off).logits == 2 * 2048 * 128256 * 10
+    # Logits: 2 x 2048 tokens x 128256 vocab x 12 bytes (the cross-entropy backward's fp32
+    # log-softmax, incoming and returned gradients: LOSS_BACKWARD_BYTES, above the forward's 2 + 4 + 4).
+    assert est(base, *DPO, *LORA, off).logits == 2 * 2048 * 128256 * 12
     # The chunked head (on by default: 4096 tokens are more than one chunk) holds one chunk of
     # 2**24 // 128256 = 130 tokens, for the preference log-probs as for SFT's loss.
     assert _load(base, (*DPO, *LORA), 1).chunked_loss
-    assert est(base, *DPO, *LORA).logits == 130 * 128256 * 10
+    assert est(base, *DPO, *LORA).logits == 130 * 128256 * 12
 
 
 def test_the_reference_model_is_counted(base):

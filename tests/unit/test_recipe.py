@@ -61,8 +61,11 @@ def test_typo_in_file_names_line(recipe_file):
 
 
 def test_wrong_type(recipe_file):
+    msg = errors(recipe_file, ["peft.r=long"])
+    assert "peft.r: wrong type" in msg and "'long'" in msg
+    # data.max_seq_len also takes auto, so its other strings are a range problem, not a type's
     msg = errors(recipe_file, ["data.max_seq_len=long"])
-    assert "data.max_seq_len: wrong type" in msg and "'long'" in msg
+    assert "data.max_seq_len: 'long' must be a whole number >= 2, or auto" in msg
 
 
 def test_out_of_range_and_choice_reported_together(recipe_file):
