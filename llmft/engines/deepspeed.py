@@ -40,7 +40,7 @@ from llmft.engines import OptimizerFactory
 from llmft.engines.base import check_loaded_keys, freeze, reference_plan, trainable_names
 from llmft.engines.safe_deepspeed import check_deepspeed_files
 from llmft.errors import Problem, UserError
-from llmft.model import zero3
+from llmft.model import ulysses, zero3
 from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta
@@ -68,11 +68,16 @@ class DeepSpeedEngineAdapter:
         self.config = deepspeed_config(plan)
         self._hf_ds = None
         model = self._build(plan, tokenizer)
+        # Ulysses: DeepSpeed's sequence groups are the mpu; ZeRO then reduces gradients over the whole
+        # world and divides them by world / N = the data-parallel ranks (docs/long-context.md).
+        self._mpu = ulysses.install(model, plan.sequence_parallel) if plan.sequence_parallel > 1 else None
         if plan.reference in (FROZEN_COPY, REFERENCE_MODEL):
             self.reference = self._frozen_reference(plan, tokenizer)
         self.peft = is_peft(model)
         self.optimizer = make_optimizer(model)
-        self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config)
+        self.model, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=self.optimizer, config=self.config, mpu=self._mpu
+        )
         # DeepSpeed averages gradients over data-parallel ranks; backward undoes it.
         self._grad_scale = float(plan.layout.dp_size)
 
@@ -106,7 +111,7 @@ class DeepSpeedEngineAdapter:
             config.pop(key, None)
         if plan.zero_stage != 3:
             config.setdefault("zero_optimization", {})["stage"] = 0
-        reference, _, _, _ = deepspeed.initialize(model=model, config=config)
+        reference, _, _, _ = deepspeed.initialize(model=model, config=config, mpu=self._mpu)
         reference.eval()  # DeepSpeedEngine.eval() returns None
         return reference
 

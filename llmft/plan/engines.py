@@ -87,6 +87,9 @@ class EngineSpec:
     # (``python -m llmft.checkpoint universal``); None: its checkpoints load on any world size as written.
     universal: str | None = None
     launcher: str = "torchrun"  # launch/<launcher>.sh starts it
+    # Runs ``distributed.sequence_parallel`` > 1 (Ulysses attention, sequence slices, gradients
+    # summed over the whole world: docs/long-context.md).
+    sequence_parallel: bool = False
 
     def sharding_for(self, zero_stage: int) -> Sharding:
         """What this engine partitions at ``distributed.zero_stage`` (ignored without ZeRO stages)."""
@@ -143,6 +146,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         config_files="llmft.plan.fsdp:config_files",
         config_names=("fsdp.yaml", "accelerate.yaml"),
         summary="llmft.plan.fsdp:summary",
+        sequence_parallel=True,
     ),
     EngineSpec(
         name="deepspeed",
@@ -169,6 +173,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         problems="llmft.plan.deepspeed:engine_problems",
         universal="llmft.engines.deepspeed:deepspeed_universal",
         launcher="deepspeed",
+        sequence_parallel=True,
     ),
 )
 
@@ -199,7 +204,8 @@ def universal_converter() -> str:
 
 def choose_engine(recipe: Recipe, dp_size: int) -> str:
     """``auto``: one process -> single; several -> deepspeed when offloading the optimizer or to nvme,
-    fsdp for a full fine-tune (the replicas would not fit), ddp for adapters (small gradients)."""
+    fsdp for a full fine-tune (the replicas would not fit) or sequence parallelism, ddp for
+    adapters (small gradients)."""
     d = recipe.distributed
     if d.engine != AUTO:
         return d.engine
@@ -207,7 +213,7 @@ def choose_engine(recipe: Recipe, dp_size: int) -> str:
         return one_process_engine().name
     if d.offload_optimizer != "none" or d.offload_params == "nvme":
         return "deepspeed"
-    if recipe.peft.method == "none" or d.offload_params == "cpu":
+    if recipe.peft.method == "none" or d.offload_params == "cpu" or d.sequence_parallel > 1:
         return "fsdp"
     return "ddp"
 

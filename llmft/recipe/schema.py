@@ -280,8 +280,8 @@ class DistributedConfig:
     engine: str = doc(
         "auto",
         "auto, single, ddp, fsdp or deepspeed. auto: single for one process; on several, deepspeed "
-        "when optimizer state is offloaded or params to nvme, fsdp for a full fine-tune or params "
-        "offloaded to cpu, ddp for adapters.",
+        "when optimizer state is offloaded or params to nvme, fsdp for a full fine-tune, params "
+        "offloaded to cpu or sequence_parallel > 1, ddp for adapters.",
         choices=("auto", "single", "ddp", "fsdp", "deepspeed"),
     )
     zero_stage: int = doc(2, "DeepSpeed ZeRO stage 0-3.", choices=(0, 1, 2, 3))
@@ -308,6 +308,13 @@ class DistributedConfig:
         choices=("boundary", "micro_step"),
     )
     reduce_dtype: str = doc("fp32", "dtype of gradient reduction under FSDP mixed precision.", choices=DTYPES)
+    sequence_parallel: int = doc(
+        1,
+        "Sequence parallelism (Ulysses): N ranks share each sequence, each holding 1/N of its tokens; "
+        "attention exchanges heads all-to-all within the group. Data-parallel size = world / N, so "
+        "global = micro x accumulation x (world / N). N must divide the world and the attention heads "
+        "(docs/long-context.md). fsdp or deepspeed.",
+    )
     nnodes: int = doc(1, "Nodes the job runs on (used by compile and the launch scripts).")
     nproc_per_node: int = doc(1, "Processes (GPUs) per node.")
     master_port: int = doc(29500, "Rendezvous port on the first node.")
