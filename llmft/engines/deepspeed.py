@@ -50,6 +50,16 @@ from llmft.plan.resolve import RunPlan
 from llmft.safe_load import torch_load
 
 
+def averaged_over(plan: RunPlan) -> int:
+    """The number DeepSpeed divides the summed gradients by: the data-parallel ranks. Under
+    sequence parallelism every rank's gradient is a share of the sum, and DeepSpeed 0.19 reduces
+    over the whole world: ZeRO-1/2 divide the result by ``world / N`` (``stage_1_and_2.py``), but
+    ZeRO-3's reduce-scatter (``stage3.py``, ``reduce_scatter_coalesced``) averages over the whole
+    world. ``tests/distributed/test_sequence_parallel.py`` holds both to the one-process gradient."""
+    layout = plan.layout
+    return layout.world_size if layout.sp > 1 and plan.zero_stage == 3 else layout.dp_size
+
+
 class DeepSpeedEngineAdapter:
     # A preference run's separate reference model (a DeepSpeed engine without optimizer); None for
     # SFT and LoRA (whose reference is the policy with adapters disabled).
@@ -79,7 +89,7 @@ class DeepSpeedEngineAdapter:
             model=model, optimizer=self.optimizer, config=self.config, mpu=self._mpu
         )
         # DeepSpeed averages gradients over data-parallel ranks; backward undoes it.
-        self._grad_scale = float(plan.layout.dp_size)
+        self._grad_scale = float(averaged_over(plan))
 
     def _build(self, plan: RunPlan, tokenizer: Any) -> torch.nn.Module:
         """The plan's model, built as this ZeRO stage needs it (partitioned for ZeRO-3 where it must be)."""
