@@ -55,6 +55,9 @@ def sequence_slice(batch: dict[str, Any], sp_rank: int, sp: int) -> dict[str, An
     extra = padded - width
     pos = positions(batch)
     targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+    if "sequence_index" in batch:  # a packed preference row: a sequence's last token predicts nothing
+        seq = batch["sequence_index"]
+        targets[:, :-1] = targets[:, :-1].masked_fill(seq[:, :-1] != seq[:, 1:], IGNORE_INDEX)
     whole = {
         "input_ids": F.pad(ids, (0, extra), value=0),
         # The pad continues the last sequence's positions: it is a tail no real token attends to.

@@ -71,6 +71,22 @@ def sequence_logps(
     return sums, counts
 
 
+def slice_logps(
+    logits: torch.Tensor, shift_labels: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_logps`` of a sequence slice (``llmft.data.sequence``): position t predicts
+    ``shift_labels[t]``, already shifted and cut where a sequence ends. The sums are this slice's
+    part; the sequence group's all-reduce makes them whole."""
+    valid = (shift_labels != IGNORE_INDEX) & (sequence_index >= 0)
+    flat_logits = logits.reshape(-1, logits.shape[-1]).float()
+    token_logps = -F.cross_entropy(flat_logits, torch.where(valid, shift_labels, 0).reshape(-1), reduction="none")
+    token_logps = torch.where(valid.reshape(-1), token_logps, 0.0)
+    index = torch.where(valid, sequence_index, 0).reshape(-1)
+    sums = token_logps.new_zeros(num_sequences).index_add(0, index, token_logps)
+    counts = token_logps.new_zeros(num_sequences).index_add(0, index, valid.reshape(-1).float())
+    return sums, counts
+
+
 @dataclass
 class PairLosses:
     """Per pair: the loss and what the metrics report (all ``[P]``)."""
@@ -132,6 +148,30 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
+class SequenceGroup:
+    """The ranks that share each sequence (``distributed.sequence_parallel``): per-sequence sums
+    of their slices are summed over the group, with gradients (each rank's slice gets the whole
+    sum's gradient)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.group = None
+        self.first = True
+        if size > 1:
+            from llmft.model.ulysses import sequence_groups
+
+            mpu = sequence_groups(size)
+            self.group = mpu.get_sequence_parallel_group()
+            self.first = mpu.get_sequence_parallel_rank() == 0
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return values
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(values, group=self.group)
+
+
 class PreferenceObjective:
     """DPO and its relatives over the contract batch (see the module docstring)."""
 
@@ -148,14 +188,20 @@ class PreferenceObjective:
         disable_dropout(self.policy)
         if self.reference is not None:
             disable_dropout(self.reference)
+        self.sequence = SequenceGroup(plan.layout.sp)
 
     def count(self, batch: dict[str, Any]) -> int:
-        return int(batch["num_pairs"])
+        # Every rank of a sequence group holds the same pairs: the group counts them once.
+        return int(batch["num_pairs"]) if self.sequence.first else 0
 
     def _logps(self, logits: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) per-sequence log-probs, ``[P]`` each, as the loss uses them."""
-        pairs = self.count(batch)
-        sums, counts = sequence_logps(logits, batch["labels"], batch["sequence_index"], 2 * pairs)
+        num = 2 * int(batch["num_pairs"])
+        if "shift_labels" in batch:  # this rank's slice: its partial sums, summed over the group
+            sums, counts = slice_logps(logits, batch["shift_labels"], batch["sequence_index"], num)
+            sums, counts = self.sequence.sum(sums), self.sequence.sum(counts.detach())
+        else:
+            sums, counts = sequence_logps(logits, batch["labels"], batch["sequence_index"], num)
         logps = sums / counts.clamp_min(1.0) if self.mean_logps else sums
         return logps[0::2], logps[1::2]
 
@@ -182,7 +228,9 @@ class PreferenceObjective:
         logits = model(**model_inputs(batch), use_cache=False).logits
         chosen, rejected = self._logps(logits, batch)
         out = pair_losses(self.cfg, chosen, rejected, *(ref if ref is not None else (None, None)))
-        loss = out.losses.sum() / num_items
+        # With sequence parallelism every rank of the group computes the same pair losses from the
+        # summed log-probs: each takes 1/N of them (the all-reduce's backward sums the N shares).
+        loss = out.losses.sum() / num_items / self.sequence.size
         correct = (out.chosen_rewards > out.rejected_rewards).float()
         margin = out.chosen_rewards - out.rejected_rewards
         sums = torch.stack(
@@ -195,7 +243,7 @@ class PreferenceObjective:
                 out.rejected_logps.detach().sum(),
             ]
         )
-        return loss, sums
+        return loss, sums / self.sequence.size
 
     def metrics(self, sums: list[float], count: float) -> dict[str, float]:
         return {name: value / max(count, 1.0) for name, value in zip(self.metric_names, sums, strict=True)}

@@ -415,6 +415,15 @@ def sequence_parallel_problems(
                 "Set model.attn_implementation to sdpa, flash_attention_2 or flex_attention.",
             )
         )
+    if r.train.eval_generate_samples:
+        p.append(
+            Problem(
+                where("train.eval_generate_samples"),
+                f"{r.train.eval_generate_samples}: generation decodes one token at a time, which a sequence "
+                "group cannot split",
+                "Set train.eval_generate_samples=0 (the eval loss and perplexity run sequence-parallel).",
+            )
+        )
     if world_size % n:
         valid = divisors(world_size)
         p.append(

@@ -60,13 +60,14 @@ def test_sequence_parallel_2_matches_one_process(tmp_path, case):
     recipe = write_recipe(
         tmp_path, model__attn_implementation="sdpa", batch__global_batch_size=4, batch__micro_batch_size=4
     )
+    common.append(f"data.eval={tmp_path / 'train.jsonl'}")  # the final eval runs sequence-parallel too
     one = tmp_path / "one"
     assert train_inproc(recipe, *SGD, *common, "distributed.engine=single", f"run.output_dir={one}") == 0
     sp = tmp_path / "sp"
-    done = torchrun(["train", str(recipe), *SGD, *overrides, *SP2, f"run.output_dir={sp}"], timeout=600)
+    done = torchrun(["train", str(recipe), *SGD, *overrides, *SP2, common[-1], f"run.output_dir={sp}"], timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 
-    w0 = _initial(recipe, common)
+    w0 = _initial(recipe, common[:-1])
     w1_one, w1_sp = _state(one / "checkpoints/step-1"), _state(sp / "checkpoints/step-1")
     step = {k: w0[k] - w1_one[k] for k in w0}
     diff = {k: w1_sp[k] - w1_one[k] for k in w0}
@@ -78,3 +79,77 @@ def test_sequence_parallel_2_matches_one_process(tmp_path, case):
     assert [r["tokens"] for r in rows] == [r["tokens"] for r in ref]  # each target token counted once
     assert all(abs(r["loss"] - q["loss"]) <= 1e-5 * abs(q["loss"]) for r, q in zip(rows, ref, strict=True))
     assert all(abs(r["grad_norm"] - q["grad_norm"]) <= 1e-5 * q["grad_norm"] for r, q in zip(rows, ref, strict=True))
+    _eval_matches(sp, one)
+
+
+def test_slices_equal_deepspeeds_dataloader_adapter():
+    """llmft slices each micro-batch itself (the adapter reorders samples across micro-steps:
+    llmft/data/sequence.py); the slices are the adapter's (tests/distributed/sp_slices_probe.py)."""
+    import os
+    import subprocess
+
+    from helpers import ROOT, torchrun_cmd
+
+    cmd = [*torchrun_cmd(), str(ROOT / "tests/distributed/sp_slices_probe.py")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "SLICES_MATCH packed unpacked" in done.stdout
+
+
+def _eval_matches(sp, one) -> None:
+    (mine,), (ref,) = metrics(sp, "eval"), metrics(one, "eval")
+    assert mine["tokens"] == ref["tokens"] and abs(mine["loss"] - ref["loss"]) <= 1e-5 * ref["loss"]
+
+
+def _write_pairs(path, n: int = 24) -> None:
+    import json
+    import random
+
+    rng = random.Random(1)
+    with open(path, "w") as f:
+        for _ in range(n):
+            word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 30)))
+            rec = {"prompt": f"reverse {word}:", "chosen": word[::-1], "rejected": word[: rng.randint(1, len(word))]}
+            f.write(json.dumps(rec) + "\n")
+
+
+DPO_CASES = {
+    "fsdp_full_unpacked": FSDP,
+    "fsdp_lora_padding_free": FSDP + LORA + ["data.packing=true"],
+    "zero3_lora_unpacked": ZERO3 + LORA,
+}
+
+
+@pytest.mark.parametrize("case", list(DPO_CASES))
+def test_dpo_sequence_parallel_2_matches_one_process(tmp_path, case):
+    """Pairs of sequences split over 2 ranks: per-sequence log-prob sums are summed over the group
+    (with their gradients), each pair is counted once; 2 SGD steps (the second one away from the
+    reference) equal one process's. ZeRO-3 runs one step (the DeepSpeed multi-step DPO hang of
+    docs/preference.md "Status" is not this work's)."""
+    overrides = DPO_CASES[case]
+    steps = 1 if "zero3" in case else 2
+    pairs = tmp_path / "pairs.jsonl"
+    _write_pairs(pairs)
+    recipe = write_recipe(
+        tmp_path,
+        model__attn_implementation="sdpa",
+        batch__global_batch_size=4,
+        batch__micro_batch_size=4,
+        data__train=str(pairs),
+        train__objective="dpo",
+    )
+    sgd = ["optim.name=sgd", "optim.lr=0.5", "optim.max_grad_norm=null", f"train.max_steps={steps}"]
+    common = [o for o in overrides if not o.startswith("distributed.")]
+    one, sp = tmp_path / "one", tmp_path / "sp"
+    assert train_inproc(recipe, *sgd, *common, "distributed.engine=single", f"run.output_dir={one}") == 0
+    done = torchrun(["train", str(recipe), *sgd, *overrides, *SP2, f"run.output_dir={sp}"], timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    w_one, w_sp = _state(one), _state(sp)
+    w0 = _initial(recipe, common)
+    moved = {k: w0[k] - w_one[k] for k in w0}
+    assert _norm(moved) > 0 and _norm({k: w_sp[k] - w_one[k] for k in w0}) / _norm(moved) <= 1e-5
+    rows, ref = metrics(sp), metrics(one)
+    for r, q in zip(rows, ref, strict=True):
+        for key in ("loss", "grad_norm", "rewards/margin", "logps/chosen"):
+            assert abs(r[key] - q[key]) <= 1e-5 * max(abs(q[key]), 1e-3), (key, r[key], q[key])
