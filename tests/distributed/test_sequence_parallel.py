@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import metrics, torchrun, train_inproc, write_recipe
+from helpers import metrics, sample_log, torchrun, train_inproc, write_recipe
 
 from llmft.consolidate import load_checkpoint_model, trainable_state
 
@@ -153,3 +153,38 @@ def test_dpo_sequence_parallel_2_matches_one_process(tmp_path, case):
     for r, q in zip(rows, ref, strict=True):
         for key in ("loss", "grad_norm", "rewards/margin", "logps/chosen"):
             assert abs(r[key] - q[key]) <= 1e-5 * max(abs(q[key]), 1e-3), (key, r[key], q[key])
+
+
+def test_resume_exact_and_elastic_from_sp2_to_sp1_keeps_the_sample_position(tmp_path):
+    """An sp 2 run stopped at step 2 (its checkpoint) and resumed to step 4: on 2 ranks with sp 2
+    (exact) and on 1 rank with sp 1 (elastic: the same global batch, accumulation 2 -> 2 with the
+    micro-batch of the whole group). Against the uninterrupted sp 2 run: per step the same samples
+    (LLMFT_SAMPLE_LOG, a group's ranks log the same ones), the same losses and final weights."""
+    recipe = write_recipe(
+        tmp_path, model__attn_implementation="sdpa", batch__global_batch_size=4, batch__micro_batch_size=2
+    )
+    keys = ["distributed.engine=fsdp", "checkpoint.every_steps=2"]
+    sp2 = ["distributed.sequence_parallel=2"]
+
+    def run(name: str, steps: int, *extra: str, nproc: int = 2) -> None:
+        env = {"LLMFT_SAMPLE_LOG": str(tmp_path / "samples" / name)}
+        args = ["train", str(recipe), *keys, f"train.max_steps={steps}", f"run.output_dir={tmp_path / name}", *extra]
+        done = torchrun(args, nproc=nproc, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+
+    run("ref", 4, *sp2)
+    for name in ("exact", "elastic"):
+        run(name, 2, *sp2)
+    run("exact", 4, *sp2)
+    run("elastic", 4, "distributed.sequence_parallel=1", nproc=1)
+
+    ref_samples = {step: set(c) for step, c in sample_log(tmp_path / "samples/ref").items()}
+    ref_rows, ref_w = metrics(tmp_path / "ref"), _state(tmp_path / "ref")
+    for name in ("exact", "elastic"):
+        samples = {step: set(c) for step, c in sample_log(tmp_path / "samples" / name).items()}
+        assert samples == ref_samples, name  # steps 1-2 from the first part, 3-4 from the resume
+        rows = metrics(tmp_path / name)
+        assert [r["samples"] for r in rows] == [r["samples"] for r in ref_rows] == [4, 8, 12, 16]
+        assert all(abs(r["loss"] - q["loss"]) <= 1e-5 * q["loss"] for r, q in zip(rows, ref_rows, strict=True))
+        w = _state(tmp_path / name)
+        assert max(float((w[k] - ref_w[k]).abs().max()) for k in w) <= 1e-5, name
