@@ -28,8 +28,10 @@ from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.nn.functional import all_reduce
 
 from llmft.loss import IGNORE_INDEX
+from llmft.model.ulysses import sequence_groups
 from llmft.objectives import model_inputs
 from llmft.plan.objectives import ADAPTERS_DISABLED, NO_REFERENCE
 from llmft.plan.resolve import RunPlan
@@ -158,8 +160,6 @@ class SequenceGroup:
         self.group = None
         self.first = True
         if size > 1:
-            from llmft.model.ulysses import sequence_groups
-
             mpu = sequence_groups(size)
             self.group = mpu.get_sequence_parallel_group()
             self.first = mpu.get_sequence_parallel_rank() == 0
@@ -167,8 +167,6 @@ class SequenceGroup:
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return values
-        from torch.distributed.nn.functional import all_reduce
-
         return all_reduce(values, group=self.group)
 
 
