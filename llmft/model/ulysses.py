@@ -56,7 +56,7 @@ def install(model: torch.nn.Module, sp: int) -> ModuleType:
     impl = config._attn_implementation
     if impl in _INSTALLED:
         return mpu
-    assert impl != "eager", "resolve refuses eager attention with sequence parallelism"
+    assert impl in ("sdpa", "flash_attention_2"), "resolve refuses other attention with sequence parallelism"
     uattn = UlyssesSPAttentionHF(
         attn=_whole_row_attention(ALL_ATTENTION_FUNCTIONS[impl], impl),
         batch_size=1,

@@ -388,6 +388,10 @@ def engine_problems(r: Recipe, spec: EngineSpec, dp_size: int, where: Callable[[
     )
 
 
+# Attention kernels Ulysses runs with packed rows kept apart (llmft.model.ulysses).
+SEQUENCE_PARALLEL_ATTENTION = ("sdpa", "flash_attention_2")
+
+
 def sequence_parallel_problems(
     r: Recipe, spec: EngineSpec, world_size: int, where: Callable[[str], str]
 ) -> list[Problem]:
@@ -407,12 +411,13 @@ def sequence_parallel_problems(
             )
         ]
     p: list[Problem] = []
-    if r.model.attn_implementation == "eager":
+    if r.model.attn_implementation not in SEQUENCE_PARALLEL_ATTENTION:
         p.append(
             Problem(
                 where("model.attn_implementation"),
-                "eager attention builds a whole-sequence mask that Ulysses cannot split",
-                "Set model.attn_implementation to sdpa, flash_attention_2 or flex_attention.",
+                f"{r.model.attn_implementation} attention cannot run sequence-parallel here (eager builds a "
+                "whole-sequence mask Ulysses cannot split; flex's causal block mask would not keep packed rows apart)",
+                f"Set model.attn_implementation to {_or(list(SEQUENCE_PARALLEL_ATTENTION))}.",
             )
         )
     if r.train.eval_generate_samples:

@@ -31,6 +31,9 @@ CASES = {
     "zero3_full_packed_odd": ZERO3 + PACKED_ODD,
     "zero3_lora_unpacked_gqa1": ZERO3 + LORA + GQA_1KV,
     "zero2_full_packed": ["distributed.engine=deepspeed", "distributed.zero_stage=2", "data.packing=true"],
+    # Clipping sees the true gradient norm: the clipped steps are the same.
+    "fsdp_full_clipped": FSDP + ["optim.max_grad_norm=0.5"],
+    "zero3_full_clipped": ZERO3 + ["optim.max_grad_norm=0.5"],
 }
 
 
@@ -155,7 +158,8 @@ def test_dpo_sequence_parallel_2_matches_one_process(tmp_path, case):
             assert abs(r[key] - q[key]) <= 1e-5 * max(abs(q[key]), 1e-3), (key, r[key], q[key])
 
 
-def test_resume_exact_and_elastic_from_sp2_to_sp1_keeps_the_sample_position(tmp_path):
+@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
+def test_resume_exact_and_elastic_from_sp2_to_sp1_keeps_the_sample_position(tmp_path, engine):
     """An sp 2 run stopped at step 2 (its checkpoint) and resumed to step 4: on 2 ranks with sp 2
     (exact) and on 1 rank with sp 1 (elastic: the same global batch, accumulation 2 -> 2 with the
     micro-batch of the whole group). Against the uninterrupted sp 2 run: per step the same samples
@@ -163,7 +167,7 @@ def test_resume_exact_and_elastic_from_sp2_to_sp1_keeps_the_sample_position(tmp_
     recipe = write_recipe(
         tmp_path, model__attn_implementation="sdpa", batch__global_batch_size=4, batch__micro_batch_size=2
     )
-    keys = ["distributed.engine=fsdp", "checkpoint.every_steps=2"]
+    keys = [*(FSDP if engine == "fsdp" else ZERO3), "checkpoint.every_steps=2"]
     sp2 = ["distributed.sequence_parallel=2"]
 
     def run(name: str, steps: int, *extra: str, nproc: int = 2) -> None:

@@ -113,4 +113,5 @@ def test_eager_attention_is_refused(recipe):
             ["distributed.engine=fsdp", "distributed.sequence_parallel=2", "model.attn_implementation=eager"],
             nproc_per_node=2,
         )
-    assert "eager attention builds a whole-sequence mask that Ulysses cannot split" in str(e.value)
+    assert "eager attention cannot run sequence-parallel here" in str(e.value)
+    assert "Set model.attn_implementation to sdpa or flash_attention_2." in str(e.value)
