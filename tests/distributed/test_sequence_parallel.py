@@ -192,3 +192,29 @@ def test_resume_exact_and_elastic_from_sp2_to_sp1_keeps_the_sample_position(tmp_
         assert all(abs(r["loss"] - q["loss"]) <= 1e-5 * q["loss"] for r, q in zip(rows, ref_rows, strict=True))
         w = _state(tmp_path / name)
         assert max(float((w[k] - ref_w[k]).abs().max()) for k in w) <= 1e-5, name
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
+def test_chunked_loss_on_slices_matches_one_process(tmp_path, engine):
+    """model.chunked_loss on each rank's slice (targets already shifted), in chunks of 16 tokens
+    (tests/distributed/chunked_probe.py): the same first step as one plain process."""
+    import os
+    import subprocess
+
+    from helpers import ROOT, torchrun_cmd
+
+    recipe = write_recipe(
+        tmp_path, model__attn_implementation="sdpa", batch__global_batch_size=4, batch__micro_batch_size=4
+    )
+    sgd = [*SGD[:3], "train.max_steps=1"]
+    one, sp = tmp_path / "one", tmp_path / "sp"
+    assert train_inproc(recipe, *sgd, "distributed.engine=single", f"run.output_dir={one}") == 0
+    overrides = [*sgd, *(FSDP if engine == "fsdp" else ZERO3), *SP2, "model.chunked_loss=true", f"run.output_dir={sp}"]
+    cmd = [*torchrun_cmd(), str(ROOT / "tests/distributed/chunked_probe.py"), str(recipe), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    w0, w_one, w_sp = _initial(recipe, []), _state(one), _state(sp)
+    step = {k: w0[k] - w_one[k] for k in w0}
+    assert _norm(step) > 0 and _norm({k: w_sp[k] - w_one[k] for k in w0}) / _norm(step) <= 1e-5
+    assert abs(metrics(sp)[0]["loss"] - metrics(one)[0]["loss"]) <= 1e-5 * metrics(one)[0]["loss"]
