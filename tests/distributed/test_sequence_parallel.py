@@ -58,7 +58,26 @@ def _norm(tensors: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sequence_parallel_2_matches_one_process(tmp_path, case):
-    overrides = CASES[case]
+    _matches_one_process(tmp_path, CASES[case], SP2, nproc=2)
+
+
+# Two sequence groups of 2 (dp 2 x sp 2): the sampler deals by group, and the engines' divisors
+# (FSDP2 world, ZeRO-2 world / N, ZeRO-3 world) are told apart, as they are not with dp 1.
+GROUPS = {
+    "fsdp": FSDP,
+    "zero2": ["distributed.engine=deepspeed", "distributed.zero_stage=2"],
+    "zero3": ZERO3 + ["data.packing=true"],
+}
+
+
+@pytest.mark.parametrize("case", list(GROUPS))
+def test_two_sequence_groups_on_4_ranks_match_one_process(tmp_path, case):
+    _matches_one_process(
+        tmp_path, GROUPS[case], ["distributed.sequence_parallel=2", "batch.micro_batch_size=1"], nproc=4
+    )
+
+
+def _matches_one_process(tmp_path, overrides: list[str], sp_keys: list[str], nproc: int) -> None:
     common = [o for o in overrides if not o.startswith("distributed.")]
     recipe = write_recipe(
         tmp_path, model__attn_implementation="sdpa", batch__global_batch_size=4, batch__micro_batch_size=4
@@ -67,7 +86,8 @@ def test_sequence_parallel_2_matches_one_process(tmp_path, case):
     one = tmp_path / "one"
     assert train_inproc(recipe, *SGD, *common, "distributed.engine=single", f"run.output_dir={one}") == 0
     sp = tmp_path / "sp"
-    done = torchrun(["train", str(recipe), *SGD, *overrides, *SP2, common[-1], f"run.output_dir={sp}"], timeout=600)
+    args = ["train", str(recipe), *SGD, *overrides, *sp_keys, common[-1], f"run.output_dir={sp}"]
+    done = torchrun(args, nproc=nproc, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
 
     w0 = _initial(recipe, common[:-1])
