@@ -77,6 +77,13 @@ def test_two_sequence_groups_on_4_ranks_match_one_process(tmp_path, case):
     )
 
 
+def test_sequence_parallel_4_replicates_kv_heads_and_matches_one_process(tmp_path):
+    """sp 4 on 4 ranks: 4 query heads, one each; 2 KV heads, each replicated to 2 ranks (ALST);
+    packed rows of odd length 63, padded to 64 (16 tokens per rank)."""
+    keys = ["distributed.sequence_parallel=4", "batch.micro_batch_size=2"]
+    _matches_one_process(tmp_path, FSDP + PACKED_ODD, keys, nproc=4)
+
+
 def _matches_one_process(tmp_path, overrides: list[str], sp_keys: list[str], nproc: int) -> None:
     common = [o for o in overrides if not o.startswith("distributed.")]
     recipe = write_recipe(
