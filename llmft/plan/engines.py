@@ -127,6 +127,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         checkpoint_files="llmft.checkpoint.verify:plain_files",
         gradient_copies=2,  # gradient_as_bucket_view is off
         autocast_weight_cache=True,
+        sequence_parallel=True,
     ),
     EngineSpec(
         name="fsdp",
@@ -204,8 +205,7 @@ def universal_converter() -> str:
 
 def choose_engine(recipe: Recipe, dp_size: int) -> str:
     """``auto``: one process -> single; several -> deepspeed when offloading the optimizer or to nvme,
-    fsdp for a full fine-tune (the replicas would not fit) or sequence parallelism, ddp for
-    adapters (small gradients)."""
+    fsdp for a full fine-tune (the replicas would not fit), ddp for adapters (small gradients)."""
     d = recipe.distributed
     if d.engine != AUTO:
         return d.engine
@@ -213,7 +213,7 @@ def choose_engine(recipe: Recipe, dp_size: int) -> str:
         return one_process_engine().name
     if d.offload_optimizer != "none" or d.offload_params == "nvme":
         return "deepspeed"
-    if recipe.peft.method == "none" or d.offload_params == "cpu" or d.sequence_parallel > 1:
+    if recipe.peft.method == "none" or d.offload_params == "cpu":
         return "fsdp"
     return "ddp"
 

@@ -280,8 +280,8 @@ class DistributedConfig:
     engine: str = doc(
         "auto",
         "auto, single, ddp, fsdp or deepspeed. auto: single for one process; on several, deepspeed "
-        "when optimizer state is offloaded or params to nvme, fsdp for a full fine-tune, params "
-        "offloaded to cpu or sequence_parallel > 1, ddp for adapters.",
+        "when optimizer state is offloaded or params to nvme, fsdp for a full fine-tune or params "
+        "offloaded to cpu, ddp for adapters.",
         choices=("auto", "single", "ddp", "fsdp", "deepspeed"),
     )
     zero_stage: int = doc(2, "DeepSpeed ZeRO stage 0-3.", choices=(0, 1, 2, 3))
@@ -313,7 +313,7 @@ class DistributedConfig:
         "Sequence parallelism (Ulysses): N ranks share each sequence, each holding 1/N of its tokens; "
         "attention exchanges heads all-to-all within the group. Data-parallel size = world / N, so "
         "global = micro x accumulation x (world / N). N must divide the world and the attention heads "
-        "(docs/long-context.md). fsdp or deepspeed.",
+        "(docs/long-context.md). ddp, fsdp or deepspeed.",
     )
     nnodes: int = doc(1, "Nodes the job runs on (used by compile and the launch scripts).")
     nproc_per_node: int = doc(1, "Processes (GPUs) per node.")

@@ -1,7 +1,8 @@
 """``distributed.sequence_parallel: 2`` on 2 ranks against one process with the whole sequence
-(issue 24, docs/long-context.md): the same gradient (<= 1e-5 relative) and the same weights after
-a few SGD steps, on FSDP2 and ZeRO-3, full fine-tuning and LoRA, packed and unpacked rows, an odd
-row length, a GQA model with one KV head (replicated to both ranks).
+(issue 24, docs/long-context.md): the same gradient (<= 1e-5 relative) and the same weights
+after a few SGD steps, on DDP, FSDP2, ZeRO-2 and ZeRO-3, full fine-tuning and LoRA, packed and
+unpacked rows, an odd row length, a GQA model with one KV head (replicated to both ranks); two
+sequence groups and sp 4 on 4 ranks; dpo; resume; the chunked loss.
 
 The gradient of the first step is read from the weights: plain SGD without clipping moves them by
 ``-lr x gradient``, so ``|w_sp - w_one| / |w_0 - w_one|`` is the gradients' relative difference."""
@@ -31,6 +32,8 @@ CASES = {
     "zero3_full_packed_odd": ZERO3 + PACKED_ODD,
     "zero3_lora_unpacked_gqa1": ZERO3 + LORA + GQA_1KV,
     "zero2_full_packed": ["distributed.engine=deepspeed", "distributed.zero_stage=2", "data.packing=true"],
+    "ddp_lora_packed_odd": ["distributed.engine=ddp"] + LORA + PACKED_ODD,
+    "ddp_full_unpacked_gqa1": ["distributed.engine=ddp"] + GQA_1KV,
     # Clipping sees the true gradient norm: the clipped steps are the same.
     "fsdp_full_clipped": FSDP + ["optim.max_grad_norm=0.5"],
     "zero3_full_clipped": ZERO3 + ["optim.max_grad_norm=0.5"],
@@ -62,8 +65,9 @@ def test_sequence_parallel_2_matches_one_process(tmp_path, case):
 
 
 # Two sequence groups of 2 (dp 2 x sp 2): the sampler deals by group, and the engines' divisors
-# (FSDP2 world, ZeRO-2 world / N, ZeRO-3 world) are told apart, as they are not with dp 1.
+# (DDP and FSDP2 world, ZeRO-2 world / N, ZeRO-3 world) are told apart, as they are not with dp 1.
 GROUPS = {
+    "ddp": ["distributed.engine=ddp"],
     "fsdp": FSDP,
     "zero2": ["distributed.engine=deepspeed", "distributed.zero_stage=2"],
     "zero3": ZERO3 + ["data.packing=true"],

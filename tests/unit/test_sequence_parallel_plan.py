@@ -87,15 +87,17 @@ def test_kv_heads_fewer_than_n_are_replicated_when_n_is_a_multiple_of_them():
 
 def test_an_engine_without_sequence_parallelism_is_a_user_error_naming_those_with(recipe):
     able = [s.name for s in ENGINES if s.sequence_parallel]
-    assert able == ["fsdp", "deepspeed"]
+    assert able == ["ddp", "fsdp", "deepspeed"]
     with pytest.raises(RecipeError) as e:
-        load_plan(recipe, ["distributed.engine=ddp", "distributed.sequence_parallel=2"], nproc_per_node=2)
-    assert "the ddp engine has no sequence parallelism. Set distributed.engine=fsdp or deepspeed" in str(e.value)
+        load_plan(recipe, ["distributed.engine=single", "distributed.sequence_parallel=2"], nproc_per_node=2)
+    assert "the single engine has no sequence parallelism. Set distributed.engine=ddp, fsdp or deepspeed" in str(
+        e.value
+    )
 
 
-def test_auto_picks_an_engine_that_runs_it_for_adapters(recipe):
+def test_auto_keeps_its_choice_every_multi_rank_engine_runs_it(recipe):
     plan = load_plan(recipe, ["peft.method=lora", "distributed.sequence_parallel=2"], nproc_per_node=2)
-    assert plan.engine == "fsdp" and plan.batch.dp_size == 1
+    assert plan.engine == "ddp" and plan.batch.dp_size == 1 and plan.layout.world_size == 2
 
 
 def test_another_world_size_re_solves_with_the_sequence_groups(recipe):
