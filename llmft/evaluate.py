@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from llmft.data import collate
+from llmft.data.sequence import sequence_slice
 from llmft.dist import DistEnv, all_reduce_sum
 from llmft.plan.resolve import RunPlan
 
@@ -38,6 +39,8 @@ class Evaluator:
         # gathers its layers from all ranks), also after its own sequences are done: synced_gpus.
         # The plan's decision, not distributed.engine, which may be auto.
         self.synced_gpus = plan.layout.shards_params and plan.layout.dp_size > 1
+        # Sequence parallelism: a group shares each eval batch, each rank its slice of the tokens.
+        self.layout = plan.layout
 
     @torch.no_grad()
     def run(self, step: int) -> dict[str, Any] | None:
@@ -51,11 +54,11 @@ class Evaluator:
     def _loss(self) -> dict[str, float]:
         """The objective's loss over the eval set: its summed numerator over its summed count (the
         loss of one batch holding the whole eval set), with its metrics as means over the same count."""
-        ds, world = self.data.eval, self.env.world_size
+        ds, world, layout = self.data.eval, self.layout.dp_size, self.layout
         n = len(ds)
         if self.recipe.train.eval_max_batches is not None:
             n = min(n, self.recipe.train.eval_max_batches * self.micro * world)
-        mine = list(_shard(n, self.env.rank, world))
+        mine = list(_shard(n, layout.dp_rank(self.env.rank), world))
         num_batches = math.ceil(math.ceil(n / world) / self.micro)
         model = self.engine.model
         model.eval()
@@ -65,6 +68,8 @@ class Evaluator:
             idx = mine[b * self.micro : (b + 1) * self.micro]
             examples = [ds[i] for i in idx] or [ds[0]]  # a rank with no data left runs a dummy batch
             batch = self.collate(examples, self.tokenizer.pad_token_id)
+            if layout.sp > 1:
+                batch = sequence_slice(batch, layout.sp_rank(self.env.rank), layout.sp)
             batch = {k: v.to(self.env.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             with self.engine.autocast():
                 loss, metric_sums = self.objective.micro_loss(model, batch, one)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from llmft.data import count_targets
+from llmft.data import batch_targets
 from llmft.dist import DistEnv, all_reduce_sum
 from llmft.errors import Problem, TrainingDiverged
 from llmft.plan.batch import BatchPlan
@@ -84,7 +84,7 @@ def train_loop(
         micro_batches = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
         data_wait = time.perf_counter() - t0
         local_count = sum(objective.count(mb) for mb in micro_batches)
-        local_targets = sum(count_targets(mb["labels"]) for mb in micro_batches)
+        local_targets = sum(batch_targets(mb) for mb in micro_batches)
         global_count, global_targets = all_reduce_sum([float(local_count), float(local_targets)], device)
         num_items = torch.tensor(max(global_count, 1.0), device=device)
 

@@ -44,11 +44,13 @@ def chunked_cross_entropy(
     labels: torch.Tensor,
     num_items: torch.Tensor | None,
     chunk_tokens: int,
+    shifted_labels: bool = False,
 ) -> torch.Tensor:
     """Causal-LM loss of ``head(hidden)`` against ``labels`` (unshifted, as transformers takes
-    them): sum of token losses / ``num_items``, or the token mean when ``num_items`` is None."""
+    them; already shifted with ``shifted_labels``, as a sequence slice holds them):
+    sum of token losses / ``num_items``, or the token mean when ``num_items`` is None."""
     # transformers' shift: position t predicts labels[t + 1]; the last position predicts nothing.
-    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    shifted = (labels if shifted_labels else F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     total = None
     for start in range(0, flat.shape[0], chunk_tokens):
@@ -102,6 +104,7 @@ class ChunkedHead:
         self.labels: torch.Tensor | None = None
         self.num_items: torch.Tensor | None = None
         self.token_ids: torch.Tensor | None = None  # set by ``token_logps``
+        self.shifted = False  # labels already shifted (a sequence slice: llmft.data.sequence)
 
     def __call__(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.token_ids is not None:
@@ -112,7 +115,9 @@ class ChunkedHead:
         # on the head ran once, whatever the number of chunks (ZeRO-3 gathers the head here and
         # again, through the output's backward hook, before the chunks are recomputed). Ranks
         # with different token counts make the same collectives.
-        return chunked_cross_entropy(self.original, hidden, self.labels, self.num_items, self.chunk_tokens)
+        return chunked_cross_entropy(
+            self.original, hidden, self.labels, self.num_items, self.chunk_tokens, shifted_labels=self.shifted
+        )
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -142,13 +147,16 @@ def find(model: torch.nn.Module) -> ChunkedHead | None:
 
 
 @contextlib.contextmanager
-def targets(head: ChunkedHead, labels: torch.Tensor, num_items: torch.Tensor | None) -> Iterator[None]:
-    """While inside, the model's forward returns the loss of ``labels`` in place of logits."""
-    head.labels, head.num_items = labels, num_items
+def targets(
+    head: ChunkedHead, labels: torch.Tensor, num_items: torch.Tensor | None, *, shifted: bool = False
+) -> Iterator[None]:
+    """While inside, the model's forward returns the loss of ``labels`` in place of logits
+    (``shifted``: the labels are already the targets of each position)."""
+    head.labels, head.num_items, head.shifted = labels, num_items, shifted
     try:
         yield
     finally:
-        head.labels, head.num_items = None, None
+        head.labels, head.num_items, head.shifted = None, None, False
 
 
 @contextlib.contextmanager
@@ -160,3 +168,15 @@ def token_logps(head: ChunkedHead, token_ids: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         head.token_ids = None
+
+
+def shifted_loss(logits: torch.Tensor, shift_labels: torch.Tensor, num_items: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss for targets already shifted (a sequence slice): the fp32
+    cross-entropy sum of the target tokens / ``num_items``."""
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss / num_items.to(loss.device)

@@ -21,7 +21,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from llmft.checkpoint.layout import TrainerState, latest_checkpoint, saved_optim
 from llmft.checkpoint.manager import CheckpointManager, SaveHooks, set_rng_state
 from llmft.checkpoint.resume import check_resume_compatible, intent_yaml, plan_yaml, resume_point, resume_schedule
 from llmft.data import MicroBatchSampler, build_data, make_loader
+from llmft.data.sequence import sequence_slice
 from llmft.dist import DistEnv, barrier, broadcast_object
 from llmft.engines import Engine, build_engine
 from llmft.errors import Problem, UserError
@@ -172,7 +173,7 @@ class Run:
             log.info("resuming from %s (step %d, %d samples consumed)", checkpoint, saved.step, saved.samples)
         self.metrics = self._metrics(saved)  # tracked runs (W&B, MLflow) continue where the checkpoint is
         # Creating the data iterator draws from the RNG: it happens before the RNG is restored.
-        self.batches = iter(self._loader(first_step=self.state.step, position=self.state.samples))
+        self.batches = self._batches(first_step=self.state.step, position=self.state.samples)
         if checkpoint is not None:
             self.engine.load(checkpoint, load_optimizer=self._optimizer_state_fits(checkpoint))
             resume_schedule(self.scheduler, saved.scheduler, self.peak_lr)
@@ -208,10 +209,21 @@ class Run:
             resume={"trackers": saved.trackers, "step": saved.step} if saved is not None else None,
         )
 
+    def _batches(self, *, first_step: int, position: int) -> Iterator[dict[str, Any]]:
+        """This rank's micro-batches: with sequence parallelism, its slice of its group's
+        (every rank of a group draws the same ones: ``llmft.data.sequence``)."""
+        batches = iter(self._loader(first_step=first_step, position=position))
+        layout = self.plan.layout
+        if layout.sp == 1:
+            return batches
+        sp_rank = layout.sp_rank(self.env.rank)
+        return (sequence_slice(mb, sp_rank, layout.sp) for mb in batches)
+
     def _loader(self, *, first_step: int, position: int):
         b, d = self.plan.batch, self.recipe.data
         order = self.data.order(self.recipe.run.seed, d.shuffle)  # a stream orders itself
-        sampler = MicroBatchSampler(order, b, self.env.rank, start_position=position)
+        # The sampler deals the global batch to data-parallel ranks: a sequence group is one.
+        sampler = MicroBatchSampler(order, b, self.plan.layout.dp_rank(self.env.rank), start_position=position)
         sampler = self.hooks.wrap_sampler(sampler, first_step, self.env)
         workers = 0 if self.data.streaming else d.num_workers  # the stream's cursor lives here
         return make_loader(self.data.train, sampler, self.tokenizer.pad_token_id, workers, d.prefetch_factor)

@@ -22,12 +22,13 @@ What a rank reads:
 - ``stream``: ``data.streaming``, rows read and tokenized block by block, resumable from a cursor
 - ``bundle``: ``DataBundle``, the run's data and how its order and position work
 - ``sampler``: ``GlobalOrder`` and ``MicroBatchSampler``, resumable from one position
-- ``loader``: ``collate``, ``count_targets``, ``make_loader``; ``workers``: its stop-safe workers
+- ``loader``: ``collate``, ``count_targets``, ``batch_targets``, ``make_loader``; ``sequence``: a rank's
+  sequence slice of a micro-batch (``distributed.sequence_parallel``); ``workers``: its stop-safe workers
 """
 
 from llmft.data.build import build_data
 from llmft.data.bundle import DataBundle
-from llmft.data.loader import collate, count_targets, make_loader
+from llmft.data.loader import batch_targets, collate, count_targets, make_loader
 from llmft.data.sampler import MicroBatchSampler
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "MicroBatchSampler",
     "build_data",
     "collate",
+    "batch_targets",
     "count_targets",
     "make_loader",
 ]

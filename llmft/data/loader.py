@@ -10,6 +10,7 @@ import torch
 from llmft.data.encode import IGNORE_INDEX
 from llmft.data.pairs import collate_pairs
 from llmft.data.sampler import MicroBatchSampler
+from llmft.data.sequence import count_slice_targets
 from llmft.data.workers import StopSafeDataLoader, ignore_stop_signals
 
 
@@ -52,6 +53,11 @@ def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
 def count_targets(labels: torch.Tensor) -> int:
     """Tokens that contribute to the causal LM loss (HF shifts labels by one inside the loss)."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def batch_targets(batch: dict[str, Any]) -> int:
+    """Target tokens of a micro-batch, or of this rank's sequence slice of one (``data.sequence``)."""
+    return count_slice_targets(batch) if "shift_labels" in batch else count_targets(batch["labels"])
 
 
 def make_loader(

@@ -43,8 +43,9 @@ class LocalEngine:
         self.dtype = compute_dtype(plan.recipe)
         self.peft = plan.peft
         self.max_grad_norm = plan.max_grad_norm
-        # One process holds the whole batch and sums; DDP and FSDP2 average over the ranks.
-        self._grad_scale = float(plan.layout.dp_size) if plan.spec.multi_rank else 1.0
+        # One process holds the whole batch and sums; DDP and FSDP2 average over every rank (with
+        # sequence parallelism FSDP2 shards over the whole world: each rank's slice loss is its share).
+        self._grad_scale = float(plan.layout.world_size) if plan.spec.multi_rank else 1.0
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None
 
     def micro_step(self, boundary: bool) -> ContextManager:

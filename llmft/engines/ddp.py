@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from llmft.dist import DistEnv, barrier
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import LocalEngine, load_plain, save_plain, unsharded_reference
+from llmft.model import ulysses
 from llmft.model.build import prepare_model
 from llmft.plan.resolve import RunPlan
 
@@ -19,6 +20,8 @@ class DDPEngine(LocalEngine):
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
         super().__init__(plan, env)  # DDP averages gradients over ranks: backward undoes it
         inner = prepare_model(plan, tokenizer, self.device)
+        if plan.sequence_parallel > 1:  # the all-reduce averages over every rank: backward scales by the world
+            ulysses.install(inner, plan.sequence_parallel)
         self.reference = unsharded_reference(plan, tokenizer, self.device, inner)  # before DDP wraps it
         self.model = DDP(
             inner,

@@ -41,7 +41,7 @@ from llmft.engines import OptimizerFactory
 from llmft.engines.base import check_loaded_keys, freeze, reference_plan, trainable_names
 from llmft.engines.safe_deepspeed import check_deepspeed_files
 from llmft.errors import Problem, UserError
-from llmft.model import zero3
+from llmft.model import ulysses, zero3
 from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta
@@ -55,6 +55,16 @@ log = logging.getLogger("llmft")
 # The ops DeepSpeed JIT-builds and loads in every process on a CPU machine (its shared-memory
 # collectives, loaded when its communication backend starts), through torch's cpp_extension.
 CPU_JIT_OPS = ("deepspeed_shm_comm",)
+
+
+def averaged_over(plan: RunPlan) -> int:
+    """The number DeepSpeed divides the summed gradients by: the data-parallel ranks. Under
+    sequence parallelism every rank's gradient is a share of the sum, and DeepSpeed 0.19 reduces
+    over the whole world: ZeRO-1/2 divide the result by ``world / N`` (``stage_1_and_2.py``), but
+    ZeRO-3's reduce-scatter (``stage3.py``, ``reduce_scatter_coalesced``) averages over the whole
+    world. ``tests/distributed/test_sequence_parallel.py`` holds both to the one-process gradient."""
+    layout = plan.layout
+    return layout.world_size if layout.sp > 1 and plan.zero_stage == 3 else layout.dp_size
 
 
 class DeepSpeedEngineAdapter:
@@ -76,13 +86,18 @@ class DeepSpeedEngineAdapter:
         self.config = deepspeed_config(plan)
         self._hf_ds = None
         model = self._build(plan, tokenizer)
+        # Ulysses: DeepSpeed's sequence groups are the mpu; ZeRO then reduces gradients over the whole
+        # world and divides them by world / N = the data-parallel ranks (docs/long-context.md).
+        self._mpu = ulysses.install(model, plan.sequence_parallel) if plan.sequence_parallel > 1 else None
         if plan.reference in (FROZEN_COPY, REFERENCE_MODEL):
             self.reference = self._frozen_reference(plan, tokenizer)
         self.peft = is_peft(model)
         self.optimizer = make_optimizer(model)
-        self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.config)
+        self.model, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=self.optimizer, config=self.config, mpu=self._mpu
+        )
         # DeepSpeed averages gradients over data-parallel ranks; backward undoes it.
-        self._grad_scale = float(plan.layout.dp_size)
+        self._grad_scale = float(averaged_over(plan))
 
     def _build(self, plan: RunPlan, tokenizer: Any) -> torch.nn.Module:
         """The plan's model, built as this ZeRO stage needs it (partitioned for ZeRO-3 where it must be)."""
@@ -114,7 +129,7 @@ class DeepSpeedEngineAdapter:
             config.pop(key, None)
         if plan.zero_stage != 3:
             config.setdefault("zero_optimization", {})["stage"] = 0
-        reference, _, _, _ = deepspeed.initialize(model=model, config=config)
+        reference, _, _, _ = deepspeed.initialize(model=model, config=config, mpu=self._mpu)
         reference.eval()  # DeepSpeedEngine.eval() returns None
         return reference
 

@@ -31,6 +31,7 @@ from llmft.checkpoint.layout import DCP_DIR
 from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory, safe_dcp
 from llmft.engines.base import LocalEngine, freeze, reference_plan, trainable_names
+from llmft.model import ulysses
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta, materialize
 from llmft.model.precision import DTYPES
@@ -78,6 +79,8 @@ class FSDPEngine(LocalEngine):
         pin = self.device.type != "cpu"
         offload = CPUOffloadPolicy(pin_memory=pin) if sharding.cpu_offload else OffloadPolicy()
         kwargs = dict(mesh=self.mesh, mp_policy=mp, offload_policy=offload)
+        if plan.sequence_parallel > 1:
+            ulysses.install(model, plan.sequence_parallel)
         layer_classes = decoder_layer_classes(model)
         for module in model.modules():
             if isinstance(module, layer_classes):

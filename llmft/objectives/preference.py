@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.nn.functional import all_reduce
 
 from llmft import loss as lm_loss
 from llmft.loss import IGNORE_INDEX
+from llmft.model.ulysses import sequence_groups
 from llmft.objectives import model_inputs
 from llmft.plan.objectives import ADAPTERS_DISABLED, NO_REFERENCE
 from llmft.plan.resolve import RunPlan
@@ -92,15 +94,26 @@ def model_sequence_logps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of target-token log-probs, number of target tokens) per sequence of a collated pair
     batch, from ``model``'s forward. With the chunked head installed (``llmft.loss``) the model
-    returns the targets' log-probs a chunk at a time and never holds the micro-batch's logits."""
-    labels, index = batch["labels"], batch["sequence_index"]
+    returns the targets' log-probs a chunk at a time and never holds the micro-batch's logits.
+
+    A sequence slice (``shift_labels`` in the batch, ``llmft.data.sequence``): position t predicts
+    ``shift_labels[t]``, already shifted and cut where a sequence ends; the sums are this slice's
+    part, which the sequence group's all-reduce makes whole (``SequenceGroup``)."""
+    index = batch["sequence_index"]
+    if "shift_labels" in batch:
+        shift = batch["shift_labels"]
+        valid = (shift != IGNORE_INDEX) & (index >= 0)
+        target = torch.where(valid, shift, 0)
+    else:
+        target, valid = predicted_targets(batch["labels"], index)
     head = lm_loss.find(model)
     if head is None:
         logits = model(**model_inputs(batch), use_cache=False).logits
-        return sequence_logps(logits, labels, index, num_sequences)
-    target, valid = predicted_targets(labels, index)
-    with lm_loss.token_logps(head, target):
-        token_logps = model(**model_inputs(batch), use_cache=False).logits
+        flat = logits.reshape(-1, logits.shape[-1]).float()
+        token_logps = -F.cross_entropy(flat, target.reshape(-1), reduction="none").reshape(target.shape)
+    else:
+        with lm_loss.token_logps(head, target):
+            token_logps = model(**model_inputs(batch), use_cache=False).logits
     return sum_per_sequence(token_logps, valid, index, num_sequences)
 
 
@@ -172,6 +185,26 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
+class SequenceGroup:
+    """The ranks that share each sequence (``distributed.sequence_parallel``): per-sequence sums
+    of their slices are summed over the group, with gradients (each rank's slice gets the whole
+    sum's gradient)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.group = None
+        self.first = True
+        if size > 1:
+            mpu = sequence_groups(size)
+            self.group = mpu.get_sequence_parallel_group()
+            self.first = mpu.get_sequence_parallel_rank() == 0
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return values
+        return all_reduce(values, group=self.group)
+
+
 class PreferenceObjective:
     """DPO and its relatives over the contract batch (see the module docstring)."""
 
@@ -191,13 +224,17 @@ class PreferenceObjective:
         disable_dropout(self.policy)
         if self.reference is not None:
             disable_dropout(self.reference)
+        self.sequence = SequenceGroup(plan.layout.sp)
 
     def count(self, batch: dict[str, Any]) -> int:
-        return int(batch["num_pairs"])
+        # Every rank of a sequence group holds the same pairs: the group counts them once.
+        return int(batch["num_pairs"]) if self.sequence.first else 0
 
     def _logps(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) per-sequence log-probs of ``model``, ``[P]`` each, as the loss uses them."""
-        sums, counts = model_sequence_logps(model, batch, 2 * self.count(batch))
+        sums, counts = model_sequence_logps(model, batch, 2 * int(batch["num_pairs"]))
+        if "shift_labels" in batch:  # this rank's slice: its partial sums, summed over the group
+            sums, counts = self.sequence.sum(sums), self.sequence.sum(counts.detach())
         logps = sums / counts.clamp_min(1.0) if self.mean_logps else sums
         return logps[0::2], logps[1::2]
 
@@ -225,7 +262,9 @@ class PreferenceObjective:
         ref = self._reference_logps(batch)
         chosen, rejected = self._logps(model, batch)
         out = pair_losses(self.cfg, chosen, rejected, *(ref if ref is not None else (None, None)))
-        loss = out.losses.sum() / num_items
+        # With sequence parallelism every rank of the group computes the same pair losses from the
+        # summed log-probs: each takes 1/N of them (the all-reduce's backward sums the N shares).
+        loss = out.losses.sum() / num_items / self.sequence.size
         correct = (out.chosen_rewards > out.rejected_rewards).float()
         margin = out.chosen_rewards - out.rejected_rewards
         sums = torch.stack(
@@ -238,7 +277,7 @@ class PreferenceObjective:
                 out.rejected_logps.detach().sum(),
             ]
         )
-        return loss, sums
+        return loss, sums / self.sequence.size
 
     def metrics(self, sums: list[float], count: float) -> dict[str, float]:
         return {name: value / max(count, 1.0) for name, value in zip(self.metric_names, sums, strict=True)}

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmft import loss as lm_loss
-from llmft.data import count_targets
+from llmft.data import batch_targets
 from llmft.plan.resolve import RunPlan
 
 if TYPE_CHECKING:
@@ -21,6 +21,8 @@ def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items
 
     A model with the chunked loss installed (``model.chunked_loss``, ``llmft.loss``) returns the
     same loss from its LM head, a chunk of tokens at a time, and never holds the whole logits."""
+    if "shift_labels" in batch:  # this rank's sequence slice (llmft.data.sequence): targets already shifted
+        return _slice_loss(model, batch, num_items)
     head = lm_loss.find(model)
     if head is not None:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -28,6 +30,18 @@ def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items
             return model(**inputs, use_cache=False).logits  # the head returned the loss
     extra = {"num_items_in_batch": num_items} if num_items is not None else {}
     return model(**batch, use_cache=False, **extra).loss
+
+
+def _slice_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor | None) -> torch.Tensor:
+    """The loss of a sequence slice: its target-token sum / the global batch's count (each target
+    token is in one slice, so the slices' gradients sum to the big batch's)."""
+    assert num_items is not None, "a sequence slice's loss needs the global count"
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    head = lm_loss.find(model)
+    if head is not None:
+        with lm_loss.targets(head, batch["shift_labels"], num_items, shifted=True):
+            return model(**inputs, use_cache=False).logits  # the head returned the loss
+    return lm_loss.shifted_loss(model(**inputs, use_cache=False).logits, batch["shift_labels"], num_items)
 
 
 class SFTObjective:
@@ -39,7 +53,7 @@ class SFTObjective:
         pass
 
     def count(self, batch: dict[str, Any]) -> int:
-        return count_targets(batch["labels"])
+        return batch_targets(batch)
 
     def micro_loss(
         self, model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor

@@ -1,4 +1,4 @@
-"""The batch equation: ``global = micro x accumulation x dp``.
+"""The batch equation: ``global = micro x accumulation x dp``, where ``dp = world / sequence_parallel``.
 
 Pure integer arithmetic, no torch. Any one unknown is solved from the other two
 and ``dp_size``; nothing is ever rounded. When no whole solution exists the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from llmft.errors import Problem, UserError
@@ -24,6 +24,7 @@ class BatchPlan:
     micro_batch_size: int
     gradient_accumulation_steps: int
     dp_size: int
+    sp: int = 1  # ranks that share each sequence (distributed.sequence_parallel): world = dp_size x sp
 
     def __post_init__(self) -> None:
         assert self.micro_batch_size * self.gradient_accumulation_steps * self.dp_size == self.global_batch_size
@@ -34,9 +35,12 @@ class BatchPlan:
         return self.micro_batch_size * self.gradient_accumulation_steps
 
     def equation(self) -> str:
+        dp = f"data-parallel {self.dp_size}"
+        if self.sp > 1:
+            dp += f" (world {self.dp_size * self.sp} / sequence-parallel {self.sp})"
         return (
             f"micro {self.micro_batch_size} x accumulation {self.gradient_accumulation_steps} "
-            f"x data-parallel {self.dp_size} = global {self.global_batch_size}"
+            f"x {dp} = global {self.global_batch_size}"
         )
 
     def to_dict(self) -> dict[str, int]:
@@ -47,6 +51,7 @@ class BatchPlan:
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "dp_size": self.dp_size,
+            **({"sequence_parallel": self.sp} if self.sp > 1 else {}),
         }
 
     @classmethod
@@ -57,7 +62,7 @@ class BatchPlan:
         g, m, a, dp = (int(data[k]) for k in (*KEYS, "dp_size"))
         if m * a * dp != g:
             raise ValueError(f"micro {m} x accumulation {a} x data-parallel {dp} is not global {g}")
-        return cls(g, m, a, dp)
+        return cls(g, m, a, dp, int(data.get("sequence_parallel", 1)))
 
 
 class BatchError(UserError):
@@ -177,8 +182,19 @@ def solve_batch(
     micro_batch_size: int | str | None = None,
     gradient_accumulation_steps: int | str | None = None,
     dp_size: int = 1,
+    sp: int = 1,
 ) -> BatchPlan:
-    """Solve ``global = micro x accumulation x dp`` for the one unknown (None or "auto")."""
+    """Solve ``global = micro x accumulation x dp`` for the one unknown (None or "auto"); ``sp``
+    (ranks per sequence) is carried into the plan, the equation counts sequence groups."""
+    return replace(_solve(global_batch_size, micro_batch_size, gradient_accumulation_steps, dp_size), sp=sp)
+
+
+def _solve(
+    global_batch_size: int | str | None,
+    micro_batch_size: int | str | None,
+    gradient_accumulation_steps: int | str | None,
+    dp_size: int,
+) -> BatchPlan:
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or not 1 <= dp_size <= MAX_INT:
         raise BatchError(Problem("dp_size", f"must be a positive integer, got {dp_size!r}"))
     g = _check_value("global_batch_size", global_batch_size)
@@ -260,7 +276,7 @@ def sequences_from_tokens(global_batch_tokens: int, max_seq_len: int) -> int:
     return global_batch_tokens // max_seq_len
 
 
-def resolve_for_world(plan: BatchPlan, dp_size: int) -> tuple[BatchPlan, str | None]:
+def resolve_for_world(plan: BatchPlan, dp_size: int, sp: int = 1) -> tuple[BatchPlan, str | None]:
     """Re-check a compiled plan against the real world size.
 
     Keeps the global batch and the micro-batch and re-solves accumulation. If that is
@@ -268,14 +284,14 @@ def resolve_for_world(plan: BatchPlan, dp_size: int) -> tuple[BatchPlan, str | N
     Returns the plan and a note for the log when anything changed.
     """
     if dp_size == plan.dp_size:
-        return plan, None
+        return replace(plan, sp=sp), None
     g, m = plan.global_batch_size, plan.micro_batch_size
     if g % (m * dp_size) == 0:
-        new = BatchPlan(g, m, g // (m * dp_size), dp_size)
+        new = BatchPlan(g, m, g // (m * dp_size), dp_size, sp)
     elif g % dp_size == 0:
         local = g // dp_size
         micro = max(d for d in divisors(local) if d <= m)
-        new = BatchPlan(g, micro, local // micro, dp_size)
+        new = BatchPlan(g, micro, local // micro, dp_size, sp)
     else:
         raise BatchError(
             Problem(

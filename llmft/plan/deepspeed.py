@@ -117,6 +117,9 @@ def deepspeed_config(plan: RunPlan) -> dict[str, Any]:
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
+        # Ulysses: DeepSpeed counts world / N data-parallel ranks in train_batch_size (as llmft does)
+        # and reduces gradients over the whole world (docs/long-context.md).
+        **({"sequence_parallel_size": plan.sequence_parallel} if plan.sequence_parallel > 1 else {}),
     }
 
 

@@ -87,6 +87,9 @@ class EngineSpec:
     # (``python -m llmft.checkpoint universal``); None: its checkpoints load on any world size as written.
     universal: str | None = None
     launcher: str = "torchrun"  # launch/<launcher>.sh starts it
+    # Runs ``distributed.sequence_parallel`` > 1 (Ulysses attention, sequence slices, gradients
+    # summed over the whole world: docs/long-context.md).
+    sequence_parallel: bool = False
 
     def sharding_for(self, zero_stage: int) -> Sharding:
         """What this engine partitions at ``distributed.zero_stage`` (ignored without ZeRO stages)."""
@@ -124,6 +127,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         checkpoint_files="llmft.checkpoint.verify:plain_files",
         gradient_copies=2,  # gradient_as_bucket_view is off
         autocast_weight_cache=True,
+        sequence_parallel=True,
     ),
     EngineSpec(
         name="fsdp",
@@ -143,6 +147,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         config_files="llmft.plan.fsdp:config_files",
         config_names=("fsdp.yaml", "accelerate.yaml"),
         summary="llmft.plan.fsdp:summary",
+        sequence_parallel=True,
     ),
     EngineSpec(
         name="deepspeed",
@@ -169,6 +174,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         problems="llmft.plan.deepspeed:engine_problems",
         universal="llmft.engines.deepspeed:deepspeed_universal",
         launcher="deepspeed",
+        sequence_parallel=True,
     ),
 )
 

@@ -115,7 +115,7 @@ def accelerate_config(run: RunPlan, plan: FSDPPlan) -> dict[str, Any]:
         "use_cpu": False,
         "debug": False,
         "num_machines": run.world.nnodes,
-        "num_processes": plan.batch["dp_size"],
+        "num_processes": run.layout.world_size,
         "machine_rank": 0,
         "main_process_port": d.master_port,
         "rdzv_backend": "static",

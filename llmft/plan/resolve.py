@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from llmft.errors import Problem, UserError
 from llmft.plan import memory
-from llmft.plan.batch import BatchPlan, resolve_for_world, sequences_from_tokens, solve_batch
+from llmft.plan.batch import BatchPlan, divisors, resolve_for_world, sequences_from_tokens, solve_batch
 from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, load, one_process_engine
 from llmft.plan.kernels import recipe_problems
 from llmft.plan.objectives import ObjectiveSpec, objective_problems, objective_spec, reference_kind
@@ -68,22 +68,34 @@ class World:
 class ParallelLayout:
     """How the run's processes divide the work; the runtime reads it instead of asking the engine.
 
-    A new parallel dimension (sequence parallelism next) is a field here, sized by the resolver,
-    not a check of the engine's name wherever it matters."""
+    A parallel dimension is a field here, sized by the resolver, not a check of the engine's name
+    wherever it matters. Ranks ``[g*sp, (g+1)*sp)`` form sequence group ``g`` (its data-parallel
+    rank): they share each sequence, each holding a slice of its tokens."""
 
-    dp_size: int  # data-parallel ranks: each sees its own part of the batch
+    dp_size: int  # data-parallel ranks (sequence groups): each sees its own part of the batch
     shards_params: bool  # parameters are partitioned over the ranks (FSDP2, ZeRO-3): every rank joins every forward
-    dp_replicate: int = 1  # HSDP: replica groups; parameters are sharded within a group of dp_size / dp_replicate
+    dp_replicate: int = 1  # HSDP: replica groups; parameters are sharded within a group of world / dp_replicate
+    sp: int = 1  # distributed.sequence_parallel: ranks that share one sequence
 
     @property
     def dp_shard(self) -> int:
-        """Ranks that share one copy of the (sharded) parameters."""
-        return self.dp_size // self.dp_replicate if self.shards_params else 1
+        """Ranks that share one copy of the (sharded) parameters. With sequence parallelism the
+        parameters are sharded over every rank of a replica, sequence ranks included: they all
+        compute gradients of the same parameters (docs/long-context.md)."""
+        return self.world_size // self.dp_replicate if self.shards_params else 1
 
     @property
     def world_size(self) -> int:
-        """Processes in the layout: the data-parallel ranks (times the other dimensions, once there are any)."""
-        return self.dp_size
+        """Processes in the layout: data-parallel ranks x sequence-parallel ranks."""
+        return self.dp_size * self.sp
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank (sequence group) of global ``rank``: the sampler's rank."""
+        return rank // self.sp
+
+    def sp_rank(self, rank: int) -> int:
+        """Which slice of its group's sequences global ``rank`` holds."""
+        return rank % self.sp
 
 
 @dataclass(frozen=True)
@@ -118,6 +130,11 @@ class RunPlan:
     @property
     def dp_size(self) -> int:
         return self.batch.dp_size
+
+    @property
+    def sequence_parallel(self) -> int:
+        """Ranks that share each sequence (``distributed.sequence_parallel``)."""
+        return self.layout.sp
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -237,9 +254,12 @@ def resolve(
             recipe = _with_seq_len(recipe, 2)  # to go on and report every other problem too
     problems += engine_problems(recipe, spec, world.size, where)
     problems += objective_problems(recipe, where)
+    sp_problems = sequence_parallel_problems(recipe, spec, world.size, where)
+    problems += sp_problems
     batch = None
     try:
-        batch, note = _solve(recipe, engine, compiled, world, measure_gpu)
+        sp = recipe.distributed.sequence_parallel if not sp_problems else 1
+        batch, note = _solve(recipe, engine, compiled, world, measure_gpu, sp)
         if note:
             notes.append(note)
     except UserError as e:
@@ -271,12 +291,14 @@ def builds_whole(recipe: Recipe) -> bool:
 
 
 def parallel_layout(recipe: Recipe, spec: EngineSpec, dp_size: int) -> ParallelLayout:
-    """How ``spec`` lays the run out over ``dp_size`` data-parallel ranks."""
+    """How ``spec`` lays the run out over ``dp_size`` data-parallel ranks (each a group of
+    ``distributed.sequence_parallel`` ranks where the engine runs sequence parallelism)."""
     shards = spec.shards_parameters(recipe)
     return ParallelLayout(
         dp_size=dp_size,
         shards_params=shards,
         dp_replicate=recipe.distributed.hsdp_replicate if shards else 1,
+        sp=recipe.distributed.sequence_parallel if spec.sequence_parallel else 1,
     )
 
 
@@ -300,9 +322,15 @@ def _is_auto(value: Any) -> bool:
 
 
 def _solve(
-    recipe: Recipe, engine: str, compiled: World, world: World, measure_gpu: Callable[[], float | None] | None
+    recipe: Recipe,
+    engine: str,
+    compiled: World,
+    world: World,
+    measure_gpu: Callable[[], float | None] | None,
+    sp: int = 1,
 ) -> tuple[BatchPlan, str | None]:
-    """Solve the batch equation for ``world``; a plan compiled for another size is re-solved."""
+    """Solve the batch equation for ``world`` (``world / sp`` data-parallel ranks: each sequence
+    group is one); a plan compiled for another size is re-solved."""
     b = recipe.batch
     g = b.global_batch_size
     if b.global_batch_tokens is not None and recipe.data.packing:
@@ -318,12 +346,13 @@ def _solve(
             )
         g = from_tokens
     micro = b.micro_batch_size
+    dp, compiled_dp = world.size // sp, max(compiled.size // sp, 1)
     if _is_auto(micro) and _is_auto(b.gradient_accumulation_steps) and isinstance(g, int) and not isinstance(g, bool):
-        micro = _planned_micro(recipe, engine, g, world.size, measure_gpu)
+        micro = _planned_micro(recipe, engine, g, dp, measure_gpu)
     values = (g, micro, b.gradient_accumulation_steps)
-    if all(isinstance(v, int) for v in values) and compiled.size != world.size:
-        return resolve_for_world(solve_batch(*values, dp_size=compiled.size), world.size)
-    return solve_batch(*values, dp_size=world.size), None
+    if all(isinstance(v, int) for v in values) and compiled_dp != dp:
+        return resolve_for_world(solve_batch(*values, dp_size=compiled_dp), dp, sp)
+    return solve_batch(*values, dp_size=dp, sp=sp), None
 
 
 def _planned_seq_len(
@@ -396,6 +425,95 @@ def engine_problems(r: Recipe, spec: EngineSpec, dp_size: int, where: Callable[[
         + _quantization_problems(r, spec, dp_size, where)
         + kernels
     )
+
+
+# Attention kernels Ulysses runs with packed rows kept apart (llmft.model.ulysses).
+SEQUENCE_PARALLEL_ATTENTION = ("sdpa", "flash_attention_2")
+
+
+def sequence_parallel_problems(
+    r: Recipe, spec: EngineSpec, world_size: int, where: Callable[[str], str]
+) -> list[Problem]:
+    """``distributed.sequence_parallel``: an engine that runs it, a world it divides, attention
+    heads it splits (KV heads fewer than N are replicated, as ALST does, when N is a multiple of them)."""
+    n = r.distributed.sequence_parallel
+    if n <= 1:
+        return []
+    key = where("distributed.sequence_parallel")
+    if not spec.sequence_parallel:
+        able = [s.name for s in ENGINES if s.sequence_parallel]
+        return [
+            Problem(
+                key,
+                f"{n}: the {spec.name} engine has no sequence parallelism",
+                f"Set distributed.engine={_or(able)}, or sequence_parallel=1.",
+            )
+        ]
+    p: list[Problem] = []
+    if r.model.attn_implementation not in SEQUENCE_PARALLEL_ATTENTION:
+        p.append(
+            Problem(
+                where("model.attn_implementation"),
+                f"{r.model.attn_implementation} attention cannot run sequence-parallel here (eager builds a "
+                "whole-sequence mask Ulysses cannot split; flex's causal block mask would not keep packed rows apart)",
+                f"Set model.attn_implementation to {_or(list(SEQUENCE_PARALLEL_ATTENTION))}.",
+            )
+        )
+    if r.train.eval_generate_samples:
+        p.append(
+            Problem(
+                where("train.eval_generate_samples"),
+                f"{r.train.eval_generate_samples}: generation decodes one token at a time, which a sequence "
+                "group cannot split",
+                "Set train.eval_generate_samples=0 (the eval loss and perplexity run sequence-parallel).",
+            )
+        )
+    if objective_spec(r.train.objective).head != "lm":  # a score is its sequence's last token: one rank's
+        p.append(
+            Problem(
+                where("train.objective"),
+                f"{r.train.objective}: a score head reads each sequence's last token, which only one rank of a "
+                "sequence group holds; sequence parallelism runs sft and dpo",
+                "Set distributed.sequence_parallel=1 (or train.objective=dpo).",
+            )
+        )
+    if r.preference.precompute_reference and r.train.objective == "dpo":  # the pass scores whole pairs
+        p.append(
+            Problem(
+                where("preference.precompute_reference"),
+                "is true, but the precompute pass scores whole pairs on each rank, not sequence slices",
+                "Set preference.precompute_reference=false (the reference runs on the fly, sequence-parallel), "
+                "or distributed.sequence_parallel=1.",
+            )
+        )
+    if world_size % n:
+        valid = divisors(world_size)
+        p.append(
+            Problem(
+                key,
+                f"{n} does not divide the world size {world_size}",
+                f"Choose one of {_or([str(v) for v in valid])}.",
+            )
+        )
+    shape = model_shape(r.model)
+    if shape is not None and not splits_heads(shape.num_heads, shape.num_kv_heads, n):
+        valid = [d for d in divisors(shape.num_heads) if splits_heads(shape.num_heads, shape.num_kv_heads, d)]
+        p.append(
+            Problem(
+                key,
+                f"{n} cannot split the model's {shape.num_heads} attention heads ({shape.num_kv_heads} KV heads) "
+                "over the ranks of a sequence",
+                f"Choose one of {_or([str(v) for v in valid])}"
+                + (f" that divides the world size {world_size}." if world_size > 1 else "."),
+            )
+        )
+    return p
+
+
+def splits_heads(heads: int, kv_heads: int, n: int) -> bool:
+    """Ulysses gives each of ``n`` ranks ``heads / n`` query heads; KV heads are split the same
+    way, or replicated when ``n`` is a multiple of their number."""
+    return heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)
 
 
 def _or(names: list[str]) -> str:
@@ -514,6 +632,7 @@ def plan_summary(plan: RunPlan) -> dict[str, Any]:
         "engine": plan.engine,
         **({"zero_stage": plan.zero_stage} if plan.spec.zero_stages else {}),
         "world": {"nnodes": plan.world.nnodes, "nproc_per_node": plan.world.nproc_per_node},
+        "sequence_parallel": plan.sequence_parallel,
         "batch": {**plan.batch.to_dict(), "equation": plan.batch.equation()},
         "dtype": plan.dtype,
         "quant_storage": plan.quant_storage,

@@ -326,6 +326,13 @@ class DistributedConfig:
         choices=("boundary", "micro_step"),
     )
     reduce_dtype: str = doc("fp32", "dtype of gradient reduction under FSDP mixed precision.", choices=DTYPES)
+    sequence_parallel: int = doc(
+        1,
+        "Sequence parallelism (Ulysses): N ranks share each sequence, each holding 1/N of its tokens; "
+        "attention exchanges heads all-to-all within the group. Data-parallel size = world / N, so "
+        "global = micro x accumulation x (world / N). N must divide the world and the attention heads "
+        "(docs/long-context.md). ddp, fsdp or deepspeed.",
+    )
     nnodes: int = doc(1, "Nodes the job runs on (used by compile and the launch scripts).")
     nproc_per_node: int = doc(1, "Processes (GPUs) per node.")
     master_port: int = doc(29500, "Rendezvous port on the first node.")

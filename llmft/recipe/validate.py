@@ -129,6 +129,7 @@ def _ranges(r: Recipe, where) -> list[Problem]:
         ("distributed.nnodes", r.distributed.nnodes >= 1, "must be >= 1"),
         ("distributed.nproc_per_node", r.distributed.nproc_per_node >= 1, "must be >= 1"),
         ("distributed.hsdp_replicate", r.distributed.hsdp_replicate >= 1, "must be >= 1"),
+        ("distributed.sequence_parallel", r.distributed.sequence_parallel >= 1, "must be >= 1"),
         (
             "distributed.timeout_minutes",
             1 <= r.distributed.timeout_minutes <= 525600,

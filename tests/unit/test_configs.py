@@ -37,10 +37,12 @@ def loaded(path: Path):
 
 
 def for_dp(path: Path, dp: int):
-    """What ``llmft compile PATH --nnodes 1 --nproc-per-node DP`` validates: the file's own batch
-    and engine choices (``auto`` where it leaves them out), solved for ``dp`` ranks."""
+    """What ``llmft compile PATH --nnodes 1 --nproc-per-node DP x N`` validates: the file's own batch
+    and engine choices (``auto`` where it leaves them out), solved for ``dp`` data-parallel ranks
+    (sequence groups of the file's ``distributed.sequence_parallel`` N ranks)."""
     recipe = copy.deepcopy(loaded(path))
-    recipe.distributed.nnodes, recipe.distributed.nproc_per_node = 1, dp
+    recipe.distributed.nnodes = 1
+    recipe.distributed.nproc_per_node = dp * recipe.distributed.sequence_parallel
     return resolve(recipe)
 
 
