@@ -22,7 +22,9 @@ dist.barrier()
 report = {
     "built": [e["built"] for e in data.entries],
     "entries": [e["entry"] for e in data.entries],
-    "rows": [data.train[i] for i in range(0, len(data.train), 97)],
+    "rows": [
+        {k: None if v is None else v.tolist() for k, v in data.train[i].items()} for i in range(0, len(data.train), 97)
+    ],
 }
 Path(sys.argv[2], f"rank-{env.rank}.json").write_text(json.dumps(report))
 dist.destroy_process_group()

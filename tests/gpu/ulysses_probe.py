@@ -1,4 +1,4 @@
-"""One rank of tests/gpu/test_long_context.py: DeepSpeed's Ulysses attention (UlyssesSPAttentionHF
+"""One rank of tests/gpu/test_long_context_varlen.py: DeepSpeed's Ulysses attention (UlyssesSPAttentionHF
 around flash_attention_2) over a packed row, against the same model on the whole row in one process.
 
 Run by torchrun with 2 ranks: each builds the same tiny bf16 Llama, computes the reference on the

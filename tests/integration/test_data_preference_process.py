@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import as_lists
+
 from llmft.data import build_data
 from llmft.recipe.schema import Recipe
 from llmft.tokenizer import byte_tokenizer
@@ -25,7 +27,7 @@ def recipe(tmp_path, train, **data) -> Recipe:
 
 
 def pairs(ds) -> list:
-    return [ds[i] for i in range(len(ds))]
+    return [as_lists(ds[i]) for i in range(len(ds))]
 
 
 def test_pairs_tokenized_by_worker_processes_equal_one_process(tmp_path):
