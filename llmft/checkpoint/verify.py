@@ -235,15 +235,17 @@ def check_json(path: Path) -> None:
 
 
 def check_model_config(path: Path) -> None:
-    """A model ``config.json`` builds its transformers config class (the one of its ``model_type``;
-    a type transformers does not know, remote code, is left to the loader that is allowed to run it)."""
+    """A model ``config.json`` names its ``model_type`` and builds that transformers config class (a
+    type transformers does not know, remote code, is left to the loader that is allowed to run it)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config = json.loads(path.read_text())
     if not isinstance(config, dict):
         raise _damaged(path, "not a JSON object")
     model_type = config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str):  # transformers' AutoConfig cannot load it (remote code has one too)
+        raise _damaged(path, "has no model_type")
+    if model_type not in CONFIG_MAPPING:
         return
     try:
         CONFIG_MAPPING[model_type].from_dict(config)

@@ -264,7 +264,17 @@ def test_fsdp_two_ranks_stopped_resume_on_one_rank(references, fsdp_stopped):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3-lora", "zero3-qlora", "zero3-qlora-pretrained"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("zero1", marks=pytest.mark.extended),
+        "zero2",
+        "zero3",
+        "zero3-lora",
+        "zero3-qlora",
+        pytest.param("zero3-qlora-pretrained", marks=pytest.mark.extended),
+    ],
+)
 def test_zero_two_ranks_stopped_resume_on_one_rank_via_universal_checkpoint(references, tmp_path, name):
     reference = references(name)
     stopped = _stopped(tmp_path / "stopped", ENGINES[name])  # SIGTERM to torchrun, as SLURM does
@@ -310,7 +320,18 @@ def test_one_rank_stopped_resumes_on_two_ranks(references, tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero0", "zero2", "zero3", "zero3-qlora", "zero3-qlora-pretrained"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ddp",
+        "fsdp",
+        pytest.param("zero0", marks=pytest.mark.extended),
+        "zero2",
+        "zero3",
+        "zero3-qlora",
+        pytest.param("zero3-qlora-pretrained", marks=pytest.mark.extended),
+    ],
+)
 def test_two_ranks_stopped_resume_on_two_ranks(references, tmp_path, name):
     """The same world size: each engine's own checkpoint format, loaded as written (G4)."""
     reference = references(name)

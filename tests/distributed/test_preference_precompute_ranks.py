@@ -29,6 +29,7 @@ ENGINES = {
     "zero3": ["distributed.engine=deepspeed", "distributed.zero_stage=3"],
 }
 CASES = [("ddp", "lora"), ("fsdp", "none"), ("zero3", "lora"), ("zero3", "none")]
+EXTENDED = {("ddp", "lora"), ("zero3", "none")}
 
 
 def _train_2(recipe: Path, *overrides: str) -> str:
@@ -47,7 +48,12 @@ def _train_1(recipe: Path, *overrides: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine,method", CASES, ids=["-".join(c) for c in CASES])
+# CI runs one LoRA (ZeRO-3) and one full fine-tune (FSDP2); ``-m extended`` the others too.
+@pytest.mark.parametrize(
+    "engine,method",
+    [pytest.param(*c, marks=pytest.mark.extended) if c in EXTENDED else c for c in CASES],
+    ids=["-".join(c) for c in CASES],
+)
 def test_two_ranks_precomputed_equals_on_the_fly(tmp_path, engine, method):
     over = ENGINES[engine] + ["train.max_steps=2"]
     fly = dpo_recipe(tmp_path / "fly", peft__method=method)
@@ -66,8 +72,17 @@ def test_two_ranks_precomputed_equals_on_the_fly(tmp_path, engine, method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precompute", [False, True], ids=["on-the-fly", "precomputed"])
-@pytest.mark.parametrize("engine,method", [("fsdp", "none"), ("ddp", "lora")])
+# CI: a full fine-tune precomputed, LoRA on the fly; ``-m extended`` the other two.
+@pytest.mark.parametrize(
+    "engine,method,precompute",
+    [
+        ("fsdp", "none", True),
+        ("ddp", "lora", False),
+        pytest.param("fsdp", "none", False, marks=pytest.mark.extended),
+        pytest.param("ddp", "lora", True, marks=pytest.mark.extended),
+    ],
+    ids=["fsdp-none-precomputed", "ddp-lora-on-the-fly", "fsdp-none-on-the-fly", "ddp-lora-precomputed"],
+)
 def test_elastic_resume_two_ranks_to_one(tmp_path, engine, method, precompute):
     over = dict(peft__method=method, preference__precompute_reference=precompute, checkpoint__every_steps=2)
     straight = dpo_recipe(tmp_path / "straight", **over)

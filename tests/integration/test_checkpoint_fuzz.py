@@ -347,14 +347,14 @@ def test_export_of_a_mutated_checkpoint_refuses_or_works(tmp_path, trained, data
 
 @pytest.mark.slow
 @given(data=st.data())
-@settings(FAST, derandomize=False, max_examples=400)
+@settings(FAST, derandomize=False, max_examples=100)
 def test_resume_from_a_mutated_checkpoint_many(tmp_path, trained, engine, data):
     _count("resume-slow", check_resume(tmp_path / "example", trained, engine, data))
 
 
 @pytest.mark.slow
 @given(data=st.data())
-@settings(FAST, derandomize=False, max_examples=80)
+@settings(FAST, derandomize=False, max_examples=20)
 def test_export_of_a_mutated_checkpoint_many(tmp_path, trained, data, capsys):
     _count("export-slow", check_export(tmp_path / "example", trained.run, data, capsys))
 
@@ -381,7 +381,7 @@ def deepspeed_run(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @given(data=st.data())
-@settings(FAST, derandomize=False, max_examples=60)
+@settings(FAST, derandomize=False, max_examples=15)
 def test_export_of_a_mutated_deepspeed_checkpoint_many(tmp_path, deepspeed_run, data, capsys):
     _count("export-deepspeed", check_export(tmp_path / "example", deepspeed_run, data, capsys))
 

@@ -37,7 +37,7 @@ from llmft.recipe.schema import Recipe
 from llmft.tokenizer import byte_tokenizer
 
 FAST_EXAMPLES = 200
-SLOW_EXAMPLES = 2000
+SLOW_EXAMPLES = 500
 EXAMPLE_SECONDS = 60
 
 FILES = [

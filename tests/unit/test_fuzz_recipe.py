@@ -255,7 +255,7 @@ COMMON = dict(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 DEFAULT = settings(max_examples=80, derandomize=True, **COMMON)  # reproducible: the same cases every run
-SLOW = settings(max_examples=2000, derandomize=False, print_blob=True, **COMMON)
+SLOW = settings(max_examples=500, derandomize=False, print_blob=True, **COMMON)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -397,3 +397,19 @@ def test_a_model_config_field_of_the_wrong_type_is_damage(tmp_path, field, value
     with pytest.raises(DamagedCheckpoint) as e:
         check_model_config(path)
     assert str(e.value).startswith(f"{path}: is damaged: not a valid llama config (")
+
+
+@pytest.mark.parametrize("config", [{}, {"model_type": 3}])
+def test_a_model_config_without_a_model_type_is_damage(tmp_path, config):
+    """Found by the checkpoint harness: `{}` as model/config.json reached AutoConfig in export as a
+    traceback ("Unrecognized model ... Should have a `model_type` key")."""
+    from llmft.checkpoint.verify import check_model_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(DamagedCheckpoint) as e:
+        check_model_config(path)
+    assert str(e.value) == (
+        f"{path}: is damaged: has no model_type. Resume from an earlier checkpoint "
+        "(checkpoint.resume=auto skips damaged ones), or restore the file."
+    )
