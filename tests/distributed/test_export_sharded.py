@@ -56,8 +56,19 @@ def _same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("engine", sorted(ENGINES))
+# CI: full on FSDP2, LoRA on ZeRO-3, QLoRA on both; ``-m extended`` the other two.
+EXTENDED = {("fsdp", "lora"), ("zero3", "full")}
+
+
+@pytest.mark.parametrize(
+    "engine,kind",
+    [
+        pytest.param(e, k, marks=pytest.mark.extended) if (e, k) in EXTENDED else (e, k)
+        for e in sorted(ENGINES)
+        for k in sorted(KINDS)
+    ],
+    ids=[f"{e}-{k}" for e in sorted(ENGINES) for k in sorted(KINDS)],
+)
 def test_export_round_trip(tmp_path, engine, kind):
     """QLoRA: the adapter trained on the NF4 base; exported, it goes with the unquantized base
     (merged into it, or beside it), which is what the consolidated checkpoint model is too."""
