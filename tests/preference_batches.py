@@ -126,3 +126,29 @@ def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest relative difference (max |a - b| / max |b|) over the tensors of two state dicts."""
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in a)
+
+
+def run_steps(plan, engine, steps: list[list[dict]], start: int, stop: int, load_from=None, save_to=None) -> dict:
+    """Steps ``start`` .. ``stop`` of a pair objective's run through the real loop on a freshly built
+    ``engine``, from a saved engine and schedule (``load_from``) or fresh; saves both to ``save_to``.
+    Returns the trainable weights."""
+    from llmft.dist import DistEnv
+    from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
+    from llmft.objectives import build_objective
+    from llmft.optim import build_scheduler
+    from llmft.stop import StopRequest
+
+    objective = build_objective(plan, engine)  # dropout off again on the new engine
+    scheduler = build_scheduler(engine.optimizer, plan.recipe.optim, len(steps))
+    if load_from is not None:
+        engine.load(load_from, load_optimizer=True)
+        scheduler.load_state_dict(torch.load(load_from / "scheduler.pt"))
+    batches = iter([mb for step in steps[start:stop] for mb in step])
+    hooks = LoopHooks(log_train=lambda row: None, evaluate=lambda s: None, checkpoint=lambda s: None)
+    args = (engine, objective, scheduler, batches, plan.batch, DistEnv(), LoopConfig(max_steps=stop))
+    train_loop(*args, LoopState(step=start), hooks, StopRequest())
+    if save_to is not None:
+        save_to.mkdir()
+        engine.save(save_to, save_optimizer=True)
+        torch.save(scheduler.state_dict(), save_to / "scheduler.pt")
+    return {n: p.detach().clone() for n, p in engine.unwrap().named_parameters() if p.requires_grad}

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import TINY_LLAMA, write_recipe
-from preference_batches import collate_pairs, make_pairs, micro_batches, preference_step, rel_diff, sequences
+from preference_batches import collate_pairs, make_pairs, micro_batches, preference_step, rel_diff, run_steps, sequences
 
 from llmft.dist import DistEnv
 from llmft.objectives.preference import pair_losses, sequence_logps
@@ -285,28 +285,8 @@ def test_full_fine_tune_reference_keeps_the_initial_weights(tmp_path):
 
 
 def _run(plan, steps: list[list[dict]], start: int, stop: int, load_from=None, save_to=None):
-    """Steps ``start`` .. ``stop`` of a dpo run (AdamW) through the real loop, from a saved engine
-    and schedule (``load_from``) or fresh; saves both to ``save_to``. Returns the trainable weights."""
-    from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
-    from llmft.objectives import build_objective
-    from llmft.optim import build_scheduler
-    from llmft.stop import StopRequest
-
-    engine = _engine(plan)
-    objective = build_objective(plan, engine)  # dropout off again on the new engine
-    scheduler = build_scheduler(engine.optimizer, plan.recipe.optim, len(steps))
-    if load_from is not None:
-        engine.load(load_from, load_optimizer=True)
-        scheduler.load_state_dict(torch.load(load_from / "scheduler.pt"))
-    batches = iter([mb for step in steps[start:stop] for mb in step])
-    hooks = LoopHooks(log_train=lambda row: None, evaluate=lambda s: None, checkpoint=lambda s: None)
-    args = (engine, objective, scheduler, batches, plan.batch, DistEnv(), LoopConfig(max_steps=stop))
-    train_loop(*args, LoopState(step=start), hooks, StopRequest())
-    if save_to is not None:
-        save_to.mkdir()
-        engine.save(save_to, save_optimizer=True)
-        torch.save(scheduler.state_dict(), save_to / "scheduler.pt")
-    return {n: p.detach().clone() for n, p in engine.unwrap().named_parameters() if p.requires_grad}
+    """Steps ``start`` .. ``stop`` of a dpo run (AdamW) on a new engine (``run_steps``)."""
+    return run_steps(plan, _engine(plan), steps, start, stop, load_from, save_to)
 
 
 @pytest.mark.parametrize("method", ["lora", "none"])

@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 from helpers import pretrained_model, save_tiny_pretrained, write_recipe
-from preference_batches import collate_pairs, make_pairs, micro_batches, preference_step, rel_diff, sequences
+from preference_batches import collate_pairs, make_pairs, micro_batches, preference_step, rel_diff, run_steps, sequences
 
 from llmft.dist import DistEnv
 from llmft.errors import UserError
@@ -172,30 +172,13 @@ def test_resolve_accepts_reward_and_refuses_what_it_cannot_do(tmp_path):
 
 
 def _run(plan, steps: list[list[dict]], start: int, stop: int, load_from=None, save_to=None):
-    """Steps ``start`` .. ``stop`` of a reward run (AdamW) through the real loop, from a saved engine and
-    schedule (``load_from``) or fresh; saves both to ``save_to``. Returns the trainable weights."""
+    """Steps ``start`` .. ``stop`` of a reward run (AdamW) on a new engine (``run_steps``)."""
     from llmft.engines import build_engine
-    from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
-    from llmft.objectives import build_objective
-    from llmft.optim import build_optimizer, build_scheduler
-    from llmft.stop import StopRequest
+    from llmft.optim import build_optimizer
 
     optim = plan.recipe.optim
     engine = build_engine(plan, DistEnv(), byte_tokenizer(), lambda m: build_optimizer(m, optim, optim.lr))
-    objective = build_objective(plan, engine)
-    scheduler = build_scheduler(engine.optimizer, optim, len(steps))
-    if load_from is not None:
-        engine.load(load_from, load_optimizer=True)
-        scheduler.load_state_dict(torch.load(load_from / "scheduler.pt"))
-    batches = iter([mb for step in steps[start:stop] for mb in step])
-    hooks = LoopHooks(log_train=lambda row: None, evaluate=lambda s: None, checkpoint=lambda s: None)
-    args = (engine, objective, scheduler, batches, plan.batch, DistEnv(), LoopConfig(max_steps=stop))
-    train_loop(*args, LoopState(step=start), hooks, StopRequest())
-    if save_to is not None:
-        save_to.mkdir()
-        engine.save(save_to, save_optimizer=True)
-        torch.save(scheduler.state_dict(), save_to / "scheduler.pt")
-    return {n: p.detach().clone() for n, p in engine.unwrap().named_parameters() if p.requires_grad}
+    return run_steps(plan, engine, steps, start, stop, load_from, save_to)
 
 
 @pytest.mark.parametrize("method", ["lora", "none"])
