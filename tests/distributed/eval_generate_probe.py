@@ -4,8 +4,9 @@ Arguments: RECIPE [KEY=VALUE ...] (overrides).
 
 Rank r generates at most ``1 + 4 * r`` new tokens, so rank 0 is done while rank 1 still runs
 forwards: where the parameters are sharded every forward all-gathers them from every rank, so the
-finished rank must keep joining (``synced_gpus``) or the other waits forever. Prints, per rank,
-one line ``GENERATED <rank> <json list of the texts each generate() call returned>``.
+finished rank must keep joining (``synced_gpus``) or the other waits forever. Each rank writes the
+texts each generate() call returned, as JSON, to ``generated-<rank>.json`` beside the recipe (a
+file per rank: two ranks' lines on one shared stdout can interleave).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 from transformers.generation.utils import GenerationMixin
 
@@ -49,5 +51,6 @@ if __name__ == "__main__":
     _uneven_lengths()
     _record()
     code = train(sys.argv[1], sys.argv[2:])
-    print(f"GENERATED {os.environ.get('RANK', '0')} {json.dumps(TEXTS)}", flush=True)
+    rank = os.environ.get("RANK", "0")
+    (Path(sys.argv[1]).parent / f"generated-{rank}.json").write_text(json.dumps(TEXTS))
     leave_process(code)  # without the interpreter's teardown (llmft.dist.leave_process says why)

@@ -44,12 +44,12 @@ def _generate(tmp_path, engine: str) -> dict[str, list]:
         stdout, stderr = proc.communicate()
         raise AssertionError(f"generation hung (synced_gpus off on sharded parameters?): {stderr[-2000:]}") from None
     assert proc.returncode == 0, stderr[-4000:]
-    lines = [ln.split(" ", 2) for ln in stdout.splitlines() if ln.startswith("GENERATED ")]
     resolved = (tmp_path / engine / "run" / "recipe.yaml").read_text()
     assert "engine: fsdp" in resolved  # auto resolved to FSDP2
     evals = metrics(tmp_path / engine / "run", "eval")
     assert evals and all(r["generated"] == 4 for r in evals)
-    return {rank: json.loads(texts) for _, rank, texts in lines}
+    files = sorted(recipe.parent.glob("generated-*.json"))
+    return {f.stem.removeprefix("generated-"): json.loads(f.read_text()) for f in files}
 
 
 def test_auto_resolving_to_fsdp_generates_as_fsdp(tmp_path):
