@@ -31,8 +31,10 @@ def lognormal_lengths(n: int, seed: int, median: float, sigma: float) -> list[in
     return [max(4, min(4000, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
 
 
-def fractions(recipe_path: Path, packing: bool, micro: int) -> dict[str, float]:
-    """Non-pad and target fractions of the micro-batch tensors over one epoch."""
+def epoch_counts(recipe_path: Path, packing: bool, micro: int, real_tokens) -> dict:
+    """One epoch of micro-batches under the recipe (``data.packing`` set to ``packing``): the
+    tensors' cells, real tokens (``real_tokens(batch, pad_id, packing)`` counts a batch's) and
+    target tokens, with the recipe, the built data and a micro-batch's row count."""
     from llmft.data import MicroBatchSampler, build_data, collate
     from llmft.data.sampler import GlobalOrder
     from llmft.plan.batch import BatchPlan
@@ -45,22 +47,32 @@ def fractions(recipe_path: Path, packing: bool, micro: int) -> dict[str, float]:
     ds = data.train
     steps = len(ds) // micro
     sampler = MicroBatchSampler(GlobalOrder(len(ds), 0, True), BatchPlan(micro, micro, 1, 1), 0, num_steps=steps)
-    cells = real = targets = 0
+    cells = real = targets = rows = 0
     for indices in sampler:
         batch = collate([ds[i] for i in indices], tok.pad_token_id)
         cells += batch["input_ids"].numel()
-        if packing:
-            real += int((batch["input_ids"] != tok.pad_token_id).sum())
-        else:
-            real += int(batch["attention_mask"].sum())
+        real += int(real_tokens(batch, tok.pad_token_id, packing))
         targets += int((batch["labels"] != -100).sum())
-    seq = recipe.data.max_seq_len
-    rows = len(ds)
+        rows = batch["input_ids"].shape[0]
+    return {"recipe": recipe, "data": data, "cells": cells, "real": real, "targets": targets, "rows": rows}
+
+
+def _sft_real_tokens(batch, pad_id: int, packing: bool):
+    # A packed row's padding is only at its tail; an unpacked row says so in its attention mask.
+    return (batch["input_ids"] != pad_id).sum() if packing else batch["attention_mask"].sum()
+
+
+def fractions(recipe_path: Path, packing: bool, micro: int) -> dict[str, float]:
+    """Non-pad and target fractions of the micro-batch tensors over one epoch."""
+    n = epoch_counts(recipe_path, packing, micro, _sft_real_tokens)
+    cells, real, data = n["cells"], n["real"], n["data"]
+    seq = n["recipe"].data.max_seq_len
+    rows = len(data.train)
     tokens = data.stats["tokens"]
     return {
         "rows": rows,
         "non_pad": real / cells,
-        "targets": targets / cells,
+        "targets": n["targets"] / cells,
         "cells_per_token": cells / real,
         "static": tokens / (rows * seq),  # every row padded to max_seq_len
         "truncated": data.stats["truncated"],

@@ -46,26 +46,18 @@ def write_pairs(path: Path, n: int, seed: int = 0) -> Path:
 
 
 def fractions(recipe_path: Path, packing: bool, micro: int) -> dict[str, float]:
-    """Non-pad and target fractions of the micro-batch tensors over one epoch of pairs."""
-    from llmft.data import MicroBatchSampler, build_data, collate
-    from llmft.data.sampler import GlobalOrder
-    from llmft.plan.batch import BatchPlan
-    from llmft.recipe import load_recipe
-    from llmft.tokenizer import load_tokenizer
-
-    recipe = load_recipe(str(recipe_path), [f"data.packing={str(packing).lower()}"])
-    tok = load_tokenizer(recipe.model)
-    data = build_data(recipe, tok)
-    ds = data.train
-    steps = len(ds) // micro
-    sampler = MicroBatchSampler(GlobalOrder(len(ds), 0, True), BatchPlan(micro, micro, 1, 1), 0, num_steps=steps)
-    cells = real = targets = 0
-    for indices in sampler:
-        batch = collate([ds[i] for i in indices], tok.pad_token_id)
-        cells += batch["input_ids"].numel()
-        real += int((batch["sequence_index"] >= 0).sum())
-        targets += int((batch["labels"] != -100).sum())
-    return {"pairs": len(ds), "non_pad": real / cells, "targets": targets / cells, "rows": batch["input_ids"].shape[0]}
+    """Non-pad and target fractions of the micro-batch tensors over one epoch of pairs: a real
+    token is one that belongs to a sequence (``sequence_index >= 0``), chosen or rejected."""
+    n = packing_bench.epoch_counts(
+        recipe_path, packing, micro, lambda batch, pad_id, packing: (batch["sequence_index"] >= 0).sum()
+    )
+    cells = n["cells"]
+    return {
+        "pairs": len(n["data"].train),
+        "non_pad": n["real"] / cells,
+        "targets": n["targets"] / cells,
+        "rows": n["rows"],
+    }
 
 
 def main() -> None:
