@@ -28,6 +28,16 @@ TINY_LLAMA = {
 }
 
 
+def tiny_llama_model(attn: str = "sdpa", **overrides):
+    """A LlamaForCausalLM of TINY_LLAMA's shape (``overrides`` replace its keys), seeded 0, fp32,
+    in eval mode: for tests that run the model in-process rather than through a recipe."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    shape = {k: v for k, v in {**TINY_LLAMA, **overrides}.items() if k != "model_type"}
+    return LlamaForCausalLM(LlamaConfig(**shape, attn_implementation=attn)).float().eval()
+
+
 def write_data(path: Path, n: int = 64, seed: int = 0, kind: str = "completion") -> Path:
     """Records of very different lengths, so per-micro-batch averaging would visibly differ."""
     rng = random.Random(seed)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_llama_model
 
 from llmft.data import build_data, collate, count_targets
 from llmft.data.encode import IGNORE_INDEX, Example
@@ -93,23 +94,6 @@ def test_packed_rows_keep_every_token_and_never_cross_a_boundary(tmp_path):
     assert real == expected
 
 
-def tiny_llama(attn: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        attn_implementation=attn,
-    )
-    return LlamaForCausalLM(cfg).float().eval()
-
-
 def examples() -> list[Example]:
     gen = torch.Generator().manual_seed(1)
     out = []
@@ -147,7 +131,7 @@ def batches(restart_positions: bool = True) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_loss_equals_unpacked_loss(attn):
-    model = tiny_llama(attn)
+    model = tiny_llama_model(attn, num_key_value_heads=4, max_position_embeddings=64)
     packed, plain = batches()
     assert "attention_mask" not in packed and "attention_mask" in plain
     assert count_targets(packed["labels"]) == count_targets(plain["labels"])
@@ -167,7 +151,7 @@ def test_packed_loss_equals_unpacked_loss(attn):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_loss_differs_without_restarted_positions(attn):
     """The proof can fail: with plain 0..L-1 positions, attention leaks across sequences."""
-    model = tiny_llama(attn)
+    model = tiny_llama_model(attn, num_key_value_heads=4, max_position_embeddings=64)
     packed, plain = batches(restart_positions=False)
     assert abs(summed_loss(model, packed) - summed_loss(model, plain)) > 1e-2
 
@@ -175,7 +159,7 @@ def test_packed_loss_differs_without_restarted_positions(attn):
 def test_packed_mask_needs_use_cache_false():
     """transformers behaviour the loop relies on: with a KV cache (config.use_cache defaults to True),
     create_causal_mask skips packed-sequence detection and attention leaks across sequences."""
-    model = tiny_llama("sdpa")
+    model = tiny_llama_model("sdpa", num_key_value_heads=4, max_position_embeddings=64)
     assert model.config.use_cache
     packed, plain = batches()
     assert abs(summed_loss(model, packed, use_cache=None) - summed_loss(model, plain)) > 1e-2

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_llama_model
 
 from llmft.data import build_data, collate
 from llmft.data.cache import CACHE_FORMAT
@@ -360,23 +361,6 @@ def test_both_layouts_hold_the_same_sequences(tmp_path, tok):
         assert tok.decode(ids).endswith(PAIRS[s // 2][side] + tok.eos_token)
 
 
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(cfg).float().eval()
-
-
 def sequence_logps(model, batch) -> torch.Tensor:
     """Summed target log-probs per sequence: logits at t predict labels at t + 1 of the same sequence."""
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
@@ -390,7 +374,7 @@ def sequence_logps(model, batch) -> torch.Tensor:
 
 
 def test_padding_free_gives_the_padded_log_probs(tmp_path, tok):
-    model = tiny_llama()
+    model = tiny_llama_model(num_key_value_heads=4, max_position_embeddings=128)
     plain, flat = layouts(tmp_path, tok, PAIRS)
     want, got = sequence_logps(model, plain), sequence_logps(model, flat)
     assert (want < 0).all()
@@ -398,7 +382,7 @@ def test_padding_free_gives_the_padded_log_probs(tmp_path, tok):
 
 
 def test_padding_free_sequences_do_not_attend_to_each_other(tmp_path, tok):
-    model = tiny_llama()
+    model = tiny_llama_model(num_key_value_heads=4, max_position_embeddings=128)
     _, flat = layouts(tmp_path, tok, PAIRS[:1])
     (tmp_path / "more").mkdir()
     _, longer = layouts(tmp_path / "more", tok, PAIRS[1:2] + PAIRS[:1])
