@@ -287,17 +287,24 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
-def data_recipe(tmp_path: Path, train, **data):
-    """A default ``Recipe`` reading ``train`` into a cache under ``tmp_path`` (data.* keys as kwargs)."""
+def default_recipe(train, objective: str = "sft", max_seq_len: int = 256, **data):
+    """A default ``Recipe`` of ``train.objective`` reading ``train`` (a path, a source mapping, or a
+    list of them), with data.* keys as kwargs."""
     from llmft.recipe.schema import Recipe
 
     r = Recipe()
-    r.data.train = train
-    r.data.cache_dir = str(tmp_path / "cache")
-    r.data.max_seq_len = data.pop("max_seq_len", 64)
+    r.train.objective = objective
+    as_str = lambda p: str(p) if isinstance(p, Path) else p  # noqa: E731
+    r.data.train = [as_str(p) for p in train] if isinstance(train, list) else as_str(train)
+    r.data.max_seq_len = max_seq_len
     for k, v in data.items():
         setattr(r.data, k, v)
     return r
+
+
+def data_recipe(tmp_path: Path, train, **data):
+    """A default ``Recipe`` reading ``train`` into a cache under ``tmp_path`` (data.* keys as kwargs)."""
+    return default_recipe(train, cache_dir=str(tmp_path / "cache"), max_seq_len=data.pop("max_seq_len", 64), **data)
 
 
 def rows(ds) -> list:

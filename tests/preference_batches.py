@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import torch
+from helpers import write_recipe
 
 IGNORE = -100
 PAD = 0
@@ -152,3 +153,24 @@ def run_steps(plan, engine, steps: list[list[dict]], start: int, stop: int, load
         engine.save(save_to, save_optimizer=True)
         torch.save(scheduler.state_dict(), save_to / "scheduler.pt")
     return {n: p.detach().clone() for n, p in engine.unwrap().named_parameters() if p.requires_grad}
+
+
+def preference_plan(tmp_path, objective: str, method: str, micro: int, *extra: str):
+    """The resolved plan of a tiny ``objective`` (dpo or reward) recipe under ``tmp_path``: SGD
+    without clipping, global batch 4 pairs of ``micro`` per micro-batch, ``peft.method`` r=4,
+    attention dropout on (it must not matter: preference runs turn dropout off); ``extra`` overrides."""
+    from llmft.plan.resolve import resolve
+    from llmft.recipe import load_recipe
+
+    overrides = [
+        f"train.objective={objective}",
+        f"peft.method={method}",
+        "peft.r=4",
+        "model.config.attention_dropout=0.1",
+        "batch.global_batch_size=4",
+        f"batch.micro_batch_size={micro}",
+        "optim.name=sgd",
+        "optim.max_grad_norm=null",
+        *extra,
+    ]
+    return resolve(load_recipe(write_recipe(tmp_path), overrides))

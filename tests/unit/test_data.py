@@ -6,11 +6,11 @@ import logging
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import default_recipe, write_jsonl
 
 from llmft.data import build_data
 from llmft.data.encode import IGNORE_INDEX
 from llmft.errors import UserError
-from llmft.recipe.schema import Recipe
 from llmft.tokenizer import byte_tokenizer
 
 CHAT = {
@@ -29,18 +29,7 @@ def tok():
     return byte_tokenizer()
 
 
-def recipe(train, **data) -> Recipe:
-    r = Recipe()
-    r.data.train = str(train) if not isinstance(train, list) else [str(p) for p in train]
-    r.data.max_seq_len = data.pop("max_seq_len", 256)
-    for k, v in data.items():
-        setattr(r.data, k, v)
-    return r
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
+recipe = default_recipe
 
 
 def texts(bundle, tok, split="train"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_llama_model
+from helpers import default_recipe, tiny_llama_model, write_jsonl
 
 from llmft.data import build_data, collate
 from llmft.data.cache import CACHE_FORMAT
@@ -36,18 +36,7 @@ def tok():
 
 
 def recipe(train, objective="dpo", **data) -> Recipe:
-    r = Recipe()
-    r.train.objective = objective
-    r.data.train = str(train) if not isinstance(train, list) else train
-    r.data.max_seq_len = data.pop("max_seq_len", 256)
-    for k, v in data.items():
-        setattr(r.data, k, v)
-    return r
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
+    return default_recipe(train, objective, **data)
 
 
 def pairs_of(ds) -> list[tuple]:

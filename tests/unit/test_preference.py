@@ -17,14 +17,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import TINY_LLAMA, write_recipe
-from preference_batches import collate_pairs, make_pairs, micro_batches, preference_step, rel_diff, run_steps, sequences
+from helpers import TINY_LLAMA
+from preference_batches import (
+    collate_pairs,
+    make_pairs,
+    micro_batches,
+    preference_plan,
+    preference_step,
+    rel_diff,
+    run_steps,
+    sequences,
+)
 
 from llmft.dist import DistEnv
 from llmft.objectives.preference import pair_losses, sequence_logps
 from llmft.plan.batch import solve_batch
-from llmft.plan.resolve import resolve
-from llmft.recipe import load_recipe
 from llmft.recipe.schema import PreferenceConfig
 
 
@@ -168,20 +175,7 @@ def test_sequence_logps_equal_trl_get_batch_logps(average):
 
 
 def _plan(tmp_path, loss_type: str, method: str, micro: int, *extra: str):
-    path = write_recipe(tmp_path)
-    overrides = [
-        "train.objective=dpo",
-        f"preference.loss_type={loss_type}",
-        f"peft.method={method}",
-        "peft.r=4",
-        "model.config.attention_dropout=0.1",  # must not matter: dropout is off for preference runs
-        "batch.global_batch_size=4",
-        f"batch.micro_batch_size={micro}",
-        "optim.name=sgd",
-        "optim.max_grad_norm=null",
-        *extra,
-    ]
-    return resolve(load_recipe(path, overrides))
+    return preference_plan(tmp_path, "dpo", method, micro, f"preference.loss_type={loss_type}", *extra)
 
 
 SPLITS = [4, 2, 1]

@@ -18,7 +18,16 @@ import math
 import pytest
 import torch
 from helpers import pretrained_model, save_tiny_pretrained, write_recipe
-from preference_batches import collate_pairs, make_pairs, micro_batches, preference_step, rel_diff, run_steps, sequences
+from preference_batches import (
+    collate_pairs,
+    make_pairs,
+    micro_batches,
+    preference_plan,
+    preference_step,
+    rel_diff,
+    run_steps,
+    sequences,
+)
 
 from llmft.dist import DistEnv
 from llmft.errors import UserError
@@ -32,18 +41,7 @@ from llmft.tokenizer import byte_tokenizer
 
 
 def _plan(tmp_path, method: str, micro: int, *extra: str):
-    overrides = [
-        "train.objective=reward",
-        f"peft.method={method}",
-        "peft.r=4",
-        "model.config.attention_dropout=0.1",  # must not matter: dropout is off for preference runs
-        "batch.global_batch_size=4",
-        f"batch.micro_batch_size={micro}",
-        "optim.name=sgd",
-        "optim.max_grad_norm=null",
-        *extra,
-    ]
-    return resolve(load_recipe(write_recipe(tmp_path), overrides))
+    return preference_plan(tmp_path, "reward", method, micro, *extra)
 
 
 def _scorer(tmp_path, method: str = "none"):
