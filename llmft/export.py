@@ -52,14 +52,14 @@ from llmft.checkpoint.layout import (
     TOKENIZER_DIR,
     resolve_checkpoint,
 )
-from llmft.checkpoint.verify import verify
+from llmft.checkpoint.verify import damaged, verify
 from llmft.consolidate import checkpoint_engine, load_checkpoint_model, offline_recipe
 from llmft.errors import Problem, UserError
 from llmft.model.build import build_model, load_base_model
 from llmft.model.heads import LM, model_class, recipe_head
 from llmft.model.precision import DTYPES
 from llmft.model.save import plain_config, staged
-from llmft.model.source import resolve_name
+from llmft.model.source import first_line, resolve_name
 from llmft.modelcard import export_model_card
 from llmft.plan.engines import engine_spec, load
 from llmft.recipe import load_recipe
@@ -458,7 +458,12 @@ def _step_tokenizer(step_dir: Path) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(step_dir / TOKENIZER_DIR)
+    try:
+        return AutoTokenizer.from_pretrained(step_dir / TOKENIZER_DIR)
+    except Exception as e:  # noqa: BLE001 - tokenizers' and transformers' load errors share no base
+        raise damaged(
+            step_dir / TOKENIZER_DIR, f"the tokenizer does not load ({type(e).__name__}: {first_line(e)})"
+        ) from None
 
 
 def _save_for_inference(model: PreTrainedModel, dtype: torch.dtype, out: Path) -> None:

@@ -176,7 +176,7 @@ def _from_pretrained(name: str, key: str, model_cfg: ModelConfig, revision: str 
             trust_remote_code=model_cfg.trust_remote_code,
             revision=revision,
         )
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 - a damaged file raises tokenizers' or transformers' own errors too
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
             Problem(

@@ -60,7 +60,7 @@ class DamagedCheckpoint(UserError):
     """A complete checkpoint with a file that cannot be what llmft wrote."""
 
 
-def _damaged(path: Path, what: str) -> DamagedCheckpoint:
+def damaged(path: Path, what: str) -> DamagedCheckpoint:
     return DamagedCheckpoint(
         Problem(
             str(path),
@@ -89,25 +89,25 @@ def verify(step_dir: Path) -> None:
     try:
         state = TrainerState.read(step_dir)
     except UserError as e:
-        raise _damaged(step_dir / STATE_FILE, e.problems[0].what) from None
+        raise damaged(step_dir / STATE_FILE, e.problems[0].what) from None
     if state.step != marked:
-        raise _damaged(step_dir / STATE_FILE, f"says step {state.step}, but the folder is {step_dir.name}")
+        raise damaged(step_dir / STATE_FILE, f"says step {state.step}, but the folder is {step_dir.name}")
     try:
         recipe = yaml.safe_load((step_dir / RECIPE_FILE).read_text())
     except (OSError, ValueError, yaml.YAMLError) as e:
-        raise _damaged(step_dir / RECIPE_FILE, f"{type(e).__name__}: {e}".splitlines()[0]) from None
+        raise damaged(step_dir / RECIPE_FILE, f"{type(e).__name__}: {e}".splitlines()[0]) from None
     if not isinstance(recipe, dict) or not all(isinstance(v, dict) for v in recipe.values()):
-        raise _damaged(step_dir / RECIPE_FILE, "not a recipe (a mapping of sections such as model:, data:)")
+        raise damaged(step_dir / RECIPE_FILE, "not a recipe (a mapping of sections such as model:, data:)")
     if (step_dir / PLAN_FILE).exists():  # older checkpoints have none
         try:
             yaml.safe_load((step_dir / PLAN_FILE).read_text())
         except (OSError, ValueError, yaml.YAMLError) as e:
-            raise _damaged(step_dir / PLAN_FILE, f"{type(e).__name__}: {e}".splitlines()[0]) from None
+            raise damaged(step_dir / PLAN_FILE, f"{type(e).__name__}: {e}".splitlines()[0]) from None
     _check_present(step_dir, state)
     try:
         _check_files(step_dir)
     except OSError as e:  # permission denied, an I/O error: the file cannot be what a resume reads
-        raise _damaged(Path(e.filename or step_dir), f"cannot be read ({e.strerror or e})") from None
+        raise damaged(Path(e.filename or step_dir), f"cannot be read ({e.strerror or e})") from None
 
 
 def check_confined(step_dir: Path) -> list[Path]:
@@ -119,7 +119,7 @@ def check_confined(step_dir: Path) -> list[Path]:
     files = []
 
     def fail(e: OSError) -> None:
-        raise _damaged(Path(e.filename or step_dir), f"cannot be read ({e.strerror or e})")
+        raise damaged(Path(e.filename or step_dir), f"cannot be read ({e.strerror or e})")
 
     for folder, dirs, names in os.walk(step_dir, onerror=fail):
         for name in sorted(dirs + names):
@@ -150,10 +150,10 @@ def _check_present(step_dir: Path, state: TrainerState) -> None:
     ``FileNotFoundError`` mid-resume, after the choice of checkpoint was made). Which files: the
     engine's record names the check (``EngineSpec.checkpoint_files``)."""
     if state.engine not in ENGINE_NAMES:
-        raise _damaged(step_dir / STATE_FILE, f"names the engine {state.engine[:40]!r}, which llmft does not have")
+        raise damaged(step_dir / STATE_FILE, f"names the engine {state.engine[:40]!r}, which llmft does not have")
     for path in load(engine_spec(state.engine).checkpoint_files)(step_dir):
         if not path.is_file():
-            raise _damaged(path, "missing")
+            raise damaged(path, "missing")
 
 
 def plain_files(step_dir: Path) -> list[Path]:
@@ -175,7 +175,7 @@ def deepspeed_files(step_dir: Path) -> list[Path]:
     """A DeepSpeed checkpoint: at least one ``*model_states.pt``."""
     found = sorted((step_dir / DS_DIR / DS_TAG).glob("*model_states.pt"))
     if not found:
-        raise _damaged(step_dir / DS_DIR / DS_TAG, "holds no DeepSpeed *model_states.pt file")
+        raise damaged(step_dir / DS_DIR / DS_TAG, "holds no DeepSpeed *model_states.pt file")
     return found
 
 
@@ -188,11 +188,11 @@ def _model_weights(model_dir: Path) -> list[Path]:
     try:
         doc = json.loads(index.read_text())
     except (OSError, ValueError) as e:
-        raise _damaged(index, f"not valid JSON ({e})") from None
+        raise damaged(index, f"not valid JSON ({e})") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     names = list(weight_map.values()) if isinstance(weight_map, dict) else None
     if not names or not all(isinstance(n, str) and n == Path(n).name and n not in ("", ".", "..") for n in names):
-        raise _damaged(index, "its weight_map does not name weight files of this folder")
+        raise damaged(index, "its weight_map does not name weight files of this folder")
     return [model_dir / n for n in sorted(set(names))]
 
 
@@ -221,9 +221,9 @@ def _check_marker(step_dir: Path) -> int:
     try:
         step = json.loads(marker.read_text())["step"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise _damaged(marker, f"not the marker llmft writes ({type(e).__name__})") from None
+        raise damaged(marker, f"not the marker llmft writes ({type(e).__name__})") from None
     if m is None or type(step) is not int or step != int(m.group(1)):
-        raise _damaged(marker, f"says step {json.dumps(step)[:40]}, but the folder is {step_dir.name}")
+        raise damaged(marker, f"says step {json.dumps(step)[:40]}, but the folder is {step_dir.name}")
     return step
 
 
@@ -231,7 +231,7 @@ def check_json(path: Path) -> None:
     try:
         json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise _damaged(path, f"not valid JSON ({e})") from None
+        raise damaged(path, f"not valid JSON ({e})") from None
 
 
 def check_model_config(path: Path) -> None:
@@ -241,16 +241,16 @@ def check_model_config(path: Path) -> None:
 
     config = json.loads(path.read_text())
     if not isinstance(config, dict):
-        raise _damaged(path, "not a JSON object")
+        raise damaged(path, "not a JSON object")
     model_type = config.get("model_type")
     if not isinstance(model_type, str):  # transformers' AutoConfig cannot load it (remote code has one too)
-        raise _damaged(path, "has no model_type")
+        raise damaged(path, "has no model_type")
     if model_type not in CONFIG_MAPPING:
         return
     try:
         CONFIG_MAPPING[model_type].from_dict(config)
     except Exception as e:  # noqa: BLE001 - transformers' validation errors share no public base
-        raise _damaged(path, f"not a valid {model_type} config ({str(e).splitlines()[0][:200]})") from None
+        raise damaged(path, f"not a valid {model_type} config ({str(e).splitlines()[0][:200]})") from None
 
 
 def check_safetensors(path: Path) -> None:
@@ -264,9 +264,9 @@ def check_safetensors(path: Path) -> None:
             header = json.loads(f.read(header_len))
         end = _data_end(header)
     except (OSError, ValueError, struct.error) as e:
-        raise _damaged(path, f"unreadable safetensors header ({e})") from None
+        raise damaged(path, f"unreadable safetensors header ({e})") from None
     if 8 + header_len + end != size:
-        raise _damaged(path, f"{size} bytes on disk, {8 + header_len + end} expected (truncated or appended)")
+        raise damaged(path, f"{size} bytes on disk, {8 + header_len + end} expected (truncated or appended)")
 
 
 def _data_end(header: object) -> int:
@@ -306,13 +306,13 @@ def check_zip(path: Path) -> None:
                 if info.header_offset + info.compress_size > size:
                     raise zipfile.BadZipFile(f"{info.filename} runs past the end of the file")
     except (OSError, zipfile.BadZipFile) as e:
-        raise _damaged(path, f"not a whole torch.save file ({e}); {size} bytes on disk") from None
+        raise damaged(path, f"not a whole torch.save file ({e}); {size} bytes on disk") from None
 
 
 def check_dcp(dcp_dir: Path) -> None:
     metadata = dcp_dir / ".metadata"
     if not metadata.is_file() or metadata.stat().st_size == 0:
-        raise _damaged(metadata, "missing or empty (DCP's index of the shards)")
+        raise damaged(metadata, "missing or empty (DCP's index of the shards)")
     for data in sorted(dcp_dir.glob("*.distcp")):
         if data.stat().st_size == 0:
-            raise _damaged(data, "empty shard file")
+            raise damaged(data, "empty shard file")

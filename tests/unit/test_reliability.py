@@ -413,3 +413,34 @@ def test_a_model_config_without_a_model_type_is_damage(tmp_path, config):
         f"{path}: is damaged: has no model_type. Resume from an earlier checkpoint "
         "(checkpoint.resume=auto skips damaged ones), or restore the file."
     )
+
+
+@pytest.mark.parametrize(
+    "file, damage",
+    [
+        ("tokenizer.json", {"added_tokens": None}),
+        ("tokenizer.json", {"added_tokens": {}}),
+        ("chat_template.jinja", b"\xfb"),
+    ],
+    ids=["added-tokens-null", "added-tokens-map", "template-not-utf8"],
+)
+def test_a_checkpoint_tokenizer_that_does_not_load_is_damage(tmp_path, file, damage):
+    """Found by the checkpoint harness: export loads the checkpoint's tokenizer (a score head's
+    config takes its pad token), and a damaged tokenizer file reached it as a traceback."""
+    from llmft.export import _step_tokenizer
+    from llmft.tokenizer import byte_tokenizer
+
+    folder = tmp_path / "tokenizer"
+    byte_tokenizer().save_pretrained(folder)
+    assert _step_tokenizer(tmp_path).pad_token_id is not None
+    path = folder / file
+    if isinstance(damage, bytes):
+        path.write_bytes(damage + path.read_bytes()[1:])
+    else:
+        path.write_text(json.dumps({**json.loads(path.read_text()), **damage}))
+    with pytest.raises(DamagedCheckpoint) as e:
+        _step_tokenizer(tmp_path)
+    assert str(e.value).startswith(f"{folder}: is damaged: the tokenizer does not load (")
+    assert str(e.value).endswith(
+        "Resume from an earlier checkpoint (checkpoint.resume=auto skips damaged ones), or restore the file."
+    )
