@@ -10,7 +10,9 @@ Three things are fixed before slicing, because after it no rank can see them:
 - position ids are the whole row's (packed rows restart at every sequence start), so rotary
   embeddings and the packed-row boundaries the attention rebuilds after its all-to-all are right;
 - the pad that makes ``T`` divisible carries no target and sits after every real token, so causal
-  attention never lets a real token see it.
+  attention never lets a real token see it;
+- a pair batch's ``sequence_last`` marks each sequence's last token (a reward model's score is
+  read there), which sits in one slice only.
 
 Each target token is in exactly one slice, so the world all-reduce of the slices' counts is the
 global batch's count, counted once (a slice with no target token counts 0: normal).
@@ -46,9 +48,10 @@ def positions(batch: dict[str, Any]) -> torch.Tensor:
 
 def sequence_slice(batch: dict[str, Any], sp_rank: int, sp: int) -> dict[str, Any]:
     """This rank's slice of a collated micro-batch (module docstring). Returns ``input_ids``,
-    ``position_ids``, ``shift_labels`` and the other per-token tensors sliced; ``attention_mask``
-    is dropped (right padding never reaches a real token under causal attention); other values
-    (a preference batch's ``num_pairs``, ``reference_logps``) are kept whole."""
+    ``position_ids``, ``shift_labels``, the other per-token tensors (and, for pairs,
+    ``sequence_last``) sliced; ``attention_mask`` is dropped (right padding never reaches a real
+    token under causal attention); other values (a preference batch's ``num_pairs``,
+    ``reference_logps``) are kept whole."""
     ids = batch["input_ids"]
     width = ids.shape[1]
     padded = -(-width // sp) * sp
@@ -67,6 +70,10 @@ def sequence_slice(batch: dict[str, Any], sp_rank: int, sp: int) -> dict[str, An
     for key, fill in _PER_TOKEN_PAD.items():
         if key in batch:
             whole[key] = F.pad(batch[key], (0, extra), value=fill)
+    if "sequence_index" in batch:  # where each sequence ends: a score head reads its last token
+        seq = batch["sequence_index"]
+        ends = (seq >= 0) & (seq != F.pad(seq[:, 1:], (0, 1), value=-1))
+        whole["sequence_last"] = F.pad(ends, (0, extra), value=False)
     chunk = padded // sp
     out = {k: v[:, sp_rank * chunk : (sp_rank + 1) * chunk].contiguous() for k, v in whole.items()}
     skip = {"input_ids", "labels", "attention_mask", "position_ids", *_PER_TOKEN_PAD}

@@ -245,13 +245,22 @@ class PreferenceObjective:
             assert "reference_logps" in batch, "precompute_reference: the collator adds reference_logps"
             ref = batch["reference_logps"].float()
             if self.mean_logps:
-                ref = ref / target_counts(batch["labels"], batch["sequence_index"], ref.numel()).clamp_min(1.0)
+                ref = ref / self._target_counts(batch, ref.numel()).clamp_min(1.0)
             return ref[0::2], ref[1::2]
         model, scope = self.reference, contextlib.nullcontext()
         if self.reference_kind == ADAPTERS_DISABLED:
             model, scope = self.policy, self._adapters_disabled()
         with torch.no_grad(), scope:
             return self._logps(model, batch)
+
+    def _target_counts(self, batch: dict[str, Any], num_sequences: int) -> torch.Tensor:
+        """Target tokens per sequence, as ``model_sequence_logps`` counts them (a slice's counts
+        summed over its sequence group)."""
+        if "shift_labels" not in batch:
+            return target_counts(batch["labels"], batch["sequence_index"], num_sequences)
+        index = batch["sequence_index"]
+        valid = (batch["shift_labels"] != IGNORE_INDEX) & (index >= 0)
+        return self.sequence.sum(sum_per_sequence(valid.float(), valid, index, num_sequences)[1])
 
     def _adapters_disabled(self) -> ContextManager:
         return self.policy.disable_adapter()  # PEFT: the base weights alone, in place (sharded or not)

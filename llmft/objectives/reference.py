@@ -24,7 +24,8 @@ would cost every start seconds). LoRA, DoRA and QLoRA (adapters disabled) and a 
 same function of the same weights. ``preference.reference: <model>`` hashes that model.
 
 The pass: the pairs of each dataset, in fixed batches of ``batch.micro_batch_size`` pairs (by
-index, whatever the world size), are dealt round-robin to the ranks; every rank runs the same
+index, whatever the world size), are dealt round-robin to the ranks (to the sequence groups with
+``distributed.sequence_parallel``, whose ranks each score a slice of the group's batch); every rank runs the same
 number of forwards (a rank out of batches scores batch 0 again and drops it: under FSDP2 and
 ZeRO-3 a forward is collective), and the results are gathered to every rank, so 1 and N ranks
 compute the same numbers and write the same file. The reference is the one the run would use on
@@ -55,8 +56,9 @@ import torch.distributed as dist
 
 import llmft
 from llmft.data.pairs import PairDataset, collate_pairs
+from llmft.data.sequence import sequence_slice
 from llmft.dist import barrier, broadcast_object
-from llmft.objectives.preference import disable_dropout, model_sequence_logps
+from llmft.objectives.preference import SequenceGroup, disable_dropout, model_sequence_logps
 from llmft.plan.objectives import ADAPTERS_DISABLED, FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL
 from llmft.plan.resolve import RunPlan
 
@@ -211,11 +213,18 @@ def _reference_forward(plan: RunPlan, engine: Engine) -> tuple[torch.nn.Module, 
 
 
 def _score(plan: RunPlan, engine: Engine, ds: PairDataset, env: DistEnv, pad_id: int) -> np.ndarray:
-    """[pairs, 4] float32: per pair (chosen sum, rejected sum, chosen count, rejected count)."""
+    """[pairs, 4] float32: per pair (chosen sum, rejected sum, chosen count, rejected count).
+
+    With sequence parallelism the batches are dealt to the sequence groups; every rank of a group
+    scores its slice of the group's batch (``llmft.data.sequence``), the group sums the slices'
+    sums and counts, and the group's first rank reports them."""
+    layout = plan.layout
     n, size = len(ds), plan.batch.micro_batch_size
     batches = [list(range(s, min(s + size, n))) for s in range(0, n, size)]
-    mine = batches[env.rank :: env.world_size]
-    rounds = -(-len(batches) // env.world_size)
+    dp_rank, sp_rank = layout.dp_rank(env.rank), layout.sp_rank(env.rank)
+    mine = batches[dp_rank :: layout.dp_size]
+    rounds = -(-len(batches) // layout.dp_size)
+    group = SequenceGroup(layout.sp)
     model, scope = _reference_forward(plan, engine)
     disable_dropout(model)
     found: list[tuple[list[int], np.ndarray]] = []
@@ -223,9 +232,12 @@ def _score(plan: RunPlan, engine: Engine, ds: PairDataset, env: DistEnv, pad_id:
         for r in range(rounds):
             idx = mine[r] if r < len(mine) else batches[0]  # every rank runs as many (collective) forwards
             batch = collate_pairs([ds.item(i, reference=False) for i in idx], pad_id)
+            if layout.sp > 1:
+                batch = sequence_slice(batch, sp_rank, layout.sp)
             batch = {name: v.to(env.device) if isinstance(v, torch.Tensor) else v for name, v in batch.items()}
             sums, counts = model_sequence_logps(model, batch, 2 * len(idx))
-            if r < len(mine):
+            sums, counts = group.sum(sums), group.sum(counts)
+            if r < len(mine) and group.first:
                 rows = torch.stack([sums[0::2], sums[1::2], counts[0::2], counts[1::2]], 1)
                 found.append((idx, rows.float().cpu().numpy()))
     if env.distributed and dist.is_initialized():

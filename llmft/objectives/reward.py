@@ -13,6 +13,12 @@ Loss (Bradley-Terry, as InstructGPT and TRL's ``RewardTrainer``): ``-log sigmoid
 r_rejected)`` per pair, and, like every preference objective, the micro loss is the sum over this
 micro-batch's pairs divided by the global batch's pair count, so any split is the same step.
 
+With sequence parallelism (``distributed.sequence_parallel``) each rank of a group holds a slice
+of every sequence; a sequence's last token, marked by the slice's ``sequence_last``
+(``llmft.data.sequence``), is in one slice only. Each rank scores the sequences whose last token
+it holds (0 for the others) and the group sums the scores with their gradients, as the DPO
+objective sums log-probs: every rank then computes the same pair losses and takes 1/N of them.
+
 Metrics (global-batch means, the DPO names where they mean the same thing): ``rewards/chosen``
 and ``rewards/rejected`` (the mean scores), ``rewards/accuracy`` (the fraction of pairs whose
 chosen score is strictly above the rejected one), ``rewards/margin`` (the mean of r_chosen -
@@ -28,7 +34,7 @@ import torch.nn.functional as F
 
 from llmft.model.heads import SCORE_MODULE
 from llmft.objectives import model_inputs
-from llmft.objectives.preference import disable_dropout
+from llmft.objectives.preference import SequenceGroup, disable_dropout
 from llmft.plan.resolve import RunPlan
 
 if TYPE_CHECKING:
@@ -56,6 +62,16 @@ def sequence_scores(token_scores: torch.Tensor, sequence_index: torch.Tensor, nu
     return flat[last_token_positions(sequence_index, num_sequences), 0].float()
 
 
+def slice_scores(token_scores: torch.Tensor, batch: dict[str, Any], num_sequences: int) -> torch.Tensor:
+    """A sequence slice's part of each sequence's score, ``[num_sequences]`` (fp32): the head's output
+    at the sequence's last token where this slice holds it, 0 where another slice does."""
+    last = batch["sequence_last"].reshape(-1)
+    flat = token_scores.reshape(last.numel(), -1)
+    assert flat.shape[1] == 1, f"a reward model's head has one output per token, not {flat.shape[1]}"
+    owners = batch["sequence_index"].reshape(-1)[last]
+    return flat.new_zeros(num_sequences, dtype=torch.float32).index_add(0, owners, flat[last, 0].float())
+
+
 def score_module(model: torch.nn.Module) -> torch.nn.Module:
     """The score head of a (PEFT-wrapped) sequence classifier: PEFT's modules_to_save wrapper of it
     when there is one (its output is the trained copy's)."""
@@ -76,12 +92,14 @@ class RewardObjective:
         disable_dropout(policy)  # the scores of a pair must not depend on how the batch is split
         self._token_scores: torch.Tensor | None = None
         score_module(policy).register_forward_hook(self._keep)
+        self.sequence = SequenceGroup(plan.layout.sp)
 
     def _keep(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
         self._token_scores = output
 
     def count(self, batch: dict[str, Any]) -> int:
-        return int(batch["num_pairs"])
+        # Every rank of a sequence group holds the same pairs: the group counts them once.
+        return int(batch["num_pairs"]) if self.sequence.first else 0
 
     def scores(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) scores of the micro-batch's pairs, ``[P]`` each."""
@@ -89,7 +107,11 @@ class RewardObjective:
         model(**model_inputs(batch), use_cache=False)
         token_scores, self._token_scores = self._token_scores, None
         assert token_scores is not None, "the forward did not run the score head"
-        scores = sequence_scores(token_scores, batch["sequence_index"], 2 * self.count(batch))
+        n = 2 * int(batch["num_pairs"])
+        if "sequence_last" in batch:  # this rank's slice: its part of the scores, summed over the group
+            scores = self.sequence.sum(slice_scores(token_scores, batch, n))
+        else:
+            scores = sequence_scores(token_scores, batch["sequence_index"], n)
         return scores[0::2], scores[1::2]
 
     def micro_loss(
@@ -97,10 +119,11 @@ class RewardObjective:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         chosen, rejected = self.scores(model, batch)
         margin = chosen - rejected
-        loss = -F.logsigmoid(margin).sum() / num_items
+        # With sequence parallelism every rank of the group has the same scores: each takes 1/N.
+        loss = -F.logsigmoid(margin).sum() / num_items / self.sequence.size
         margin = margin.detach()
         sums = torch.stack([chosen.detach().sum(), rejected.detach().sum(), (margin > 0).float().sum(), margin.sum()])
-        return loss, sums
+        return loss, sums / self.sequence.size
 
     def metrics(self, sums: list[float], count: float) -> dict[str, float]:
         return {name: value / max(count, 1.0) for name, value in zip(self.metric_names, sums, strict=True)}

@@ -468,24 +468,6 @@ def sequence_parallel_problems(
                 "Set train.eval_generate_samples=0 (the eval loss and perplexity run sequence-parallel).",
             )
         )
-    if objective_spec(r.train.objective).head != "lm":  # a score is its sequence's last token: one rank's
-        p.append(
-            Problem(
-                where("train.objective"),
-                f"{r.train.objective}: a score head reads each sequence's last token, which only one rank of a "
-                "sequence group holds; sequence parallelism runs sft and dpo",
-                "Set distributed.sequence_parallel=1 (or train.objective=dpo).",
-            )
-        )
-    if r.preference.precompute_reference and r.train.objective == "dpo":  # the pass scores whole pairs
-        p.append(
-            Problem(
-                where("preference.precompute_reference"),
-                "is true, but the precompute pass scores whole pairs on each rank, not sequence slices",
-                "Set preference.precompute_reference=false (the reference runs on the fly, sequence-parallel), "
-                "or distributed.sequence_parallel=1.",
-            )
-        )
     if world_size % n:
         valid = divisors(world_size)
         p.append(

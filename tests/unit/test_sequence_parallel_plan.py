@@ -119,16 +119,9 @@ def test_eager_attention_is_refused(recipe):
     assert "Set model.attn_implementation to sdpa or flash_attention_2." in str(e.value)
 
 
-def test_a_reward_model_and_a_precomputed_reference_are_refused_with_sp(recipe):
+def test_a_reward_model_and_a_precomputed_reference_resolve_with_sp(recipe):
     sp = ["distributed.engine=fsdp", "distributed.sequence_parallel=2"]
-    with pytest.raises(RecipeError) as e:
-        load_plan(recipe, [*sp, "train.objective=reward", "peft.method=lora"], nproc_per_node=2)
-    assert "train.objective: reward: a score head reads each sequence's last token" in str(e.value)
-    assert "Set distributed.sequence_parallel=1 (or train.objective=dpo)." in str(e.value)
-    with pytest.raises(RecipeError) as e:
-        load_plan(
-            recipe,
-            [*sp, "train.objective=dpo", "peft.method=lora", "preference.precompute_reference=true"],
-            nproc_per_node=2,
-        )
-    assert "preference.precompute_reference: is true, but the precompute pass scores whole pairs" in str(e.value)
+    reward = load_plan(recipe, [*sp, "train.objective=reward", "peft.method=lora"], nproc_per_node=2)
+    assert (reward.objective, reward.layout.sp, reward.layout.dp_size) == ("reward", 2, 1)
+    dpo = [*sp, "train.objective=dpo", "peft.method=lora", "preference.precompute_reference=true"]
+    assert load_plan(recipe, dpo, nproc_per_node=2).layout.sp == 2

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from preference_batches import collate_pairs, make_pairs
 
 from llmft.data.loader import batch_targets, collate, count_targets
 from llmft.data.sequence import sequence_slice
 from llmft.model.ulysses import block_causal_mask
+from llmft.objectives.reward import sequence_scores, slice_scores
 
 
 def _batch(packed: bool) -> dict:
@@ -50,3 +53,23 @@ def test_per_token_bookkeeping_is_sliced_and_pair_counts_kept():
 def test_block_causal_mask_keeps_a_packed_rows_sequences_apart():
     mask = block_causal_mask(torch.tensor([[0, 1, 0, 1, 2]]))[0, 0].int().tolist()
     assert mask == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("sp", [2, 3])
+def test_each_sequences_last_token_is_in_one_slice_and_the_slices_scores_sum_to_the_whole(packed, sp):
+    """A reward model reads a sequence's score at its last token (llmft/objectives/reward.py):
+    exactly one slice marks it, and the slices' partial scores add up to the whole row's."""
+    batch = collate_pairs(make_pairs(3, seed=1), packed)
+    token_scores = torch.randn(*batch["input_ids"].shape, 1)  # a score head's output on every token
+    whole = sequence_scores(token_scores, batch["sequence_index"], 6)
+    width = -(-batch["input_ids"].shape[1] // sp) * sp
+    padded = torch.nn.functional.pad(token_scores, (0, 0, 0, width - batch["input_ids"].shape[1]))
+    chunk = width // sp
+    parts = []
+    for rank in range(sp):
+        piece = sequence_slice(batch, rank, sp)
+        parts.append(slice_scores(padded[:, rank * chunk : (rank + 1) * chunk], piece, 6))
+    marked = sum(int(sequence_slice(batch, rank, sp)["sequence_last"].sum()) for rank in range(sp))
+    assert marked == 6
+    assert torch.equal(sum(parts), whole)
