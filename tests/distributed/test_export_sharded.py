@@ -56,8 +56,8 @@ def _same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-# CI: full on FSDP2, LoRA on ZeRO-3, QLoRA on both; ``-m extended`` the other two.
-EXTENDED = {("fsdp", "lora"), ("zero3", "full")}
+# CI: full on FSDP2, QLoRA (LoRA on a 4-bit base) on both; ``-m extended`` the other three.
+EXTENDED = {("fsdp", "lora"), ("zero3", "full"), ("zero3", "lora")}
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,8 @@ def test_torchrun_process_group_sigterm_with_data_workers_checkpoints_on_a_bound
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(ENGINES))
+# ``-m extended``: DDP (CI stops FSDP2 and ZeRO-2 this way, and resumes DDP in test_elastic.py).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n == "ddp" else n for n in ENGINES])
 def test_torchrun_process_group_sigterm_then_resume_matches(tmp_path, name):
     _stop_and_resume(tmp_path, ENGINES[name], _torchrun_cmd)
 

@@ -263,7 +263,10 @@ OFFLOAD = {  # engine settings, what is offloaded
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", list(OFFLOAD))
+# ``-m extended``: ZeRO-2 (CI offloads on ZeRO-3, whose optimizer offload is the same DeepSpeed path).
+@pytest.mark.parametrize(
+    "engine", [pytest.param(e, marks=pytest.mark.extended) if e == "zero2" else e for e in OFFLOAD]
+)
 def test_cpu_offload_trains_like_the_same_engine_without_it(tmp_path, engine):
     """FSDP2 CPUOffloadPolicy; DeepSpeed optimizer offload (with the run's own torch AdamW:
     zero_force_ds_cpu_optimizer is off, so no DeepSpeedCPUAdam op has to be built) and ZeRO-3

@@ -120,7 +120,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
 
 @pytest.mark.slow
 # fixed kill points after step 3 (the later ones may fall inside a save), so a failure reruns the same way
-@pytest.mark.parametrize("delay", [0.0, 0.07, 0.19])
+@pytest.mark.parametrize("delay", [0.0, pytest.param(0.07, marks=pytest.mark.extended), 0.19])
 def test_kill9_at_random_moment_then_resume_is_bit_exact(tmp_path, delay):
     ref_rows, ref_weights = _reference(tmp_path)
     run = tmp_path / "kill9"
