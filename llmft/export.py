@@ -109,6 +109,9 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool, trust_remot
     recipe = _checkpoint_recipe(step_dir, trust_remote_code)
     dtype = DTYPES[recipe.model.dtype]
     _check_out(out)
+    # The tokenizer goes beside the model, and a score head's config takes its pad token: one that
+    # does not load is damage, said before any weights are read.
+    _step_tokenizer(step_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     if recipe.peft.method == "none" and _sharded_state(step_dir) is not None:
         if merge_lora:

@@ -288,3 +288,22 @@ def test_export_errors(tmp_path, lora_run):
     with pytest.raises(UserError, match=r"taken: already exists and is not empty"):
         export_model_dir(lora_run["step_dir"], taken, merge_lora=False)
     assert not (tmp_path / ".tmp-taken").exists()
+
+
+def test_a_damaged_checkpoint_tokenizer_is_named_before_any_weights_load(tmp_path, lora_run, capsys):
+    """Found by the DeepSpeed checkpoint fuzzer: an empty tokenizer.json reached export after the
+    weights had loaded (their progress bar came first); now it is the first and only thing said."""
+    import shutil
+
+    from llmft.cli import main
+
+    step = tmp_path / "step-5"
+    shutil.copytree(lora_run["step_dir"], step)
+    (step / "tokenizer" / "tokenizer.json").write_text("")
+    capsys.readouterr()
+    assert main(["export", str(step), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"llmft export: error: {step / 'tokenizer'}: is damaged: the tokenizer does not load (JSONDecodeError: "
+    ), err
+    assert not (tmp_path / "out").exists()
