@@ -30,6 +30,7 @@ from llmft.model.heads import PEFT_TASK_TYPES, configure, init_head, model_class
 from llmft.model.precision import DTYPES, upcast_trainable
 from llmft.model.quant import prepare_kbit, quantization_config, quantized_skeleton
 from llmft.model.source import attn_unavailable, bad_pretrained, first_line, model_config, not_found, resolve_name
+from llmft.plan.engines import tiled_mlp_kind
 
 if TYPE_CHECKING:
     from transformers import BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
@@ -104,7 +105,8 @@ def build_model(
     if recipe.peft.method != "none":
         model = apply_peft(model, recipe.peft, PEFT_TASK_TYPES[head])
         init_adapters(model, recipe.run.seed)
-    long_context.apply(model, m)  # activation offload, tiled MLP: after checkpointing and the adapters
+    # Activation offload, tiled MLP: after checkpointing and the adapters; the engine picks the tiling.
+    long_context.apply(model, m, tiled_mlp_kind(recipe.distributed.engine))
     return model
 
 

@@ -13,6 +13,13 @@ Both trade compute or host traffic for device memory, with the field's own mecha
   Training): forward runs the tiles without saving anything but the MLP's input, backward recomputes
   one tile at a time, so the ``tokens x intermediate_size`` gate/up/product tensors exist for one
   tile only. Tiles hold ``hidden_size`` tokens, as ALST sizes them (``tile_count``).
+  ``TiledMLP``'s backward back-propagates each tile on its own, so a parameter's gradient arrives
+  once per tile: DeepSpeed holds it until the last tile, but DDP's and FSDP2's hooks would reduce
+  it after the first. Under those engines (``EngineSpec.tiled_mlp == "checkpoint"``) each tile is
+  one non-reentrant ``torch.utils.checkpoint`` instead: the same memory (a tile saves only its
+  input, a view of the MLP's; backward recomputes one tile at a time), and autograd sums the tiles'
+  contributions before a parameter's gradient is ready, once. The checkpoint replays the tile's
+  random state, so LoRA dropout on the MLP is allowed there.
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ if TYPE_CHECKING:
     from llmft.recipe.schema import ModelConfig
 
 
-def apply(model: torch.nn.Module, m: ModelConfig) -> None:
+def apply(model: torch.nn.Module, m: ModelConfig, tiling: str = "TiledMLP") -> None:
     """Turn on ``m.activation_offload`` and ``m.tiled_mlp`` on a built model (PEFT-wrapped or not),
-    after gradient checkpointing is enabled and before an engine wraps it."""
+    after gradient checkpointing is enabled and before an engine wraps it; ``tiling``: the engine's
+    ``EngineSpec.tiled_mlp``."""
     if m.activation_offload:
         offload_checkpointed_inputs(model)
     if m.tiled_mlp:
-        tile_mlps(model)
+        tile_mlps(model, tiling)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -72,18 +80,36 @@ def tile_count(tokens: int, hidden_size: int) -> int:
     return max(1, math.ceil(tokens / hidden_size))
 
 
-def tile_mlps(model: torch.nn.Module) -> None:
-    """Every decoder layer's ``mlp`` computes in sequence tiles with DeepSpeed's ``TiledMLP``."""
+def tile_mlps(model: torch.nn.Module, tiling: str = "TiledMLP") -> None:
+    """Every decoder layer's ``mlp`` computes in sequence tiles: with DeepSpeed's ``TiledMLP``
+    (``tiling`` "TiledMLP"), or one checkpoint per tile ("checkpoint"; module docstring)."""
     mlps = [layer.mlp for layer in decoder_layers(model) if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
     assert mlps, "tiled MLP needs decoder layers with an .mlp module"
+    tiled = {"TiledMLP": tiled_forward, "checkpoint": checkpointed_tiles_forward}[tiling]
     for mlp in mlps:
-        mlp.forward = types.MethodType(functools.partial(tiled_forward, mlp.forward), mlp)
+        mlp.forward = types.MethodType(functools.partial(tiled, mlp.forward), mlp)
+
+
+def checkpointed_tiles_forward(
+    untiled: Callable[[torch.Tensor], torch.Tensor], mlp: torch.nn.Module, x: torch.Tensor
+) -> torch.Tensor:
+    """The MLP of ``x`` (batch, tokens, hidden), each sequence tile under its own non-reentrant
+    checkpoint: forward saves only the tiles' inputs, backward recomputes one tile at a time, and
+    each parameter's gradient is ready once, summed over the tiles. Eval and no-grad run it whole."""
+    if not torch.is_grad_enabled() or x.dim() < 2:
+        return untiled(x)
+    from torch.utils.checkpoint import checkpoint
+
+    tiles = _agreed(tile_count(x.shape[-2], x.shape[-1]), x.device)
+    pieces = torch.tensor_split(x, tiles, dim=-2)
+    return torch.cat([checkpoint(untiled, piece, use_reentrant=False) for piece in pieces], dim=-2)
 
 
 def tiled_forward(
     untiled: Callable[[torch.Tensor], torch.Tensor], mlp: torch.nn.Module, x: torch.Tensor
 ) -> torch.Tensor:
-    """The MLP of ``x`` (batch, tokens, hidden) computed tile by tile; eval and no-grad use the plain one."""
+    """The MLP of ``x`` (batch, tokens, hidden) computed tile by tile with DeepSpeed's ``TiledMLP``;
+    eval and no-grad use the plain one."""
     if not torch.is_grad_enabled() or x.dim() < 2:
         return untiled(x)
     # Imported here: deepspeed's import takes seconds and only a tiled run needs it.
@@ -111,7 +137,8 @@ def _autocast_state(device_type: str) -> Callable[[], contextlib.AbstractContext
 
 def _agreed(tiles: int, device: torch.device) -> int:
     """The most tiles any rank needs: under ZeRO-3 each tile gathers the MLP's weights, a collective
-    every rank must make the same number of times (ranks hold rows of different lengths)."""
+    every rank must make the same number of times (ranks hold rows of different lengths). (Under
+    DDP and FSDP2 no collective runs per tile; the same count keeps the tiles' arithmetic alike.)"""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -90,6 +90,11 @@ class EngineSpec:
     # Runs ``distributed.sequence_parallel`` > 1 (Ulysses attention, sequence slices, gradients
     # summed over the whole world: docs/long-context.md).
     sequence_parallel: bool = False
+    # How ``model.tiled_mlp`` tiles (docs/long-context.md): DeepSpeed's ``TiledMLP`` back-propagates
+    # tile by tile and a parameter's gradient arrives once per tile (DeepSpeed holds it until the
+    # last one); "checkpoint" runs one non-reentrant checkpoint per tile, so autograd sums the tiles
+    # before a parameter's gradient is ready once, which is when DDP's and FSDP2's hooks reduce it.
+    tiled_mlp: Literal["TiledMLP", "checkpoint"] = "TiledMLP"
 
     def sharding_for(self, zero_stage: int) -> Sharding:
         """What this engine partitions at ``distributed.zero_stage`` (ignored without ZeRO stages)."""
@@ -128,6 +133,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         gradient_copies=2,  # gradient_as_bucket_view is off
         autocast_weight_cache=True,
         sequence_parallel=True,
+        tiled_mlp="checkpoint",
     ),
     EngineSpec(
         name="fsdp",
@@ -148,6 +154,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         config_names=("fsdp.yaml", "accelerate.yaml"),
         summary="llmft.plan.fsdp:summary",
         sequence_parallel=True,
+        tiled_mlp="checkpoint",
     ),
     EngineSpec(
         name="deepspeed",
@@ -188,6 +195,12 @@ def engine_spec(name: str) -> EngineSpec:
         return _BY_NAME[name]
     except KeyError:
         raise AssertionError(f"unknown engine {name!r}; known: {', '.join(ENGINE_NAMES)}") from None
+
+
+def tiled_mlp_kind(name: str) -> str:
+    """How ``model.tiled_mlp`` tiles under engine ``name`` (``EngineSpec.tiled_mlp``); an unresolved
+    ``auto`` (a model built outside a run: export, tools) never back-propagates, so either does."""
+    return engine_spec(name).tiled_mlp if name != AUTO else EngineSpec.tiled_mlp
 
 
 def one_process_engine() -> EngineSpec:

@@ -56,34 +56,24 @@ def recipe_problems(r: Recipe, spec: EngineSpec) -> list[Problem]:
 
 # MLP linears of a Llama-style layer: what peft.dropout would randomise inside a tiled MLP.
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
-TILED_MLP_ENGINES = ("single", "deepspeed")
 
 
 def tiled_mlp_problems(r: Recipe, spec: EngineSpec) -> list[Problem]:
-    """DeepSpeed's TiledMLP back-propagates each tile on its own, so the MLP's parameters receive a
-    gradient once per tile: DeepSpeed holds them until the last tile (``ds_grad_is_ready``), DDP's and
-    FSDP2's hooks would reduce after the first. Its recomputed tiles do not replay dropout's RNG."""
-    if not r.model.tiled_mlp:
+    """DeepSpeed's TiledMLP (the tiling of the engines whose ``EngineSpec.tiled_mlp`` is "TiledMLP")
+    recomputes each tile in backward without replaying dropout's random state; the per-tile
+    checkpoints of DDP and FSDP2 replay it."""
+    if not r.model.tiled_mlp or spec.tiled_mlp != "TiledMLP":
         return []
-    p: list[Problem] = []
-    if spec.name not in TILED_MLP_ENGINES:
-        p.append(
-            Problem(
-                "model.tiled_mlp",
-                f"is not supported with distributed.engine={spec.name}: TiledMLP back-propagates tile by tile, and "
-                f"{spec.title} would reduce the MLP's gradients after the first tile",
-                f"Use distributed.engine={' or '.join(TILED_MLP_ENGINES)}, or model.tiled_mlp=false.",
-            )
-        )
     targets = r.peft.target_modules
     names = list(MLP_LINEARS) if targets == "all-linear" else [str(t).split(".")[-1] for t in targets or ()]
     if r.peft.method != "none" and r.peft.dropout > 0 and set(names) & set(MLP_LINEARS):
-        p.append(
+        return [
             Problem(
                 "peft.dropout",
-                f"{r.peft.dropout:g} on MLP layers cannot be tiled: model.tiled_mlp recomputes each tile in backward "
-                "without replaying dropout's random state, so the gradients would not be those of the forward",
-                "Set peft.dropout=0, or model.tiled_mlp=false.",
+                f"{r.peft.dropout:g} on MLP layers cannot be tiled on the {spec.name} engine: model.tiled_mlp "
+                "(DeepSpeed's TiledMLP) recomputes each tile in backward without replaying dropout's random state, "
+                "so the gradients would not be those of the forward",
+                "Set peft.dropout=0, or model.tiled_mlp=false (DDP and FSDP2 tile with checkpoints that replay it).",
             )
-        )
-    return p
+        ]
+    return []

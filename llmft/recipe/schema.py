@@ -101,10 +101,10 @@ class ModelConfig:
     )
     tiled_mlp: bool = doc(
         False,
-        "Compute each decoder layer's MLP in sequence tiles of about hidden_size tokens (DeepSpeed's TiledMLP, "
-        "from ALST): its tokens x intermediate_size activations exist for one tile at a time; backward "
-        "recomputes the MLP once more. Same gradients. Engines single and deepspeed; needs peft.dropout 0 "
-        "(the recomputed tiles do not replay dropout's random state).",
+        "Compute each decoder layer's MLP in sequence tiles of about hidden_size tokens: its tokens x "
+        "intermediate_size activations exist for one tile at a time; backward recomputes the MLP once more. "
+        "Same gradients. single and deepspeed use DeepSpeed's TiledMLP (from ALST; needs peft.dropout 0 on "
+        "the MLP, its recomputed tiles do not replay dropout's random state); ddp and fsdp one checkpoint per tile.",
     )
     chunked_loss: Any = doc(
         "auto",

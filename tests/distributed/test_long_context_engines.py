@@ -1,6 +1,7 @@
 """model.activation_offload and model.tiled_mlp in whole training runs (docs/long-context.md): the same losses and
-gradient norms as the run without them, on one process and on DeepSpeed ZeRO-3 over 2 gloo ranks
-(where the tiles gather the MLP's weights and hold their gradients until the last tile).
+gradient norms as the run without them, on one process, on DeepSpeed ZeRO-3 over 2 gloo ranks
+(where the tiles gather the MLP's weights and hold their gradients until the last tile), and on
+FSDP2 and DDP (one checkpoint per tile: each gradient is reduced once, after the last tile).
 
 Rows are packed to 256 tokens so that the tiny model's MLP (hidden 64) runs in 4 tiles. Each run is
 4 AdamW steps with clipping; tolerances as tests/distributed/test_training.py: 1e-5 absolute on the
@@ -46,6 +47,19 @@ def test_single_process_long_context_switches_train_the_same(tmp_path, peft):
 def test_zero3_long_context_switches_train_the_same(tmp_path):
     recipe = write_recipe(tmp_path)
     common = ["train", str(recipe), *RUN, *LORA, *ZERO3]
+    runs = {}
+    for name, extra in (("plain", CHECKPOINTING), ("long", LONG)):
+        done = torchrun([*common, *extra, f"run.output_dir={tmp_path / name}"], timeout=LAUNCH_TIMEOUT)
+        assert done.returncode == 0, done.stderr[-6000:]
+        runs[name] = metrics(tmp_path / name)
+    _same_run(runs["plain"], runs["long"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["fsdp", pytest.param("ddp", marks=pytest.mark.extended)])
+def test_fsdp_and_ddp_long_context_switches_train_the_same(tmp_path, engine):
+    recipe = write_recipe(tmp_path)
+    common = ["train", str(recipe), *RUN, *LORA, f"distributed.engine={engine}", "batch.micro_batch_size=2"]
     runs = {}
     for name, extra in (("plain", CHECKPOINTING), ("long", LONG)):
         done = torchrun([*common, *extra, f"run.output_dir={tmp_path / name}"], timeout=LAUNCH_TIMEOUT)

@@ -39,8 +39,14 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+# How model.tiled_mlp tiles, by engine (EngineSpec.tiled_mlp): DeepSpeed's TiledMLP on one process,
+# one checkpoint per tile on DDP (the model is built as the engine would get it; no process group).
+TILINGS = {"TiledMLP": {}, "checkpoint": {"distributed__engine": "ddp"}}
+
+
 def model_for(tmp_path, **keys):
-    plan = load_plan(str(write_recipe(tmp_path, data__max_seq_len=SEQ, **keys)), [], world_size=1)
+    world = 2 if keys.get("distributed__engine") == "ddp" else 1
+    plan = load_plan(str(write_recipe(tmp_path, data__max_seq_len=SEQ, **keys)), [], world_size=world)
     torch.manual_seed(0)
     model = build_model(plan.recipe, byte_tokenizer())
     model.train()
@@ -93,14 +99,15 @@ def test_offload_requires_gradient_checkpointing(tmp_path):
     assert "model.activation_offload" in str(e.value) and "model.gradient_checkpointing" in str(e.value)
 
 
+@pytest.mark.parametrize("tiling", list(TILINGS))
 @pytest.mark.parametrize(
     "keys",
     [{"peft__method": "none"}, {"peft__method": "lora"}, {"peft__method": "lora", **CKPT}],
     ids=["full", "lora", "lora-checkpointing"],
 )
-def test_tiled_mlp_gives_the_same_gradients(tmp_path, keys):
+def test_tiled_mlp_gives_the_same_gradients(tmp_path, keys, tiling):
     plain = model_for(tmp_path, **keys)
-    tiled = model_for(tmp_path, model__tiled_mlp=True, **keys)
+    tiled = model_for(tmp_path, model__tiled_mlp=True, **keys, **TILINGS[tiling])
     b = batch()
     _, want = saved_bytes_and_grads(plain, b)
     _, got = saved_bytes_and_grads(tiled, b)
@@ -109,9 +116,25 @@ def test_tiled_mlp_gives_the_same_gradients(tmp_path, keys):
         assert rel(got[name], want[name]) <= 1e-5, name
 
 
-def test_tiled_mlp_saves_no_intermediate_block(tmp_path):
+@pytest.mark.parametrize("keys", [{"peft__method": "none"}, {"peft__method": "lora", **CKPT}], ids=["full", "lora"])
+def test_checkpointed_tiles_match_deepspeeds_tiled_mlp(tmp_path, keys):
+    """The DDP/FSDP2 tiling (one checkpoint per tile) against the library's (DeepSpeed's TiledMLP)."""
+    theirs = model_for(tmp_path, model__tiled_mlp=True, **keys)
+    ours = model_for(tmp_path, model__tiled_mlp=True, **keys, **TILINGS["checkpoint"])
+    assert ours.get_decoder().layers[0].mlp.forward.func.__name__ == "checkpointed_tiles_forward"
+    assert theirs.get_decoder().layers[0].mlp.forward.func.__name__ == "tiled_forward"
+    b = batch()
+    _, want = saved_bytes_and_grads(theirs, b)
+    _, got = saved_bytes_and_grads(ours, b)
+    assert want.keys() == got.keys() and want
+    for name in want:
+        assert rel(got[name], want[name]) <= 1e-6, name
+
+
+@pytest.mark.parametrize("tiling", list(TILINGS))
+def test_tiled_mlp_saves_no_intermediate_block(tmp_path, tiling):
     """Forward keeps no (tokens x intermediate_size) tensor for backward: only the MLP's input."""
-    model = model_for(tmp_path, model__tiled_mlp=True)
+    model = model_for(tmp_path, model__tiled_mlp=True, **TILINGS[tiling])
     shapes: list[torch.Size] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -128,19 +151,25 @@ def test_tiled_mlp_saves_no_intermediate_block(tmp_path):
     assert any(s and s[-1] == INTERMEDIATE for s in shapes) and plain != shapes  # the untiled MLP does save them
 
 
-@pytest.mark.parametrize(
-    "keys, message",
-    [
-        ({"distributed__engine": "ddp"}, "model.tiled_mlp: is not supported with distributed.engine=ddp"),
-        ({"distributed__engine": "fsdp"}, "model.tiled_mlp: is not supported with distributed.engine=fsdp"),
-        ({"peft__method": "lora", "peft__dropout": 0.1}, "peft.dropout: 0.1 on MLP layers cannot be tiled"),
-    ],
-)
-def test_tiled_mlp_refusals(tmp_path, keys, message):
-    world = 2 if "distributed__engine" in keys else 1
-    path = write_recipe(tmp_path, model__tiled_mlp=True, **keys)
-    with pytest.raises(RecipeError, match=message):
-        load_plan(str(path), [], world_size=world)
+@pytest.mark.parametrize("engine", ["single", "deepspeed"])
+def test_tiled_mlp_refuses_dropout_on_the_mlp_where_deepspeed_tiles(tmp_path, engine):
+    path = write_recipe(
+        tmp_path, model__tiled_mlp=True, peft__method="lora", peft__dropout=0.1, distributed__engine=engine
+    )
+    with pytest.raises(RecipeError) as e:
+        load_plan(str(path), [], world_size=1 if engine == "single" else 2)
+    assert f"peft.dropout: 0.1 on MLP layers cannot be tiled on the {engine} engine" in str(e.value)
+    assert "Set peft.dropout=0, or model.tiled_mlp=false (DDP and FSDP2 tile with checkpoints that replay it)." in str(
+        e.value
+    )
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_tiled_mlp_runs_on_ddp_and_fsdp_with_dropout_on_the_mlp(tmp_path, engine):
+    path = write_recipe(
+        tmp_path, model__tiled_mlp=True, peft__method="lora", peft__dropout=0.1, distributed__engine=engine
+    )
+    assert load_plan(str(path), [], world_size=2).recipe.model.tiled_mlp
 
 
 def test_tiled_mlp_allows_dropout_outside_the_mlp(tmp_path):
