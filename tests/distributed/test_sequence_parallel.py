@@ -82,10 +82,13 @@ GROUPS = {
     "fsdp": FSDP,
     "zero2": ["distributed.engine=deepspeed", "distributed.zero_stage=2"],
     "zero3": ZERO3 + ["data.packing=true"],
+    # HSDP: 2 replicas x 2 shards, each shard group one sequence group (ranks 0-1 and 2-3); LoRA
+    # packed rows of odd length.
+    "hsdp": FSDP + ["distributed.hsdp_replicate=2"] + LORA + PACKED_ODD,
 }
 
 
-@pytest.mark.parametrize("case", _cases(GROUPS, {"ddp", "fsdp"}))  # ZeRO-2 and ZeRO-3 divide differently
+@pytest.mark.parametrize("case", _cases(GROUPS, {"ddp", "fsdp", "hsdp"}))  # ZeRO-2 and ZeRO-3 divide differently
 def test_two_sequence_groups_on_4_ranks_match_one_process(tmp_path, case):
     _matches_one_process(
         tmp_path, GROUPS[case], ["distributed.sequence_parallel=2", "batch.micro_batch_size=1"], nproc=4

@@ -36,15 +36,18 @@ def test_lock_of_a_killed_process_is_free(tmp_path):
 
 def test_lock_of_a_killed_process_is_free_though_its_forked_child_lives_on(tmp_path):
     """kill -9 of the holder (the OOM killer) while a child it forked (a DataLoader worker) outlives
-    it: the child never held the lock, so a requeued job gets it at once."""
+    it: the child never held the lock, so a requeued job gets it at once. (The parent reports the
+    child once the child is past the fork, its at-fork handler run: on a loaded machine a child not
+    yet scheduled still holds the inherited descriptor, and the test would race it.)"""
 
     code = (
         "import os, sys, time; sys.path.insert(0, sys.argv[2]);"
         "from llmft.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire();"
-        "child = os.fork()\n"
+        "r, w = os.pipe(); child = os.fork()\n"
         "if child == 0:\n"
-        "    import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120); os._exit(0)\n"
-        "print(child, flush=True); time.sleep(120)"
+        "    os.write(w, b'1'); import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)\n"
+        "    os._exit(0)\n"
+        "os.read(r, 1); print(child, flush=True); time.sleep(120)"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(tmp_path / "run"), str(ROOT)], stdout=subprocess.PIPE, text=True
