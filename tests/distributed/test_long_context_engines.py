@@ -33,6 +33,16 @@ def _same_run(ref: list[dict], rows: list[dict]) -> None:
         assert abs(r["grad_norm"] - want["grad_norm"]) <= NORM_RTOL * want["grad_norm"], r["step"]
 
 
+def _launched_runs_match(tmp_path, common: list[str]) -> None:
+    """Two 2-rank launches of ``common``, with checkpointing alone and with every switch: the same run."""
+    runs = {}
+    for name, extra in (("plain", CHECKPOINTING), ("long", LONG)):
+        done = torchrun([*common, *extra, f"run.output_dir={tmp_path / name}"], timeout=LAUNCH_TIMEOUT)
+        assert done.returncode == 0, done.stderr[-6000:]
+        runs[name] = metrics(tmp_path / name)
+    _same_run(runs["plain"], runs["long"])
+
+
 @pytest.mark.slow  # ~30 s per case on 2 shared cores
 @pytest.mark.parametrize("peft", [[], LORA], ids=["full", "lora"])
 def test_single_process_long_context_switches_train_the_same(tmp_path, peft):
@@ -47,12 +57,7 @@ def test_single_process_long_context_switches_train_the_same(tmp_path, peft):
 def test_zero3_long_context_switches_train_the_same(tmp_path):
     recipe = write_recipe(tmp_path)
     common = ["train", str(recipe), *RUN, *LORA, *ZERO3]
-    runs = {}
-    for name, extra in (("plain", CHECKPOINTING), ("long", LONG)):
-        done = torchrun([*common, *extra, f"run.output_dir={tmp_path / name}"], timeout=LAUNCH_TIMEOUT)
-        assert done.returncode == 0, done.stderr[-6000:]
-        runs[name] = metrics(tmp_path / name)
-    _same_run(runs["plain"], runs["long"])
+    _launched_runs_match(tmp_path, common)
 
 
 @pytest.mark.slow
@@ -60,9 +65,4 @@ def test_zero3_long_context_switches_train_the_same(tmp_path):
 def test_fsdp_and_ddp_long_context_switches_train_the_same(tmp_path, engine):
     recipe = write_recipe(tmp_path)
     common = ["train", str(recipe), *RUN, *LORA, f"distributed.engine={engine}", "batch.micro_batch_size=2"]
-    runs = {}
-    for name, extra in (("plain", CHECKPOINTING), ("long", LONG)):
-        done = torchrun([*common, *extra, f"run.output_dir={tmp_path / name}"], timeout=LAUNCH_TIMEOUT)
-        assert done.returncode == 0, done.stderr[-6000:]
-        runs[name] = metrics(tmp_path / name)
-    _same_run(runs["plain"], runs["long"])
+    _launched_runs_match(tmp_path, common)

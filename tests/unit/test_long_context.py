@@ -79,6 +79,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def assert_same_gradients(model, reference, bound: float) -> None:
+    """One forward + backward of the same batch: every gradient of ``model`` within ``bound``
+    (relative) of ``reference``'s."""
+    b = batch()
+    _, want = saved_bytes_and_grads(reference, b)
+    _, got = saved_bytes_and_grads(model, b)
+    assert want.keys() == got.keys() and want
+    for name in want:
+        assert rel(got[name], want[name]) <= bound, name
+
+
 @pytest.mark.parametrize("peft", ["none", "lora"])
 def test_offload_moves_exactly_the_checkpointed_inputs(tmp_path, peft):
     plain = model_for(tmp_path, peft__method=peft, **CKPT)
@@ -108,12 +119,7 @@ def test_offload_requires_gradient_checkpointing(tmp_path):
 def test_tiled_mlp_gives_the_same_gradients(tmp_path, keys, tiling):
     plain = model_for(tmp_path, **keys)
     tiled = model_for(tmp_path, model__tiled_mlp=True, **keys, **TILINGS[tiling])
-    b = batch()
-    _, want = saved_bytes_and_grads(plain, b)
-    _, got = saved_bytes_and_grads(tiled, b)
-    assert want.keys() == got.keys() and want
-    for name in want:
-        assert rel(got[name], want[name]) <= 1e-5, name
+    assert_same_gradients(tiled, plain, 1e-5)
 
 
 @pytest.mark.parametrize("keys", [{"peft__method": "none"}, {"peft__method": "lora", **CKPT}], ids=["full", "lora"])
@@ -123,12 +129,7 @@ def test_checkpointed_tiles_match_deepspeeds_tiled_mlp(tmp_path, keys):
     ours = model_for(tmp_path, model__tiled_mlp=True, **keys, **TILINGS["checkpoint"])
     assert ours.get_decoder().layers[0].mlp.forward.func.__name__ == "checkpointed_tiles_forward"
     assert theirs.get_decoder().layers[0].mlp.forward.func.__name__ == "tiled_forward"
-    b = batch()
-    _, want = saved_bytes_and_grads(theirs, b)
-    _, got = saved_bytes_and_grads(ours, b)
-    assert want.keys() == got.keys() and want
-    for name in want:
-        assert rel(got[name], want[name]) <= 1e-6, name
+    assert_same_gradients(ours, theirs, 1e-6)
 
 
 @pytest.mark.parametrize("tiling", list(TILINGS))
