@@ -89,6 +89,18 @@ def sum_per_sequence(
     return sums, counts
 
 
+def batch_targets(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the token each position predicts, whether that prediction counts), both ``[R, T]``, of a
+    collated pair batch (``predicted_targets``) or of a sequence slice, whose ``shift_labels`` are
+    already shifted and cut where a sequence ends (``llmft.data.sequence``)."""
+    index = batch["sequence_index"]
+    if "shift_labels" not in batch:
+        return predicted_targets(batch["labels"], index)
+    shift = batch["shift_labels"]
+    valid = (shift != IGNORE_INDEX) & (index >= 0)
+    return torch.where(valid, shift, 0), valid
+
+
 def model_sequence_logps(
     model: torch.nn.Module, batch: dict[str, Any], num_sequences: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,12 +112,7 @@ def model_sequence_logps(
     ``shift_labels[t]``, already shifted and cut where a sequence ends; the sums are this slice's
     part, which the sequence group's all-reduce makes whole (``SequenceGroup``)."""
     index = batch["sequence_index"]
-    if "shift_labels" in batch:
-        shift = batch["shift_labels"]
-        valid = (shift != IGNORE_INDEX) & (index >= 0)
-        target = torch.where(valid, shift, 0)
-    else:
-        target, valid = predicted_targets(batch["labels"], index)
+    target, valid = batch_targets(batch)
     head = lm_loss.find(model)
     if head is None:
         logits = model(**model_inputs(batch), use_cache=False).logits
@@ -115,13 +122,6 @@ def model_sequence_logps(
         with lm_loss.token_logps(head, target):
             token_logps = model(**model_inputs(batch), use_cache=False).logits
     return sum_per_sequence(token_logps, valid, index, num_sequences)
-
-
-def target_counts(labels: torch.Tensor, sequence_index: torch.Tensor, num_sequences: int) -> torch.Tensor:
-    """Target tokens per sequence ``[num_sequences]`` (float32), counted as ``sequence_logps`` counts them."""
-    _, valid = predicted_targets(labels, sequence_index)
-    index = torch.where(valid, sequence_index, 0).reshape(-1)
-    return torch.zeros(num_sequences, device=labels.device).index_add(0, index, valid.reshape(-1).float())
 
 
 @dataclass
@@ -256,11 +256,9 @@ class PreferenceObjective:
     def _target_counts(self, batch: dict[str, Any], num_sequences: int) -> torch.Tensor:
         """Target tokens per sequence, as ``model_sequence_logps`` counts them (a slice's counts
         summed over its sequence group)."""
-        if "shift_labels" not in batch:
-            return target_counts(batch["labels"], batch["sequence_index"], num_sequences)
-        index = batch["sequence_index"]
-        valid = (batch["shift_labels"] != IGNORE_INDEX) & (index >= 0)
-        return self.sequence.sum(sum_per_sequence(valid.float(), valid, index, num_sequences)[1])
+        _, valid = batch_targets(batch)
+        counts = sum_per_sequence(valid.float(), valid, batch["sequence_index"], num_sequences)[1]
+        return self.sequence.sum(counts) if "shift_labels" in batch else counts
 
     def _adapters_disabled(self) -> ContextManager:
         return self.policy.disable_adapter()  # PEFT: the base weights alone, in place (sharded or not)
