@@ -100,8 +100,8 @@ def checkpointed_tiles_forward(
         return untiled(x)
     from torch.utils.checkpoint import checkpoint
 
-    tiles = _agreed(tile_count(x.shape[-2], x.shape[-1]), x.device)
-    pieces = torch.tensor_split(x, tiles, dim=-2)
+    # No collective runs per tile here (unlike ZeRO-3's gathers under TiledMLP): each rank cuts its own rows.
+    pieces = torch.tensor_split(x, tile_count(x.shape[-2], x.shape[-1]), dim=-2)
     return torch.cat([checkpoint(untiled, piece, use_reentrant=False) for piece in pieces], dim=-2)
 
 
@@ -137,8 +137,7 @@ def _autocast_state(device_type: str) -> Callable[[], contextlib.AbstractContext
 
 def _agreed(tiles: int, device: torch.device) -> int:
     """The most tiles any rank needs: under ZeRO-3 each tile gathers the MLP's weights, a collective
-    every rank must make the same number of times (ranks hold rows of different lengths). (Under
-    DDP and FSDP2 no collective runs per tile; the same count keeps the tiles' arithmetic alike.)"""
+    every rank must make the same number of times (ranks hold rows of different lengths)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
