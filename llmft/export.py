@@ -444,7 +444,9 @@ def _load_base(step_dir: Path, recipe: Recipe, dtype: torch.dtype) -> PreTrained
     head = recipe_head(recipe)
     saved = _saved_base(step_dir) if recipe.model.config is not None else None
     if saved is not None:
-        return model_class(head).from_pretrained(saved, dtype=dtype, use_safetensors=True)
+        return model_class(head).from_pretrained(
+            saved, dtype=dtype, use_safetensors=True, use_kernels=recipe.model.hub_kernels
+        )
     if recipe.model.config is not None:
         log.warning(
             "no saved base model beside %s: rebuilding it from model.config and run.seed=%d; the weights "

@@ -18,6 +18,7 @@ from llmft.engines import Engine
 from llmft.flops import flops_per_token, mfu, peak_flops
 from llmft.loop import LoopState
 from llmft.model.structure import describe
+from llmft.plan.report import kernels_line
 from llmft.plan.resolve import RunPlan, describe_engine
 from llmft.plan.shape import model_shape
 from llmft.plot import plot_run
@@ -42,6 +43,7 @@ def banner(plan: RunPlan, env: DistEnv, steps: int, engine: Engine, data) -> str
         f"({shape})",
         f"engine: {describe_engine(plan)}, {env.world_size} process(es), device {env.device.type}, "
         f"dtype {recipe.model.dtype}",
+        kernels_line(plan),
         f"parameters: {describe(engine.unwrap())}",
         f"data: {len(data.train):,} training {items}, "
         f"{steps} optimizer steps ({steps * b.global_batch_size / max(len(data.train), 1):.2f} epochs)"

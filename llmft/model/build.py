@@ -247,6 +247,7 @@ def _quantize_fresh(
             device_map={"": str(device)},
             use_safetensors=True,
             disable_mmap=True,
+            use_kernels=m.hub_kernels,  # transformers >= 5.2x: None means fetch Hub kernels on CUDA
         )
     # like any fresh model: no (deleted) directory for PEFT to look up when saving the adapter
     quantized.config.name_or_path = quantized.name_or_path = ""
@@ -278,6 +279,7 @@ def _from_pretrained(
                 quantization_config=quant,
                 device_map=device_map,
                 output_loading_info=True,
+                use_kernels=m.hub_kernels,  # transformers >= 5.2x: None means fetch Hub kernels on CUDA
             )
     except ImportError as e:
         raise attn_unavailable(m, e) from None

@@ -33,6 +33,7 @@ def plan_command(
         f"model {recipe.model.name_or_path or recipe.model.config.get('model_type')}: "
         f"{_describe(plan)}, engine {describe_engine(plan)}",
         f"{plan.batch.equation()}, {est.seq_len} tokens per sequence" + _pairs(plan, est),
+        kernels_line(plan),
         "",
         format_estimate(est),
         "",
@@ -58,6 +59,17 @@ def _describe(plan: RunPlan) -> str:
     quant = f", {m.quantization.bits}-bit base" if m.quantization is not None else ""
     ckpt = ", gradient checkpointing" if m.gradient_checkpointing else ""
     return f"{what}{quant}, {m.dtype}{ckpt}, optimizer {plan.recipe.optim.name}"
+
+
+def kernels_line(plan: RunPlan) -> str:
+    """Which attention and which kernels the run uses (the banner prints it too)."""
+    m = plan.recipe.model
+    hub = "on (downloaded from the Hugging Face Hub at load)" if m.hub_kernels else "off"
+    on_off = {True: "on", False: "off"}
+    return (
+        f"attention {m.attn_implementation}; kernels: hub kernels {hub}, liger {on_off[bool(m.liger_kernels)]}, "
+        f"compile {on_off[bool(m.compile)]}"
+    )
 
 
 def _fit_lines(plan: RunPlan, est: MemoryEstimate, measure_gpu: Callable[[], float | None]) -> list[str]:

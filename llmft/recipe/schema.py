@@ -128,6 +128,13 @@ class ModelConfig:
         "Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) on CUDA; needs "
         "pip install -e '.[liger]' and a model type Liger supports (llama, mistral, qwen2, ...). An error on CPU.",
     )
+    hub_kernels: bool = doc(
+        False,
+        "Let transformers replace layers (RMSNorm, rotary, MLP, ...) with compiled kernels it downloads from "
+        "the Hugging Face Hub (kernels-community/*, via the `kernels` package) and runs, when it loads "
+        "pretrained weights on a GPU. Needs the Hub (or those kernels in the HF cache) and the `kernels` "
+        "package. Off: no code is fetched from the Hub; transformers' own torch layers run (docs/offline.md).",
+    )
 
 
 @dataclass
