@@ -54,12 +54,12 @@ from llmft.checkpoint.layout import (
 )
 from llmft.checkpoint.verify import damaged, verify
 from llmft.consolidate import checkpoint_engine, load_checkpoint_model, offline_recipe
-from llmft.errors import Problem, UserError
+from llmft.errors import Problem, UserError, first_line
 from llmft.model.build import build_model, load_base_model
 from llmft.model.heads import LM, model_class, recipe_head
 from llmft.model.precision import DTYPES
 from llmft.model.save import plain_config, staged
-from llmft.model.source import first_line, resolve_name
+from llmft.model.source import resolve_name
 from llmft.modelcard import export_model_card
 from llmft.plan.engines import engine_spec, load
 from llmft.recipe import load_recipe

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmft.errors import Problem, UserError
+from llmft.errors import Problem, UserError, library_problem
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -177,12 +177,15 @@ def _from_pretrained(name: str, key: str, model_cfg: ModelConfig, revision: str 
             revision=revision,
         )
     except Exception as e:  # noqa: BLE001 - a damaged file raises tokenizers' or transformers' own errors too
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        local = looks_local and Path(name).expanduser().is_dir()
         raise UserError(
-            Problem(
+            library_problem(
                 key,
-                f"no tokenizer could be loaded from '{name}' ({reason})",
-                "Point it at a directory with tokenizer files or a hub id in the local cache "
+                f"no tokenizer could be loaded from '{name}'",
+                e,
+                name=name,
+                local=local,
+                fix="Point it at a directory with tokenizer files or a hub id in the local cache "
                 "(offline runs need HF_HOME to hold it), or set model.tokenizer.",
             )
         ) from e

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llmft.data.sources import Source
-from llmft.errors import Problem, UserError
+from llmft.errors import Problem, UserError, library_problem
 
 if TYPE_CHECKING:
     import datasets
@@ -325,12 +325,14 @@ def load_hub(source: Source, streaming: bool = False) -> datasets.Dataset | data
     except Exception as e:  # offline, unknown id, unknown split or config, gated repo, ...
         offline = " (offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)" if _offline() else ""
         raise UserError(
-            Problem(
+            library_problem(
                 source.key,
-                f"'{source.path}' is not a local path, and no hub dataset of that name could be loaded{offline}: "
-                f"{_reason(e)}",
-                "Check the path (relative to the working directory) or the hub id, name and split; a hub dataset "
-                "must be in the local Hugging Face cache when running offline.",
+                f"'{source.path}' is not a local path, and no hub dataset of that name could be loaded{offline}",
+                e,
+                name=source.path,
+                dataset=True,
+                fix="Check the path (relative to the working directory) or the hub id, name and split; a hub "
+                "dataset must be in the local Hugging Face cache when running offline.",
             )
         ) from e
 

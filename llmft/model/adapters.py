@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from llmft.errors import Problem, UserError
-from llmft.model.source import first_line
+from llmft.errors import Problem, UserError, first_line
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

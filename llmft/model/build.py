@@ -23,13 +23,13 @@ from safetensors.torch import save_model
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from llmft import loss
-from llmft.errors import Problem, UserError
+from llmft.errors import Problem, UserError, cause_of
 from llmft.model import kernels, long_context
 from llmft.model.adapters import apply_peft, init_adapters
 from llmft.model.heads import PEFT_TASK_TYPES, configure, init_head, model_class, recipe_head
 from llmft.model.precision import DTYPES, upcast_trainable
 from llmft.model.quant import prepare_kbit, quantization_config, quantized_skeleton
-from llmft.model.source import attn_unavailable, bad_pretrained, first_line, model_config, not_found, resolve_name
+from llmft.model.source import load_error, model_config, resolve_name
 from llmft.plan.engines import tiled_mlp_kind
 
 if TYPE_CHECKING:
@@ -202,11 +202,11 @@ def _from_config(
         torch.manual_seed(seed)
         try:
             model = model_class(head).from_config(config, dtype=dtype, attn_implementation=m.attn_implementation)
-        except ImportError as e:
-            raise attn_unavailable(m, e) from None
+        except ImportError as e:  # an attention kernel or another package not installed
+            raise load_error(m, "model.config", e) from None
         except Exception as e:  # config values checked only at construction (e.g. hidden size vs heads)
             raise UserError(
-                Problem("model.config", f"cannot build the model: {first_line(e)}", "Fix that model.config field.")
+                Problem("model.config", f"cannot build the model ({cause_of(e)})", "Fix that model.config field.")
             ) from None
     if quant is None:
         return model
@@ -239,16 +239,19 @@ def _quantize_fresh(
         save_model(model, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         del model
         # disable_mmap: the tensors must not outlive the files they would be mapped from
-        quantized = model_class(head).from_pretrained(
-            tmp,
-            dtype=dtype,
-            attn_implementation=m.attn_implementation,
-            quantization_config=quant,
-            device_map={"": str(device)},
-            use_safetensors=True,
-            disable_mmap=True,
-            use_kernels=m.hub_kernels,  # transformers >= 5.2x: None means fetch Hub kernels on CUDA
-        )
+        try:
+            quantized = model_class(head).from_pretrained(
+                tmp,
+                dtype=dtype,
+                attn_implementation=m.attn_implementation,
+                quantization_config=quant,
+                device_map={"": str(device)},
+                use_safetensors=True,
+                disable_mmap=True,
+                use_kernels=m.hub_kernels,  # transformers >= 5.2x: None means fetch Hub kernels on CUDA
+            )
+        except ImportError as e:  # bitsandbytes not installed
+            raise load_error(m, "model.config", e) from None
     # like any fresh model: no (deleted) directory for PEFT to look up when saving the adapter
     quantized.config.name_or_path = quantized.name_or_path = ""
     return quantized
@@ -281,12 +284,11 @@ def _from_pretrained(
                 output_loading_info=True,
                 use_kernels=m.hub_kernels,  # transformers >= 5.2x: None means fetch Hub kernels on CUDA
             )
-    except ImportError as e:
-        raise attn_unavailable(m, e) from None
-    except OSError as e:  # config found but weights missing (or not cached)
-        raise not_found(m, name, e) from None
-    except ValueError as e:
-        raise bad_pretrained(m, name, e) from None
+    except Exception as e:  # noqa: BLE001 - weights missing or not cached, damaged, a package missing...
+        error = load_error(m, name, e)
+        if error is None:
+            raise
+        raise error from None
     init_head(model, seed, list(info.get("missing_keys", ())))
     return model
 
@@ -306,5 +308,5 @@ def _architecture(m: ModelConfig, config: PretrainedConfig, dtype: torch.dtype, 
         return model_class(head).from_config(
             config, dtype=dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code
         )
-    except ImportError as e:
-        raise attn_unavailable(m, e) from None
+    except ImportError as e:  # an attention kernel or another package not installed
+        raise load_error(m, resolve_name(m.name_or_path), e) from None

@@ -42,7 +42,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from llmft.errors import Problem, UserError
+from llmft.errors import Problem, UserError, library_problem
 from llmft.model import build, kernels
 from llmft.model.adapters import base_key, initial_adapter_weights, is_peft
 from llmft.model.heads import initial_head_weights
@@ -217,10 +217,12 @@ def _weights_dir(recipe: Recipe) -> Path:
         return Path(snapshot_download(name, revision=m.revision, allow_patterns=patterns))
     except Exception as e:  # hub errors are many types; the message names what went wrong
         raise UserError(
-            Problem(
+            library_problem(
                 "model.name_or_path",
-                f"cannot get the weight files of '{name}': {str(e).strip().splitlines()[0] if str(e) else e!r}",
-                f"Download the model once with network access (`hf download {name}`), or point "
+                f"cannot get the weight files of '{name}'",
+                e,
+                name=name,
+                fix=f"Download the model once with network access (`hf download {name}`), or point "
                 "model.name_or_path at a local model directory.",
             )
         ) from None

@@ -6,14 +6,12 @@ kernel that is not installed), each naming the recipe key.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from huggingface_hub import constants
 from transformers import AutoConfig
 
-from llmft.errors import Problem, UserError
+from llmft.errors import OTHER, PACKAGE, Problem, UserError, cause_kind, cause_of, first_line, library_problem
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -38,10 +36,11 @@ def model_config(m: ModelConfig) -> PretrainedConfig:
     name = resolve_name(m.name_or_path)
     try:
         return AutoConfig.from_pretrained(name, revision=m.revision, trust_remote_code=m.trust_remote_code)
-    except OSError as e:
-        raise not_found(m, name, e) from None
-    except ValueError as e:
-        raise bad_pretrained(m, name, e) from None
+    except Exception as e:  # noqa: BLE001 - hub, json and transformers errors share no base; bugs re-raised
+        error = load_error(m, name, e)
+        if error is None:
+            raise
+        raise error from None
 
 
 def resolve_name(name: str | None) -> str:
@@ -69,22 +68,12 @@ def resolve_name(name: str | None) -> str:
     return str(path)
 
 
-def not_found(m: ModelConfig, name: str, e: Exception) -> UserError:
-    offline = constants.HF_HUB_OFFLINE or os.environ.get("TRANSFORMERS_OFFLINE") == "1"
-    where = "the local Hugging Face cache (HF_HUB_OFFLINE=1: no downloads)" if offline else "the Hugging Face hub"
-    rev = f" at revision {m.revision}" if m.revision else ""
-    return UserError(
-        Problem(
-            "model.name_or_path",
-            f"'{name}'{rev} is not a local directory and is not in {where}: {first_line(e)}",
-            f"Download it once with network access (`hf download {name}`) so it is cached in HF_HOME, "
-            "point model.name_or_path at a local model directory, or check the id and model.revision "
-            "(gated models also need `hf auth login`).",
-        )
-    )
-
-
-def bad_pretrained(m: ModelConfig, name: str, e: Exception) -> UserError:
+def load_error(m: ModelConfig, name: str, e: Exception) -> UserError | None:
+    """The ``UserError`` of a failed config or model load, naming the cause (``llmft.errors``) and its
+    fix; None for an error that is no known cause and no library's load error (a bug: re-raised)."""
+    kind = cause_kind(e)
+    if isinstance(e, ImportError) and m.attn_implementation.split("_")[0] in str(e).lower():
+        return attn_unavailable(m, e)
     if "trust_remote_code" in str(e):
         return UserError(
             Problem(
@@ -93,30 +82,27 @@ def bad_pretrained(m: ModelConfig, name: str, e: Exception) -> UserError:
                 "Read that code, then set model.trust_remote_code=true if you trust it.",
             )
         )
-    return UserError(
-        Problem(
-            "model.name_or_path",
-            f"cannot load '{name}': {first_line(e)}",
-            "Use a causal language model that this transformers version supports.",
-        )
+    if kind == PACKAGE and m.quantization is not None and "bitsandbytes" in str(e):
+        return UserError(library_problem("model.quantization", "needs bitsandbytes", e))
+    if kind == OTHER and not isinstance(e, (OSError, ValueError, ImportError)):
+        return None
+    local = Path(name).is_dir()
+    rev = f" at revision {m.revision}" if m.revision else ""
+    doing = f"cannot load '{name}'{rev}" if local else f"'{name}'{rev} is not a local directory and does not load"
+    fix = (
+        "Check that the directory holds what save_pretrained writes (config.json, *.safetensors)."
+        if local
+        else f"Check the id and model.revision, download it once with network access (`hf download {name}`), "
+        "or point model.name_or_path at a local model directory."
     )
+    return UserError(library_problem("model.name_or_path", doing, e, name=name, local=local, fix=fix))
 
 
 def attn_unavailable(m: ModelConfig, e: ImportError) -> UserError:
     return UserError(
         Problem(
             "model.attn_implementation",
-            f"{m.attn_implementation} cannot be used here: {first_line(e)}",
+            f"{m.attn_implementation} cannot be used here ({cause_of(e)})",
             "Set model.attn_implementation=sdpa (works everywhere), or install the kernel it needs.",
         )
     )
-
-
-def first_line(e: Exception) -> str:
-    """The gist of a library error; a first line that only introduces the next one keeps both."""
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    if not lines:
-        return type(e).__name__
-    if lines[0].endswith(":") and len(lines) > 1:
-        return f"{lines[0]} {lines[1]}"
-    return lines[0]

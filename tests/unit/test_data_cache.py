@@ -195,7 +195,12 @@ def test_hub_id_offline_says_what_was_tried(tmp_path, monkeypatch):
     assert text.startswith(
         "data.train: 'nobody/nothing' is not a local path, and no hub dataset of that name could be loaded (offline"
     )
-    assert text.endswith("a hub dataset must be in the local Hugging Face cache when running offline.")
+    assert "(ConnectionError: Couldn't reach 'nobody/nothing' on the Hub (OfflineModeIsEnabled))" in text
+    assert text.endswith(
+        "'nobody/nothing' is not in the local Hugging Face cache (HF_HOME) and downloads are off (HF_HUB_OFFLINE=1): "
+        "download it once on a machine with network access (`hf download nobody/nothing --repo-type dataset`) "
+        "into the HF_HOME this job uses, or point at a local directory (docs/offline.md)."
+    )
 
 
 # --- mixtures -------------------------------------------------------------------------------

@@ -249,7 +249,8 @@ def test_hub_id_offline(tmp_path, tok, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
     recipe = make_recipe(tmp_path, model__config=None, model__name_or_path="llmft-test/no-such-model")
     msg = error_of(recipe, tok)
-    assert "'llmft-test/no-such-model' is not a local directory and is not in the local Hugging Face cache" in msg
+    assert msg.startswith("model.name_or_path: 'llmft-test/no-such-model' is not a local directory and does not load (")
+    assert "'llmft-test/no-such-model' is not in the local Hugging Face cache (HF_HOME)" in msg
     assert "HF_HUB_OFFLINE=1" in msg and "hf download llmft-test/no-such-model" in msg
 
 
