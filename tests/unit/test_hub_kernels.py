@@ -1,4 +1,4 @@
-"""No code from the Hub unless the recipe asks (SPEC 8, docs/design.md G7): every way llmft builds a
+"""No code from the Hub unless the recipe asks (docs/design.md G7, docs/offline.md): every way llmft builds a
 model keeps transformers from kernelizing it, and ``model.hub_kernels: true`` is what turns it on.
 
 transformers >= 5.2x treats ``from_pretrained(use_kernels=None)`` as True and, with the ``kernels``
