@@ -65,3 +65,50 @@ def test_every_schema_key_has_a_row_with_its_choices():
             assert f"`{shown}`" in row
     assert "| `batch.micro_batch_size` | int or `auto` | `auto` |" in text
     assert "| `model.quantization` | section or null | `null` |" in text
+
+
+# Words of a development log, not of a user page: user docs say how to use the tool and what it
+# guarantees, with measured numbers and how to reproduce them (docs/design.md and the contributor
+# pages may tell history).
+DEV_LOG = (
+    "Done:",
+    "Also done:",
+    "Not done yet",
+    "this session",
+    "the session that",
+    "while writing",
+    "time of writing",
+    "as of this writing",
+    "this page was written",
+    "closing note",
+    "as it stood",
+    "TODO",
+    "FIXME",
+)
+DOCS = RECIPE_DOC.parent
+
+
+def user_pages() -> list[Path]:
+    return [p for p in sorted(DOCS.glob("*.md")) if p.name != "design.md"] + [DOCS.parent / "README.md"]
+
+
+def dev_log_lines(path: Path) -> list[str]:
+    found = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        words = [w for w in DEV_LOG if (w in line if w[0].isupper() else w in line.lower())]
+        if words:
+            found.append(f"{path.name}:{n}: {words}: {line.strip()[:100]}")
+    return found
+
+
+def test_user_docs_carry_no_development_log():
+    found = [hit for page in user_pages() for hit in dev_log_lines(page)]
+    assert not found, "user docs say how to use llmft and what it guarantees, not how a page was written:\n" + (
+        "\n".join(found)
+    )
+
+
+def test_the_development_log_check_finds_the_words(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Fine.\nDone: the loader.\nNot done yet:\nMeasured in this session at 11:01.\n")
+    assert [hit.split(":")[1] for hit in dev_log_lines(page)] == ["2", "3", "4"]
