@@ -9,8 +9,8 @@ tests/integration/test_faults.py and tests/integration/test_reliability_lock.py.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 from pathlib import Path
 
 import pytest
