@@ -13,6 +13,7 @@ vocabulary smaller than the tokenizer, target modules that do not exist) is a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
@@ -24,7 +25,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from llmft import loss
 from llmft.errors import Problem, UserError
-from llmft.model import kernels, long_context
+from llmft.model import attention, kernels, long_context
 from llmft.model.adapters import apply_peft, init_adapters
 from llmft.model.heads import PEFT_TASK_TYPES, configure, init_head, model_class, recipe_head
 from llmft.model.precision import DTYPES, upcast_trainable
@@ -65,7 +66,10 @@ def build_model(
     the compute dtype, so that every parameter it shards has one dtype, and so does ZeRO-3); None: the
     recipe's, or uint8.
     """
-    m = recipe.model
+    # model.attn_implementation auto: what this machine runs (llmft.model.attention)
+    m = dataclasses.replace(
+        recipe.model, attn_implementation=attention.choose(recipe.model.attn_implementation, recipe.data.packing)
+    )
     dtype = DTYPES[m.dtype]
     quant = quantization_config(m.quantization, dtype, storage=quant_storage)
     head = recipe_head(recipe)  # the objective's head: the causal LM, or a scalar score (reward models)

@@ -54,6 +54,21 @@ def recipe_problems(r: Recipe, spec: EngineSpec) -> list[Problem]:
     return p + tiled_mlp_problems(r, spec)
 
 
+# torch's document-masked attention for packed rows (llmft.model.attention), a transformers attention name.
+VARLEN_SDPA = "varlen_sdpa"
+
+
+def chosen_attention(attn_implementation: str, packing: bool, flash: bool) -> str:
+    """What ``model.attn_implementation`` runs: itself, or for ``auto``: flash_attention_2 where
+    ``flash`` (flash-attn imports and CUDA is present), else varlen_sdpa for packed rows (no seq^2
+    mask), else sdpa."""
+    if attn_implementation != "auto":
+        return attn_implementation
+    if flash:
+        return "flash_attention_2"
+    return VARLEN_SDPA if packing else "sdpa"
+
+
 # MLP linears of a Llama-style layer: what peft.dropout would randomise inside a tiled MLP.
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 

@@ -1,0 +1,174 @@
+"""``model.attn_implementation`` varlen_sdpa and auto (llmft/model/attention.py), on CPU in fp32:
+
+- packed rows under varlen_sdpa give the unpacked rows' loss and gradients (sdpa, one example per
+  row) to 1e-5, through the pre-hook's boundaries and without it;
+- no tensor of seq^2 elements, forward or backward: the largest tensor any op makes grows linearly
+  from 1K to 4K tokens, where sdpa's (the control, which keeps packed rows apart with a T x T mask)
+  grows with the square, so the count can fail;
+- ``auto`` resolves to flash_attention_2 / varlen_sdpa / sdpa as documented, a run with it trains
+  like one with sdpa, and flex_attention on a machine without CUDA is refused before loading;
+- the planner counts sdpa's packed-row mask and nothing for varlen_sdpa.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import max_rel_diff, metrics, tiny_llama_model, train_inproc, write_recipe
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmft.data import collate, count_targets
+from llmft.data.encode import IGNORE_INDEX, Example
+from llmft.data.pack import pack
+from llmft.data.tokens import TokenDataset
+from llmft.errors import UserError
+from llmft.model import attention, kernels
+from llmft.plan.kernels import VARLEN_SDPA, chosen_attention
+from llmft.plan.memory import estimate, packed_mask_bytes
+from llmft.plan.resolve import load_plan
+
+PAD = 0
+
+
+def varlen_model(**overrides):
+    attention.register()
+    return tiny_llama_model(VARLEN_SDPA, **overrides).train()
+
+
+def packed_and_plain() -> tuple[dict, dict]:
+    """Examples packed into several rows of 16 (one micro-batch), and the same examples one per row."""
+    gen = torch.Generator().manual_seed(1)
+    exs = []
+    for n, masked in [(5, 2), (9, 0), (3, 1), (7, 4), (12, 3), (4, 0), (6, 1), (10, 2)]:
+        ids = torch.randint(0, 256, (n,), generator=gen).tolist()
+        exs.append(Example(ids, [IGNORE_INDEX] * masked + ids[masked:]))
+    dataset = TokenDataset(pack(exs, 16, PAD))
+    packed = collate([dataset[i] for i in range(len(dataset))], PAD)
+    assert packed["input_ids"].shape[0] >= 3 and "attention_mask" not in packed
+    plain = collate([{"input_ids": e.input_ids, "labels": e.labels, "position_ids": None} for e in exs], PAD)
+    return packed, plain
+
+
+def loss_and_grads(model, batch: dict, n: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = model(**batch, num_items_in_batch=n, use_cache=False).loss
+    loss.backward()
+    return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["boundaries-hook", "from-position-ids"])
+def test_packed_rows_give_the_unpacked_loss_and_gradients(hook):
+    packed, plain = packed_and_plain()
+    n = torch.tensor(float(count_targets(plain["labels"])))
+    assert count_targets(packed["labels"]) == int(n)
+    want_loss, want = loss_and_grads(tiny_llama_model("sdpa").train(), plain, n)
+
+    model = varlen_model()
+    if hook:
+        kernels.pass_packed_boundaries(model)
+    got_loss, got = loss_and_grads(model, packed, n)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    assert max_rel_diff(got, want) < 1e-5
+    # the proof can fail: the same rows with plain 0..T-1 positions attend across examples
+    leaky = dict(packed, position_ids=torch.arange(16).expand_as(packed["input_ids"]))
+    assert abs(loss_and_grads(model, leaky, n)[0] - want_loss) > 1e-3
+
+
+def test_padded_rows_take_sdpas_masked_path():
+    """Unpacked, right-padded rows (an attention mask): varlen_sdpa computes sdpa's logits."""
+    _, plain = packed_and_plain()
+    inputs = {k: v for k, v in plain.items() if k != "labels"}
+    with torch.no_grad():
+        want = tiny_llama_model("sdpa")(**inputs, use_cache=False).logits
+        got = varlen_model().eval()(**inputs, use_cache=False).logits
+    keep = plain["attention_mask"].bool()
+    assert torch.allclose(got[keep], want[keep], rtol=0, atol=1e-5)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements any op's output holds while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def largest_tensor(attn: str, seq: int) -> int:
+    """Forward and backward of one packed row of ``seq`` tokens (4 examples) through a 1-layer model."""
+    small = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    model = (varlen_model if attn == VARLEN_SDPA else tiny_llama_model)(
+        **small, num_key_value_heads=1, vocab_size=64, max_position_embeddings=seq
+    ).train()
+    kernels.pass_packed_boundaries(model)  # what the loop installs for varlen attention
+    ids = torch.randint(0, 64, (1, seq), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(seq // 4).repeat(4)[None]
+    with LargestTensor() as mode:
+        model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss.backward()
+    return mode.numel
+
+
+def test_memory_grows_linearly_with_the_row_length():
+    seqs = (1024, 2048, 4096)
+    varlen = [largest_tensor(VARLEN_SDPA, s) for s in seqs]
+    assert all(n < s * s // 8 for n, s in zip(varlen, seqs, strict=True)), varlen  # no seq^2 tensor
+    assert varlen[2] / varlen[0] <= 4.5, varlen  # 4x the tokens: linear is 4, quadratic 16
+    # the control: sdpa's block-diagonal mask of a packed row is seq^2 elements
+    sdpa = [largest_tensor("sdpa", s) for s in (1024, 4096)]
+    assert sdpa[1] >= 4096 * 4096 and sdpa[1] / sdpa[0] >= 12, sdpa
+
+
+def test_auto_picks_flash_then_varlen_for_packed_rows_then_sdpa():
+    assert chosen_attention("auto", packing=True, flash=True) == "flash_attention_2"
+    assert chosen_attention("auto", packing=True, flash=False) == VARLEN_SDPA
+    assert chosen_attention("auto", packing=False, flash=False) == "sdpa"
+    for name in ("sdpa", "eager", "flex_attention", "flash_attention_2", VARLEN_SDPA):
+        assert chosen_attention(name, packing=True, flash=False) == name  # explicit values stay
+    assert not torch.cuda.is_available()  # this machine: auto is varlen_sdpa for packed rows
+    assert attention.choose("auto", packing=True) == VARLEN_SDPA
+    assert attention.choose("auto", packing=False) == "sdpa"
+
+
+def test_flex_attention_is_refused_without_cuda(tmp_path):
+    recipe = write_recipe(tmp_path, model__attn_implementation="flex_attention", data__packing=True)
+    with pytest.raises(UserError) as e:
+        train_inproc(recipe)
+    msg = str(e.value)
+    assert "model.attn_implementation" in msg and "no FlexAttention backward on CPU" in msg
+    assert "Set model.attn_implementation=auto" in msg
+
+
+def test_a_packed_run_with_auto_trains_like_sdpa(tmp_path):
+    """auto resolves to varlen_sdpa here: the same losses and weights as sdpa's masked rows (fp32)."""
+    from helpers import checkpoint_weights
+
+    runs = {}
+    for attn in ("sdpa", "auto"):
+        recipe = write_recipe(tmp_path / attn, model__attn_implementation=attn, data__packing=True)
+        assert train_inproc(recipe, "train.max_steps=2", "checkpoint.every_steps=2") == 0
+        run = tmp_path / attn / "run"
+        runs[attn] = ([r["loss"] for r in metrics(run)], checkpoint_weights(run / "checkpoints/step-2"))
+    assert runs["auto"][0] == pytest.approx(runs["sdpa"][0], rel=1e-5)
+    assert max_rel_diff(runs["auto"][1], runs["sdpa"][1]) < 1e-5
+
+
+def test_the_planner_counts_sdpas_packed_mask_and_none_for_varlen(tmp_path):
+    recipe = write_recipe(tmp_path, model__attn_implementation="sdpa", data__packing=True, data__max_seq_len=4096)
+    plan = load_plan(recipe, ["batch.micro_batch_size=2", "batch.global_batch_size=2"])
+    r = plan.recipe
+    sdpa = estimate(r, "single", 1, 2, 1)
+    varlen = estimate(
+        dataclasses.replace(r, model=dataclasses.replace(r.model, attn_implementation="auto")), "single", 1, 2, 1
+    )
+    assert packed_mask_bytes(r, 2 * 4096) == 2 * 4096 * 4096
+    assert sdpa.activations - varlen.activations == 2 * 4096 * 4096
+    unpacked = dataclasses.replace(r, data=dataclasses.replace(r.data, packing=False))
+    assert packed_mask_bytes(unpacked, 2 * 4096) == 0
