@@ -19,6 +19,10 @@ backward, on every device, in any dtype. The cost is one kernel launch per examp
 
 Rows with a padding mask (unpacked batches, generation) take sdpa's own path with its mask.
 
+Under ``model.compile`` (regional compilation of each decoder layer) the function runs eagerly
+between the layer's compiled graphs (``torch.compiler.disable``): the number and lengths of the
+examples change from row to row, and compiling them would recompile for every new length.
+
 ``auto`` (``choose``): ``flash_attention_2`` where flash-attn imports and CUDA is present; else
 ``varlen_sdpa`` for packed rows; else ``sdpa``. The recipe-level rule (no torch) is
 ``llmft.plan.kernels.chosen_attention``.
@@ -66,6 +70,7 @@ def varlen_sdpa_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: An
     return sdpa_mask(attention_mask=attention_mask, **kwargs)
 
 
+@torch.compiler.disable  # eager inside a compiled layer: the loop's bounds are data (module docstring)
 def varlen_sdpa_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

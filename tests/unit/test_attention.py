@@ -172,3 +172,24 @@ def test_the_planner_counts_sdpas_packed_mask_and_none_for_varlen(tmp_path):
     assert sdpa.activations - varlen.activations == 2 * 4096 * 4096
     unpacked = dataclasses.replace(r, data=dataclasses.replace(r.data, packing=False))
     assert packed_mask_bytes(unpacked, 2 * 4096) == 0
+
+
+@pytest.mark.slow  # two runs, one compiling its layers: ~50 s on 2 cores
+def test_compiled_layers_run_varlen_sdpa_eagerly_with_the_same_training(tmp_path):
+    from helpers import checkpoint_weights
+    from torch._dynamo.utils import counters
+
+    runs = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        counters.clear()
+        recipe = write_recipe(
+            tmp_path / name, model__attn_implementation="auto", model__compile=compiled, data__packing=True
+        )
+        assert train_inproc(recipe, "train.max_steps=3", "checkpoint.every_steps=3") == 0
+        run = tmp_path / name / "run"
+        runs[name] = ([r["loss"] for r in metrics(run)], checkpoint_weights(run / "checkpoints/step-3"))
+    # the attention is a graph break inside each compiled layer (torch.compiler.disable), not recompiled
+    assert any("varlen_sdpa_forward" in reason for reason in counters["graph_break"]), dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] > 0
+    assert runs["compiled"][0] == pytest.approx(runs["eager"][0], rel=1e-5)
+    assert max_rel_diff(runs["compiled"][1], runs["eager"][1]) < 1e-5
