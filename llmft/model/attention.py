@@ -4,7 +4,7 @@
 A packed row holds several examples, their ``position_ids`` restarting at 0 for each, and no
 attention mask (``llmft.data.pack``). transformers' sdpa path keeps the examples apart with a
 block-diagonal ``rows x 1 x T x T`` boolean mask: its memory grows with the square of the row's
-length (16 GiB for one row of 128K tokens), and a boolean mask keeps sdpa off its flash kernels.
+length (16 GiB for one row of 128K tokens), and on CUDA a mask keeps sdpa off its flash kernel.
 Flash attention's varlen kernel needs none (``flash_attention_2``, a separate package that pip
 cannot install for every torch and CUDA). FlexAttention's block masks are O((T/128)^2) indices,
 but torch has no FlexAttention backward on CPU.

@@ -70,6 +70,8 @@ def build_model(
     m = dataclasses.replace(
         recipe.model, attn_implementation=attention.choose(recipe.model.attn_implementation, recipe.data.packing)
     )
+    if m.attn_implementation != recipe.model.attn_implementation:
+        log.info("attention: %s (model.attn_implementation auto)", m.attn_implementation)
     dtype = DTYPES[m.dtype]
     quant = quantization_config(m.quantization, dtype, storage=quant_storage)
     head = recipe_head(recipe)  # the objective's head: the causal LM, or a scalar score (reward models)

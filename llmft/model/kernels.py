@@ -21,6 +21,7 @@ float tolerance), and the tests compare the two where the torch path runs.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +79,7 @@ def _check_liger() -> None:
 def _check_flex() -> None:
     """transformers' flex path compiles FlexAttention; torch runs its backward on CUDA only."""
     try:
-        import torch.nn.attention.flex_attention  # noqa: F401
+        importlib.import_module("torch.nn.attention.flex_attention")
     except ImportError as e:
         raise UserError(
             Problem(

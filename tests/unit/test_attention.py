@@ -146,6 +146,19 @@ def test_flex_attention_is_refused_without_cuda(tmp_path):
     assert "Set model.attn_implementation=auto" in msg
 
 
+def test_flex_attention_is_refused_on_a_torch_without_it(monkeypatch):
+    import sys
+
+    from llmft.recipe.schema import ModelConfig
+
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.flex_attention", None)  # its import fails
+    with pytest.raises(UserError) as e:
+        kernels.check_available(ModelConfig(attn_implementation="flex_attention"))
+    msg = str(e.value)
+    assert f"is flex_attention, but this torch ({torch.__version__}) has no FlexAttention" in msg
+    assert "Set model.attn_implementation=auto" in msg
+
+
 def test_a_packed_run_with_auto_trains_like_sdpa(tmp_path):
     """auto resolves to varlen_sdpa here: the same losses and weights as sdpa's masked rows (fp32)."""
     from helpers import checkpoint_weights
