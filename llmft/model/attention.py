@@ -90,7 +90,7 @@ def varlen_sdpa_forward(
     if cu is None and attention_mask is None and whole and kwargs.get("position_ids") is not None:
         # the pre-hook's rule, when it did not run
         cu = varlen_kwargs(kwargs["position_ids"].expand(query.shape[0], -1))["cu_seq_lens_q"]
-    if cu is None or attention_mask is not None or not whole:
+    if cu is None or attention_mask is not None or not whole or not getattr(module, "is_causal", True):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     rows, heads, seq, dim = query.shape
     groups = heads // key.shape[1]
