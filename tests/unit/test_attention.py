@@ -5,8 +5,9 @@
 - no tensor of seq^2 elements, forward or backward: the largest tensor any op makes grows linearly
   from 1K to 4K tokens, where sdpa's (the control, which keeps packed rows apart with a T x T mask)
   grows with the square, so the count can fail;
-- ``auto`` resolves to flash_attention_2 / varlen_sdpa / sdpa as documented, a run with it trains
-  like one with sdpa, and flex_attention on a machine without CUDA is refused before loading;
+- ``auto`` resolves to flash_attention_2 / varlen_sdpa / sdpa as documented; a run with it trains
+  like one with sdpa (SFT packed rows, padding-free DPO pairs, compiled layers); flex_attention on
+  a machine without CUDA or a torch without it is refused before loading;
 - the planner counts sdpa's packed-row mask and nothing for varlen_sdpa.
 """
 
@@ -206,3 +207,15 @@ def test_compiled_layers_run_varlen_sdpa_eagerly_with_the_same_training(tmp_path
     assert counters["stats"]["unique_graphs"] > 0
     assert runs["compiled"][0] == pytest.approx(runs["eager"][0], rel=1e-5)
     assert max_rel_diff(runs["compiled"][1], runs["eager"][1]) < 1e-5
+
+
+@pytest.mark.slow  # two dpo runs of 4 steps with eval: ~25 s on 2 cores
+def test_padding_free_dpo_with_auto_trains_like_sdpa(tmp_path):
+    """Preference pairs packed padding-free (data.packing): auto (varlen_sdpa) gives sdpa's run:
+    losses, rewards and log-probs, train and eval, and the final weights, to 1e-5."""
+    from preference_runs import assert_same_run, dpo_recipe
+
+    for attn in ("sdpa", "auto"):
+        recipe = dpo_recipe(tmp_path / attn, model__attn_implementation=attn, data__packing=True, peft__method="lora")
+        assert train_inproc(recipe) == 0
+    assert_same_run(tmp_path / "auto", tmp_path / "sdpa", tol=1e-5)
