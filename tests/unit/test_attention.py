@@ -88,6 +88,21 @@ def test_padded_rows_take_sdpas_masked_path():
     assert torch.allclose(got[keep], want[keep], rtol=0, atol=1e-5)
 
 
+def test_generation_with_a_cache_gives_sdpas_tokens():
+    """Eval's generation (left-padded prompts, a KV cache): the masked and the cached calls take
+    sdpa's own path, so varlen_sdpa decodes sdpa's tokens."""
+    prompts = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = (torch.arange(5) >= torch.tensor([[2], [0]])).long()
+    out = {}
+    for attn, model in (("sdpa", tiny_llama_model("sdpa")), (VARLEN_SDPA, varlen_model().eval())):
+        with torch.no_grad():
+            padded = model.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=6, do_sample=False)
+            # one row, no mask: the prefill is one example under varlen_sdpa, the cached steps sdpa's
+            alone = model.generate(input_ids=prompts[1:], max_new_tokens=6, do_sample=False)
+        out[attn] = (padded, alone)
+    assert all(torch.equal(a, b) for a, b in zip(out[VARLEN_SDPA], out["sdpa"], strict=True))
+
+
 class LargestTensor(TorchDispatchMode):
     """The most elements any op's output holds while the mode is on."""
 
