@@ -333,6 +333,12 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
             f"distributed.fsdp_grad_sync=micro_step would keep gradients sharded while accumulating and save "
             f"{saved / GIB:.1f} GiB, for a reduce-scatter every micro-step"
         )
+    mask = packed_mask_bytes(recipe, tokens)
+    if mask >= MASK_NOTE_BYTES:
+        notes.append(
+            f"sdpa keeps packed rows apart with a T x T mask per row ({mask / GIB:.2f} GiB, in activations); "
+            "model.attn_implementation=auto (varlen_sdpa, or flash_attention_2 where flash-attn is installed) needs none"
+        )
     if recipe.optim.name.startswith("paged"):
         notes.append("paged optimizer state is counted on the GPU; under pressure it pages to CPU RAM")
     if not layout.optimizer_on_gpu or not layout.weights_on_gpu:
@@ -505,6 +511,9 @@ def _activations(recipe: Recipe, shape: ModelShape, params: Params, tokens: int,
     else:
         kept = shape.num_layers * layer_input
     return kept + max(per_layer - logits, 0) + outside
+
+
+MASK_NOTE_BYTES = 64 * 2**20  # sdpa's packed-row mask from which the plan suggests auto (8K-token rows)
 
 
 def packed_mask_bytes(recipe: Recipe, tokens: int) -> int:

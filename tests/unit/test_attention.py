@@ -201,6 +201,12 @@ def test_the_planner_counts_sdpas_packed_mask_and_none_for_varlen(tmp_path):
     assert sdpa.activations - varlen.activations == 2 * 4096 * 4096
     unpacked = dataclasses.replace(r, data=dataclasses.replace(r.data, packing=False))
     assert packed_mask_bytes(unpacked, 2 * 4096) == 0
+    # from 64 MiB of mask (one 8K row) the plan says so, and what needs none
+    assert not any("T x T mask" in n for n in sdpa.notes)
+    long = dataclasses.replace(r, data=dataclasses.replace(r.data, max_seq_len=8192))
+    (note,) = [n for n in estimate(long, "single", 1, 1, 1).notes if "T x T mask" in n]
+    assert note.startswith("sdpa keeps packed rows apart with a T x T mask per row (0.06 GiB")
+    assert "model.attn_implementation=auto" in note
 
 
 @pytest.mark.slow  # two runs, one compiling its layers: ~50 s on 2 cores
