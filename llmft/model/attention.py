@@ -13,9 +13,9 @@ but torch has no FlexAttention backward on CPU.
 ``torch.nn.functional.scaled_dot_product_attention`` causally (``is_causal=True``, no mask) on each
 example of each row in turn, the examples' boundaries being the ``cu_seq_lens`` that
 ``llmft.model.kernels.pass_packed_boundaries`` computes once per forward from the position ids
-(the rule of flash attention's varlen path). Without a mask sdpa runs its flash kernels (on CPU
-too: ``_scaled_dot_product_flash_attention_for_cpu``), which hold O(T) memory, forward and
-backward, on every device, in any dtype. The cost is one kernel launch per example per layer.
+(the rule of flash attention's varlen path). Without a mask sdpa runs a fused kernel (on CPU
+``_scaled_dot_product_flash_attention_for_cpu``; on CUDA flash or memory-efficient attention) that
+holds O(T) memory, forward and backward. The cost is one sdpa call per example per layer.
 
 Rows with a padding mask (unpacked batches, generation) take sdpa's own path with its mask.
 

@@ -2,7 +2,8 @@
 ``model.tiled_mlp``): combinations that
 cannot work on the resolved engine, whatever the machine. Pure, no torch, so ``llmft compile`` stays
 fast and runs on machines without a GPU; what the machine lacks and applying the switches to a built
-model are ``llmft.model.kernels``."""
+model are ``llmft.model.kernels``. Also which attention ``model.attn_implementation: auto`` runs
+(``chosen_attention``; ``llmft.model.attention`` gives it the machine's facts)."""
 
 from __future__ import annotations
 
