@@ -2,7 +2,8 @@
 against varlen_sdpa (``model.attn_implementation: auto`` for packed rows without flash-attn).
 
 Each case is a fresh process: a 1-layer Llama (hidden 64, 4 query heads, 2 KV heads, vocab 320,
-fp32, CPU) runs one forward and backward of one packed row of T tokens (8 examples of T/8 tokens,
+fp32, CPU) runs one forward and backward of one packed row of T tokens (8 examples of T/8 tokens
+by default,
 positions restarting at 0 for each, no attention mask), as the training loop calls it. It reports
 
 - ``peak MiB``: the growth of the process's peak resident set (``ru_maxrss``) over the step,
@@ -13,6 +14,7 @@ positions restarting at 0 for each, no attention mask), as the training loop cal
 
     python bench/long_attention.py                       # T = 2048, 4096, 8192
     python bench/long_attention.py --seqs 2048 4096 8192 16384
+    python bench/long_attention.py --seqs 4096 --examples 128   # many short examples a row
 """
 
 from __future__ import annotations
@@ -25,29 +27,33 @@ import sys
 import time
 
 ATTENTIONS = ("sdpa", "varlen_sdpa")
-EXAMPLES_PER_ROW = 8
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--examples", type=int, default=8, help="examples per row (equal lengths)")
     p.add_argument("--one", nargs=2, metavar=("ATTN", "SEQ"), help=argparse.SUPPRESS)  # a child process
     args = p.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one[0], int(args.one[1]))))
+        print(json.dumps(measure(args.one[0], int(args.one[1]), args.examples)))
         return
-    print("| attention | T | peak MiB | largest MiB | seconds |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| attention | T | examples | peak MiB | largest MiB | seconds |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for attn in ATTENTIONS:
         for seq in args.seqs:
             out = subprocess.run(
-                [sys.executable, __file__, "--one", attn, str(seq)], capture_output=True, text=True, check=True
+                [sys.executable, __file__, "--examples", str(args.examples), "--one", attn, str(seq)],
+                capture_output=True,
+                text=True,
+                check=True,
             )
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"| {attn} | {seq} | {r['peak_mib']:.1f} | {r['largest_mib']:.1f} | {r['seconds']:.2f} |")
+            row = f"{r['peak_mib']:.1f} | {r['largest_mib']:.1f} | {r['seconds']:.2f}"
+            print(f"| {attn} | {seq} | {args.examples} | {row} |")
 
 
-def measure(attn: str, seq: int) -> dict:
+def measure(attn: str, seq: int, examples: int) -> dict:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -81,7 +87,7 @@ def measure(attn: str, seq: int) -> dict:
 
     def step(n: int) -> None:
         ids = torch.randint(0, 320, (1, n))
-        positions = torch.arange(n // EXAMPLES_PER_ROW).repeat(EXAMPLES_PER_ROW)[None]
+        positions = torch.arange(n // examples).repeat(examples)[None]
         model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss.backward()
         model.zero_grad(set_to_none=True)
 
