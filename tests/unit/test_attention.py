@@ -240,3 +240,12 @@ def test_padding_free_dpo_with_auto_trains_like_sdpa(tmp_path):
         recipe = dpo_recipe(tmp_path / attn, model__attn_implementation=attn, data__packing=True, peft__method="lora")
         assert train_inproc(recipe) == 0
     assert_same_run(tmp_path / "auto", tmp_path / "sdpa", tol=1e-5)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_exports_base_model_resolves_auto_as_the_build_does(tmp_path, packing):
+    from llmft.model.build import load_base_model
+
+    recipe = write_recipe(tmp_path, model__attn_implementation="auto", data__packing=packing)
+    model = load_base_model(load_plan(recipe, []).recipe)
+    assert model.config._attn_implementation == (VARLEN_SDPA if packing else "sdpa")
