@@ -17,7 +17,7 @@ load) instead of a random init on the CPU.
 | ``qlora-8b`` | NF4 + double quant, LoRA r=16 all-linear, AdamW, bf16, gradient checkpointing, micro 1 x acc 4 |
 | ``lora-8b`` | bf16 base, LoRA r=16 all-linear, AdamW, gradient checkpointing, micro 1 x acc 4 |
 | ``full-1b`` | full fine-tune, AdamW on fp32 master weights, bf16 autocast, micro 2 x acc 4 |
-| ``long-8b`` | long context: bf16 base, LoRA r=16 all-linear, one packed row of ``--long-seq`` tokens (default 131,072) per step, gradient checkpointing, ``model.activation_offload``, ``model.tiled_mlp``, ``model.chunked_loss``, flash_attention_2 (varlen), ``distributed.sequence_parallel: 1`` |
+| ``long-8b`` | long context: bf16 base, LoRA r=16 all-linear, one packed row of ``--long-seq`` tokens (default 131,072) per step, gradient checkpointing, ``model.activation_offload``, ``model.tiled_mlp``, ``model.chunked_loss``, flash_attention_2 (varlen) or without flash-attn varlen_sdpa, ``distributed.sequence_parallel: 1`` |
 
 All rows are packed to ``--seq`` tokens (default 4096) from synthetic text with lognormal record
 lengths (``long-8b``: to ``--long-seq``, ~200 records a row). Variants: ``all on`` (``model.compile``, ``model.liger_kernels`` where liger-kernel and
@@ -29,7 +29,8 @@ variant, the largest |loss - all-on loss| over the steps (same data order and in
 the wall time of the whole process (set-up included). A run that fails (OOM, say) is a row that
 says so, and the bench goes on. ``long-8b`` runs one variant, ``long``: its switches are the
 memory ones; compile and Liger stay off (their fused MLP and the tiled MLP are two ways to do one
-thing), and flash_attention_2 is required (sdpa would build a mask of seq^2 entries).
+thing), and attention is flash_attention_2 where flash-attn is installed, else varlen_sdpa (torch's sdpa
+per packed example, ``model.attn_implementation: auto``'s choice; sdpa would build a mask of seq^2 entries).
 """
 
 from __future__ import annotations
@@ -310,6 +311,8 @@ def case_recipe(
     }
     if case.long:
         recipe["model"].update(LONG_MODEL)
+        # without flash-attn, torch's document-masked attention (sdpa would build a seq^2 mask)
+        recipe["model"]["attn_implementation"] = "flash_attention_2" if on["flash"] else "varlen_sdpa"
         recipe["distributed"].update(LONG_DISTRIBUTED)
         recipe["data"]["num_workers"] = 0  # one row a step: nothing to overlap, and no copy of a 128K row per worker
     return write_recipe(run_dir.parent / f"{run_dir.name}.yaml", recipe)

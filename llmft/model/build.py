@@ -13,6 +13,7 @@ vocabulary smaller than the tokenizer, target modules that do not exist) is a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
@@ -24,7 +25,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from llmft import loss
 from llmft.errors import Problem, UserError, cause_of
-from llmft.model import kernels, long_context
+from llmft.model import attention, kernels, long_context
 from llmft.model.adapters import apply_peft, init_adapters
 from llmft.model.heads import PEFT_TASK_TYPES, configure, init_head, model_class, recipe_head
 from llmft.model.precision import DTYPES, upcast_trainable
@@ -65,7 +66,7 @@ def build_model(
     the compute dtype, so that every parameter it shards has one dtype, and so does ZeRO-3); None: the
     recipe's, or uint8.
     """
-    m = recipe.model
+    m = resolved_model(recipe)
     dtype = DTYPES[m.dtype]
     quant = quantization_config(m.quantization, dtype, storage=quant_storage)
     head = recipe_head(recipe)  # the objective's head: the causal LM, or a scalar score (reward models)
@@ -135,7 +136,7 @@ def install_chunked_loss(plan: RunPlan, model: torch.nn.Module) -> None:
 
 def load_base_model(recipe: Recipe, *, dtype: torch.dtype | None = None, tokenizer: Any = None) -> PreTrainedModel:
     """The unquantized base model without adapters, for export: by name, or rebuilt from the seed."""
-    m = recipe.model
+    m = resolved_model(recipe)
     dtype = dtype or DTYPES[m.dtype]
     head = recipe_head(recipe)
     config = model_config(m)
@@ -143,6 +144,16 @@ def load_base_model(recipe: Recipe, *, dtype: torch.dtype | None = None, tokeniz
     if m.config is not None:
         return _from_config(m, config, recipe.run.seed, dtype, None, "cpu", head)
     return _from_pretrained(m, config, dtype, None, device_map={"": "cpu"}, head=head, seed=recipe.run.seed)
+
+
+def resolved_model(recipe: Recipe) -> ModelConfig:
+    """``recipe.model`` with ``attn_implementation: auto`` resolved to what this machine runs
+    (``llmft.model.attention``)."""
+    m = recipe.model
+    chosen = attention.choose(m.attn_implementation, recipe.data.packing)
+    if chosen != m.attn_implementation:
+        log.info("attention: %s (model.attn_implementation auto)", chosen)
+    return dataclasses.replace(m, attn_implementation=chosen)
 
 
 def check_vocab(config: PretrainedConfig, tokenizer: Any, m: ModelConfig) -> None:

@@ -21,6 +21,7 @@ float tolerance), and the tests compare the two where the torch path runs.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmft")
 
 # transformers' attention implementations that run varlen kernels when given cu_seq_lens.
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "varlen_sdpa")
 LIGER_INSTALL = "pip install -e '.[liger]' (or pip install liger-kernel)"
 
 
@@ -49,6 +50,8 @@ def check_available(m: ModelConfig) -> None:
         _check_liger()
     if m.compile:
         _check_compiler()
+    if m.attn_implementation == "flex_attention":
+        _check_flex()
 
 
 def _check_liger() -> None:
@@ -71,6 +74,30 @@ def _check_liger() -> None:
                 f"Install it: {LIGER_INSTALL}; or set model.liger_kernels=false.",
             )
         ) from None
+
+
+def _check_flex() -> None:
+    """transformers' flex path compiles FlexAttention; torch runs its backward on CUDA only."""
+    try:
+        importlib.import_module("torch.nn.attention.flex_attention")
+    except ImportError as e:
+        raise UserError(
+            Problem(
+                "model.attn_implementation",
+                f"is flex_attention, but this torch ({torch.__version__}) has no FlexAttention ({e})",
+                "Set model.attn_implementation=auto (varlen_sdpa for packed rows: no seq^2 mask), or install torch >= 2.5.",
+            )
+        ) from None
+    if not torch.cuda.is_available():
+        raise UserError(
+            Problem(
+                "model.attn_implementation",
+                f"is flex_attention, but this machine has no CUDA GPU, and torch {torch.__version__} has no "
+                "FlexAttention backward on CPU (training would stop at the first backward)",
+                "Set model.attn_implementation=auto (varlen_sdpa for packed rows: the same document mask, no seq^2 "
+                "memory, on any device), or run on a CUDA GPU.",
+            )
+        )
 
 
 def _check_compiler() -> None:

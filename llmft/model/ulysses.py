@@ -13,9 +13,9 @@ What llmft adds around it (``install``):
   two rows per pair and its reference pass runs through the same attention;
 - the attention mask transformers built for the local slice is dropped (DeepSpeed does too) and
   rebuilt from the gathered whole-row position ids: a packed row gets its block-diagonal causal
-  mask under sdpa (DeepSpeed's wrapper would let its sequences attend to each other), and
-  flash attention's varlen boundaries (``model.kernels.varlen_kwargs``) are recomputed for the
-  whole row instead of the slice.
+  mask under sdpa (DeepSpeed's wrapper would let its sequences attend to each other), and the
+  varlen boundaries (``model.kernels.varlen_kwargs``) of flash attention and ``varlen_sdpa``
+  (``llmft.model.attention``) are recomputed for the whole row instead of the slice.
 
 The groups are DeepSpeed's (``parallel_state_sp``): ranks ``[g*N, (g+1)*N)`` share sequence group
 ``g``, the same split as ``ParallelLayout.dp_rank``; the returned module is the ``mpu`` that
@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmft.model.kernels import varlen_kwargs
+from llmft.model.kernels import VARLEN_ATTENTION, varlen_kwargs
 
 _INSTALLED: dict[str, Any] = {}  # attn implementation -> the Ulysses attention installed for it (one per process)
 
@@ -56,7 +56,9 @@ def install(model: torch.nn.Module, sp: int) -> ModuleType:
     impl = config._attn_implementation
     if impl in _INSTALLED:
         return mpu
-    assert impl in ("sdpa", "flash_attention_2"), "resolve refuses other attention with sequence parallelism"
+    assert impl in ("sdpa", "flash_attention_2", "varlen_sdpa"), (
+        "resolve refuses other attention with sequence parallelism"
+    )
     uattn = UlyssesSPAttentionHF(
         attn=_whole_row_attention(ALL_ATTENTION_FUNCTIONS[impl], impl),
         batch_size=1,
@@ -94,7 +96,7 @@ def _whole_row_attention(core: Callable, impl: str) -> Callable:
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         pos = kwargs["position_ids"]  # gathered by DeepSpeed: whole rows
-        if kwargs.get("cu_seq_lens_q") is not None or (impl.startswith("flash") and _packed(pos)):
+        if kwargs.get("cu_seq_lens_q") is not None or (impl in VARLEN_ATTENTION and _packed(pos)):
             kwargs.update(varlen_kwargs(pos))
         elif attention_mask is None and _packed(pos):
             attention_mask = block_causal_mask(pos)

@@ -2,7 +2,8 @@
 ``model.tiled_mlp``): combinations that
 cannot work on the resolved engine, whatever the machine. Pure, no torch, so ``llmft compile`` stays
 fast and runs on machines without a GPU; what the machine lacks and applying the switches to a built
-model are ``llmft.model.kernels``."""
+model are ``llmft.model.kernels``. Also which attention ``model.attn_implementation: auto`` runs
+(``chosen_attention``; ``llmft.model.attention`` gives it the machine's facts)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,21 @@ def recipe_problems(r: Recipe, spec: EngineSpec) -> list[Problem]:
             )
         )
     return p + tiled_mlp_problems(r, spec)
+
+
+# torch's document-masked attention for packed rows (llmft.model.attention), a transformers attention name.
+VARLEN_SDPA = "varlen_sdpa"
+
+
+def chosen_attention(attn_implementation: str, packing: bool, flash: bool) -> str:
+    """What ``model.attn_implementation`` runs: itself, or for ``auto``: flash_attention_2 where
+    ``flash`` (flash-attn imports and CUDA is present), else varlen_sdpa for packed rows (no seq^2
+    mask), else sdpa."""
+    if attn_implementation != "auto":
+        return attn_implementation
+    if flash:
+        return "flash_attention_2"
+    return VARLEN_SDPA if packing else "sdpa"
 
 
 # MLP linears of a Llama-style layer: what peft.dropout would randomise inside a tiled MLP.

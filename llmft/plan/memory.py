@@ -333,6 +333,12 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
             f"distributed.fsdp_grad_sync=micro_step would keep gradients sharded while accumulating and save "
             f"{saved / GIB:.1f} GiB, for a reduce-scatter every micro-step"
         )
+    mask = packed_mask_bytes(recipe, tokens)
+    if mask >= MASK_NOTE_BYTES:
+        notes.append(
+            f"sdpa keeps packed rows apart with a T x T mask per row ({mask / GIB:.2f} GiB, in activations); "
+            "model.attn_implementation=auto (varlen_sdpa, or flash_attention_2 where flash-attn is installed) needs none"
+        )
     if recipe.optim.name.startswith("paged"):
         notes.append("paged optimizer state is counted on the GPU; under pressure it pages to CPU RAM")
     if not layout.optimizer_on_gpu or not layout.weights_on_gpu:
@@ -495,6 +501,7 @@ def _activations(recipe: Recipe, shape: ModelShape, params: Params, tokens: int,
     per_layer = saved * tokens + mlp * tile
     # Embedding output and final norm, outside the layers.
     outside = (a + 4 + 2 * a) * h * tokens
+    outside += packed_mask_bytes(recipe, tokens)
     if not m.gradient_checkpointing:
         return shape.num_layers * saved * tokens + mlp * tile + outside
     layer_input = a * h * tokens
@@ -504,6 +511,23 @@ def _activations(recipe: Recipe, shape: ModelShape, params: Params, tokens: int,
     else:
         kept = shape.num_layers * layer_input
     return kept + max(per_layer - logits, 0) + outside
+
+
+MASK_NOTE_BYTES = 64 * 2**20  # sdpa's packed-row mask from which the plan suggests auto (8K-token rows)
+
+
+def packed_mask_bytes(recipe: Recipe, tokens: int) -> int:
+    """The attention mask of packed rows: sdpa gets a ``rows x 1 x T x T`` boolean block-diagonal mask
+    (transformers builds it once per forward, and every layer's attention keeps it for backward;
+    under sequence parallelism ``llmft.model.ulysses`` builds it for the whole rows, one per layer,
+    counted once: checkpointing frees the others). Flash attention, varlen_sdpa (and ``auto``,
+    which picks one of them for packed rows) and flex_attention (its block mask holds
+    O((T/128)^2) indices) have no seq^2 term."""
+    if recipe.model.attn_implementation != "sdpa" or not recipe.data.packing:
+        return 0
+    seq = recipe.data.max_seq_len
+    rows = -(-tokens // -(-seq // sequence_parallel(recipe)))
+    return rows * seq * seq
 
 
 def longest_sequence(recipe: Recipe, engine: str, dp_size: int, gpu_memory_gb: float, micro: int = 1) -> int:

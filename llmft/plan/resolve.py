@@ -428,7 +428,7 @@ def engine_problems(r: Recipe, spec: EngineSpec, dp_size: int, where: Callable[[
 
 
 # Attention kernels Ulysses runs with packed rows kept apart (llmft.model.ulysses).
-SEQUENCE_PARALLEL_ATTENTION = ("sdpa", "flash_attention_2")
+SEQUENCE_PARALLEL_ATTENTION = ("sdpa", "flash_attention_2", "varlen_sdpa", "auto")
 
 
 def sequence_parallel_problems(

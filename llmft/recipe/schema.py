@@ -89,8 +89,11 @@ class ModelConfig:
     dtype: str = doc("bf16", "Training (compute) dtype.", choices=DTYPES)
     attn_implementation: str = doc(
         "sdpa",
-        "Attention kernel passed to transformers.",
-        choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
+        "Attention kernel passed to transformers. varlen_sdpa: torch's sdpa run causally on each example of a "
+        "packed row (no seq^2 mask; memory linear in the row's length, any device). auto: flash_attention_2 "
+        "where flash-attn imports and CUDA is present, else varlen_sdpa with data.packing, else sdpa. "
+        "flex_attention needs CUDA to train (torch has no FlexAttention backward on CPU). docs/long-context.md.",
+        choices=("sdpa", "eager", "flash_attention_2", "flex_attention", "varlen_sdpa", "auto"),
     )
     gradient_checkpointing: bool = doc(False, "Recompute activations in the backward pass to save memory.")
     activation_offload: bool = doc(

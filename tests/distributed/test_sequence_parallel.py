@@ -1,7 +1,8 @@
 """``distributed.sequence_parallel: 2`` on 2 ranks against one process with the whole sequence
 (docs/long-context.md): the same gradient (<= 1e-5 relative) and the same weights
 after a few SGD steps, on DDP, FSDP2, ZeRO-2 and ZeRO-3, full fine-tuning and LoRA, packed and
-unpacked rows, an odd row length, a GQA model with one KV head (replicated to both ranks); two
+unpacked rows, an odd row length, a GQA model with one KV head (replicated to both ranks); varlen_sdpa
+(``model.attn_implementation: auto`` for packed rows) against sdpa's masked rows; two
 sequence groups and sp 4 on 4 ranks; dpo, a reward model and a precomputed reference; resume;
 the chunked loss.
 
@@ -100,6 +101,15 @@ def test_sequence_parallel_4_replicates_kv_heads_and_matches_one_process(tmp_pat
     packed rows of odd length 63, padded to 64 (16 tokens per rank)."""
     keys = ["distributed.sequence_parallel=4", "batch.micro_batch_size=2"]
     _matches_one_process(tmp_path, FSDP + PACKED_ODD, keys, nproc=4)
+
+
+@pytest.mark.parametrize("engine", _cases(["ddp", "zero3"], {"zero3"}))
+def test_varlen_sdpa_sequence_parallel_matches_one_process_sdpa(tmp_path, engine):
+    """sp 2 on 2 ranks with model.attn_implementation=auto (varlen_sdpa here: each example of the
+    whole packed row on its own, llmft/model/attention.py) against one process with sdpa's
+    block-diagonal mask: packed rows of odd length, a GQA model with one KV head."""
+    overrides = {"ddp": ["distributed.engine=ddp"], "zero3": ZERO3}[engine] + PACKED_ODD + GQA_1KV
+    _matches_one_process(tmp_path, overrides, [*SP2, "model.attn_implementation=auto"], nproc=2)
 
 
 def _matches_one_process(tmp_path, overrides: list[str], sp_keys: list[str], nproc: int) -> None:

@@ -1,4 +1,4 @@
-"""Long context on CUDA: flash-attention varlen over long packed rows, and
+"""Long context on CUDA: flash-attention varlen (and torch's varlen_sdpa) over long packed rows, and
 DeepSpeed's Ulysses attention (UlyssesSPAttentionHF around flash_attention_2) against one process.
 Marked ``gpu`` and skipped without CUDA (tests/conftest.py) or without flash-attn.
 
@@ -25,12 +25,19 @@ CUDA = torch.device("cuda")
 LONG = 1 << 17  # 131,072 tokens: the bench's long-context row
 
 
-def test_flash_varlen_on_a_128k_packed_row_equals_each_document_alone():
+@pytest.mark.parametrize("attn", ["flash_attention_2", "varlen_sdpa"])
+def test_flash_varlen_on_a_128k_packed_row_equals_each_document_alone(attn):
     """A 128K-token row packed by the cache's code and collated as training collates it: flash
-    attention's varlen kernel (boundaries from the position ids) gives every document the token
-    losses it has alone, within bf16 rounding."""
-    pytest.importorskip("flash_attn", reason="flash-attn is not installed")
+    attention's varlen kernel (boundaries from the position ids), or torch's sdpa per document
+    (varlen_sdpa, what ``auto`` picks without flash-attn), gives every document the token losses
+    it has alone, within bf16 rounding."""
+    if attn == "flash_attention_2":
+        pytest.importorskip("flash_attn", reason="flash-attn is not installed")
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmft.model import attention, kernels
+
+    attention.register()
 
     from llmft.data import collate
     from llmft.data.encode import Example
@@ -47,8 +54,9 @@ def test_flash_varlen_on_a_128k_packed_row_equals_each_document_alone():
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(**{**TINY_LLAMA, "max_position_embeddings": LONG})
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="flash_attention_2", dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.bfloat16)
     model.to(CUDA).eval()
+    kernels.pass_packed_boundaries(model)  # as the loop does for varlen attention
     with torch.no_grad():
         logits = model(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False).logits.float()
         at = 0

@@ -116,7 +116,7 @@ def test_eager_attention_is_refused(recipe):
             nproc_per_node=2,
         )
     assert "eager attention cannot run sequence-parallel here" in str(e.value)
-    assert "Set model.attn_implementation to sdpa or flash_attention_2." in str(e.value)
+    assert "Set model.attn_implementation to sdpa, flash_attention_2, varlen_sdpa or auto." in str(e.value)
 
 
 def test_a_reward_model_and_a_precomputed_reference_resolve_with_sp(recipe):
