@@ -18,6 +18,7 @@ from llmft.engines import Engine
 from llmft.flops import flops_per_token, mfu, peak_flops
 from llmft.loop import LoopState
 from llmft.model.structure import describe
+from llmft.plan.kernels import kernel_paths_line
 from llmft.plan.resolve import RunPlan, describe_engine
 from llmft.plan.shape import model_shape
 from llmft.plot import plot_run
@@ -48,7 +49,8 @@ def banner(plan: RunPlan, env: DistEnv, steps: int, engine: Engine, data) -> str
         if data.num_rows is not None  # a stream's length is unknown
         else f"data: streamed, {steps} optimizer steps ({steps * b.global_batch_size:,} {'pairs' if pairs else 'rows'})",
     ]
-    return "\n".join(lines)
+    paths = kernel_paths_line(recipe.model)  # compile and Liger: which one runs each part of the model
+    return "\n".join([*lines, paths] if paths else lines)
 
 
 def versions() -> dict[str, str]:
