@@ -2,7 +2,8 @@
 three single-GPU fine-tunes, each also run with every speed switch off, as one markdown table.
 
     python bench/gpu.py                       # on one CUDA GPU (bench/gpu.sh calls this)
-    python bench/gpu.py --check               # CPU, tiny shapes, 2 steps: keeps the script working in CI
+    python bench/gpu.py --quick               # qlora-8b and full-1b, all on and compile off, and the peer row
+    python bench/gpu.py --check               # CPU, tiny shapes, fp32, 2 steps: keeps the script working in CI
     python bench/gpu.py --cases full-1b --steps 20
 
 Nothing is downloaded. The models are random weights in the shapes of meta-llama/Llama-3.1-8B and
@@ -30,6 +31,15 @@ the wall time of the whole process (set-up included). A run that fails (OOM, say
 says so, and the bench goes on. ``long-8b`` runs one variant, ``long``: its switches are the
 memory ones; compile and Liger stay off (their fused MLP and the tiled MLP are two ways to do one
 thing), and flash_attention_2 is required (sdpa would build a mask of seq^2 entries).
+
+``--quick`` (one short call, from a bare machine): ``qlora-8b`` and ``full-1b``, all on and compile
+off, 6 steps (medians after 2), and after ``qlora-8b`` the peer row: Hugging Face Trainer + PEFT +
+bitsandbytes with the QLoRA recipe on the same model directory (bench/peer_hf.py), with llmft's
+tokens/s over the peer's and both peaks. Every case's all-on run goes through bench/gpu_phases.py:
+two steps after the measured ones, one timed by phase (data wait, forward, backward, optimizer) and
+one profiled (top kernels), printed under "Where the time goes". ``gpu.md`` is rewritten after every
+run, so a bench cut off keeps what finished. A package llmft needs and cannot import is named with
+its install command before anything runs; a case's own (bitsandbytes) makes that case's row say so.
 """
 
 from __future__ import annotations
