@@ -76,7 +76,7 @@ if [ "$PARTS" = all ] || [ "$PARTS" = bench ]; then
     cp "$bench/gpu.md" "$OUT/gpu.md" 2>/dev/null || true
 fi
 if [ "$PARTS" = all ] || [ "$PARTS" = tests ]; then
-    timeout "${TESTS_TIMEOUT_S:-540}" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -n 0 -rs \
+    timeout "${TESTS_TIMEOUT_S:-540}" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs \
         --junitxml "$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.txt"
     status=$((status | ${PIPESTATUS[0]}))
 fi
