@@ -23,8 +23,8 @@ OUT_ABS="$(cd "$OUT" && pwd)"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 NEEDED="torch transformers peft accelerate omegaconf datasets safetensors yaml deepspeed bitsandbytes pytest"
-missing() {
-    "$PY" - "$@" <<'EOF'
+missing() {  # the import names that fail (imports may print their own warnings: only our line counts)
+    "$PY" - "$@" 2>/dev/null <<'EOF'
 import importlib, sys
 gone = []
 for name in sys.argv[1:]:
@@ -32,16 +32,16 @@ for name in sys.argv[1:]:
         importlib.import_module(name)
     except Exception as e:
         gone.append(name)
-print(" ".join(gone))
+print("MISSING:" + " ".join(gone))
 EOF
 }
 
-gone="$(missing $NEEDED)"
+gone="$(missing $NEEDED | sed -n 's/^MISSING://p')"
 if [ -n "$gone" ] && [ -n "${WHEELS:-}" ]; then
     pkgs="$(echo "$gone" | sed 's/\byaml\b/pyyaml/')"
     echo "gpu_check: installing from $WHEELS (offline): $pkgs"
     "$PY" -m pip install --no-index --find-links "$WHEELS" $pkgs || true
-    gone="$(missing $NEEDED)"
+    gone="$(missing $NEEDED | sed -n 's/^MISSING://p')"
 fi
 if [ -n "$gone" ]; then
     echo "gpu_check: missing Python packages: $gone" >&2
@@ -71,7 +71,7 @@ if [ "$PARTS" = all ] || [ "$PARTS" = bench ]; then
     timeout "${BENCH_TIMEOUT_S:-540}" bash bench/gpu.sh --quick --out "$bench" 2>&1 | tee "$OUT/bench.log"
     status=$((status | ${PIPESTATUS[0]}))
     # the table (rewritten after every run, so a cut-off bench keeps what finished) and the small files
-    (cd "$bench" && find . -maxdepth 3 \( -name gpu.md -o -name '*.log' -o -name '*.yaml' -o -name '*.phases.json' \
+    [ -d "$bench" ] && (cd "$bench" && find . -maxdepth 3 \( -name gpu.md -o -name '*.log' -o -name '*.yaml' -o -name '*.phases.json' \
         -o -name metrics.jsonl \) -size -5M -print0 | xargs -0 -r cp --parents -t "$OUT_ABS")
     cp "$bench/gpu.md" "$OUT/gpu.md" 2>/dev/null || true
 fi
