@@ -51,7 +51,7 @@ def test_bench_gpu_check_runs_every_case_and_variant(tmp_path):
     assert "failed" not in table and "Whole bench:" in table
 
 
-@pytest.mark.slow  # five processes, two of them compiling: ~4 min on 2 shared cores (12 under a load of 15)
+@pytest.mark.slow  # five processes, two of them compiling: ~5 min on 2 shared cores at a load average of 15
 def test_bench_gpu_quick_check_runs_both_cases_and_the_peer(tmp_path):
     out = tmp_path / "bench"
     table = _bench(out, "--quick")
