@@ -621,6 +621,8 @@ def timing_text(timing: dict[str, dict[str, Any]]) -> list[str]:
     out.append(table(["case", "step s", "data wait s", "forward s", "backward s", "optimizer s", "other s"], rows))
     for name, t in timing.items():
         kernels = t.get("kernels") or []
+        if not kernels:  # the run ended before its profiled step
+            continue
         unit = "device" if t.get("device") != "cpu" else "CPU"
         out += ["", f"Top {len(kernels)} by own {unit} time, one step of {name} ({t.get('device')}):", ""]
         out.append(table(["kernel / op", "ms", "calls"], [[k["name"], f"{k['ms']:.2f}", k["calls"]] for k in kernels]))

@@ -305,6 +305,15 @@ def test_compile_and_liger_pick_one_path_per_module(tmp_path, compile_, liger, p
     got = kernel_paths(m)
     assert (got.compiled_layers, got.liger_layers, got.liger_loss) == paths
     assert kernel_paths_line(m) == line
+    from types import SimpleNamespace
+
+    from llmft.dist import DistEnv
+    from llmft.report import banner
+
+    plan = load_plan(str(tmp_path / "recipe.yaml"), [])
+    engine, data = SimpleNamespace(unwrap=lambda: torch.nn.Linear(2, 2)), SimpleNamespace(train=range(9), num_rows=9)
+    text = banner(plan, DistEnv(), 3, engine, data)
+    assert (line in text.splitlines()) if line else "kernel paths" not in text  # the start banner's line
 
 
 @pytest.mark.parametrize("compile_", [False, True])
