@@ -5,7 +5,8 @@ estimate mirrors how llmft's engines hold a model (see ``engines/``):
 
 - single / DDP / FSDP: trainable weights are upcast to fp32 (so their gradients and
   optimizer state are fp32 too) and autocast (or FSDP's MixedPrecisionPolicy) runs the
-  matmuls in ``model.dtype``; frozen weights stay in ``model.dtype``.
+  matmuls in ``model.dtype``; frozen weights stay in ``model.dtype``. A trained fp32 embedding
+  under autocast (single / DDP) makes the residual stream fp32 (``residual_bytes``).
 - DeepSpeed: weights and gradients in ``model.dtype``, fp32 master weights beside the
   optimizer state (the ZeRO paper's 2 + 2 + 12 bytes per parameter for bf16 + Adam).
 - QLoRA: the unquantized weights (embedding, head, norms) are frozen and stay in
