@@ -2,7 +2,8 @@
 three single-GPU fine-tunes, each also run with every speed switch off, as one markdown table.
 
     python bench/gpu.py                       # on one CUDA GPU (bench/gpu.sh calls this)
-    python bench/gpu.py --check               # CPU, tiny shapes, 2 steps: keeps the script working in CI
+    python bench/gpu.py --quick               # qlora-8b and full-1b, all on and compile off, and the peer row
+    python bench/gpu.py --check               # CPU, tiny shapes, fp32, 2 steps: keeps the script working in CI
     python bench/gpu.py --cases full-1b --steps 20
 
 Nothing is downloaded. The models are random weights in the shapes of meta-llama/Llama-3.1-8B and
@@ -31,6 +32,15 @@ says so, and the bench goes on. ``long-8b`` runs one variant, ``long``: its swit
 memory ones; compile and Liger stay off (their fused MLP and the tiled MLP are two ways to do one
 thing), and attention is flash_attention_2 where flash-attn is installed, else varlen_sdpa (torch's sdpa
 per packed example, ``model.attn_implementation: auto``'s choice; sdpa would build a mask of seq^2 entries).
+
+``--quick`` (one short call, from a bare machine): ``qlora-8b`` and ``full-1b``, all on and compile
+off, 6 steps (medians after 2), and after ``qlora-8b`` the peer row: Hugging Face Trainer + PEFT +
+bitsandbytes with the QLoRA recipe on the same model directory (bench/peer_hf.py), with llmft's
+tokens/s over the peer's and both peaks. Every case's all-on run goes through bench/gpu_phases.py:
+two steps after the measured ones, one timed by phase (data wait, forward, backward, optimizer) and
+one profiled (top kernels), printed under "Where the time goes". ``gpu.md`` is rewritten after every
+run, so a bench cut off keeps what finished. A package llmft needs and cannot import is named with
+its install command before anything runs; a case's own (bitsandbytes) makes that case's row say so.
 """
 
 from __future__ import annotations
@@ -63,7 +73,7 @@ TINY = dict(
     vocab_size=320,
 )
 GOALS = {
-    "qlora-8b": "goal: >= 5,000 tok/s and peak <= 10 GiB (one H100/H200, 4096-token packed rows)",
+    "qlora-8b": "goal: >= 1.3x the peer's tokens/s at <= the peer's peak memory (one H100/H200, 4096-token rows)",
     "full-1b": "goal: >= 45 % MFU (one H100/H200)",
     "long-8b": "goal: 128K tokens on one H200 with offload + tiling, tokens/s reported (beyond: ALST's 500K on 80 GB)",
 }
@@ -83,6 +93,7 @@ class Case:
     quantization: dict[str, Any] | None = None
     gradient_checkpointing: bool = True
     long: bool = False  # long context: rows of --long-seq, the LONG_* switches, one variant
+    peer: bool = False  # --quick: the HF Trainer + PEFT + bitsandbytes row beside it (bench/peer_hf.py)
 
 
 LORA = {"method": "lora", "r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
@@ -95,6 +106,7 @@ CASES = {
         lr=2e-4,
         peft=LORA,
         quantization={"bits": 4, "quant_type": "nf4", "double_quant": True},
+        peer=True,
     ),
     "lora-8b": Case("lora-8b", "meta-llama/Llama-3.1-8B", micro=1, global_batch=4, lr=2e-4, peft=LORA),
     "full-1b": Case(
@@ -103,89 +115,104 @@ CASES = {
     "long-8b": Case("long-8b", "meta-llama/Llama-3.1-8B", micro=1, global_batch=1, lr=2e-4, peft=LORA, long=True),
 }
 LONG_VARIANT = "long"
+QUICK_CASES = ("qlora-8b", "full-1b")
+OPTIONAL = {"liger-kernel": "liger_kernel.transformers", "flash-attn": "flash_attn"}  # package: module
+PEER_VARIANT = "peer: HF Trainer + PEFT + bnb"
+# What llmft needs to run at all (pyproject's dependencies, by import name), and what a case needs.
+CORE = ("transformers", "peft", "accelerate", "omegaconf", "datasets", "safetensors", "yaml", "deepspeed")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="CPU, tiny shapes, 2 steps, 128-token rows")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 12; --check 2)")
-    ap.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (default 4; --check 0)")
-    ap.add_argument("--seq", type=int, default=None, help="tokens per packed row (default 4096; --check 128)")
-    ap.add_argument(
-        "--long-seq", type=int, default=None, help="tokens per row of long-8b (default 131072; --check 2048)"
-    )
-    ap.add_argument("--out", default="runs/bench-gpu", help="runs, models, logs and gpu.md go here")
-    ap.add_argument("--timeout", type=int, default=900, help="seconds one training run may take")
-    args = ap.parse_args()
-
+    args = parse_args()
     import torch
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.check:
         print("bench/gpu.py: no CUDA GPU here; use --check for the CPU smoke run", file=sys.stderr)
         return 2
-    steps = args.steps or (2 if args.check else 12)
-    warmup = args.warmup if args.warmup is not None else (0 if args.check else 4)
+    missing = missing_core()
+    if missing:
+        print(
+            "bench/gpu.py: llmft cannot run here, missing: "
+            + "; ".join(missing)
+            + ". Install llmft's dependencies from this checkout: pip install -e .",
+            file=sys.stderr,
+        )
+        return 2
+    quick = args.quick
+    steps = args.steps or (2 if args.check else 6 if quick else 12)
+    warmup = args.warmup if args.warmup is not None else (0 if args.check else 2 if quick else 4)
     seq = args.seq or (128 if args.check else 4096)
     long_seq = args.long_seq or (2048 if args.check else 131072)
     long_steps = args.steps or (2 if args.check else 5)  # each step is 32x the tokens of a 4096-token one
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    cases = [CASES[c] for c in args.cases.split(",") if c]
+    names = args.cases or ",".join(QUICK_CASES if quick else CASES)
+    cases = [CASES[c] for c in names.split(",") if c]
 
     switches = available_switches(cuda)
-    variants = ["all on", *[f"{s} off" for s in switches]]
+    variants = ["all on", "compile off"] if quick else ["all on", *[f"{s} off" for s in switches]]
     data = out / "synthetic.jsonl"
     largest = max(c.global_batch for c in cases)
-    tokens_needed = max(c.global_batch * (long_seq if c.long else seq) for c in cases) * (steps + 1) * 1.3
+    tokens_needed = max(c.global_batch * (long_seq if c.long else seq) for c in cases) * (steps + 3) * 1.3
     # records longer than a row are truncated to one row each: enough records for every step's batch
-    write_synthetic(data, int(tokens_needed), min_records=largest * (steps + 1))
+    write_synthetic(data, int(tokens_needed), min_records=largest * (steps + 3))
 
-    started = time.perf_counter()
-    rows: list[list[Any]] = []
-    notes: list[str] = []
+    report = Report(out / "gpu.md", machine_line(args.check, switches, seq, steps, warmup, long_seq), quick)
+    dtype = "fp32" if args.check else "bf16"  # CI: exact enough to compare compile on and off
     for case in cases:
+        lacking = case_missing(case)
+        if lacking:
+            report.add_rows([[case.name, "skipped", f"missing {lacking}", *[""] * 7]])
+            continue
         model_dir = ensure_model(out / "models", case.shape, tiny=args.check, cuda=cuda)
-        results = {}
+        results: dict[str, Result] = {}
         mine = [LONG_VARIANT] if case.long else variants
         for variant in mine:
             on = {s: s in switches and variant != f"{s} off" for s in ("compile", "liger", "flash")}
             if case.long:  # the memory switches only; flash attention where this machine has it
                 on = {"compile": False, "liger": False, "flash": "flash" in switches}
             length, n = (long_seq, long_steps) if case.long else (seq, steps)
-            recipe = case_recipe(case, model_dir, data, out / case.name / slug(variant), on, length, n, args.check)
-            results[variant] = run(recipe, out / case.name / f"{slug(variant)}.log", args.timeout, cuda)
-        rows += table_rows(case, results, mine, min(warmup, long_steps - 1) if case.long else warmup)
+            run_dir = out / case.name / slug(variant)
+            recipe = case_recipe(case, model_dir, data, run_dir, on, length, n, dtype)
+            phases = n if variant == "all on" else None  # "where the time goes": two steps added
+            results[variant] = run(recipe, out / case.name / f"{slug(variant)}.log", args.timeout, cuda, phases)
+            done = [v for v in mine if v in results]
+            report.set_case(case.name, table_rows(case, results, done, min(warmup, n - 1), n))
+            report.phases(case.name, recipe.with_suffix(".phases.json"))
+        if quick and case.peer:
+            peer = run_peer(case, model_dir, data, out / case.name / "peer", seq, steps, dtype, args.timeout)
+            report.peer(case, results.get("all on"), peer, warmup, steps)
         if case.name in GOALS and not args.check:
-            notes.append(f"- {case.name}: {GOALS[case.name]}")
-
-    header = [
-        "case",
-        "variant",
-        "tokens/s",
-        "MFU",
-        "peak GiB",
-        "estimate GiB",
-        "peak / estimate",
-        "all-on speed / this",
-        "max abs loss diff vs all on",
-        "run wall s",
-    ]
-    text = "\n".join(
-        [
-            machine_line(args.check, switches, seq, steps, warmup, long_seq),
-            "",
-            table(header, rows),
-            "",
-            *notes,
-            f"\nWhole bench: {time.perf_counter() - started:,.0f} s wall (model directories included).",
-        ]
-    )
-    (out / "gpu.md").write_text(text + "\n")
-    print(text)
-    failed = [r for r in rows if str(r[2]).startswith("failed")]
+            report.notes.append(f"- {case.name}: {GOALS[case.name]}")
+    report.finish()
+    print(report.text())
+    failed = [r for r in report.all_rows() if str(r[2]).startswith("failed")]
     return 1 if failed and args.check else 0
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="CPU, tiny shapes, fp32, 2 steps, 128-token rows")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="qlora-8b and full-1b, all on and compile off, and the peer row (HF Trainer + PEFT + bitsandbytes)",
+    )
+    ap.add_argument("--cases", default=None, help="comma-separated, from: " + ", ".join(CASES))
+    ap.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps per run (default 12; --quick 6; --check 2)"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="steps left out of the medians (default 4; --quick 2; --check 0)"
+    )
+    ap.add_argument("--seq", type=int, default=None, help="tokens per packed row (default 4096; --check 128)")
+    ap.add_argument(
+        "--long-seq", type=int, default=None, help="tokens per row of long-8b (default 131072; --check 2048)"
+    )
+    ap.add_argument("--out", default="runs/bench-gpu", help="runs, models, logs and gpu.md go here")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds one training run may take")
+    return ap.parse_args()
 
 
 # --- switches, models, data -------------------------------------------------------------------
@@ -199,6 +226,33 @@ def available_switches(cuda: bool) -> list[str]:
     if cuda and _importable("flash_attn"):
         found.append("flash")
     return found
+
+
+def missing_core() -> list[str]:
+    """``name (why)`` for each package llmft needs that cannot be imported here."""
+    out = []
+    for name in CORE:
+        why = _import_error(name)
+        if why:
+            out.append(f"{name} ({why})")
+    return out
+
+
+def case_missing(case: Case) -> str | None:
+    """What this machine lacks for ``case``, said as a fix (None: nothing)."""
+    if case.quantization is not None:
+        why = _import_error("bitsandbytes")
+        if why:
+            return f"bitsandbytes ({why}): pip install bitsandbytes"
+    return None
+
+
+def _import_error(module: str) -> str | None:
+    try:
+        __import__(module)
+        return None
+    except Exception as e:  # an installed package that fails to import is as missing
+        return f"{type(e).__name__}: {e}"
 
 
 def _importable(module: str) -> bool:
@@ -279,13 +333,13 @@ def slug(variant: str) -> str:
 
 
 def case_recipe(
-    case: Case, model_dir: Path, data: Path, run_dir: Path, on: dict[str, bool], seq: int, steps: int, check: bool
+    case: Case, model_dir: Path, data: Path, run_dir: Path, on: dict[str, bool], seq: int, steps: int, dtype: str
 ) -> Path:
     recipe = {
         "run": {"output_dir": str(run_dir), "seed": 0, "overwrite": True, "tensorboard": False},
         "model": {
             "name_or_path": str(model_dir),
-            "dtype": "bf16",
+            "dtype": dtype,
             "attn_implementation": "flash_attention_2" if on["flash"] else "sdpa",
             "gradient_checkpointing": case.gradient_checkpointing,
             "quantization": case.quantization,
@@ -301,7 +355,7 @@ def case_recipe(
             "packing": True,
             "shuffle": True,
             "train_on": "all",
-            "num_workers": 0 if check else 2,
+            "num_workers": 0 if dtype == "fp32" else 2,  # fp32: the CPU check
         },
         "batch": {"global_batch_size": case.global_batch, "micro_batch_size": case.micro},
         "optim": {"name": "adamw", "lr": case.lr, "scheduler": "constant", "warmup_steps": 0, "max_grad_norm": 1.0},
@@ -329,15 +383,24 @@ class Result:
     error: str | None
 
 
-def run(recipe: Path, log: Path, timeout: int, cuda: bool) -> Result:
+def run(recipe: Path, log: Path, timeout: int, cuda: bool, phases: int | None = None) -> Result:
+    """``llmft train recipe`` in its own process; with ``phases`` (the recipe's steps) through
+    bench/gpu_phases.py, which adds a step timed by phase and a profiled one."""
     import yaml
 
     run_dir = Path(yaml.safe_load(recipe.read_text())["run"]["output_dir"])
+    if phases is None:
+        cmd = [sys.executable, "-m", "llmft", "train", str(recipe)]
+    else:
+        cmd = [sys.executable, str(ROOT / "bench" / "gpu_phases.py"), str(recipe), "--steps", str(phases)]
+    return _run_logged(cmd, run_dir, recipe, log, timeout, cuda)
+
+
+def _run_logged(cmd: list[str], run_dir: Path, recipe: Path, log: Path, timeout: int, cuda: bool) -> Result:
     env = dict(os.environ)
     if cuda and USER_OMP is None:
         env.pop("OMP_NUM_THREADS", None)  # loading and the data workers want the CPU cores
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "llmft", "train", str(recipe)]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "bench"), env.get("PYTHONPATH")) if p)
     print(f"== {' '.join(cmd)}  (log: {log})", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -353,12 +416,14 @@ def run(recipe: Path, log: Path, timeout: int, cuda: bool) -> Result:
     return Result(recipe, run_dir, wall, error)
 
 
-def table_rows(case: Case, results: dict[str, Result], variants: list[str], warmup: int) -> list[list[Any]]:
+def table_rows(case: Case, results: dict[str, Result], variants: list[str], warmup: int, steps: int) -> list[list[Any]]:
+    """One row per finished variant; the medians over steps ``warmup + 1 .. steps`` (the all-on run's
+    two added steps, timed by phase and profiled, are left out)."""
     from llmft.plan.memory import CUDA_CONTEXT_BYTES, GIB, estimate_memory
     from llmft.plan.resolve import load_plan
 
     base = results[variants[0]]  # "all on"; long-8b's one variant
-    base_rows = train_rows(base.run_dir) if base.error is None else []
+    base_rows = train_rows(base.run_dir)[:steps] if base.error is None else []
     base_tps = _median([r["tokens_per_s"] for r in base_rows[warmup:]])
     out = []
     for variant in variants:
@@ -380,7 +445,7 @@ def table_rows(case: Case, results: dict[str, Result], variants: list[str], warm
                 ]
             )
             continue
-        rows = train_rows(res.run_dir)
+        rows = train_rows(res.run_dir)[:steps]
         steady = rows[warmup:] or rows
         tps = _median([r["tokens_per_s"] for r in steady])
         mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
@@ -405,6 +470,168 @@ def table_rows(case: Case, results: dict[str, Result], variants: list[str], warm
     return out
 
 
+def run_peer(case: Case, model_dir: Path, data: Path, run_dir: Path, seq: int, steps: int, dtype: str, timeout: int):
+    """bench/peer_hf.py on the case's model directory: the HF Trainer + PEFT + bitsandbytes row."""
+    import torch
+
+    cmd = [sys.executable, str(ROOT / "bench" / "peer_hf.py"), "--model", str(model_dir), "--data", str(data)]
+    cmd += ["--out", str(run_dir), "--seq", str(seq), "--steps", str(steps), "--dtype", dtype]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = run_dir.parent / "peer.log"
+    return _run_logged(cmd, run_dir, run_dir, log, timeout, torch.cuda.is_available())
+
+
+HEADER = [
+    "case",
+    "variant",
+    "tokens/s",
+    "MFU",
+    "peak GiB",
+    "estimate GiB",
+    "peak / estimate",
+    "all-on speed / this",
+    "max abs loss diff vs all on",
+    "run wall s",
+]
+
+
+class Report:
+    """gpu.md, rewritten after every run: a bench cut off at any point keeps the rows that finished."""
+
+    def __init__(self, path: Path, machine: str, quick: bool) -> None:
+        self.path, self.machine, self.quick = path, machine, quick
+        self.rows: dict[str, list[list[Any]]] = {}  # by case, in the order measured
+        self.timing: dict[str, dict[str, Any]] = {}  # by case: bench/gpu_phases.py's json
+        self.comparisons: list[str] = []
+        self.notes: list[str] = []
+        self.started = time.perf_counter()
+        self.finished = False
+
+    def set_case(self, name: str, rows: list[list[Any]]) -> None:
+        self.rows[name] = rows
+        self.write()
+
+    def add_rows(self, rows: list[list[Any]]) -> None:
+        self.rows.setdefault(rows[0][0], []).extend(rows)
+        self.write()
+
+    def all_rows(self) -> list[list[Any]]:
+        return [r for rows in self.rows.values() for r in rows]
+
+    def phases(self, name: str, path: Path) -> None:
+        if path.is_file():
+            self.timing[name] = json.loads(path.read_text())
+            self.write()
+
+    def peer(self, case: Case, on: Result | None, peer: Result, warmup: int, steps: int) -> None:
+        row, line = peer_row(case, on, peer, warmup, steps)
+        self.comparisons.append(line)
+        self.add_rows([row])
+
+    def finish(self) -> None:
+        self.finished = True
+        self.write()
+
+    def text(self) -> str:
+        parts = [self.machine, "", table(HEADER, self.all_rows()), ""]
+        if self.comparisons:
+            parts += ["Against the peer (same model directory, rows and batch; bench/peer_hf.py):", ""]
+            parts += [*self.comparisons, ""]
+        parts += self.notes
+        parts += timing_text(self.timing)
+        elapsed = time.perf_counter() - self.started
+        parts.append(
+            f"\nWhole bench: {elapsed:,.0f} s wall (model directories included)."
+            if self.finished
+            else f"\n(still running, or cut off: {elapsed:,.0f} s so far; the rows above finished)"
+        )
+        return "\n".join(parts)
+
+    def write(self) -> None:
+        self.path.write_text(self.text() + "\n")
+
+
+def peer_row(case: Case, on: Result | None, peer: Result, warmup: int, steps: int) -> tuple[list[Any], str]:
+    """The peer's table row and the sentence comparing llmft's all-on run with it."""
+    wall = f"{peer.wall_s:,.0f}"
+    if peer.error is not None:
+        log = peer.run_dir.parent / "peer.log"
+        lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+        said = next((x for x in reversed(lines) if x.startswith("peer: cannot run")), None)
+        what = said or f"failed ({peer.error})"
+        return [case.name, PEER_VARIANT, what, *[""] * 6, wall], f"- {case.name}: no peer numbers ({what})"
+    rows = train_rows(peer.run_dir)[:steps]
+    steady = rows[warmup:] or rows
+    tps = _median([r["tokens_per_s"] for r in steady])
+    peaks = [r["peak_mem_gb"] for r in steady if r.get("peak_mem_gb") is not None]
+    peak = max(peaks) if peaks else None
+    mfu = None
+    mine = mine_peak = None
+    if on is not None and on.error is None:
+        from llmft.flops import detect_device_name, flops_per_token, peak_flops
+        from llmft.flops import mfu as mfu_of
+        from llmft.plan.resolve import load_plan
+        from llmft.plan.shape import model_shape
+
+        plan = load_plan(str(on.recipe), [], world_size=1)
+        shape = model_shape(plan.recipe.model)
+        per_token = flops_per_token(shape, plan.recipe.data.max_seq_len, peft=True) if shape else None
+        mfu = mfu_of(tps, per_token, peak_flops(detect_device_name())) if per_token and tps else None
+        llmft_rows = train_rows(on.run_dir)[:steps]
+        mine = _median([r["tokens_per_s"] for r in llmft_rows[warmup:] or llmft_rows])
+        mine_peaks = [r["peak_mem_gb"] for r in llmft_rows if r.get("peak_mem_gb") is not None]
+        mine_peak = max(mine_peaks) if mine_peaks else None
+    gain = mine / tps if mine and tps else None
+    row = [
+        case.name,
+        PEER_VARIANT,
+        f"{tps:,.0f}",
+        f"{mfu:.1%}" if mfu is not None else "n/a",
+        f"{peak:.2f}" if peak is not None else "n/a (CPU)",
+        "n/a",
+        "n/a",
+        f"{gain:.3f}" if gain else "n/a",
+        "n/a (its own rows)",
+        wall,
+    ]
+    memory = (
+        f", peak allocated {mine_peak:.2f} GiB against the peer's {peak:.2f} GiB ({mine_peak / peak:.2f}x)"
+        if peak and mine_peak
+        else ""
+    )
+    speed = f"{gain:.2f}x the peer's tokens/s" if gain else "no all-on run to compare"
+    line = f"- {case.name}: llmft all on reads {speed}{memory} (goal: >= 1.3x at <= 1.00x the peer's peak)"
+    return row, line
+
+
+def timing_text(timing: dict[str, dict[str, Any]]) -> list[str]:
+    """ "Where the time goes": each case's all-on step by phase, and the top kernels of one step."""
+    if not timing:
+        return []
+    out = [
+        "",
+        "Where the time goes (all on; one step timed by phase with a device sync around each, one profiled):",
+        "",
+    ]
+    phases = ("data_wait", "forward", "backward", "optimizer")
+    rows = []
+    for name, t in timing.items():
+        if "step_s" not in t:
+            continue
+        step = t["step_s"]
+        other = step - sum(t.get(f"{p}_s", 0.0) for p in phases)
+        rows.append([name, f"{step:.3f}", *[f"{t.get(f'{p}_s', 0.0):.3f}" for p in phases], f"{other:.3f}"])
+    out.append(table(["case", "step s", "data wait s", "forward s", "backward s", "optimizer s", "other s"], rows))
+    for name, t in timing.items():
+        kernels = t.get("kernels") or []
+        if not kernels:  # the run ended before its profiled step
+            continue
+        unit = "device" if t.get("device") != "cpu" else "CPU"
+        out += ["", f"Top {len(kernels)} by own {unit} time, one step of {name} ({t.get('device')}):", ""]
+        out.append(table(["kernel / op", "ms", "calls"], [[k["name"], f"{k['ms']:.2f}", k["calls"]] for k in kernels]))
+    return out
+
+
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -420,10 +647,19 @@ def machine_line(check: bool, switches: list[str], seq: int, steps: int, warmup:
         where = f"GPU: {torch.cuda.get_device_name()}"
     return (
         f"{today}. {where}; torch {torch.__version__}, transformers {transformers.__version__}. "
-        f"Switches on in 'all on': {', '.join(switches)}; packed rows of {seq} tokens (long-8b: {long_seq}), "
+        f"Switches on in 'all on': {', '.join(switches)}{_lacking(check)}; packed rows of {seq} tokens "
+        f"(long-8b: {long_seq}), "
         f"{steps} steps per run, "
         f"medians over the steps after the first {warmup}."
     )
+
+
+def _lacking(check: bool) -> str:
+    """The optional speed packages this GPU machine lacks (their switch stays off), said plainly."""
+    if check:
+        return ""
+    gone = [f"{pkg} (pip install {pkg})" for pkg, mod in OPTIONAL.items() if not _importable(mod)]
+    return f" (not installed, so off: {', '.join(gone)})" if gone else ""
 
 
 if __name__ == "__main__":

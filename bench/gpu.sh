@@ -7,7 +7,9 @@
 # loss and flash-attention varlen (tokens/s, peak). bench/gpu.py has the details.
 #
 #   bash bench/gpu.sh                        # writes runs/bench-gpu/gpu.md and prints it
+#   bash bench/gpu.sh --quick                # qlora-8b + full-1b, compile off, the HF Trainer + PEFT peer row
 #   bash bench/gpu.sh --check                # CPU, tiny shapes, 2 steps per run: CI keeps this working
+#   bash bench/gpu.sh --quick --check        # the same for --quick (tests/integration/test_bench_gpu_check.py)
 #   bash bench/gpu.sh --cases full-1b --steps 20 --out runs/bench-1b
 #   bash bench/gpu.sh --cases long-8b --steps 4 --warmup 1 --long-seq 262144   # long context only
 #

@@ -17,7 +17,9 @@ from llmft.dist import DistEnv
 from llmft.engines import Engine
 from llmft.flops import flops_per_token, mfu, peak_flops
 from llmft.loop import LoopState
+from llmft.model import attention
 from llmft.model.structure import describe
+from llmft.plan.kernels import kernel_paths_line
 from llmft.plan.report import kernels_line
 from llmft.plan.resolve import RunPlan, describe_engine
 from llmft.plan.shape import model_shape
@@ -43,14 +45,15 @@ def banner(plan: RunPlan, env: DistEnv, steps: int, engine: Engine, data) -> str
         f"({shape})",
         f"engine: {describe_engine(plan)}, {env.world_size} process(es), device {env.device.type}, "
         f"dtype {recipe.model.dtype}",
-        kernels_line(plan),
+        kernels_line(plan, attention.choose(recipe.model.attn_implementation, recipe.data.packing)),
         f"parameters: {describe(engine.unwrap())}",
         f"data: {len(data.train):,} training {items}, "
         f"{steps} optimizer steps ({steps * b.global_batch_size / max(len(data.train), 1):.2f} epochs)"
         if data.num_rows is not None  # a stream's length is unknown
         else f"data: streamed, {steps} optimizer steps ({steps * b.global_batch_size:,} {'pairs' if pairs else 'rows'})",
     ]
-    return "\n".join(lines)
+    paths = kernel_paths_line(recipe.model)  # compile and Liger: which one runs each part of the model
+    return "\n".join([*lines, paths] if paths else lines)
 
 
 def versions() -> dict[str, str]:

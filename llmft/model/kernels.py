@@ -29,6 +29,7 @@ import torch
 
 from llmft.errors import Problem, UserError
 from llmft.model.structure import decoder_layer_classes
+from llmft.plan.kernels import kernel_paths
 
 if TYPE_CHECKING:
     from llmft.recipe.schema import ModelConfig
@@ -141,11 +142,12 @@ def apply(model: torch.nn.Module, m: ModelConfig) -> None:
     the modules before DeepSpeed or DDP hold them. State-dict names do not change.
     """
     hf = causal_lm(model)
-    if m.liger_kernels:
-        apply_liger(hf)
+    paths = kernel_paths(m)  # one path per module: Liger's layer kernels never inside a compiled layer
+    if paths.liger_loss:
+        apply_liger(hf, layers=paths.liger_layers)
     if hf.config._attn_implementation in VARLEN_ATTENTION:
         pass_packed_boundaries(hf)
-    if m.compile:
+    if paths.compiled_layers:
         compile_layers(hf)
 
 
@@ -155,10 +157,11 @@ def causal_lm(model: torch.nn.Module) -> Any:
     return get_base() if callable(get_base) else model
 
 
-def apply_liger(hf: Any) -> None:
-    """Liger's patches for this model type on this instance: RMSNorm, RoPE and SwiGLU modules, and a
-    forward whose training loss is the fused linear cross-entropy (no logits materialised). The loss
-    honours ``num_items_in_batch`` (sum / global target count), as the loop needs."""
+def apply_liger(hf: Any, layers: bool = True) -> None:
+    """Liger's patches for this model type on this instance: with ``layers`` its RMSNorm, RoPE and
+    SwiGLU modules, and always a forward whose training loss is the fused linear cross-entropy (no
+    logits materialised). The loss honours ``num_items_in_batch`` (sum / global target count), as the
+    loop needs. ``layers`` is off when the decoder layers are compiled (``KernelPaths``)."""
     # optional (the liger extra), checked by check_available before the model is built
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
 
@@ -172,9 +175,9 @@ def apply_liger(hf: Any) -> None:
             )
         )
     _apply_liger_kernel_to_instance(
-        model=hf, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True
+        model=hf, rope=layers, rms_norm=layers, swiglu=layers, cross_entropy=False, fused_linear_cross_entropy=True
     )
-    log.info("liger kernels applied to %s", type(hf).__name__)
+    log.info("liger kernels applied to %s (%s)", type(hf).__name__, "layers and loss" if layers else "loss only")
 
 
 def compile_layers(hf: torch.nn.Module) -> int:

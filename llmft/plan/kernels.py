@@ -7,13 +7,54 @@ model are ``llmft.model.kernels``. Also which attention ``model.attn_implementat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmft.errors import Problem
 
 if TYPE_CHECKING:
     from llmft.plan.engines import EngineSpec
-    from llmft.recipe.schema import Recipe
+    from llmft.recipe.schema import ModelConfig, Recipe
+
+
+@dataclass(frozen=True)
+class KernelPaths:
+    """Which implementation each part of the model runs, from ``model.compile`` and
+    ``model.liger_kernels``: one path per module, never Liger's Triton kernels inside an inductor graph.
+
+    Liger's RMSNorm, RoPE and SwiGLU live inside the decoder layers, which ``model.compile`` compiles;
+    inductor cannot trace Liger's RMSNorm kernel (on CUDA: a Triton ``CompilationError`` per layer,
+    then a fallback). With both switches on, the layers are compiled with transformers' modules
+    (inductor fuses the norm, rotary and SwiGLU itself) and Liger keeps the fused linear
+    cross-entropy, which runs at the head, outside the compiled layers. ``bench/gpu.sh`` measures
+    both choices: "all on" (compiled layers + Liger's loss) against "compile off" (Liger's layers +
+    Liger's loss)."""
+
+    compiled_layers: bool  # torch.compile each decoder layer
+    liger_layers: bool  # Liger's RMSNorm, RoPE and SwiGLU in the decoder layers
+    liger_loss: bool  # Liger's fused linear cross-entropy at the head (no logits materialised)
+
+
+def kernel_paths(m: ModelConfig) -> KernelPaths:
+    return KernelPaths(
+        compiled_layers=bool(m.compile),
+        liger_layers=bool(m.liger_kernels) and not m.compile,
+        liger_loss=bool(m.liger_kernels),
+    )
+
+
+def kernel_paths_line(m: ModelConfig) -> str | None:
+    """The banner's line saying which path each part of the model takes (None: both switches off)."""
+    paths = kernel_paths(m)
+    if not (paths.compiled_layers or paths.liger_loss):
+        return None
+    if paths.compiled_layers:
+        layers = "decoder layers compiled by torch.compile (transformers' RMSNorm, RoPE, SwiGLU fused by inductor"
+        layers += "; Liger's are left out of the compiled layers)" if paths.liger_loss else ")"
+    else:
+        layers = "decoder layers eager with Liger's RMSNorm, RoPE and SwiGLU"
+    loss = "Liger's fused linear cross-entropy, eager" if paths.liger_loss else "transformers' head and cross-entropy"
+    return f"kernel paths: {layers}; loss: {loss}"
 
 
 def recipe_problems(r: Recipe, spec: EngineSpec) -> list[Problem]:

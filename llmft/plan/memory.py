@@ -5,7 +5,8 @@ estimate mirrors how llmft's engines hold a model (see ``engines/``):
 
 - single / DDP / FSDP: trainable weights are upcast to fp32 (so their gradients and
   optimizer state are fp32 too) and autocast (or FSDP's MixedPrecisionPolicy) runs the
-  matmuls in ``model.dtype``; frozen weights stay in ``model.dtype``.
+  matmuls in ``model.dtype``; frozen weights stay in ``model.dtype``. A trained fp32 embedding
+  under autocast (single / DDP) makes the residual stream fp32 (``residual_bytes``).
 - DeepSpeed: weights and gradients in ``model.dtype``, fp32 master weights beside the
   optimizer state (the ZeRO paper's 2 + 2 + 12 bytes per parameter for bf16 + Adam).
 - QLoRA: the unquantized weights (embedding, head, norms) are frozen and stay in
@@ -151,7 +152,9 @@ def quantized_bytes_per_param(bits: int, double_quant: bool) -> float:
     return 0.5 + constants
 
 
-def activation_bytes_per_token_layer(shape: ModelShape, act_bytes: int, adapted_inputs: int, eager_seq: int) -> int:
+def activation_bytes_per_token_layer(
+    shape: ModelShape, act_bytes: int, adapted_inputs: int, eager_seq: int, residual: int | None = None
+) -> int:
     """What one decoder layer saves for backward, per token (no recomputation).
 
     A tally in the spirit of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
@@ -159,7 +162,11 @@ def activation_bytes_per_token_layer(shape: ModelShape, act_bytes: int, adapted_
     redone for a Llama layer with SDPA (no s x s scores kept) and no dropout, a = act_bytes:
 
     - 2 RMSNorms: HF computes them in fp32 (keeps the fp32 input, 4h) and keeps the cast
-      output and the weighted output (2 a h): (4 + 2a) h each;
+      output and the weighted output (2 a h): (4 + 2a) h each. With an fp32 residual stream
+      (``residual_bytes``: 4) the input is fp32 already and the norm's weighted output is fp32, cast
+      to ``a`` by autocast for the next matmul: the fp32 input (of the second norm: the attention's
+      residual sum), the normalised and the weighted fp32 values and the cast copy, 14h and 10h for
+      the two norms, (4 + 2 x 4) h each on average;
     - attention: q, k, v after RoPE (a (h + 2 kv)), the SDPA output and the o_proj input
       (2 a h);
     - SwiGLU MLP: gate output, silu(gate), up output, and their product (4 a i);
@@ -169,7 +176,8 @@ def activation_bytes_per_token_layer(shape: ModelShape, act_bytes: int, adapted_
     - eager attention only: the scores and the softmax (2 a * heads * seq).
     """
     h, kv, i = shape.hidden_size, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
-    norms = 2 * (4 + 2 * act_bytes) * h
+    r = act_bytes if residual is None else residual
+    norms = 2 * (4 + 2 * r) * h
     attention = act_bytes * (h + 2 * kv) + 2 * act_bytes * h
     mlp = 4 * act_bytes * i
     lora = act_bytes * adapted_inputs if act_bytes < 4 else 0
@@ -321,7 +329,9 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
     chunked = chunked_loss_on(recipe, micro) or (recipe.model.liger_kernels and not spec.pairs)
     logit_rows = min(tokens, loss_chunk_tokens(shape.vocab_size)) if chunked else tokens
     placed["logits"] = logit_rows * shape.vocab_size * max(a + 8, LOSS_BACKWARD_BYTES)
-    placed["activations"] = _activations(recipe, shape, params, tokens, a, placed["logits"])
+    placed["activations"] = _activations(
+        recipe, shape, params, tokens, a, placed["logits"], residual_bytes(recipe, engine, a)
+    )
     reference_weights = _placed(_frozen_copy(recipe, engine, params, a), layout.weights, layout.weights_on_gpu)
     placed["reference"] = _reference(recipe, shape, params, tokens, a, placed, reference_weights)
     placed["overhead"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * sum(placed.values())
@@ -455,6 +465,24 @@ def _transient_weights(recipe: Recipe, engine: str, shape: ModelShape, params: P
     return out
 
 
+def residual_bytes(recipe: Recipe, engine: str, a: int) -> int:
+    """Bytes per value of the residual stream: the hidden states between the sublayers, which the
+    checkpointed layer inputs, the RMSNorms and the embedding output hold.
+
+    The stream takes the embedding weight's dtype (the embedding is no autocast op, and autocast
+    leaves the residual additions alone: an fp32 tensor plus a bf16 matmul output is fp32). Where an
+    engine trains fp32 weights under autocast (``EngineSpec.autocast_weight_cache``: single, DDP) and
+    the embedding is trained (a full fine-tune, or ``embed_tokens`` in ``peft.modules_to_save``), the
+    stream is fp32 although every matmul runs in the compute dtype: 4 bytes, not ``a``. Measured on
+    an H200 (tests/gpu/test_long_context_gpu.py, a full fine-tune in bf16): counting the layer inputs
+    in bf16 left the planner 1.28x (offload) and 1.49x (tiled MLP) under the peak."""
+    if a >= 4 or not engine_spec(engine).autocast_weight_cache or recipe.model.quantization is not None:
+        return a
+    p = recipe.peft
+    saved = [str(n).rsplit(".", 1)[-1] for n in (p.modules_to_save or ())]
+    return 4 if p.method == "none" or "embed_tokens" in saved else a
+
+
 def mlp_activation_bytes_per_token(shape: ModelShape, act_bytes: int, adapted_mlp_inputs: int) -> int:
     """The MLP's part of ``activation_bytes_per_token_layer``: gate output, silu(gate), up output and
     their product (4 a i), and PEFT's cast copies of the adapted MLP linears' inputs."""
@@ -480,7 +508,9 @@ def tokens_per_rank(recipe: Recipe, micro: int) -> int:
     return micro * -(-recipe.data.max_seq_len // sequence_parallel(recipe))
 
 
-def _activations(recipe: Recipe, shape: ModelShape, params: Params, tokens: int, a: int, logits: float) -> float:
+def _activations(
+    recipe: Recipe, shape: ModelShape, params: Params, tokens: int, a: int, logits: float, r: int | None = None
+) -> float:
     """Saved activations for ``tokens`` tokens on this rank, with or without gradient checkpointing.
 
     With checkpointing the logits are freed (the head's backward runs first) before any layer is
@@ -488,23 +518,25 @@ def _activations(recipe: Recipe, shape: ModelShape, params: Params, tokens: int,
     only the part of the recomputed layer above the logits is counted here.
     ``model.tiled_mlp``: the MLP's own activations exist for one tile of the sequence, not all of it.
     ``model.activation_offload``: the layer inputs checkpointing keeps (the embedding output is the
-    first) are in host memory; only the one being recomputed is back on the device."""
+    first) are in host memory; only the one being recomputed is back on the device.
+    ``r``: bytes per value of the residual stream (``residual_bytes``; ``a`` when not given)."""
     m = recipe.model
+    r = a if r is None else r
     seq = recipe.data.max_seq_len
     h = shape.hidden_size
     eager_seq = seq if m.attn_implementation == "eager" else 0
-    whole = activation_bytes_per_token_layer(shape, a, params.adapted_inputs, eager_seq)
+    whole = activation_bytes_per_token_layer(shape, a, params.adapted_inputs, eager_seq, r)
     mlp = mlp_activation_bytes_per_token(shape, a, params.adapted_mlp_inputs)
     # Tiled, a layer saves no MLP intermediates: backward recomputes them for one tile of one layer.
     tile = mlp_tile_tokens(tokens, -(-seq // sequence_parallel(recipe)), h) if m.tiled_mlp else 0
     saved = whole - mlp if m.tiled_mlp else whole
     per_layer = saved * tokens + mlp * tile
     # Embedding output and final norm, outside the layers.
-    outside = (a + 4 + 2 * a) * h * tokens
+    outside = (r + 4 + 2 * r) * h * tokens
     outside += packed_mask_bytes(recipe, tokens)
     if not m.gradient_checkpointing:
         return shape.num_layers * saved * tokens + mlp * tile + outside
-    layer_input = a * h * tokens
+    layer_input = r * h * tokens
     if m.activation_offload:
         kept = layer_input  # the recomputed layer's input, brought back from the host
         outside -= layer_input  # the embedding output is layer 0's input: offloaded too

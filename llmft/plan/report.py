@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from llmft.errors import UserError
+from llmft.plan.kernels import chosen_attention
 from llmft.plan.memory import (
     GIB,
     MemoryEstimate,
@@ -61,13 +62,22 @@ def _describe(plan: RunPlan) -> str:
     return f"{what}{quant}, {m.dtype}{ckpt}, optimizer {plan.recipe.optim.name}"
 
 
-def kernels_line(plan: RunPlan) -> str:
-    """Which attention and which kernels the run uses (the banner prints it too)."""
+def kernels_line(plan: RunPlan, attention: str | None = None) -> str:
+    """Which attention and which kernels the run uses (the banner prints it too, with ``attention``:
+    what ``auto`` picked on this machine; ``llmft plan`` runs without torch and says what it would pick)."""
     m = plan.recipe.model
+    attn = m.attn_implementation
+    if attn == "auto":
+        elsewhere = chosen_attention("auto", plan.recipe.data.packing, flash=False)
+        attn = (
+            f"auto -> {attention}"
+            if attention
+            else f"auto (flash_attention_2 with flash-attn on CUDA, else {elsewhere})"
+        )
     hub = "on (downloaded from the Hugging Face Hub at load)" if m.hub_kernels else "off"
     on_off = {True: "on", False: "off"}
     return (
-        f"attention {m.attn_implementation}; kernels: hub kernels {hub}, liger {on_off[bool(m.liger_kernels)]}, "
+        f"attention {attn}; kernels: hub kernels {hub}, liger {on_off[bool(m.liger_kernels)]}, "
         f"compile {on_off[bool(m.compile)]}"
     )
 

@@ -188,6 +188,30 @@ def test_liger_kernels_on_off_equal(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
 
 
+def test_compile_with_liger_prints_no_triton_traceback(tmp_path):
+    """Both switches on: the layers are compiled without Liger's layer kernels (its Triton RMSNorm
+    failed inside inductor, one traceback per layer), the banner says so, nothing is logged as an
+    error, and the losses equal compile alone (Liger's fused loss against torch's) to 2e-3 relative."""
+    pytest.importorskip("liger_kernel", reason="liger-kernel is not installed")
+    common = dict(PACKED, model__dtype="bf16", batch__micro_batch_size=2, model__compile=True)
+    both = write_recipe(tmp_path / "both", **common, model__liger_kernels=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "llmft", "train", str(both)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernel paths: decoder layers compiled by torch.compile" in done.stderr
+    for sign in ("Traceback", "CompilationError", "triton_kernel_wrap"):
+        assert sign not in done.stderr + done.stdout, (done.stderr + done.stdout)[-3000:]
+    alone = _run_subprocess(tmp_path, "compile", **common)
+    for a, b in zip(metrics(tmp_path / "both" / "run"), alone, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
+
+
 # --- fused AdamW ----------------------------------------------------------------------------------
 
 

@@ -8,7 +8,8 @@ computes, and what cannot run here is refused with a message that names the key.
 - ``model.compile``: regional compilation gives eager's losses and weights (fp32, 1e-5 relative),
   also with LoRA and gradient checkpointing.
 - fused AdamW (chosen on CUDA) makes the same update as the default implementation.
-- ``model.liger_kernels`` without CUDA: a UserError before the model is built.
+- ``model.liger_kernels`` without CUDA: a UserError before the model is built; with ``model.compile``
+  too, one path per module (compiled layers, Liger's fused loss) and the banner line saying so.
 """
 
 from __future__ import annotations
@@ -263,6 +264,83 @@ def test_liger_not_installed_names_the_extra(monkeypatch):
         kernels._check_liger()
     assert str(e.value).startswith("model.liger_kernels: is true, but liger-kernel cannot be imported")
     assert ".[liger]" in str(e.value)
+
+
+# --- model.compile with model.liger_kernels: one path per module ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "compile_, liger, paths, line",
+    [
+        (False, False, (False, False, False), None),
+        (
+            True,
+            False,
+            (True, False, False),
+            "kernel paths: decoder layers compiled by torch.compile (transformers' RMSNorm, RoPE, SwiGLU fused by "
+            "inductor); loss: transformers' head and cross-entropy",
+        ),
+        (
+            False,
+            True,
+            (False, True, True),
+            "kernel paths: decoder layers eager with Liger's RMSNorm, RoPE and SwiGLU; loss: Liger's fused linear "
+            "cross-entropy, eager",
+        ),
+        (
+            True,
+            True,
+            (True, False, True),
+            "kernel paths: decoder layers compiled by torch.compile (transformers' RMSNorm, RoPE, SwiGLU fused by "
+            "inductor; Liger's are left out of the compiled layers); loss: Liger's fused linear cross-entropy, eager",
+        ),
+    ],
+)
+def test_compile_and_liger_pick_one_path_per_module(tmp_path, compile_, liger, paths, line):
+    """Liger's Triton RMSNorm does not compile inside inductor: with both switches the layers are
+    compiled without Liger's layer kernels, and Liger keeps the loss (outside the compiled layers)."""
+    from llmft.plan.kernels import kernel_paths, kernel_paths_line
+
+    m = load_plan(str(write_recipe(tmp_path, model__compile=compile_, model__liger_kernels=liger)), []).recipe.model
+    got = kernel_paths(m)
+    assert (got.compiled_layers, got.liger_layers, got.liger_loss) == paths
+    assert kernel_paths_line(m) == line
+    from types import SimpleNamespace
+
+    from llmft.dist import DistEnv
+    from llmft.report import banner
+
+    plan = load_plan(str(tmp_path / "recipe.yaml"), [])
+    engine, data = SimpleNamespace(unwrap=lambda: torch.nn.Linear(2, 2)), SimpleNamespace(train=range(9), num_rows=9)
+    text = banner(plan, DistEnv(), 3, engine, data)
+    assert (line in text.splitlines()) if line else "kernel paths" not in text  # the start banner's line
+
+
+@pytest.mark.parametrize("compile_", [False, True])
+def test_liger_is_asked_for_the_layer_kernels_only_where_layers_are_not_compiled(tmp_path, monkeypatch, compile_):
+    """What ``kernels.apply`` hands Liger's patcher (a recorder stands in for liger-kernel, which
+    needs CUDA): its RMSNorm, RoPE and SwiGLU only on eager layers, its fused loss always; with
+    compile on every decoder layer is compiled and none is given to Liger."""
+    import sys
+    import types
+
+    from llmft.model.build import build_model
+    from llmft.tokenizer import byte_tokenizer
+
+    asked: list[dict] = []
+    patcher = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    patcher.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": None}
+    patcher._apply_liger_kernel_to_instance = lambda **kw: asked.append({k: v for k, v in kw.items() if k != "model"})
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", patcher)
+    plan = load_plan(str(write_recipe(tmp_path, model__compile=compile_, model__liger_kernels=True)), [])
+    model = build_model(plan.recipe, byte_tokenizer())
+    kernels.apply(model, plan.recipe.model)
+    layers = not compile_
+    assert asked == [
+        dict(rope=layers, rms_norm=layers, swiglu=layers, cross_entropy=False, fused_linear_cross_entropy=True)
+    ]
+    compiled = [layer._compiled_call_impl is not None for layer in kernels.causal_lm(model).model.layers]
+    assert compiled == [compile_] * TINY_LLAMA["num_hidden_layers"]
 
 
 # --- fused AdamW ----------------------------------------------------------------------------------
