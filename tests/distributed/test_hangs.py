@@ -120,5 +120,5 @@ def test_a_rank_frozen_by_sigstop_ends_the_job(tmp_path, capsys):
     assert re.match(r"\[llmft rank 0\] rank 0: (no progress for \d+ s|a collective failed)", report), report
     _assert_stacks(report)
     steps = sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
-    assert steps and steps[-1] >= 3
+    assert steps and steps[-1] >= 2  # step 3 was logged; its checkpoint may be the one cut short
     _resume_from_last_checkpoint(recipe, run_dir, steps[-1], capsys)
