@@ -1,0 +1,67 @@
+"""The stall watchdog (llmft.watchdog) in a process of its own: it ends a rank that makes no progress
+for ``distributed.timeout_s`` with its step, phase, collective and every thread's stack (exit 124),
+and leaves alone a rank that is busy in eval or a checkpoint (their collectives are timed instead).
+The multi-rank cases (a rank asleep in a collective, a rank frozen by SIGSTOP) are
+tests/distributed/test_hangs.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from helpers import ROOT
+
+STALL = textwrap.dedent(
+    """
+    import time
+    from llmft import watchdog
+
+    def wait_for_the_peer():
+        with watchdog.collective("all_reduce"):
+            time.sleep(60)
+
+    w = watchdog.start(timeout_s=1, rank=0)
+    watchdog.progress(3, "forward and backward of micro-batch 1 of 2")
+    wait_for_the_peer()
+    """
+)
+
+BUSY = textwrap.dedent(
+    """
+    import time
+    from llmft import watchdog
+
+    w = watchdog.start(timeout_s=1, rank=0)
+    watchdog.progress(2, "the optimizer step")
+    with watchdog.idle("the checkpoint"):
+        time.sleep(3)  # three timeouts, not timed
+    watchdog.progress(3, "fetching and counting the micro-batches")
+    w.stop()
+    print("done")
+    """
+)
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    # The timeout is the hang guard only: a watchdog that never fires would leave the sleep running.
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=ROOT)
+
+
+def test_a_stalled_rank_reports_where_it_was_and_exits_124():
+    done = _run(STALL)
+    assert done.returncode == 124, done.stderr
+    assert "rank 0: no progress for " in done.stderr
+    assert (
+        "s (distributed.timeout_s is 1); it was in forward and backward of micro-batch 1 of 2 (step 3), "
+        "in the collective all_reduce." in done.stderr
+    )
+    # faulthandler's stacks: the stuck main thread in the function that waits, and the watchdog's own.
+    assert "line 7 in wait_for_the_peer" in done.stderr
+    assert "in _watch" in done.stderr and done.stderr.count("(most recent call first)") == 2
+
+
+def test_eval_and_checkpoints_are_not_timed_by_the_watchdog():
+    done = _run(BUSY)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "done\n" and "no progress" not in done.stderr
