@@ -31,6 +31,7 @@ from typing import NoReturn
 log = logging.getLogger("llmft")
 
 TIMEOUT_EXIT_CODE = 124  # what timeout(1) returns: the job waited too long
+REPORT_S = 30.0  # the longest the report of a rank that gives up may take
 
 _active: Watchdog | None = None
 _collective: list[str] = []  # the collective the main thread is in (the watchdog thread reads it)
@@ -129,9 +130,17 @@ def where() -> str:
     return f"{text}, in the collective {name}" if name else text
 
 
+def _exit_after(seconds: float) -> None:
+    time.sleep(seconds)
+    os._exit(TIMEOUT_EXIT_CODE)
+
+
 def give_up(reason: str) -> NoReturn:
     """Log ``reason``, where this rank was and every thread's stack; exit ``TIMEOUT_EXIT_CODE`` now."""
     _gave_up.acquire()  # the first caller reports; a second (the other path, same moment) waits for the exit
+    # The report itself must not hang the rank (a stderr pipe nobody reads, a logging lock held by the
+    # stuck thread): whatever happens to it, the rank exits within REPORT_S.
+    threading.Thread(target=_exit_after, args=(REPORT_S,), name="llmft-exit", daemon=True).start()
     rank = _active.rank if _active is not None else int(os.environ.get("RANK", "0"))
     log.error(
         "rank %d: %s; it was in %s. The Python stack of every thread of this rank follows; exiting with %d "

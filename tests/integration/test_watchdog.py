@@ -58,7 +58,7 @@ def test_a_stalled_rank_reports_where_it_was_and_exits_124():
     )
     # faulthandler's stacks: the stuck main thread in the function that waits, and the watchdog's own.
     assert "line 7 in wait_for_the_peer" in done.stderr
-    assert "in _watch" in done.stderr and done.stderr.count("(most recent call first)") == 2
+    assert "in _watch" in done.stderr and done.stderr.count("(most recent call first)") >= 2
 
 
 def test_eval_and_checkpoints_are_not_timed_by_the_watchdog():
