@@ -46,7 +46,7 @@ class Watchdog:
         self.timeout_s = float(timeout_s)
         self.rank = rank
         self.step = 0
-        self.phase = "starting"
+        self.phase = "setting up the run"
         self.armed = False  # the first progress() arms it: loading and setup are not timed here
         self.last = time.monotonic()
         self._stop = threading.Event()
