@@ -176,11 +176,14 @@ def shutdown() -> None:
 def leave_process(code: int) -> NoReturn:
     """End a rank of a finished multi-rank run without the interpreter's teardown.
 
-    After a run whose process group is destroyed and whose files are written and closed, a rank
-    sometimes aborted in teardown (SIGABRT, "terminate called without an active exception": a C++
-    thread object of a library destroyed while joinable), so the launcher reported a failed job
-    for a run that had succeeded. Everything llmft owns is finished by then; the output streams
-    and logging are flushed here, and DataLoader workers end on their own when their parent does.
+    A thread that takes the GIL while CPython 3.11 finalizes is ended with ``pthread_exit``, which
+    unwinds its C++ frames by force; inside a torch operator or a collective's Python callback
+    (pybind11 takes the GIL back in a ``noexcept`` destructor) that aborts the process (SIGABRT,
+    "terminate called without an active exception"), and the launcher reports a failed job for a
+    run that succeeded (docs/reliability.md#what-hung-and-what-aborted). Everything llmft owns is
+    finished by then (files closed, process group destroyed, the watchdog joined); the output
+    streams and logging are flushed here, and DataLoader workers end on their own when their
+    parent does.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
