@@ -57,8 +57,8 @@ def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None)
     # Installed before anything slow: a stop request during model loading is honoured after the
     # first step (checkpoint, exit 75) instead of killing the process with nothing to requeue.
     stop = StopRequest(d.stop_signal).install()
-    watch = watchdog.start(timeout_s(d), env.rank) if env.distributed else None
     run = Run(plan, env, stop, hooks)
+    watch = watchdog.start(timeout_s(d), env.rank) if env.distributed else None  # armed by the loop
     try:
         run.restore(run.setup())
         state = run.fit()
