@@ -16,6 +16,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from llmft import watchdog
 from llmft.errors import Problem, UserError
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -101,8 +102,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(env: DistEnv, backend: str = "auto", timeout_minutes: int = 30, *, force: bool = False) -> None:
-    """Create the process group. ``force``: also for one process (DDP, FSDP2 and DeepSpeed need a group)."""
+def timeout_s(distributed) -> float:
+    """``distributed.timeout_s``, or the older ``distributed.timeout_minutes`` where a recipe sets it."""
+    if distributed.timeout_minutes is not None:
+        return 60.0 * distributed.timeout_minutes
+    return float(distributed.timeout_s)
+
+
+def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 600, *, force: bool = False) -> None:
+    """Create the process group. ``force``: also for one process (DDP, FSDP2 and DeepSpeed need a group).
+
+    ``timeout_s`` bounds every collective: on gloo a collective that waits longer raises (the
+    caller hands the error to ``llmft.watchdog.give_up``); NCCL's own watchdog aborts the rank."""
     if dist.is_initialized() or not (env.distributed or force):
         return
     if not env.distributed:
@@ -118,7 +129,7 @@ def init_distributed(env: DistEnv, backend: str = "auto", timeout_minutes: int =
     os.environ.setdefault("MASTER_PORT", "29500")
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
@@ -126,21 +137,35 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     if not (dist.is_available() and dist.is_initialized()):
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
+    with watchdog.collective("all_reduce"):
+        dist.all_reduce(t)
+        return t.tolist()
 
 
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        with watchdog.collective("barrier"):
+            dist.barrier()
 
 
 def broadcast_object(obj, src: int = 0):
     if not (dist.is_available() and dist.is_initialized()):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with watchdog.collective("broadcast_object_list"):
+        dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+# What gloo's errors say when a collective timed out or a peer is gone (it raises a plain RuntimeError).
+_COMM_FAILURES = ("Timed out waiting", "Connection closed by peer", "pair closure", "Connection reset by peer")
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """A collective that timed out or lost its peer (gloo's RuntimeError, NCCL's DistBackendError)."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _COMM_FAILURES)
 
 
 def shutdown() -> None:
@@ -151,11 +176,14 @@ def shutdown() -> None:
 def leave_process(code: int) -> NoReturn:
     """End a rank of a finished multi-rank run without the interpreter's teardown.
 
-    After a run whose process group is destroyed and whose files are written and closed, a rank
-    sometimes aborted in teardown (SIGABRT, "terminate called without an active exception": a C++
-    thread object of a library destroyed while joinable), so the launcher reported a failed job
-    for a run that had succeeded. Everything llmft owns is finished by then; the output streams
-    and logging are flushed here, and DataLoader workers end on their own when their parent does.
+    A thread that takes the GIL while CPython 3.11 finalizes is ended with ``pthread_exit``, which
+    unwinds its C++ frames by force; inside a torch operator or a collective's Python callback
+    (pybind11 takes the GIL back in a ``noexcept`` destructor) that aborts the process (SIGABRT,
+    "terminate called without an active exception"), and the launcher reports a failed job for a
+    run that succeeded (docs/reliability.md#what-hung-and-what-aborted). Everything llmft owns is
+    finished by then (files closed, process group destroyed, the watchdog joined); the output
+    streams and logging are flushed here, and DataLoader workers end on their own when their
+    parent does.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from llmft import watchdog
 from llmft.data import batch_targets
 from llmft.dist import DistEnv, all_reduce_sum
 from llmft.errors import Problem, TrainingDiverged
@@ -79,6 +80,8 @@ def train_loop(
     model.train()
     while state.step < cfg.max_steps:
         t0 = time.perf_counter()
+        step = state.step + 1
+        watchdog.progress(step, "fetching and counting the micro-batches")  # a stall: llmft.watchdog
         # All micro-batches of the step are fetched first: their items (target tokens, pairs) must
         # be counted before the first backward (each micro loss is divided by the global count).
         micro_batches = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
@@ -92,6 +95,7 @@ def train_loop(
         metric_sums = torch.zeros(len(objective.metric_names), device=device, dtype=torch.float64)
         for k, mb in enumerate(micro_batches):
             boundary = k == plan.gradient_accumulation_steps - 1
+            watchdog.progress(step, f"forward and backward of micro-batch {k + 1} of {len(micro_batches)}")
             mb = _to_device(mb, device)
             with engine.micro_step(boundary):
                 with engine.autocast():
@@ -104,6 +108,7 @@ def train_loop(
         # One all-reduce for the step's loss, the objective's metric sums and the stop flag:
         # every rank sees the same decision.
         stop_vote = 1.0 if stop.requested else 0.0
+        watchdog.progress(step, "the all-reduce of the loss and stop vote")
         loss_global, stop_votes, *metrics_global = all_reduce_sum(
             [float(loss_sum), stop_vote, *metric_sums.tolist()], device
         )
@@ -116,6 +121,7 @@ def train_loop(
                     "Lower optim.lr, enable optim.max_grad_norm, use bf16 instead of fp16, or check the data.",
                 )
             )
+        watchdog.progress(step, "the optimizer step")
         grad_norm = engine.step()  # clips to the plan's max_grad_norm
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
@@ -145,10 +151,12 @@ def train_loop(
         stopping = stop_votes > 0
         last = state.step == cfg.max_steps
         if cfg.eval_every and state.step % cfg.eval_every == 0 and not last and not stopping:
-            hooks.evaluate(state.step)
+            with watchdog.idle("eval"):
+                hooks.evaluate(state.step)
             model.train()
         if stopping or last or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
-            hooks.checkpoint(state)
+            with watchdog.idle("the checkpoint"):
+                hooks.checkpoint(state)
         if stopping:
             state.stopped = stop.requested or "a signal on another rank"
             break

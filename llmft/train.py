@@ -10,7 +10,8 @@ import logging
 import os
 import sys
 
-from llmft.dist import DistEnv, barrier, init_distributed, read_env, shutdown
+from llmft import watchdog
+from llmft.dist import DistEnv, barrier, init_distributed, is_comm_failure, read_env, shutdown, timeout_s
 from llmft.gpu import gpu_memory_gb
 from llmft.model import kernels
 from llmft.plan.memory import check_fits
@@ -52,19 +53,29 @@ def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None)
         log.warning("%s", note)
     check_fits(plan)  # before anything is loaded
     d = plan.recipe.distributed
-    init_distributed(env, d.backend, d.timeout_minutes, force=plan.spec.multi_rank)
+    init_distributed(env, d.backend, timeout_s(d), force=plan.spec.multi_rank)
     # Installed before anything slow: a stop request during model loading is honoured after the
     # first step (checkpoint, exit 75) instead of killing the process with nothing to requeue.
     stop = StopRequest(d.stop_signal).install()
     run = Run(plan, env, stop, hooks)
+    watch = watchdog.start(timeout_s(d), env.rank) if env.distributed else None  # armed by the loop
     try:
         run.restore(run.setup())
-        code = run.finish(run.fit())
-        # Every rank leaves together: a rank that destroys its process group and exits (leave_process)
-        # while another is still in the run's last collective would leave that one waiting.
-        barrier()
+        state = run.fit()
+        with watchdog.idle("finishing the run"):
+            code = run.finish(state)
+            # Every rank leaves together: a rank that destroys its process group and exits (leave_process)
+            # while another is still in the run's last collective would leave that one waiting.
+            barrier()
         return code
+    except Exception as e:
+        if env.distributed and is_comm_failure(e):  # a timed-out collective, a peer that left: no teardown
+            log.error("rank %d: a collective failed: %s", env.rank, e, exc_info=True)
+            watchdog.give_up("a collective failed (above)")
+        raise
     finally:
+        if watch is not None:
+            watch.stop()
         run.close()
         stop.uninstall()
         shutdown()

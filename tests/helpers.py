@@ -87,14 +87,16 @@ def train_inproc(recipe: Path, *overrides: str) -> int:
 
 
 def torchrun_cmd(nproc: int = 2) -> list[str]:
-    """``torchrun`` on one machine, rendezvous pinned to loopback on a free port."""
+    """``torchrun`` on one machine, rendezvous on loopback at a port the launcher binds itself (port
+    0: a port picked here and bound later by torchrun could be taken meanwhile by a concurrent test's
+    connection, and the launch would fail with EADDRINUSE)."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",
     ]
 
 

@@ -6,7 +6,9 @@ reads neither), then runs the normal command line:
 - ``LLMFT_SAMPLE_LOG=DIR``: each rank appends the dataset indices of every micro-batch it takes
   to ``DIR/rank-<R>.jsonl``, which proves that a resume neither skips nor repeats a sample;
 - ``LLMFT_FAULT_INJECT=kill_in_save:<step>[:<rank>]``: SIGKILL this process (or only that rank)
-  after it wrote its part of checkpoint ``step``, before the checkpoint is committed.
+  after it wrote its part of checkpoint ``step``, before the checkpoint is committed;
+- ``LLMFT_FAULT_INJECT=sleep_in_collective:<step>:<rank>``: that rank sleeps (an hour) where it
+  would all-reduce the loss of optimizer step ``step``: a rank stuck inside a collective.
 """
 
 from __future__ import annotations
@@ -65,7 +67,28 @@ def hooks():
         if kind == "kill_in_save" and at == str(step) and only_rank in ("", str(rank)):
             os.kill(os.getpid(), signal.SIGKILL)
 
+    if kind == "sleep_in_collective":
+        _sleep_in_collective(int(at), int(only_rank))
     return RunHooks(wrap_sampler=wrap_sampler, before_commit=before_commit)
+
+
+def _sleep_in_collective(step: int, rank: int) -> None:
+    import time
+
+    import llmft.loop
+    from llmft import watchdog
+    from llmft.dist import read_env
+
+    real = llmft.loop.all_reduce_sum
+
+    def all_reduce_sum(values, device):
+        w = watchdog.active()
+        if read_env().rank == rank and w is not None and w.step == step and "loss" in w.phase:
+            with watchdog.collective("all_reduce"):
+                time.sleep(3600)
+        return real(values, device)
+
+    llmft.loop.all_reduce_sum = all_reduce_sum
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import logging
 import os
 import re
@@ -36,7 +37,7 @@ import torch
 
 from llmft.checkpoint.layout import DS_DIR, UNIVERSAL_DIR, fsync_dir, resolve_checkpoint
 from llmft.checkpoint.layout import DS_TAG as TAG
-from llmft.dist import DistEnv, broadcast_object
+from llmft.dist import DistEnv, broadcast_object, timeout_s
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import check_loaded_keys, freeze, reference_plan, trainable_names
 from llmft.engines.safe_deepspeed import check_deepspeed_files
@@ -81,7 +82,9 @@ class DeepSpeedEngineAdapter:
         # DeepSpeed's comm layer wraps the process group train.py created; its config checks
         # (batch x world size, also inside zero.Init) read the world size from there.
         deepspeed.init_distributed(
-            dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=False
+            dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+            auto_mpi_discovery=False,
+            timeout=datetime.timedelta(seconds=timeout_s(plan.recipe.distributed)),
         )
         self.config = deepspeed_config(plan)
         self._hf_ds = None

@@ -201,7 +201,7 @@ def slurm_sbatch(layout: Layout) -> str:
         + "# Each task sees every GPU of its node and takes the one at SLURM_LOCALID.\n"
         + f"# --kill-on-bad-exit=0: after a stop every rank exits {STOPPED_EXIT_CODE}; killing the slower ones would\n"
         + f"# make srun report 137, not {STOPPED_EXIT_CODE}, and the job would not requeue. A crashed rank still\n"
-        + "# ends the others: their next collective fails (at the latest after distributed.timeout_minutes).\n"
+        + "# ends the others: their next collective fails (at the latest after distributed.timeout_s).\n"
         + "status=0\n"
         + 'srun --kill-on-bad-exit=0 "${PYTHON:-python}" -m llmft train "$TARGET" "$@" || status=$?\n'
         + f'if [ "$status" -eq {STOPPED_EXIT_CODE} ]; then\n'

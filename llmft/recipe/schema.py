@@ -359,7 +359,18 @@ class DistributedConfig:
     gpu_memory_gb: Optional[float] = doc(
         None, "Memory per GPU for the planner (batch.micro_batch_size=auto); null: the detected device."
     )
-    timeout_minutes: int = doc(30, "Collective timeout.")
+    timeout_s: int = doc(
+        600,
+        "The longest, in seconds, any collective or training step may wait (multi-rank runs): a "
+        "collective that waits longer fails, and a rank whose training loop makes no progress that long "
+        "(eval and checkpoint saves excepted: their collectives are timed) logs the step, the phase and "
+        "collective it was in and a Python stack of every thread, and exits 124; the launcher ends the "
+        "other ranks (docs/reliability.md). Keep it a few minutes above the slowest step and the slowest "
+        "checkpoint write.",
+    )
+    timeout_minutes: Optional[int] = doc(
+        None, "Older spelling of distributed.timeout_s in minutes; when set it wins (recipes written before timeout_s)."
+    )
 
 
 @dataclass

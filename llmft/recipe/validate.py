@@ -131,9 +131,14 @@ def _ranges(r: Recipe, where) -> list[Problem]:
         ("distributed.hsdp_replicate", r.distributed.hsdp_replicate >= 1, "must be >= 1"),
         ("distributed.sequence_parallel", r.distributed.sequence_parallel >= 1, "must be >= 1"),
         (
+            "distributed.timeout_s",
+            1 <= r.distributed.timeout_s <= 31536000,
+            "must be in [1, 31536000] (a year)",
+        ),
+        (
             "distributed.timeout_minutes",
-            1 <= r.distributed.timeout_minutes <= 525600,
-            "must be in [1, 525600] (a year)",
+            r.distributed.timeout_minutes is None or 1 <= r.distributed.timeout_minutes <= 525600,
+            "must be in [1, 525600] (a year) or null",
         ),
         ("distributed.master_port", 1 <= r.distributed.master_port <= 65535, "must be in [1, 65535]"),
         (

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shar
 
 from preference_batches import make_pairs, micro_batches, preference_step  # noqa: E402
 
-from llmft.dist import init_distributed, read_env, shutdown  # noqa: E402
+from llmft.dist import init_distributed, read_env, shutdown, timeout_s  # noqa: E402
 from llmft.plan.resolve import load_plan  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def main(recipe: str, out: str, num_pairs: str, steps: str, variants: str, *over
         plan = load_plan(recipe, [*overrides, *extra], world_size=env.world_size, local_world_size=env.local_world_size)
         if i == 0:
             d = plan.recipe.distributed
-            init_distributed(env, d.backend, d.timeout_minutes, force=plan.spec.multi_rank)
+            init_distributed(env, d.backend, timeout_s(d), force=plan.spec.multi_rank)
         per_step, share = int(num_pairs), int(num_pairs) // env.world_size
         pairs = make_pairs(per_step * int(steps), seed=5)
         mine = []

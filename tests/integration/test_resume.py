@@ -249,6 +249,9 @@ def test_a_checkpoint_without_a_plan_file_resumes_and_exports(tmp_path, monkeypa
     changed = [line for line in err.splitlines() if "changed setting" in line]
     assert changed == [
         "[llmft] resuming with a changed setting: checkpoint.every_steps 2 -> 1",
+        # the fixture's resolved recipe wrote the old key at its old default (30 minutes); now
+        # distributed.timeout_s (600 s) holds unless a recipe sets it
+        "[llmft] resuming with a changed setting: distributed.timeout_minutes 30 -> None",
         "[llmft] resuming with a changed setting: train.max_steps 2 -> 3",
     ]
     assert [r["step"] for r in metrics(work / "run")] == [1, 2, 3]

@@ -220,6 +220,7 @@ def test_floats_must_be_finite(capsys, recipe_file, tmp_path, override, key, sho
         ("run.seed=1" + "0" * 5000, "run.seed: the number has more than 4300 digits"),
         ("distributed.master_port=65536", "distributed.master_port: 65536 must be in [1, 65535]"),
         ("distributed.timeout_minutes=" + "9" * 15, "must be in [1, 525600] (a year)"),
+        ("distributed.timeout_s=" + "9" * 15, "must be in [1, 31536000] (a year)"),
     ],
 )
 def test_huge_integers(capsys, recipe_file, tmp_path, override, message):
