@@ -13,7 +13,7 @@ import torch
 from llmft.data import collate
 from llmft.data.sequence import sequence_slice
 from llmft.dist import DistEnv, all_reduce_sum
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 
 if TYPE_CHECKING:
     import numpy as np

@@ -40,7 +40,7 @@ class LoopState:
 
 @dataclass
 class LoopHooks:
-    """What the loop calls out to; train.py wires these to metrics, eval and checkpoints."""
+    """What the loop calls out to; ``run.Run.fit`` wires these to metrics, eval and checkpoints."""
 
     log_train: Callable[[dict[str, Any]], None]
     evaluate: Callable[[int], None]

@@ -18,7 +18,8 @@ from llmft.engines import Engine
 from llmft.flops import flops_per_token, mfu, peak_flops
 from llmft.loop import LoopState
 from llmft.model.structure import describe
-from llmft.plan.resolve import RunPlan, describe_engine
+from llmft.plan.layout import RunPlan
+from llmft.plan.resolve import describe_engine
 from llmft.plan.shape import model_shape
 from llmft.plot import plot_run
 

@@ -41,7 +41,7 @@ from llmft.model.base_model import save_base_once
 from llmft.objectives import build_objective
 from llmft.objectives.reference import engine_plan, precompute_references, precomputing
 from llmft.optim import build_optimizer, build_scheduler, scaled_lr
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 from llmft.recipe import to_yaml
 from llmft.recipe.load import RECIPE_FILE
 from llmft.report import ProgressBar, banner, extra_metrics, report_done, versions

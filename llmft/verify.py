@@ -63,7 +63,8 @@ from llmft.model.precision import compute_dtype
 from llmft.model.structure import describe
 from llmft.objectives import Objective, build_objective
 from llmft.plan.batch import BatchPlan, divisors
-from llmft.plan.resolve import RunPlan, load_plan
+from llmft.plan.layout import RunPlan
+from llmft.plan.resolve import load_plan
 from llmft.run import seed_everything
 from llmft.tokenizer import load_tokenizer
 

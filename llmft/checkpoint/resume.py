@@ -31,7 +31,8 @@ from llmft.checkpoint.layout import TrainerState, latest_checkpoint, resolve_che
 from llmft.checkpoint.verify import DamagedCheckpoint, verify
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import BatchPlan
-from llmft.plan.resolve import PLAN_FILE, RunPlan, plan_summary
+from llmft.plan.layout import RunPlan
+from llmft.plan.resolve import PLAN_FILE, plan_summary
 from llmft.recipe.load import flatten, to_container, to_yaml, unresolve_env
 from llmft.recipe.schema import Recipe
 

@@ -5,8 +5,8 @@ planner and the compiler read it without torch); this module builds the runtime 
 names (``EngineSpec.runtime``, ``EngineSpec.reader``).
 
 Who divides the loss by what (docs/batch.md has the full story): the loop's loss
-for a micro-batch is ``sum of its token losses / target tokens of the whole
-global batch``, so summing gradients over micro-steps and ranks gives exactly the
+for a micro-batch is ``sum of its item losses / the objective's count over the whole
+global batch`` (target tokens, pairs, ...: ``ObjectiveSpec.counts``), so summing gradients over micro-steps and ranks gives exactly the
 big-batch gradient. Engines that average instead of sum (DDP and FSDP mean over
 ranks, DeepSpeed over ranks and, unless told otherwise, micro-steps) undo it in their
 own ``backward``: the one place where the engine's own averaging is undone. Clipping
@@ -27,7 +27,7 @@ import torch
 
 from llmft.dist import DistEnv
 from llmft.plan.engines import engine_spec, load
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 
 # Builds the run's optimizer over a prepared (wrapped, sharded) model: one place, llmft.optim.
 OptimizerFactory = Callable[[torch.nn.Module], Any]
@@ -45,7 +45,7 @@ class Engine(Protocol):
         """Wraps forward + backward of one micro-batch; gradients are reduced only when ``boundary``."""
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of the loop's micro loss (normalised by the global batch's target tokens); the
+        """Backward of the loop's micro loss (normalised by the objective's global count); the
         engine undoes its own averaging over ranks / micro-steps, so the summed gradients are the
         big batch's."""
 

@@ -19,8 +19,8 @@ from llmft.engines import autocast_for
 from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
 from llmft.model.precision import compute_dtype
+from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import FROZEN_COPY, REFERENCE_MODEL
-from llmft.plan.resolve import RunPlan
 from llmft.safe_load import torch_load
 
 

@@ -46,8 +46,8 @@ from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta
 from llmft.plan.deepspeed import deepspeed_config
+from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import FROZEN_COPY, REFERENCE_MODEL
-from llmft.plan.resolve import RunPlan
 from llmft.safe_load import torch_load
 
 log = logging.getLogger("llmft")

@@ -37,8 +37,8 @@ from llmft.model.meta import build_on_meta, materialize
 from llmft.model.precision import DTYPES
 from llmft.model.structure import decoder_layer_classes
 from llmft.plan.fsdp import fsdp_plan
+from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import FROZEN_COPY, REFERENCE_MODEL
-from llmft.plan.resolve import RunPlan
 
 
 class FSDPEngine(LocalEngine):

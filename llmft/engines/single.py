@@ -9,7 +9,7 @@ from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import LocalEngine, load_plain, save_plain, unsharded_reference
 from llmft.model.build import prepare_model
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 
 
 class SingleEngine(LocalEngine):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from llmft.plan.engines import load
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 
 if TYPE_CHECKING:
     from llmft.engines import Engine

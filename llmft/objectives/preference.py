@@ -34,8 +34,8 @@ from llmft import loss as lm_loss
 from llmft.loss import IGNORE_INDEX
 from llmft.model.ulysses import sequence_groups
 from llmft.objectives import model_inputs
+from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import ADAPTERS_DISABLED, NO_REFERENCE
-from llmft.plan.resolve import RunPlan
 
 if TYPE_CHECKING:
     from llmft.engines import Engine

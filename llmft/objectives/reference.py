@@ -59,8 +59,8 @@ from llmft.data.pairs import PairDataset, collate_pairs
 from llmft.data.sequence import sequence_slice
 from llmft.dist import barrier, broadcast_object
 from llmft.objectives.preference import SequenceGroup, disable_dropout, model_sequence_logps
+from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import ADAPTERS_DISABLED, FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL
-from llmft.plan.resolve import RunPlan
 
 if TYPE_CHECKING:
     from llmft.data.bundle import DataBundle

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from llmft.model.heads import SCORE_MODULE
 from llmft.objectives import model_inputs
 from llmft.objectives.preference import SequenceGroup, disable_dropout
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 
 if TYPE_CHECKING:
     from llmft.engines import Engine

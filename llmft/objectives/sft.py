@@ -8,7 +8,7 @@ import torch
 
 from llmft import loss as lm_loss
 from llmft.data import batch_targets
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 
 if TYPE_CHECKING:
     from llmft.engines import Engine

@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import divisors
 from llmft.plan.deepspeed import ZERO3_MAX_LIVE_PARAMETERS
 from llmft.plan.engines import engine_spec
+from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL, objective_spec, reference_kind
 from llmft.plan.shape import ModelShape, linear_shapes, model_shape
 from llmft.recipe.schema import Recipe
-
-if TYPE_CHECKING:
-    from llmft.plan.resolve import RunPlan
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
