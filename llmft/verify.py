@@ -64,6 +64,7 @@ from llmft.model.structure import describe
 from llmft.objectives import Objective, build_objective
 from llmft.plan.batch import BatchPlan, divisors
 from llmft.plan.layout import RunPlan
+from llmft.plan.objectives import DEFAULT_OBJECTIVE
 from llmft.plan.resolve import load_plan
 from llmft.run import seed_everything
 from llmft.tokenizer import load_tokenizer
@@ -96,7 +97,7 @@ class VerifyResult:
     device: str = "cpu"
     params: str = ""
     counts: str = "tokens"  # what the objective normalises by (ObjectiveSpec.counts)
-    objective: str = "sft"
+    objective: str = DEFAULT_OBJECTIVE
 
     @property
     def worst(self) -> TensorDiff:

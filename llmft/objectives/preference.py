@@ -41,14 +41,6 @@ if TYPE_CHECKING:
     from llmft.engines import Engine
     from llmft.recipe.schema import PreferenceConfig
 
-METRIC_NAMES = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracy",
-    "rewards/margin",
-    "logps/chosen",
-    "logps/rejected",
-)
 # Losses on the mean log-prob per target token (length-normalised); the others use the sum.
 MEAN_LOGP_LOSSES = ("ipo", "simpo", "orpo")
 
@@ -208,9 +200,8 @@ class SequenceGroup:
 class PreferenceObjective:
     """DPO and its relatives over the contract batch (see the module docstring)."""
 
-    metric_names = METRIC_NAMES
-
     def __init__(self, plan: RunPlan, engine: Engine) -> None:
+        self.metric_names = plan.objective_spec.metrics  # the record's (llmft.plan.objectives)
         self.cfg = plan.recipe.preference
         self.mean_logps = self.cfg.loss_type in MEAN_LOGP_LOSSES
         self.reference_kind = plan.reference

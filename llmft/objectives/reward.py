@@ -40,7 +40,6 @@ from llmft.plan.layout import RunPlan
 if TYPE_CHECKING:
     from llmft.engines import Engine
 
-METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
 
 
 def last_token_positions(sequence_index: torch.Tensor, num_sequences: int) -> torch.Tensor:
@@ -85,9 +84,8 @@ def score_module(model: torch.nn.Module) -> torch.nn.Module:
 class RewardObjective:
     """A Bradley-Terry reward model over the contract batch (see the module docstring)."""
 
-    metric_names = METRIC_NAMES
-
     def __init__(self, plan: RunPlan, engine: Engine) -> None:
+        self.metric_names = plan.objective_spec.metrics  # the record's (llmft.plan.objectives)
         policy = engine.unwrap()
         disable_dropout(policy)  # the scores of a pair must not depend on how the batch is split
         self._token_scores: torch.Tensor | None = None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from llmft.plan.batch import BatchPlan
 from llmft.plan.engines import EngineSpec, engine_spec, one_process_engine
-from llmft.plan.objectives import ObjectiveSpec, objective_spec
+from llmft.plan.objectives import DEFAULT_OBJECTIVE, ObjectiveSpec, objective_spec
 from llmft.recipe.load import unresolve_env
 from llmft.recipe.schema import Recipe
 
@@ -105,7 +105,7 @@ class RunPlan:
     # sharded): its weights equal the single-process run's on every engine and world size.
     builds_whole: bool
     notes: tuple[str, ...] = ()  # what resolving changed, for the log
-    objective: str = "sft"  # a name of llmft.plan.objectives.OBJECTIVES (``objective_spec`` is its record)
+    objective: str = DEFAULT_OBJECTIVE  # a registered objective's name (``objective_spec`` is its record)
     # Where a preference run's reference log-probs come from (llmft.plan.objectives: none,
     # adapters_disabled, frozen_copy, model); the engines build what it says.
     reference: str = "none"

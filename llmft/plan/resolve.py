@@ -29,7 +29,7 @@ from llmft.plan.batch import BatchPlan, divisors, resolve_for_world, sequences_f
 from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, load
 from llmft.plan.kernels import recipe_problems
 from llmft.plan.layout import RunPlan, World, parallel_layout, quant_storage_for
-from llmft.plan.objectives import objective_problems, reference_kind
+from llmft.plan.objectives import load_objective_module, objective_problems, reference_kind, unknown_objective
 from llmft.plan.shape import model_shape
 from llmft.recipe.load import RecipeError, load_unchecked, provenance
 from llmft.recipe.schema import Recipe
@@ -77,6 +77,13 @@ def resolve(
     ``micro_batch_size: auto`` needs a number and ``distributed.gpu_memory_gb`` is unset."""
     problems = list(problems or [])
     where = provenance(recipe)
+    try:
+        load_objective_module(recipe)  # a user's objective registers itself before its name is read
+    except UserError as e:
+        problems += [Problem(where(pr.where), pr.what, pr.fix) for pr in e.problems]
+    unknown = unknown_objective(recipe, where)
+    if unknown:  # every check below reads the objective's record
+        raise RecipeError(*problems, *unknown, title=f"the recipe has {len(problems) + 1} problem(s)")
     compiled = World.of(recipe)
     same = world_size is None or world_size == compiled.size
     world = compiled if same else World.running(world_size, local_world_size)
@@ -90,10 +97,8 @@ def resolve(
         except UserError as e:
             problems += [Problem(where(pr.where), pr.what, pr.fix) for pr in e.problems]
             recipe = _with_seq_len(recipe, 2)  # to go on and report every other problem too
-    problems += engine_problems(recipe, spec, world.size, where)
-    problems += objective_problems(recipe, where)
-    sp_problems = sequence_parallel_problems(recipe, spec, world.size, where)
-    problems += sp_problems
+    problems += world_problems(recipe, spec, world.size, where)
+    sp_problems = sequence_parallel_problems(recipe, spec, world.size, where)  # the batch is solved without
     batch = None
     try:
         sp = recipe.distributed.sequence_parallel if not sp_problems else 1
@@ -227,18 +232,28 @@ def _planned_micro(
 # --- combinations that depend on the engine or the world ----------------------------------------
 
 
-def engine_problems(r: Recipe, spec: EngineSpec, dp_size: int, where: Callable[[str], str]) -> list[Problem]:
-    """What this engine cannot do with this recipe on ``dp_size`` processes: the checks every engine
-    shares, read from its record, then its own (``EngineSpec.problems``)."""
+def world_problems(r: Recipe, spec: EngineSpec, world_size: int, where: Callable[[str], str]) -> list[Problem]:
+    """Every check of a recipe against the engine and the world it runs on, in the one order they
+    are reported (the recipe's own checks ran when it was loaded: ``recipe/validate.py``):
 
+    1. the layout: may this engine run on ``world_size`` processes (``_layout_problems``);
+    2. offload: what this engine can move off the GPU (``_offload_problems``);
+    3. the engine's own refusals (``EngineSpec.problems``);
+    4. quantization on this engine and world (``_quantization_problems``);
+    5. the speed switches, from the engine's record (``plan/kernels.py``);
+    6. the objective's (``plan/objectives.py``);
+    7. sequence parallelism (``sequence_parallel_problems``).
+    """
     own = load(spec.problems)(r, where) if spec.problems else []
     kernels = [Problem(where(pr.where), pr.what, pr.fix) for pr in recipe_problems(r, spec)]
     return (
-        _layout_problems(r, spec, dp_size, where)
+        _layout_problems(r, spec, world_size, where)
         + _offload_problems(r, spec, where)
         + own
-        + _quantization_problems(r, spec, dp_size, where)
+        + _quantization_problems(r, spec, world_size, where)
         + kernels
+        + objective_problems(r, where)
+        + sequence_parallel_problems(r, spec, world_size, where)
     )
 
 
