@@ -81,7 +81,7 @@ def train_loop(
         t0 = time.perf_counter()
         # All micro-batches of the step are fetched first: their items (target tokens, pairs) must
         # be counted before the first backward (each micro loss is divided by the global count).
-        micro_batches = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
+        micro_batches = objective.prepare([next(batches) for _ in range(plan.gradient_accumulation_steps)])
         data_wait = time.perf_counter() - t0
         local_count = sum(objective.count(mb) for mb in micro_batches)
         local_targets = sum(batch_targets(mb) for mb in micro_batches)

@@ -37,9 +37,6 @@ class Engine(Protocol):
     name: str
     model: torch.nn.Module  # what the loop calls forward on
     optimizer: Any  # the optimizer the scheduler drives
-    # A preference run's separate reference model (frozen copy, or preference.reference), built and
-    # sharded like the policy; None when there is none (SFT, LoRA: the policy with adapters disabled).
-    reference: torch.nn.Module | None
 
     def micro_step(self, boundary: bool) -> ContextManager:
         """Wraps forward + backward of one micro-batch; gradients are reduced only when ``boundary``."""
@@ -55,6 +52,13 @@ class Engine(Protocol):
 
     def unwrap(self) -> torch.nn.Module:
         """The Hugging Face / PEFT model inside."""
+
+    def frozen_model(self, plan: RunPlan | None = None) -> torch.nn.Module:
+        """A frozen model (no gradients, no optimizer, eval mode) built and sharded like the policy:
+        ``plan``'s model (``RunPlan.frozen_model_plan``: a named reference or reward model), or, with
+        no plan, a copy of the policy as built (its initial weights: asked before any step). What an
+        objective's record says it needs (``ObjectiveSpec.frozen``); "the policy with its adapters
+        off" needs no model: ``unwrap().disable_adapter()``."""
 
     def autocast(self) -> ContextManager: ...
 

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from llmft import loss as lm_loss
 from llmft.data import batch_targets
-from llmft.plan.layout import RunPlan
-
-if TYPE_CHECKING:
-    from llmft.engines import Engine
+from llmft.objectives import ObjectiveBase
 
 
 def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor | None) -> torch.Tensor:
@@ -44,13 +41,8 @@ def _slice_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_item
     return lm_loss.shifted_loss(model(**inputs, use_cache=False).logits, batch["shift_labels"], num_items)
 
 
-class SFTObjective:
+class SFTObjective(ObjectiveBase):
     """Next-token loss on the target tokens; no metrics beyond the loss."""
-
-    metric_names: tuple[str, ...] = ()
-
-    def __init__(self, plan: RunPlan, engine: Engine) -> None:
-        pass
 
     def count(self, batch: dict[str, Any]) -> int:
         return batch_targets(batch)
@@ -59,6 +51,3 @@ class SFTObjective:
         self, model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor
     ) -> tuple[torch.Tensor, None]:
         return micro_loss(model, batch, num_items), None
-
-    def metrics(self, sums: list[float], count: float) -> dict[str, float]:
-        return {}

@@ -178,6 +178,14 @@ class RunPlan:
             quant_storage=quant_storage_for(self.recipe, one),
         )
 
+    def frozen_model_plan(self, name_or_path: str) -> RunPlan:
+        """The plan a frozen model named ``name_or_path`` (a reference or reward model) is built from:
+        this run's, with that model instead of the policy's and no adapters."""
+        recipe = copy.deepcopy(self.recipe)
+        recipe.model.name_or_path, recipe.model.config, recipe.model.revision = name_or_path, None, None
+        recipe.peft.method = "none"
+        return replace(self, recipe=recipe, builds_whole=False)
+
     def resolved_recipe(self) -> Recipe:
         """A copy of the recipe with the decisions written in (engine, batch, layout): what
         ``recipe.yaml`` files hold, so that a compiled dir or a checkpoint says what ran.

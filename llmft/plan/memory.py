@@ -138,7 +138,7 @@ def chunked_loss_on(recipe: Recipe, micro_batch_size: int) -> bool:
     shape = model_shape(recipe.model)
     if shape is None:
         return True
-    rows = micro_batch_size * spec.rows_per_item
+    rows = micro_batch_size * spec.rows(recipe)
     return rows * recipe.data.max_seq_len > loss_chunk_tokens(shape.vocab_size)
 
 
@@ -308,7 +308,7 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         "master_weights": _placed(states["master_weights"], layout.optimizer, layout.optimizer_on_gpu),
     }
     spec = objective_spec(recipe.train.objective)
-    tokens = spec.rows_per_item * tokens_per_rank(recipe, micro)  # a pair is two sequences
+    tokens = spec.rows(recipe) * tokens_per_rank(recipe, micro)  # a pair is two sequences
     placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])
     # Forward holds the head's output in the compute dtype, its fp32 copy for the loss and the fp32
     # log-softmax cross-entropy keeps (a + 8 bytes per logit); backward the saved log-softmax, its
@@ -342,7 +342,7 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         dp_size=dp_size,
         engine=engine,
         notes=tuple(notes),
-        rows_per_item=spec.rows_per_item,
+        rows_per_item=spec.rows(recipe),
     )
 
 

@@ -361,7 +361,7 @@ def test_no_import_cycles_between_packages():
 
 def test_no_import_cycles_through_type_only_imports():
     """An import under ``if TYPE_CHECKING:`` never runs, but a module that names a type of the
-    module importing it is a circle a reader follows all the same (issue 30): none between modules."""
+    module importing it is a circle a reader follows all the same: none between modules."""
     cycles = _describe_cycles(_graph(_imports(type_only=True)))
     assert not cycles, f"{len(cycles)} import cycle(s) through type-only imports:\n" + "\n".join(cycles)
 

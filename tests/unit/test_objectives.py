@@ -64,8 +64,9 @@ def test_the_recipe_takes_the_registry_names_and_refuses_others(tmp_path):
 def test_an_objective_module_that_does_not_import_is_refused(tmp_path):
     problems = _problems(tmp_path, "train.objective_module=no_such_module_here", "train.objective=kto")
     assert "train.objective_module: cannot import 'no_such_module_here': ModuleNotFoundError" in problems[0]
-    assert "train.objective: 'kto' is not one of sft, dpo, reward (train.objective_module=no_such_module_here" in (
-        problems[1]
+    assert (
+        "train.objective: 'kto' is not one of sft, dpo, reward (train.objective_module=no_such_module_here"
+        in (problems[1])
     )
 
 
@@ -99,7 +100,7 @@ def _name_literals(path: Path, names: tuple[str, ...], root: Path = ROOT) -> lis
 
 def test_no_objective_name_is_compared_outside_its_record():
     """Behaviour is read from the record (``ObjectiveSpec``): the data layer from its ``record``, the
-    model card from its ``head``/``card``, eval and verify from ``counts`` (issue 30)."""
+    model card from its ``head``/``card``, eval and verify from ``counts``."""
     found = []
     for path in sorted((ROOT / "llmft").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
