@@ -24,11 +24,10 @@ from typing import Any, ContextManager
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from llmft.checkpoint.layout import DCP_DIR
-from llmft.dist import DistEnv
+from llmft.dist import DistEnv, device_mesh
 from llmft.engines import OptimizerFactory, safe_dcp
 from llmft.engines.base import LocalEngine, freeze, trainable_names
 from llmft.model import ulysses
@@ -46,12 +45,7 @@ class FSDPEngine(LocalEngine):
         # The reduce-scatter averages over all data-parallel ranks (shard x replicate): backward undoes it.
         sharding = fsdp_plan(plan)
         self.sync_every_micro_step = plan.recipe.distributed.fsdp_grad_sync == "micro_step"
-        mesh = sharding.mesh
-        self.mesh = (
-            init_device_mesh(self.device.type, (mesh.replicate, mesh.shard), mesh_dim_names=("replicate", "shard"))
-            if mesh.replicate > 1
-            else init_device_mesh(self.device.type, (mesh.shard,), mesh_dim_names=("shard",))
-        )
+        self.mesh = device_mesh(self.device.type, plan.layout.param_mesh)  # the layout's, named
         self.sharding = sharding
         self.model = self._build_sharded(plan, tokenizer)
         self.optimizer = make_optimizer(self.model)

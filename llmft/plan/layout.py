@@ -39,6 +39,12 @@ class World:
         return cls(world_size // local, local)
 
 
+def data_parallel_size(world_size: int, sp: int) -> int:
+    """Data-parallel ranks of ``world_size`` processes in sequence groups of ``sp``: each group is
+    one (the one place this is computed; ``ParallelLayout.dp_size`` is its result)."""
+    return max(world_size // sp, 1)
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """How the run's processes divide the work; the runtime reads it instead of asking the engine.
@@ -74,19 +80,21 @@ class ParallelLayout:
 
     @property
     def mesh(self) -> tuple[tuple[str, int], ...]:
-        """The device mesh of the run as named dimensions, outermost first (torchtitan's
-        ``ParallelDims``): ``replicate`` (HSDP replica groups), ``shard`` (data-parallel ranks that
-        share one copy of sharded parameters, or plain replicas), ``sp`` (the ranks of a sequence
-        group, innermost: consecutive ranks). Their product is the world; the runtime builds its one
-        ``DeviceMesh`` from this (``llmft.dist.device_mesh``), and the parameter sharding of FSDP2
-        spans ``shard`` and ``sp`` together (``PARAM_SHARD_DIMS``)."""
+        """The run's processes as named dimensions, outermost first (torchtitan's ``ParallelDims``):
+        ``replicate`` (HSDP replica groups), ``shard`` (the data-parallel ranks of a replica: they
+        share one copy of sharded parameters, or hold plain replicas), ``sp`` (the ranks of a
+        sequence group, innermost: consecutive ranks, ``dp_rank`` / ``sp_rank``). Their product is
+        the world; ``param_mesh`` is the mesh FSDP2 shards parameters on."""
         replicate = self.dp_replicate if self.shards_params else 1
         return (("replicate", replicate), ("shard", self.dp_size // replicate), ("sp", self.sp))
 
-
-# The mesh dimensions parameters are sharded over (sequence ranks compute gradients of the same
-# parameters, so they shard them too: docs/long-context.md), and those a replica is made of.
-PARAM_SHARD_DIMS = ("shard", "sp")
+    @property
+    def param_mesh(self) -> tuple[tuple[str, int], ...]:
+        """The mesh parameters are sharded on (FSDP2), named: ``replicate`` (HSDP replica groups; left
+        out when 1) x ``shard`` (``dp_shard``: ``mesh``'s ``shard`` and ``sp`` together, as sequence
+        ranks compute gradients of the same parameters). ``llmft.dist.device_mesh`` builds it."""
+        shard = (("shard", self.dp_shard),)
+        return (("replicate", self.dp_replicate), *shard) if self.dp_replicate > 1 else shard
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from llmft.plan import memory
 from llmft.plan.batch import BatchPlan, divisors, resolve_for_world, sequences_from_tokens, solve_batch
 from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, load
 from llmft.plan.kernels import recipe_problems
-from llmft.plan.layout import RunPlan, World, parallel_layout, quant_storage_for
+from llmft.plan.layout import RunPlan, World, data_parallel_size, parallel_layout, quant_storage_for
 from llmft.plan.objectives import load_objective_module, objective_problems, reference_kind, unknown_objective
 from llmft.plan.shape import model_shape
 from llmft.recipe.load import RecipeError, load_unchecked, provenance
@@ -166,7 +166,7 @@ def _solve(
             )
         g = from_tokens
     micro = b.micro_batch_size
-    dp, compiled_dp = world.size // sp, max(compiled.size // sp, 1)
+    dp, compiled_dp = data_parallel_size(world.size, sp), data_parallel_size(compiled.size, sp)
     if _is_auto(micro) and _is_auto(b.gradient_accumulation_steps) and isinstance(g, int) and not isinstance(g, bool):
         micro = _planned_micro(recipe, engine, g, dp, measure_gpu)
     values = (g, micro, b.gradient_accumulation_steps)
@@ -186,7 +186,7 @@ def _planned_seq_len(
         gpu_gb = measure_gpu()
     micro = recipe.batch.micro_batch_size
     micro = micro if isinstance(micro, int) and not isinstance(micro, bool) else 1
-    dp = max(world_size // memory.sequence_parallel(recipe), 1)
+    dp = data_parallel_size(world_size, memory.sequence_parallel(recipe))
     n = memory.longest_sequence(recipe, engine, dp, gpu_gb, micro) if gpu_gb is not None else 0
     if gpu_gb is None or n < 2:
         raise UserError(
