@@ -67,7 +67,7 @@ class Evaluator:
         for b in range(num_batches):
             idx = mine[b * self.micro : (b + 1) * self.micro]
             examples = [ds[i] for i in idx] or [ds[0]]  # a rank with no data left runs a dummy batch
-            batch = self.collate(examples, self.tokenizer.pad_token_id)
+            (batch,) = self.objective.prepare([self.collate(examples, self.tokenizer.pad_token_id)])
             if layout.sp > 1:
                 batch = sequence_slice(batch, layout.sp_rank(self.env.rank), layout.sp)
             batch = {k: v.to(self.env.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

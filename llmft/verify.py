@@ -166,6 +166,8 @@ def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult
     model = prepare_model(one, tokenizer, device)
     objective = _objective(one, model, tokenizer, device)
     _switch_off_dropout(model)
+    ranks = [objective.prepare(micro_batches) for micro_batches in ranks]  # as the loop does, before counting
+    (big,) = objective.prepare([big])
     dtype = compute_dtype(recipe)
 
     def autocast():

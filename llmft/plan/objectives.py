@@ -229,7 +229,7 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
             Problem(
                 where("train.objective"),
                 f"{spec.name} ({spec.title}) is not implemented yet",
-                "Use train.objective=sft or dpo (docs/preference.md says what is done).",
+                f"Use one of {', '.join(s.name for s in objectives() if s.runtime is not None)}.",
             )
         )
     problems += head_problems(spec, recipe, where)

@@ -42,6 +42,14 @@ def test_a_registered_objective_trains_and_any_split_is_the_big_batch(tmp_path):
     assert (tmp_path / "split" / "run" / "recipe.yaml").read_text().count("weighted_sft") == 2
 
 
+def test_llmft_verify_runs_a_registered_objective(tmp_path, capsys):
+    """``llmft verify`` prepares the micro-batches as the loop does, then counts and compares."""
+    from llmft.verify import verify
+
+    assert verify(str(_recipe(tmp_path)), [*PLUGIN, *SGD, "batch.micro_batch_size=2"]) == 0
+    assert "weighted_sft" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_two_fsdp_ranks_equal_one_process(tmp_path):
     big = _one_process(tmp_path / "big", 8)
