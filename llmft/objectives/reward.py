@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from llmft.model.heads import SCORE_MODULE
 from llmft.objectives import Models, ObjectiveBase, disable_dropout, model_inputs
-from llmft.objectives.sequences import SequenceSlices
+from llmft.objectives.sequences import SequenceSlices, is_slice
 from llmft.plan.layout import RunPlan
 
 
@@ -101,7 +101,7 @@ class RewardObjective(ObjectiveBase):
         token_scores, self._token_scores = self._token_scores, None
         assert token_scores is not None, "the forward did not run the score head"
         n = 2 * int(batch["num_pairs"])
-        if "sequence_last" in batch:  # this rank's slice: its part of the scores, summed over the group
+        if is_slice(batch):  # this rank's slice: its part of the scores (``sequence_last``), summed over the group
             scores = self.slices.whole(slice_scores(token_scores, batch, n))
         else:
             scores = sequence_scores(token_scores, batch["sequence_index"], n)

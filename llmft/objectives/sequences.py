@@ -104,7 +104,7 @@ def predicted_tokens(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]
     collated pair batch (``predicted_targets``) or of a sequence slice, whose ``shift_labels`` are
     already shifted and cut where a sequence ends (``llmft.data.sequence``)."""
     index = batch["sequence_index"]
-    if "shift_labels" not in batch:
+    if not is_slice(batch):
         return predicted_targets(batch["labels"], index)
     shift = batch["shift_labels"]
     valid = (shift != IGNORE_INDEX) & (index >= 0)
@@ -120,7 +120,7 @@ def model_sequence_logps(
 
     A sequence slice (``shift_labels`` in the batch, ``llmft.data.sequence``): position t predicts
     ``shift_labels[t]``, already shifted and cut where a sequence ends; the sums are this slice's
-    part, which the sequence group's all-reduce makes whole (``SequenceGroup``)."""
+    part, which the sequence group makes whole (``SequenceSlices.whole``)."""
     index = batch["sequence_index"]
     target, valid = predicted_tokens(batch)
     head = lm_loss.find(model)

@@ -9,6 +9,7 @@ import torch
 from llmft import loss as lm_loss
 from llmft.data import batch_targets
 from llmft.objectives import ObjectiveBase
+from llmft.objectives.sequences import is_slice
 
 
 def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor | None) -> torch.Tensor:
@@ -18,7 +19,7 @@ def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items
 
     A model with the chunked loss installed (``model.chunked_loss``, ``llmft.loss``) returns the
     same loss from its LM head, a chunk of tokens at a time, and never holds the whole logits."""
-    if "shift_labels" in batch:  # this rank's sequence slice (llmft.data.sequence): targets already shifted
+    if is_slice(batch):  # this rank's sequence slice (llmft.data.sequence): targets already shifted
         return _slice_loss(model, batch, num_items)
     head = lm_loss.find(model)
     if head is not None:
