@@ -190,6 +190,14 @@ def objective_spec(name: str) -> ObjectiveSpec:
         raise AssertionError(f"unknown objective {name!r}; known: {', '.join(_BY_NAME)}") from None
 
 
+def objective_of(recipe: Recipe) -> ObjectiveSpec:
+    """The record of ``recipe``'s ``train.objective``, its ``train.objective_module`` imported first
+    (a checkpoint's recipe read by ``llmft export`` names the module its run imported)."""
+    if recipe.train.objective not in _BY_NAME:
+        load_objective_module(recipe)
+    return objective_spec(recipe.train.objective)
+
+
 def unknown_objective(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
     """``train.objective`` names no registered objective (checked before anything reads its record)."""
     name = recipe.train.objective
@@ -210,7 +218,7 @@ def unknown_objective(recipe: Recipe, where: Callable[[str], str]) -> list[Probl
 def reference_kind(recipe: Recipe) -> str:
     """What the run uses as its reference model (one of the constants above)."""
     p = recipe.preference
-    if REFERENCE not in objective_spec(recipe.train.objective).frozen:
+    if REFERENCE not in objective_of(recipe).frozen:
         return NO_REFERENCE
     if p.loss_type in REFERENCE_FREE_LOSSES:
         return NO_REFERENCE
@@ -221,7 +229,7 @@ def reference_kind(recipe: Recipe) -> str:
 
 def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
     """What this objective cannot do (yet) with this recipe; empty for SFT."""
-    spec = objective_spec(recipe.train.objective)
+    spec = objective_of(recipe)
     p = recipe.preference
     problems: list[Problem] = []
     if spec.runtime is None:
@@ -259,7 +267,7 @@ def _precompute_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Pr
     if reference_kind(recipe) == NO_REFERENCE:
         what = (
             f"loss_type={recipe.preference.loss_type} is reference-free"
-            if REFERENCE in objective_spec(recipe.train.objective).frozen
+            if REFERENCE in objective_of(recipe).frozen
             else f"train.objective={recipe.train.objective} has no reference model"
         )
         return [

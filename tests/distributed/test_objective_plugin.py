@@ -8,6 +8,8 @@ docs/design.md "Adding an objective"; G1 (accumulation is the big batch).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,9 @@ def test_two_fsdp_ranks_equal_one_process(tmp_path):
     proc = torchrun(["train", str(recipe), *over], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert max_rel_diff(_weights(tmp_path / "fsdp"), big) <= 1e-5
+    # A fresh process exports it: the checkpoint's recipe names the module, which registers the record.
+    out = tmp_path / "exported"
+    cmd = [sys.executable, "-m", "llmft", "export", str(tmp_path / "fsdp" / "run"), "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env}, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "weighted_sft (next-token loss, each target token weighted by 1 + id % 3)" in (out / "README.md").read_text()
