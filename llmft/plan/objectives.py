@@ -152,9 +152,25 @@ def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
     """Add ``spec`` to the registry (a user module calls this when it is imported). Registering the
     same record again is a no-op (a module imported twice); another record under a taken name is an error."""
     known = _BY_NAME.get(spec.name)
+    problems = []
     if known is not None and known != spec:
-        raise AssertionError(f"objective {spec.name!r} is registered already ({known.runtime})")
-    assert spec.record in RECORD_KINDS, f"{spec.name}: record {spec.record!r} is not one of {RECORD_KINDS}"
+        problems.append(
+            Problem(
+                "train.objective_module",
+                f"registers objective {spec.name!r}, which is registered already ({known.runtime})",
+                "Give the new objective a name of its own.",
+            )
+        )
+    if spec.record not in RECORD_KINDS:
+        problems.append(
+            Problem(
+                "train.objective_module",
+                f"registers objective {spec.name!r} reading {spec.record!r} records",
+                f"Use one of the record kinds the data layer reads: {', '.join(RECORD_KINDS)}.",
+            )
+        )
+    if problems:
+        raise UserError(*problems)
     _BY_NAME[spec.name] = spec
     return spec
 

@@ -70,6 +70,18 @@ def test_an_objective_module_that_does_not_import_is_refused(tmp_path):
     )
 
 
+def test_registering_an_objective_refuses_a_taken_name_and_is_idempotent():
+    from llmft.errors import UserError
+    from llmft.plan.objectives import ObjectiveSpec, register_objective
+
+    dpo = objective_spec("dpo")
+    assert register_objective(dpo) is dpo  # the same record again (a module imported twice): a no-op
+    with pytest.raises(UserError) as e:
+        register_objective(ObjectiveSpec(name="dpo", title="mine", runtime="my.mod:Mine", counts="tokens"))
+    assert "registers objective 'dpo', which is registered already (llmft.objectives.preference:" in str(e.value)
+    assert objective_spec("dpo") is dpo
+
+
 # --- no objective name is compared outside its record ----------------------------------------------
 
 REGISTRY = "llmft/plan/objectives.py"
