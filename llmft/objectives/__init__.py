@@ -69,8 +69,9 @@ class Objective(Protocol):
     def prepare(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The step's micro-batches, made ready before the global count is taken (generate, score)."""
 
-    def count(self, batch: dict[str, Any]) -> int:
-        """This micro-batch's share of the normaliser (target tokens, or pairs)."""
+    def count(self, batch: dict[str, Any]) -> float:
+        """This micro-batch's share of the normaliser (target tokens, pairs, completions; a weighted
+        count may be fractional)."""
 
     def micro_loss(
         self, model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor
