@@ -33,7 +33,8 @@ class Evaluator:
         self.objective = objective
         # examples -> micro-batch, as the training loader collates (a preference run's pairs too).
         self.collate: Callable[[list[Any], int], dict[str, Any]] = collate
-        self.per_token = plan.objective_spec.counts == "tokens"  # a token mean has a perplexity
+        self.counts = plan.objective_spec.counts  # what the eval's count is named by (tokens, pairs, ...)
+        self.per_token = self.counts == "tokens"  # a token mean has a perplexity
         self.micro = plan.batch.micro_batch_size
         # Where the parameters are sharded every rank must join every forward of generate() (each
         # gathers its layers from all ranks), also after its own sequences are done: synced_gpus.
@@ -81,7 +82,7 @@ class Evaluator:
         loss = loss_sum / max(count, 1.0)
         if self.per_token:
             return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(count)}
-        return {"loss": loss, "pairs": int(count), **self.objective.metrics(metric_totals, count)}
+        return {"loss": loss, self.counts: int(count), **self.objective.metrics(metric_totals, count)}
 
     def _exact_match(self) -> dict[str, float]:
         prompts = self.data.eval_prompts[: self.recipe.train.eval_generate_samples]
