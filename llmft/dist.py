@@ -15,6 +15,7 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from llmft import watchdog
 from llmft.errors import Problem, UserError
@@ -192,3 +193,8 @@ def leave_process(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed or broken pipe: nothing more can be written anyway
             pass
     os._exit(code)
+
+
+def device_mesh(device_type: str, dims: tuple[tuple[str, int], ...]):
+    """The ``DeviceMesh`` of named dimensions the plan's layout gives (``ParallelLayout.param_mesh``)."""
+    return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))

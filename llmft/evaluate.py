@@ -13,7 +13,7 @@ import torch
 from llmft.data import collate
 from llmft.data.sequence import sequence_slice
 from llmft.dist import DistEnv, all_reduce_sum
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 
 if TYPE_CHECKING:
     import numpy as np
@@ -33,7 +33,8 @@ class Evaluator:
         self.objective = objective
         # examples -> micro-batch, as the training loader collates (a preference run's pairs too).
         self.collate: Callable[[list[Any], int], dict[str, Any]] = collate
-        self.per_token = plan.objective_spec.counts == "tokens"  # a token mean has a perplexity
+        self.counts = plan.objective_spec.counts  # what the eval's count is named by (tokens, pairs, ...)
+        self.per_token = self.counts == "tokens"  # a token mean has a perplexity
         self.micro = plan.batch.micro_batch_size
         # Where the parameters are sharded every rank must join every forward of generate() (each
         # gathers its layers from all ranks), also after its own sequences are done: synced_gpus.
@@ -67,7 +68,7 @@ class Evaluator:
         for b in range(num_batches):
             idx = mine[b * self.micro : (b + 1) * self.micro]
             examples = [ds[i] for i in idx] or [ds[0]]  # a rank with no data left runs a dummy batch
-            batch = self.collate(examples, self.tokenizer.pad_token_id)
+            (batch,) = self.objective.prepare([self.collate(examples, self.tokenizer.pad_token_id)])
             if layout.sp > 1:
                 batch = sequence_slice(batch, layout.sp_rank(self.env.rank), layout.sp)
             batch = {k: v.to(self.env.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -81,7 +82,7 @@ class Evaluator:
         loss = loss_sum / max(count, 1.0)
         if self.per_token:
             return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(count)}
-        return {"loss": loss, "pairs": int(count), **self.objective.metrics(metric_totals, count)}
+        return {"loss": loss, self.counts: int(count), **self.objective.metrics(metric_totals, count)}
 
     def _exact_match(self) -> dict[str, float]:
         prompts = self.data.eval_prompts[: self.recipe.train.eval_generate_samples]

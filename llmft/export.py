@@ -52,7 +52,7 @@ from llmft.checkpoint.layout import (
     TOKENIZER_DIR,
     resolve_checkpoint,
 )
-from llmft.checkpoint.verify import damaged, verify
+from llmft.checkpoint.verify import check_checkpoint, damaged
 from llmft.consolidate import checkpoint_engine, load_checkpoint_model, offline_recipe
 from llmft.errors import Problem, UserError, first_line
 from llmft.model.build import build_model, load_base_model
@@ -90,7 +90,7 @@ def export(
     ``trust_remote_code`` comes from the command line only, never from the checkpoint (docs/design.md G7).
     """
     step_dir = resolve_checkpoint(checkpoint)
-    verify(step_dir)  # a truncated or corrupt file is named here, not met as a traceback mid-export
+    check_checkpoint(step_dir)  # a truncated or corrupt file is named here, not met as a traceback mid-export
     if out is None:
         out = step_dir.parent.parent / EXPORTS / (step_dir.name + ("-merged" if merge_lora else ""))
     return export_model_dir(step_dir, Path(out), merge_lora=merge_lora, trust_remote_code=trust_remote_code)

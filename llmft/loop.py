@@ -41,7 +41,7 @@ class LoopState:
 
 @dataclass
 class LoopHooks:
-    """What the loop calls out to; train.py wires these to metrics, eval and checkpoints."""
+    """What the loop calls out to; ``run.Run.fit`` wires these to metrics, eval and checkpoints."""
 
     log_train: Callable[[dict[str, Any]], None]
     evaluate: Callable[[int], None]
@@ -84,7 +84,7 @@ def train_loop(
         watchdog.progress(step, "fetching and counting the micro-batches")  # a stall: llmft.watchdog
         # All micro-batches of the step are fetched first: their items (target tokens, pairs) must
         # be counted before the first backward (each micro loss is divided by the global count).
-        micro_batches = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
+        micro_batches = objective.prepare([next(batches) for _ in range(plan.gradient_accumulation_steps)])
         data_wait = time.perf_counter() - t0
         local_count = sum(objective.count(mb) for mb in micro_batches)
         local_targets = sum(batch_targets(mb) for mb in micro_batches)

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from llmft import __version__
 from llmft.checkpoint.layout import STATE_FILE
 from llmft.errors import Problem, UserError
+from llmft.plan.objectives import DEFAULT_OBJECTIVE, ObjectiveSpec, registered
 from llmft.plot import read_metrics
 
 log = logging.getLogger("llmft")
@@ -61,7 +62,7 @@ def card_facts(step_dir: Path, out: Path) -> dict[str, Any]:
         "base_is_hub_id": _is_hub_id(model.get("name_or_path")),
         "model_type": (model.get("config") or {}).get("model_type"),
         "method": peft["method"],
-        "objective": (recipe.get("train") or {}).get("objective", "sft"),
+        "objective": (recipe.get("train") or {}).get("objective", DEFAULT_OBJECTIVE),
         "quantization": model.get("quantization"),
         "license": _base_license(model.get("name_or_path"), model.get("revision")),
         "data": _sources(recipe["data"]["train"]),
@@ -145,15 +146,19 @@ def _method(f: dict) -> str:
     return f["method"].upper() + (f" on an {q['bits']}-bit base" if q else "")
 
 
+def _spec(name: str) -> ObjectiveSpec:
+    """The record of a checkpoint's objective; one a user module registered, and this process has
+    not imported, reads as a causal LM under its own name."""
+    return registered(name) or ObjectiveSpec(name=name, title=name, runtime=None, counts="tokens", card=name)
+
+
 def _objective(recipe: dict) -> str:
-    """``train.objective`` in words: sft; dpo with its loss_type and beta (and what else it reads); reward."""
-    objective = (recipe.get("train") or {}).get("objective", "sft")
-    if objective == "sft":
-        return "sft (next-token loss on the target tokens)"
-    if objective == "reward":
-        return "reward (a scalar score head, loss -log sigmoid(r_chosen - r_rejected) per pair)"
+    """``train.objective`` in words (its record's ``card``), then the ``preference.*`` settings it reads."""
+    spec = _spec((recipe.get("train") or {}).get("objective", DEFAULT_OBJECTIVE))
+    if not spec.preference_keys:
+        return spec.card
     p = recipe.get("preference") or {}
-    words = f"{objective}, loss_type {p.get('loss_type')}, beta {p.get('beta')}"
+    words = f"{spec.card}, loss_type {p.get('loss_type')}, beta {p.get('beta')}"
     if p.get("label_smoothing"):
         words += f", label_smoothing {p['label_smoothing']}"
     if p.get("loss_type") == "simpo":
@@ -165,10 +170,11 @@ def render(f: dict[str, Any]) -> str:
     from huggingface_hub import ModelCardData
 
     recipe, state = f["recipe"], f["state"]
-    scorer = f["objective"] == "reward"  # a sequence classifier: scores, not text
+    spec = _spec(f["objective"])
+    scorer = spec.head == "score"  # a sequence classifier: scores, not text
     tags = ["llmft", "text-classification" if scorer else "text-generation"]
-    if f["objective"] != "sft":
-        tags.append(f["objective"])
+    if spec.tagged:
+        tags.append(spec.name)
     if f["method"] != "none":
         tags.append(f["method"])
     if f["quantization"] and f["quantization"].get("bits") == 4 and f["method"] != "none":
@@ -285,7 +291,8 @@ def _results(train: dict | None, evals: dict | None) -> list[str]:
 
 
 def _usage(f: dict) -> list[str]:
-    kind, extra = ("SequenceClassification", ", num_labels=1") if f["objective"] == "reward" else ("CausalLM", "")
+    scorer = _spec(f["objective"]).head == "score"
+    kind, extra = ("SequenceClassification", ", num_labels=1") if scorer else ("CausalLM", "")
     lines = (
         [f"from peft import AutoPeftModelFor{kind}", "from transformers import AutoTokenizer", ""]
         if f["adapter"]
@@ -296,9 +303,9 @@ def _usage(f: dict) -> list[str]:
         f'model = {auto}.from_pretrained("THIS_DIR_OR_REPO"{extra if f["adapter"] else ""})',
         'tokenizer = AutoTokenizer.from_pretrained("THIS_DIR_OR_REPO")',
     ]
-    if f["objective"] == "reward" and f["adapter"]:  # an adapter dir has no config of its own
+    if scorer and f["adapter"]:  # an adapter dir has no config of its own
         lines.append("model.config.pad_token_id = tokenizer.pad_token_id")
-    if f["objective"] == "reward":
+    if scorer:
         lines.append("score = model(**tokenizer(text, return_tensors='pt')).logits[0, 0]  # its last token's score")
     return lines
 

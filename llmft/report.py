@@ -20,8 +20,9 @@ from llmft.loop import LoopState
 from llmft.model import attention
 from llmft.model.structure import describe
 from llmft.plan.kernels import kernel_paths_line
+from llmft.plan.layout import RunPlan
 from llmft.plan.report import kernels_line
-from llmft.plan.resolve import RunPlan, describe_engine
+from llmft.plan.resolve import describe_engine
 from llmft.plan.shape import model_shape
 from llmft.plot import plot_run
 
@@ -34,9 +35,12 @@ def banner(plan: RunPlan, env: DistEnv, steps: int, engine: Engine, data) -> str
     recipe, b = plan.recipe, plan.batch
     seq = recipe.data.max_seq_len
     pairs = plan.objective_spec.pairs  # a dataset item is a pair (two sequences), whatever the packing
-    per_item = 2 * seq if pairs else seq
+    rows = plan.objective_spec.rows(recipe)  # sequences one item becomes (the record's rows_per_item)
+    per_item = rows * seq
     shape = (
-        f"{b.global_batch_size} pairs x 2 sequences x {seq}" if pairs else f"{b.global_batch_size} sequences x {seq}"
+        f"{b.global_batch_size} {'pairs' if pairs else 'items'} x {rows} sequences x {seq}"
+        if rows > 1
+        else f"{b.global_batch_size} sequences x {seq}"
     )
     items = "pairs" if pairs else "rows" if recipe.data.packing else "sequences"
     lines = [

@@ -38,10 +38,9 @@ from llmft.evaluate import Evaluator
 from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
 from llmft.metrics import Metrics
 from llmft.model.base_model import save_base_once
-from llmft.objectives import build_objective
-from llmft.objectives.reference import engine_plan, precompute_references, precomputing
+from llmft.objectives import ObjectiveSetup, build_objective
 from llmft.optim import build_optimizer, build_scheduler, scaled_lr
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 from llmft.recipe import to_yaml
 from llmft.recipe.load import RECIPE_FILE
 from llmft.report import ProgressBar, banner, extra_metrics, report_done, versions
@@ -112,13 +111,11 @@ class Run:
         if num_rows is not None:
             check_enough_data(num_rows, plan)
         self.total_steps = total_steps(plan, num_rows or 0)
-        # preference.precompute_reference: the engine builds no separate reference the pass does not
-        # need, and the pass runs here, before restore() loads a checkpoint (a full fine-tune's
-        # reference is the policy's initial weights).
-        self.engine = build_engine(engine_plan(plan, self.data), env, self.tokenizer, self._make_optimizer)
-        if precomputing(plan):
-            precompute_references(plan, self.engine, self.data, env, self.tokenizer.pad_token_id)
-        self.objective = build_objective(plan, self.engine)  # what a micro-batch's loss is (sft, dpo)
+        self.engine = build_engine(plan, env, self.tokenizer, self._make_optimizer)
+        # What a micro-batch's loss is; it asks the engine for the frozen models it needs, and its
+        # set-up runs before restore() loads a checkpoint (a frozen copy is the initial weights).
+        self.objective = build_objective(plan, self.engine)
+        self.objective.setup(ObjectiveSetup(self.data, env, self.tokenizer))
         save_base_once(plan, self.engine, self.run_dir, env, resuming=resume_from is not None)
         self.scheduler = build_scheduler(self.engine.optimizer, recipe.optim, self.total_steps)
         self.checkpoints = CheckpointManager(

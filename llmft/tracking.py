@@ -38,7 +38,7 @@ from llmft.recipe.load import flatten, to_container
 
 if TYPE_CHECKING:
     from llmft.dist import DistEnv
-    from llmft.plan.resolve import RunPlan
+    from llmft.plan.layout import RunPlan
     from llmft.recipe.schema import Recipe
 
 log = logging.getLogger("llmft")

@@ -17,7 +17,7 @@ and ``reward`` count pairs, ``ObjectiveSpec.counts``):
   TRL's DPO), shown so that the user sees the size of the error llmft avoids.
 
 A preference run builds its reference as training does in one process
-(``llmft.engines.base.unsharded_reference``: LoRA's is the policy with adapters
+(``Engine.frozen_model``, ``llmft.engines.base.OneProcessModels``: LoRA's is the policy with adapters
 disabled, a full fine-tune's a frozen copy, or the named model).
 
 Relative differences ``|g - g_big| / |g_big|`` are reported per trainable
@@ -48,7 +48,6 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,14 +55,16 @@ import torch
 from llmft.data import MicroBatchSampler, build_data, collate
 from llmft.dist import DistEnv
 from llmft.engines import autocast_for
-from llmft.engines.base import unsharded_reference
+from llmft.engines.base import OneProcessModels
 from llmft.errors import Problem, UserError
 from llmft.model.build import prepare_model
 from llmft.model.precision import compute_dtype
 from llmft.model.structure import describe
 from llmft.objectives import Objective, build_objective
 from llmft.plan.batch import BatchPlan, divisors
-from llmft.plan.resolve import RunPlan, load_plan
+from llmft.plan.layout import RunPlan
+from llmft.plan.objectives import DEFAULT_OBJECTIVE
+from llmft.plan.resolve import load_plan
 from llmft.run import seed_everything
 from llmft.tokenizer import load_tokenizer
 
@@ -95,7 +96,7 @@ class VerifyResult:
     device: str = "cpu"
     params: str = ""
     counts: str = "tokens"  # what the objective normalises by (ObjectiveSpec.counts)
-    objective: str = "sft"
+    objective: str = DEFAULT_OBJECTIVE
 
     @property
     def worst(self) -> TensorDiff:
@@ -165,6 +166,8 @@ def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult
     model = prepare_model(one, tokenizer, device)
     objective = _objective(one, model, tokenizer, device)
     _switch_off_dropout(model)
+    ranks = [objective.prepare(micro_batches) for micro_batches in ranks]  # as the loop does, before counting
+    (big,) = objective.prepare([big])
     dtype = compute_dtype(recipe)
 
     def autocast():
@@ -205,8 +208,7 @@ def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult
 
 def _objective(plan: RunPlan, model: torch.nn.Module, tokenizer: Any, device: torch.device) -> Objective:
     """The run's objective over ``model``, with the reference a preference run builds in one process."""
-    engine = SimpleNamespace(unwrap=lambda: model, reference=unsharded_reference(plan, tokenizer, device, model))
-    return build_objective(plan, engine)
+    return build_objective(plan, OneProcessModels(plan, model, tokenizer, device))
 
 
 def _items(plan: RunPlan) -> str:

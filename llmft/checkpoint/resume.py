@@ -28,10 +28,11 @@ import yaml
 from omegaconf import OmegaConf
 
 from llmft.checkpoint.layout import TrainerState, latest_checkpoint, resolve_checkpoint, saved_recipe, step_dirs
-from llmft.checkpoint.verify import DamagedCheckpoint, verify
+from llmft.checkpoint.verify import DamagedCheckpoint, check_checkpoint
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import BatchPlan
-from llmft.plan.resolve import PLAN_FILE, RunPlan, plan_summary
+from llmft.plan.layout import RunPlan
+from llmft.plan.resolve import PLAN_FILE, plan_summary
 from llmft.recipe.load import flatten, to_container, to_yaml, unresolve_env
 from llmft.recipe.schema import Recipe
 
@@ -83,14 +84,14 @@ def resume_point(plan: RunPlan) -> Path | None:
         latest_checkpoint(run_dir)  # logs a stale or invalid checkpoints/latest
         for _, step_dir in reversed(step_dirs(run_dir)):
             try:
-                verify(step_dir)
+                check_checkpoint(step_dir)
                 return step_dir
             except DamagedCheckpoint as e:
                 log.warning("not resuming from %s: %s; trying the checkpoint before it", step_dir.name, e)
         return None
     if resume != "never":
         step_dir = resolve_checkpoint(resume)
-        verify(step_dir)  # asked for by name: a damaged one is an error, not a silent fallback
+        check_checkpoint(step_dir)  # asked for by name: a damaged one is an error, not a silent fallback
         return step_dir
     existing = step_dirs(run_dir)
     if existing and not recipe.run.overwrite:

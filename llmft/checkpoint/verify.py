@@ -1,7 +1,7 @@
 """Is a checkpoint whole? Cheap structural checks of every file a resume or an export reads.
 
 A checkpoint can be complete (``COMPLETE`` written last) and still be damaged afterwards: a file
-truncated by a full disk on a copy, a partial rsync, a bad block. ``verify`` reads only headers,
+truncated by a full disk on a copy, a partial rsync, a bad block. ``check_checkpoint`` reads only headers,
 sizes and indexes, never the tensors:
 
 - ``COMPLETE`` holds ``{"step": N}`` (a JSON integer) for its own ``step-N``; ``recipe.yaml`` is
@@ -81,7 +81,7 @@ def _outside(path: Path, what: str) -> DamagedCheckpoint:
     )
 
 
-def verify(step_dir: Path) -> None:
+def check_checkpoint(step_dir: Path) -> None:
     """Raise ``DamagedCheckpoint`` naming the first file of ``step_dir`` that is not whole."""
     step_dir = Path(step_dir)
     check_confined(step_dir)

@@ -30,6 +30,7 @@ from llmft.data.sources import Source, parse_sources
 from llmft.data.stream import MixedStream, StreamDataset, open_stream
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
+from llmft.plan.objectives import DEFAULT_OBJECTIVE
 from llmft.tokenizer import use_chat_template
 
 if TYPE_CHECKING:
@@ -172,7 +173,9 @@ def _entry_info(d: _SourceData) -> dict:
     return {"entry": d.meta["entry"], "built": d.meta["built"], "bytes": d.meta["bytes"], "stats": d.meta["stats"]}
 
 
-def _common_parts(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = "sft") -> dict[str, Any]:
+def _common_parts(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = DEFAULT_OBJECTIVE
+) -> dict[str, Any]:
     parts = {
         "llmft": llmft.__version__,
         "format": CACHE_FORMAT,
@@ -205,7 +208,7 @@ def _source(
     eval_role: bool = False,
 ) -> _SourceData:
     resolved = resolve(src)
-    objective = common.get("objective", "sft")
+    objective = common.get("objective", DEFAULT_OBJECTIVE)
     work = Path(tempfile.mkdtemp(prefix="llmft-read-"))
     try:
         chunks: list[Chunk] | None = None

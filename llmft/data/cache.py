@@ -22,7 +22,7 @@ builder killed outright leaves it to the next builder of that key, and a
 stopped build no one resumes is removed after ``ORPHAN_DAYS`` by any build in
 the same cache dir.
 
-Every process checks an entry before it uses it (``verify``): ``meta.json``
+Every process checks an entry before it uses it (``check_entry``): ``meta.json``
 carries a crc32 of each ``CHECKSUM_BLOCK`` of every file the build wrote, and a
 checksum of itself. An entry that does not match (a flipped bit, a truncated or
 missing file, a symlink in place of a file, a half-written ``meta.json``) is
@@ -102,7 +102,7 @@ def is_complete(entry: Path) -> bool:
 
 
 class Damaged(Exception):
-    """A cache entry whose files are not the ones its build wrote (``verify``); the message says why."""
+    """A cache entry whose files are not the ones its build wrote (``check_entry``); the message says why."""
 
 
 def read_meta(entry: Path) -> dict[str, Any]:
@@ -138,7 +138,7 @@ def _block_crcs(path: Path) -> list[int]:
         return crcs
 
 
-def verify(entry: Path) -> dict[str, Any]:
+def check_entry(entry: Path) -> dict[str, Any]:
     """The meta of a complete entry whose every file matches the checksums written at build time.
 
     Reads every byte once (crc32, ~2 GB/s: docs/benchmarks.md), through ``read`` rather than the
@@ -171,7 +171,7 @@ def get_or_build(root: Path, parts: dict[str, Any], build: Callable[[Path, Path]
 
     ``build(out, shards) -> meta`` writes the entry's files into ``out``; ``shards`` is the folder
     where it keeps finished tokenized shards, which outlives a stopped build (``llmft.stop``) so the
-    next build of this key reuses them. A damaged entry (``verify``) is removed and built again.
+    next build of this key reuses them. A damaged entry (``check_entry``) is removed and built again.
     """
     key = entry_key(parts)
     entry = root / key
@@ -195,7 +195,7 @@ def _whole(entry: Path, warn: bool = False) -> bool:
     if not is_complete(entry) and not entry.is_symlink():
         return False
     try:
-        verify(entry)
+        check_entry(entry)
         return True
     except Damaged as e:
         if warn:

@@ -25,6 +25,7 @@ from llmft.data.shards import tokenize_shards
 from llmft.data.sources import Source
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
+from llmft.plan.objectives import DEFAULT_OBJECTIVE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -48,7 +49,7 @@ def build_entry(
     eval_role: bool,
     tmp: Path,
     shards: Path,
-    objective: str = "sft",
+    objective: str = DEFAULT_OBJECTIVE,
 ) -> dict[str, Any]:
     """Write ``src``'s entry into ``tmp``, tokenizing into (or reusing the finished shards in) ``shards``."""
     encoder = make_encoder(tokenizer, train_on, objective, cfg.max_seq_len)

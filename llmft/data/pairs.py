@@ -1,4 +1,4 @@
-"""Preference pairs (``train.objective: dpo`` or ``reward``): records, tokens, cache rows, micro-batches.
+"""Preference pairs (the objectives whose ``ObjectiveSpec.record`` is ``pairs``: ``dpo``, ``reward``): records, tokens, cache rows, micro-batches.
 
 A pair goes through the SFT pipeline with one item per pair:
 
@@ -42,13 +42,13 @@ from llmft.data.records import (
 from llmft.data.rows import prefix_counts
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
+from llmft.plan.objectives import PAIRS, objective_spec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from llmft.recipe.schema import DataConfig
 
-PREFERENCE_OBJECTIVES = ("dpo", "reward")
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 CACHE_FORMAT = "pairs-2"  # the cache format of a pair entry (SFT entries keep cache.CACHE_FORMAT)
 REJECTED_START = 2  # bit of the target byte on the first token of rejected, in a Tokenize row
@@ -56,7 +56,8 @@ _SFT_KINDS = (("messages", "messages"), ("completion", "prompt/completion"), ("t
 
 
 def is_preference(objective: str) -> bool:
-    return objective in PREFERENCE_OBJECTIVES
+    """Whether ``objective``'s records are preference pairs (its record: ``ObjectiveSpec.record``)."""
+    return objective_spec(objective).record == PAIRS
 
 
 # --- records ----------------------------------------------------------------

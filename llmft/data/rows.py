@@ -11,11 +11,10 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from llmft.data.encode import Encoder
 from llmft.data.pack import pack_arrays, take_ranges
 from llmft.data.read import parse_line
 from llmft.data.records import BadRecord
@@ -23,7 +22,6 @@ from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
 
 if TYPE_CHECKING:
-    from llmft.data.pairs import PairEncoder
     from llmft.recipe.schema import DataConfig
 
 SKIP_FIX = "Fix or remove the record, or set data.on_bad_record=skip to skip malformed records."
@@ -41,14 +39,20 @@ def raise_if_fatal(error: str | None) -> None:
         raise UserError(Problem(*json.loads(error[len(FATAL) :])))
 
 
+class RecordEncoder(Protocol):
+    """What parses and encodes one kind of record (``ObjectiveSpec.record``): an ``Encoder`` (SFT
+    records) or a ``pairs.PairEncoder`` (preference pairs, one item per pair)."""
+
+    def parse(self, value: Any, fields: dict[str, str] | None) -> Any: ...
+
+    def encode_batch(self, records: list[Any]) -> list[Any]: ...
+
+
 class Tokenize:
-    """A batch of raw records -> input_ids, target mask, error (one list each, one item a record).
+    """A batch of raw records -> input_ids, target mask, error (one list each, one item a record),
+    parsed and encoded by ``encoder`` (a ``RecordEncoder``)."""
 
-    ``encoder`` parses and encodes the records: an ``Encoder`` (SFT records) or a
-    ``pairs.PairEncoder`` (preference pairs, one item per pair).
-    """
-
-    def __init__(self, encoder: Encoder | PairEncoder, lines: bool, fields: dict[str, str]) -> None:
+    def __init__(self, encoder: RecordEncoder, lines: bool, fields: dict[str, str]) -> None:
         self.encoder, self.lines, self.fields = encoder, lines, fields
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:

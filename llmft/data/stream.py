@@ -38,6 +38,7 @@ from llmft.data.sampler import ShareWindows
 from llmft.data.sources import Source
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
+from llmft.plan.objectives import DEFAULT_OBJECTIVE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -368,7 +369,7 @@ class _IterableReader(_Reader):
 
 
 def open_stream(
-    src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, objective: str = "sft"
+    src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, objective: str = DEFAULT_OBJECTIVE
 ) -> StreamDataset:
     """One source as a stream whose block permutations are seeded with ``seed``; ``objective``'s records."""
     resolved = resolve(src)

@@ -5,8 +5,8 @@ planner and the compiler read it without torch); this module builds the runtime 
 names (``EngineSpec.runtime``, ``EngineSpec.reader``).
 
 Who divides the loss by what (docs/batch.md has the full story): the loop's loss
-for a micro-batch is ``sum of its token losses / target tokens of the whole
-global batch``, so summing gradients over micro-steps and ranks gives exactly the
+for a micro-batch is ``sum of its item losses / the objective's count over the whole
+global batch`` (target tokens, pairs, ...: ``ObjectiveSpec.counts``), so summing gradients over micro-steps and ranks gives exactly the
 big-batch gradient. Engines that average instead of sum (DDP and FSDP mean over
 ranks, DeepSpeed over ranks and, unless told otherwise, micro-steps) undo it in their
 own ``backward``: the one place where the engine's own averaging is undone. Clipping
@@ -27,7 +27,7 @@ import torch
 
 from llmft.dist import DistEnv
 from llmft.plan.engines import engine_spec, load
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 
 # Builds the run's optimizer over a prepared (wrapped, sharded) model: one place, llmft.optim.
 OptimizerFactory = Callable[[torch.nn.Module], Any]
@@ -37,15 +37,12 @@ class Engine(Protocol):
     name: str
     model: torch.nn.Module  # what the loop calls forward on
     optimizer: Any  # the optimizer the scheduler drives
-    # A preference run's separate reference model (frozen copy, or preference.reference), built and
-    # sharded like the policy; None when there is none (SFT, LoRA: the policy with adapters disabled).
-    reference: torch.nn.Module | None
 
     def micro_step(self, boundary: bool) -> ContextManager:
         """Wraps forward + backward of one micro-batch; gradients are reduced only when ``boundary``."""
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of the loop's micro loss (normalised by the global batch's target tokens); the
+        """Backward of the loop's micro loss (normalised by the objective's global count); the
         engine undoes its own averaging over ranks / micro-steps, so the summed gradients are the
         big batch's."""
 
@@ -55,6 +52,13 @@ class Engine(Protocol):
 
     def unwrap(self) -> torch.nn.Module:
         """The Hugging Face / PEFT model inside."""
+
+    def frozen_model(self, plan: RunPlan | None = None) -> torch.nn.Module:
+        """A frozen model (no gradients, no optimizer, eval mode) built and sharded like the policy:
+        ``plan``'s model (``RunPlan.frozen_model_plan``: a named reference or reward model), or, with
+        no plan, a copy of the policy as built (its initial weights: asked before any step). What an
+        objective's record says it needs (``ObjectiveSpec.frozen``); "the policy with its adapters
+        off" needs no model: ``unwrap().disable_adapter()``."""
 
     def autocast(self) -> ContextManager: ...
 

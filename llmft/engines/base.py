@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -19,8 +18,7 @@ from llmft.engines import autocast_for
 from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
 from llmft.model.precision import compute_dtype
-from llmft.plan.objectives import FROZEN_COPY, REFERENCE_MODEL
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 from llmft.safe_load import torch_load
 
 
@@ -34,10 +32,10 @@ class LocalEngine:
 
     model: torch.nn.Module
     optimizer: Any
-    reference: torch.nn.Module | None = None  # a preference run's separate reference model (frozen)
 
-    def __init__(self, plan: RunPlan, env: DistEnv) -> None:
+    def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any = None) -> None:
         self.name = plan.engine
+        self.plan, self.tokenizer = plan, tokenizer  # what ``frozen_model`` builds from
         self.env = env
         self.device = env.device
         self.dtype = compute_dtype(plan.recipe)
@@ -65,18 +63,7 @@ class LocalEngine:
         return self.model
 
 
-# --- a preference run's reference model --------------------------------------------------------
-
-
-def reference_plan(plan: RunPlan) -> RunPlan:
-    """The plan a separate reference model is built from: the policy's for a frozen copy; for
-    ``preference.reference: <model>`` that model instead of the policy's, without adapters."""
-    if plan.reference != REFERENCE_MODEL:
-        return plan
-    recipe = copy.deepcopy(plan.recipe)
-    recipe.model.name_or_path, recipe.model.config, recipe.model.revision = recipe.preference.reference, None, None
-    recipe.peft.method = "none"
-    return dataclasses.replace(plan, recipe=recipe, builds_whole=False)
+# --- frozen models (Engine.frozen_model) ----------------------------------------------------------
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
@@ -85,17 +72,28 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
-def unsharded_reference(
-    plan: RunPlan, tokenizer: Any, device: torch.device, policy: torch.nn.Module
-) -> torch.nn.Module | None:
-    """Single and DDP: a frozen copy of ``policy`` as built (its initial weights; taken before any
-    wrapping or step), or the named reference model built like the policy; None when the plan
-    needs no separate reference (LoRA's is the policy with adapters disabled)."""
-    if plan.reference == FROZEN_COPY:
+class OneProcessModels:
+    """A model in one process and the frozen models an objective asks of it (``objectives.Models``),
+    for code that builds a model without an engine (``llmft verify``)."""
+
+    def __init__(self, plan: RunPlan, model: torch.nn.Module, tokenizer: Any, device: torch.device) -> None:
+        self.plan, self.model, self.tokenizer, self.device = plan, model, tokenizer, device
+
+    def unwrap(self) -> torch.nn.Module:
+        return self.model
+
+    def frozen_model(self, plan: RunPlan | None = None) -> torch.nn.Module:
+        return unsharded_frozen_model(plan, self.tokenizer, self.device, self.model)
+
+
+def unsharded_frozen_model(
+    plan: RunPlan | None, tokenizer: Any, device: torch.device, policy: torch.nn.Module
+) -> torch.nn.Module:
+    """Single and DDP (``Engine.frozen_model``): ``plan``'s model built whole like the policy, or
+    with no plan a frozen copy of ``policy`` (asked before any step: its initial weights)."""
+    if plan is None:
         return freeze(copy.deepcopy(policy))
-    if plan.reference == REFERENCE_MODEL:
-        return freeze(prepare_model(reference_plan(plan), tokenizer, device))
-    return None
+    return freeze(prepare_model(plan, tokenizer, device))
 
 
 def clip_and_step(model: torch.nn.Module, optimizer, scaler, max_grad_norm: float | None) -> float:

@@ -6,23 +6,23 @@ import contextlib
 from pathlib import Path
 from typing import Any, ContextManager
 
+import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llmft.dist import DistEnv, barrier
 from llmft.engines import OptimizerFactory
-from llmft.engines.base import LocalEngine, load_plain, save_plain, unsharded_reference
+from llmft.engines.base import LocalEngine, load_plain, save_plain, unsharded_frozen_model
 from llmft.model import ulysses
 from llmft.model.build import prepare_model
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 
 
 class DDPEngine(LocalEngine):
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
-        super().__init__(plan, env)  # DDP averages gradients over ranks: backward undoes it
+        super().__init__(plan, env, tokenizer)  # DDP averages gradients over ranks: backward undoes it
         inner = prepare_model(plan, tokenizer, self.device)
         if plan.sequence_parallel > 1:  # the all-reduce averages over every rank: backward scales by the world
             ulysses.install(inner, plan.sequence_parallel)
-        self.reference = unsharded_reference(plan, tokenizer, self.device, inner)  # before DDP wraps it
         self.model = DDP(
             inner,
             device_ids=[env.local_rank] if self.device.type == "cuda" else None,
@@ -35,6 +35,9 @@ class DDPEngine(LocalEngine):
 
     def unwrap(self):
         return self.model.module
+
+    def frozen_model(self, plan: RunPlan | None = None) -> torch.nn.Module:
+        return unsharded_frozen_model(plan, self.tokenizer, self.device, self.unwrap())
 
     def save(self, directory: Path, *, save_optimizer: bool) -> None:
         # Replicas are identical: rank 0 writes, like a single process.

@@ -39,7 +39,7 @@ from llmft.checkpoint.layout import DS_DIR, UNIVERSAL_DIR, fsync_dir, resolve_ch
 from llmft.checkpoint.layout import DS_TAG as TAG
 from llmft.dist import DistEnv, broadcast_object, timeout_s
 from llmft.engines import OptimizerFactory
-from llmft.engines.base import check_loaded_keys, freeze, reference_plan, trainable_names
+from llmft.engines.base import check_loaded_keys, freeze, trainable_names
 from llmft.engines.safe_deepspeed import check_deepspeed_files
 from llmft.errors import Problem, UserError
 from llmft.model import ulysses, zero3
@@ -47,8 +47,7 @@ from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta
 from llmft.plan.deepspeed import deepspeed_config
-from llmft.plan.objectives import FROZEN_COPY, REFERENCE_MODEL
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 from llmft.safe_load import torch_load
 
 log = logging.getLogger("llmft")
@@ -69,15 +68,12 @@ def averaged_over(plan: RunPlan) -> int:
 
 
 class DeepSpeedEngineAdapter:
-    # A preference run's separate reference model (a DeepSpeed engine without optimizer); None for
-    # SFT and LoRA (whose reference is the policy with adapters disabled).
-    reference = None
-
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
         import deepspeed
 
         self.name = plan.engine
         self.env = env
+        self.plan, self.tokenizer = plan, tokenizer  # what ``frozen_model`` builds from
         warn_stale_build_locks()
         # DeepSpeed's comm layer wraps the process group train.py created; its config checks
         # (batch x world size, also inside zero.Init) read the world size from there.
@@ -92,8 +88,6 @@ class DeepSpeedEngineAdapter:
         # Ulysses: DeepSpeed's sequence groups are the mpu; ZeRO then reduces gradients over the whole
         # world and divides them by world / N = the data-parallel ranks (docs/long-context.md).
         self._mpu = ulysses.install(model, plan.sequence_parallel) if plan.sequence_parallel > 1 else None
-        if plan.reference in (FROZEN_COPY, REFERENCE_MODEL):
-            self.reference = self._frozen_reference(plan, tokenizer)
         self.peft = is_peft(model)
         self.optimizer = make_optimizer(model)
         self.model, _, _, _ = deepspeed.initialize(
@@ -118,19 +112,19 @@ class DeepSpeedEngineAdapter:
             model = prepare_model(plan, tokenizer, env.device)
         return model
 
-    def _frozen_reference(self, plan: RunPlan, tokenizer: Any) -> torch.nn.Module:
-        """The reference model of a preference run, built like the policy and put under the same
+    def frozen_model(self, plan: RunPlan | None = None) -> torch.nn.Module:
+        """A frozen model (``Engine.frozen_model``), built like the policy and put under the same
         ZeRO stage by ``deepspeed.initialize`` without an optimizer: ZeRO-3 partitions its weights
         over the ranks and gathers them layer by layer in its forward, as for the policy; below
         stage 3 the weights are whole on every rank, as the policy's are (nothing else is kept for
         a model without gradients). TRL prepares its DeepSpeed reference model the same way."""
         import deepspeed
 
-        model = freeze(self._build(reference_plan(plan), tokenizer))
+        model = freeze(self._build(plan or self.plan, self.tokenizer))
         config = copy.deepcopy(self.config)
         for key in ("optimizer", "scheduler"):
             config.pop(key, None)
-        if plan.zero_stage != 3:
+        if self.plan.zero_stage != 3:
             config.setdefault("zero_optimization", {})["stage"] = 0
         reference, _, _, _ = deepspeed.initialize(model=model, config=config, mpu=self._mpu)
         reference.eval()  # DeepSpeedEngine.eval() returns None

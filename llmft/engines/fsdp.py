@@ -24,42 +24,36 @@ from typing import Any, ContextManager
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from llmft.checkpoint.layout import DCP_DIR
-from llmft.dist import DistEnv
+from llmft.dist import DistEnv, device_mesh
 from llmft.engines import OptimizerFactory, safe_dcp
-from llmft.engines.base import LocalEngine, freeze, reference_plan, trainable_names
+from llmft.engines.base import LocalEngine, freeze, trainable_names
 from llmft.model import ulysses
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta, materialize
 from llmft.model.precision import DTYPES
 from llmft.model.structure import decoder_layer_classes
 from llmft.plan.fsdp import fsdp_plan
-from llmft.plan.objectives import FROZEN_COPY, REFERENCE_MODEL
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 
 
 class FSDPEngine(LocalEngine):
     def __init__(self, plan: RunPlan, env: DistEnv, tokenizer: Any, make_optimizer: OptimizerFactory) -> None:
-        super().__init__(plan, env)
+        super().__init__(plan, env, tokenizer)
         # The reduce-scatter averages over all data-parallel ranks (shard x replicate): backward undoes it.
         sharding = fsdp_plan(plan)
         self.sync_every_micro_step = plan.recipe.distributed.fsdp_grad_sync == "micro_step"
-        mesh = sharding.mesh
-        self.mesh = (
-            init_device_mesh(self.device.type, (mesh.replicate, mesh.shard), mesh_dim_names=("replicate", "shard"))
-            if mesh.replicate > 1
-            else init_device_mesh(self.device.type, (mesh.shard,), mesh_dim_names=("shard",))
-        )
+        self.mesh = device_mesh(self.device.type, plan.layout.param_mesh)  # the layout's, named
         self.sharding = sharding
         self.model = self._build_sharded(plan, tokenizer)
-        if plan.reference in (FROZEN_COPY, REFERENCE_MODEL):
-            # Built and sharded exactly like the policy (its initial weights for a frozen copy):
-            # every rank holds only its shards, and the reference pass gathers them layer by layer.
-            self.reference = freeze(self._build_sharded(reference_plan(plan), tokenizer))
         self.optimizer = make_optimizer(self.model)
+
+    def frozen_model(self, plan: RunPlan | None = None) -> torch.nn.Module:
+        """Built and sharded exactly like the policy (a copy: the policy's plan built again, its
+        initial weights): every rank holds only its shards, and a forward gathers them layer by layer."""
+        return freeze(self._build_sharded(plan or self.plan, self.tokenizer))
 
     def _build_sharded(self, plan: RunPlan, tokenizer: Any) -> torch.nn.Module:
         """The plan's model, ``fully_shard``-ed per decoder layer and at the root, its shards placed."""

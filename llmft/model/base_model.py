@@ -20,7 +20,7 @@ from llmft.checkpoint.layout import BASE_DIR, CHECKPOINTS
 from llmft.dist import DistEnv
 from llmft.model.precision import compute_dtype
 from llmft.model.save import save_base_model
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 
 if TYPE_CHECKING:  # engines/ builds models with this package: a real import would be a cycle
     from llmft.engines import Engine

@@ -36,7 +36,7 @@ from llmft.plan.engines import tiled_mlp_kind
 if TYPE_CHECKING:
     from transformers import BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
 
-    from llmft.plan.resolve import RunPlan
+    from llmft.plan.layout import RunPlan
     from llmft.recipe.schema import ModelConfig, Recipe
 
 

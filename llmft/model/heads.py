@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from llmft.model.adapters import base_key
-from llmft.plan.objectives import objective_spec
+from llmft.plan.objectives import objective_of
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -41,7 +41,7 @@ SCORE_MODULE = "score"  # transformers' name of the scalar head (GenericForSeque
 
 def recipe_head(recipe: Recipe) -> str:
     """The head of ``recipe``'s objective (its registry record's ``head``)."""
-    return objective_spec(recipe.train.objective).head
+    return objective_of(recipe).head
 
 
 def model_class(head: str) -> Any:

@@ -49,7 +49,7 @@ from llmft.model.heads import initial_head_weights
 from llmft.model.precision import upcast_trainable
 from llmft.model.quant_shard import quantize_part, values_per_element
 from llmft.model.source import resolve_name
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 from llmft.recipe.schema import Recipe
 
 # --- the parameters of a model built on the meta device -----------------------------------------

@@ -3,34 +3,75 @@ the objective.
 
 Which objectives exist is the registry ``llmft.plan.objectives`` (pure); this package holds the
 torch side a record names (``ObjectiveSpec.runtime``): ``sft`` (next-token loss, normalised by
-the global batch's target tokens) and ``preference`` (DPO family, normalised by its pairs).
+the global batch's target tokens), ``preference`` (the DPO family, normalised by its pairs) and
+``reward`` (a reward model's score head, normalised by its pairs); a user's module may name its
+own (docs/design.md, "Adding an objective").
 
-The contract with the loop (docs/batch.md, docs/preference.md): ``count`` says how much of the
-normaliser a micro-batch holds; the loop sums it over the step's micro-batches, all-reduces it
-once and hands the global count back as ``num_items``; ``micro_loss`` returns the micro-batch's
-loss numerator divided by it, so summed gradients of any split equal the big batch's, and the
-sums of its metrics, all-reduced with the step's loss and turned into global-batch means by
-``metrics``.
+The life of an objective in a run (``llmft.run``, ``llmft.loop``):
+
+1. built from the plan's record over the engine's model (``build_objective``): it asks the engine
+   for the frozen models its record needs (``Engine.frozen_model``);
+2. ``setup(context)``: once, after the data and the engine exist and before a checkpoint is
+   loaded (the DPO reference log-probs are precomputed here);
+3. each step, ``prepare(micro_batches)``: the step's micro-batches before anything counts them
+   (where an objective that generates would generate and score); then ``count``: how much of the
+   normaliser a micro-batch holds; the loop sums it over the step's micro-batches, all-reduces it
+   once and hands the global count back as ``num_items``; ``micro_loss`` returns the micro-batch's
+   loss numerator divided by it, so summed gradients of any split equal the big batch's, and the
+   sums of its metrics, all-reduced with the step's loss and turned into global-batch means by
+   ``metrics``.
+
+``ObjectiveBase`` gives the defaults (no set-up, micro-batches as they come, metrics as
+global-batch means of the record's ``metrics``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from llmft.plan.engines import load
-from llmft.plan.resolve import RunPlan
+from llmft.plan.layout import RunPlan
 
 if TYPE_CHECKING:
-    from llmft.engines import Engine
+    from llmft.data.bundle import DataBundle
+    from llmft.dist import DistEnv
+
+
+class Models(Protocol):
+    """What an objective asks of the engine for its models (``Engine`` is one; ``llmft verify``
+    builds a one-process one, ``engines.base.OneProcessModels``)."""
+
+    def unwrap(self) -> torch.nn.Module:
+        """The policy: the Hugging Face / PEFT model the engine trains."""
+
+    def frozen_model(self, plan: RunPlan | None = None) -> torch.nn.Module:
+        """A frozen model built and sharded like the policy (``Engine.frozen_model``)."""
+
+
+@dataclass
+class ObjectiveSetup:
+    """What an objective's set-up step may read: the run's data, its place in the world, the tokenizer."""
+
+    data: DataBundle
+    env: DistEnv
+    tokenizer: Any
 
 
 class Objective(Protocol):
-    metric_names: tuple[str, ...]  # the sums ``micro_loss`` returns, in order
+    metric_names: tuple[str, ...]  # the sums ``micro_loss`` returns, in order (the record's ``metrics``)
 
-    def count(self, batch: dict[str, Any]) -> int:
-        """This micro-batch's share of the normaliser (target tokens, or pairs)."""
+    def setup(self, context: ObjectiveSetup) -> None:
+        """Once per run, after the engine and the data exist, before a checkpoint is loaded."""
+
+    def prepare(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The step's micro-batches, made ready before the global count is taken (generate, score)."""
+
+    def count(self, batch: dict[str, Any]) -> float:
+        """This micro-batch's share of the normaliser (target tokens, pairs, completions; a weighted
+        count may be fractional)."""
 
     def micro_loss(
         self, model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor
@@ -41,14 +82,41 @@ class Objective(Protocol):
         """The global-batch means of the step's all-reduced sums (``count``: the global count)."""
 
 
-def build_objective(plan: RunPlan, engine: Engine) -> Objective:
+class ObjectiveBase:
+    """The defaults of an ``Objective``: subclasses write ``count`` and ``micro_loss``."""
+
+    def __init__(self, plan: RunPlan, models: Models) -> None:
+        self.plan = plan
+        self.metric_names: tuple[str, ...] = plan.objective_spec.metrics  # the record's (llmft.plan.objectives)
+
+    def setup(self, context: ObjectiveSetup) -> None:
+        pass
+
+    def prepare(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return micro_batches
+
+    def metrics(self, sums: list[float], count: float) -> dict[str, float]:
+        return {name: value / max(count, 1.0) for name, value in zip(self.metric_names, sums, strict=True)}
+
+
+def build_objective(plan: RunPlan, models: Models) -> Objective:
     """The objective the plan resolved (``ObjectiveSpec.runtime``), over the engine's model."""
     runtime = plan.objective_spec.runtime
     assert runtime is not None, f"objective {plan.objective} has no runtime (refused at resolve)"
-    return load(runtime)(plan, engine)
+    return load(runtime)(plan, models)
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     """What the model's forward takes from a collated batch (not labels, not the pair bookkeeping)."""
     keys = ("input_ids", "attention_mask", "position_ids")
     return {k: batch[k] for k in keys if k in batch}
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout probability of ``model`` to 0: ``nn.Dropout`` modules (LoRA's included) and
+    the attention-probability dropout transformers' attention modules read from ``attention_dropout``."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0

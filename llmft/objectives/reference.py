@@ -31,7 +31,7 @@ ZeRO-3 a forward is collective), and the results are gathered to every rank, so 
 compute the same numbers and write the same file. The reference is the one the run would use on
 the fly: the policy with its adapters disabled (LoRA), the policy itself before the checkpoint is
 loaded (full fine-tune: its initial weights; so no frozen copy is built), or the named model,
-which the engine builds for the pass and drops after it. Training then holds no reference model
+which is asked of the engine (``Engine.frozen_model``) for the pass and dropped after it. Training then holds no reference model
 and runs no reference forward: each pair's item carries ``reference_logps`` and the collator
 puts them in the micro-batch (``pairs.collate_pairs``).
 """
@@ -58,9 +58,10 @@ import llmft
 from llmft.data.pairs import PairDataset, collate_pairs
 from llmft.data.sequence import sequence_slice
 from llmft.dist import barrier, broadcast_object
-from llmft.objectives.preference import SequenceGroup, disable_dropout, model_sequence_logps
+from llmft.objectives import Models, disable_dropout
+from llmft.objectives.sequences import SequenceSlices, model_sequence_logps
+from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import ADAPTERS_DISABLED, FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL
-from llmft.plan.resolve import RunPlan
 
 if TYPE_CHECKING:
     from llmft.data.bundle import DataBundle
@@ -145,19 +146,16 @@ def _safetensors_header(path: Path) -> str | None:
 # --- the engine's plan ---------------------------------------------------------------------------
 
 
-def engine_plan(plan: RunPlan, data: DataBundle) -> RunPlan:
-    """The plan the engine is built from: with no separate reference model when the pass does not
-    need one (a full fine-tune scores with the policy's initial weights; a named model whose
-    log-probs are all stored already)."""
-    if not precomputing(plan):
-        return plan
+def frozen_reference(plan: RunPlan, models: Models) -> torch.nn.Module | None:
+    """The separate reference model a preference run's plan needs, asked of the engine (built and
+    sharded like the policy): a frozen copy of the initial weights (``FROZEN_COPY``) or the model
+    ``preference.reference`` names (``REFERENCE_MODEL``); None when the reference is the policy with
+    its adapters off (``ADAPTERS_DISABLED``: no model) or there is none."""
     if plan.reference == FROZEN_COPY:
-        return dataclasses.replace(plan, reference=NO_REFERENCE)
+        return models.frozen_model()
     if plan.reference == REFERENCE_MODEL:
-        parts = fingerprint_parts(plan)
-        if parts is not None and all(_load(ds, fingerprint(parts)) is not None for ds in pair_datasets(data)):
-            return dataclasses.replace(plan, reference=NO_REFERENCE)
-    return plan
+        return models.frozen_model(plan.frozen_model_plan(plan.recipe.preference.reference))
+    return None
 
 
 def pair_datasets(data: DataBundle) -> list[PairDataset]:
@@ -175,19 +173,21 @@ def pair_datasets(data: DataBundle) -> list[PairDataset]:
 
 def precompute_references(plan: RunPlan, engine: Engine, data: DataBundle, env: DistEnv, pad_id: int) -> None:
     """Attach the reference log-probs to every pair dataset of ``data``: read from the cache, or
-    computed by the sharded pass (every rank takes part) and stored there; then drop the engine's
-    separate reference model. Called after the engine is built, before a checkpoint is loaded."""
+    computed by the sharded pass (every rank takes part) and stored there. A named reference model
+    is asked of the engine only when some are not stored, and dropped after the pass. Called after
+    the engine is built, before a checkpoint is loaded."""
     parts = fingerprint_parts(plan)
     assert parts is not None, "the engine has the model's files now"
     key = fingerprint(parts)
     datasets = pair_datasets(data)
     assert all(ds.path is not None for ds in datasets), "pair datasets of a run come from the cache"
     stored = broadcast_object([_load(ds, key) is not None for ds in datasets] if env.is_main else None)
+    named = frozen_reference(plan, engine) if plan.reference == REFERENCE_MODEL and not all(stored) else None
     for ds, hit in zip(datasets, stored, strict=True):
         values = _load(ds, key) if hit else None
         if values is None:
             started = time.time()
-            values = _score(plan, engine, ds, env, pad_id)
+            values = _score(plan, engine, named, ds, env, pad_id)
             if env.is_main:
                 _store(ds, key, parts, values, time.time() - started, env.world_size)
             barrier()
@@ -199,20 +199,23 @@ def precompute_references(plan: RunPlan, engine: Engine, data: DataBundle, env: 
         elif env.is_main:
             log.info("reference log-probs: reused %s (%d pairs)", _files(ds, key)[0], len(ds))
         ds.reference = values
-    engine.reference = None  # training runs no reference forward
 
 
-def _reference_forward(plan: RunPlan, engine: Engine) -> tuple[torch.nn.Module, contextlib.AbstractContextManager]:
+def _reference_forward(
+    plan: RunPlan, engine: Engine, named: torch.nn.Module | None
+) -> tuple[torch.nn.Module, contextlib.AbstractContextManager]:
     if plan.reference == ADAPTERS_DISABLED:
         policy = engine.unwrap()
         return policy, policy.disable_adapter()
     if plan.reference == FROZEN_COPY:  # before restore(): the policy still holds its initial weights
         return engine.unwrap(), contextlib.nullcontext()
-    assert plan.reference == REFERENCE_MODEL and engine.reference is not None
-    return engine.reference, contextlib.nullcontext()
+    assert plan.reference == REFERENCE_MODEL and named is not None
+    return named, contextlib.nullcontext()
 
 
-def _score(plan: RunPlan, engine: Engine, ds: PairDataset, env: DistEnv, pad_id: int) -> np.ndarray:
+def _score(
+    plan: RunPlan, engine: Engine, named: torch.nn.Module | None, ds: PairDataset, env: DistEnv, pad_id: int
+) -> np.ndarray:
     """[pairs, 4] float32: per pair (chosen sum, rejected sum, chosen count, rejected count).
 
     With sequence parallelism the batches are dealt to the sequence groups; every rank of a group
@@ -224,8 +227,8 @@ def _score(plan: RunPlan, engine: Engine, ds: PairDataset, env: DistEnv, pad_id:
     dp_rank, sp_rank = layout.dp_rank(env.rank), layout.sp_rank(env.rank)
     mine = batches[dp_rank :: layout.dp_size]
     rounds = -(-len(batches) // layout.dp_size)
-    group = SequenceGroup(layout.sp)
-    model, scope = _reference_forward(plan, engine)
+    group = SequenceSlices(layout)
+    model, scope = _reference_forward(plan, engine, named)
     disable_dropout(model)
     found: list[tuple[list[int], np.ndarray]] = []
     with torch.no_grad(), scope, engine.autocast():
@@ -236,7 +239,7 @@ def _score(plan: RunPlan, engine: Engine, ds: PairDataset, env: DistEnv, pad_id:
                 batch = sequence_slice(batch, sp_rank, layout.sp)
             batch = {name: v.to(env.device) if isinstance(v, torch.Tensor) else v for name, v in batch.items()}
             sums, counts = model_sequence_logps(model, batch, 2 * len(idx))
-            sums, counts = group.sum(sums), group.sum(counts)
+            sums, counts = group.whole(sums), group.whole(counts)
             if r < len(mine) and group.first:
                 rows = torch.stack([sums[0::2], sums[1::2], counts[0::2], counts[1::2]], 1)
                 found.append((idx, rows.float().cpu().numpy()))

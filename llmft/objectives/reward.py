@@ -27,20 +27,15 @@ r_rejected). There are no log-probs: a score head predicts no tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from llmft.model.heads import SCORE_MODULE
-from llmft.objectives import model_inputs
-from llmft.objectives.preference import SequenceGroup, disable_dropout
-from llmft.plan.resolve import RunPlan
-
-if TYPE_CHECKING:
-    from llmft.engines import Engine
-
-METRIC_NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
+from llmft.objectives import Models, ObjectiveBase, disable_dropout, model_inputs
+from llmft.objectives.sequences import SequenceSlices, is_slice
+from llmft.plan.layout import RunPlan
 
 
 def last_token_positions(sequence_index: torch.Tensor, num_sequences: int) -> torch.Tensor:
@@ -82,24 +77,22 @@ def score_module(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
-class RewardObjective:
+class RewardObjective(ObjectiveBase):
     """A Bradley-Terry reward model over the contract batch (see the module docstring)."""
 
-    metric_names = METRIC_NAMES
-
-    def __init__(self, plan: RunPlan, engine: Engine) -> None:
-        policy = engine.unwrap()
+    def __init__(self, plan: RunPlan, models: Models) -> None:
+        super().__init__(plan, models)
+        policy = models.unwrap()
         disable_dropout(policy)  # the scores of a pair must not depend on how the batch is split
         self._token_scores: torch.Tensor | None = None
         score_module(policy).register_forward_hook(self._keep)
-        self.sequence = SequenceGroup(plan.layout.sp)
+        self.slices = SequenceSlices(plan.layout)
 
     def _keep(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
         self._token_scores = output
 
     def count(self, batch: dict[str, Any]) -> int:
-        # Every rank of a sequence group holds the same pairs: the group counts them once.
-        return int(batch["num_pairs"]) if self.sequence.first else 0
+        return self.slices.count(int(batch["num_pairs"]))
 
     def scores(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) scores of the micro-batch's pairs, ``[P]`` each."""
@@ -108,8 +101,8 @@ class RewardObjective:
         token_scores, self._token_scores = self._token_scores, None
         assert token_scores is not None, "the forward did not run the score head"
         n = 2 * int(batch["num_pairs"])
-        if "sequence_last" in batch:  # this rank's slice: its part of the scores, summed over the group
-            scores = self.sequence.sum(slice_scores(token_scores, batch, n))
+        if is_slice(batch):  # this rank's slice: its part of the scores (``sequence_last``), summed over the group
+            scores = self.slices.whole(slice_scores(token_scores, batch, n))
         else:
             scores = sequence_scores(token_scores, batch["sequence_index"], n)
         return scores[0::2], scores[1::2]
@@ -120,10 +113,7 @@ class RewardObjective:
         chosen, rejected = self.scores(model, batch)
         margin = chosen - rejected
         # With sequence parallelism every rank of the group has the same scores: each takes 1/N.
-        loss = -F.logsigmoid(margin).sum() / num_items / self.sequence.size
+        loss = self.slices.share(-F.logsigmoid(margin).sum() / num_items)
         margin = margin.detach()
         sums = torch.stack([chosen.detach().sum(), rejected.detach().sum(), (margin > 0).float().sum(), margin.sum()])
-        return loss, sums / self.sequence.size
-
-    def metrics(self, sums: list[float], count: float) -> dict[str, float]:
-        return {name: value / max(count, 1.0) for name, value in zip(self.metric_names, sums, strict=True)}
+        return loss, self.slices.share(sums)

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from llmft import loss as lm_loss
 from llmft.data import batch_targets
-from llmft.plan.resolve import RunPlan
-
-if TYPE_CHECKING:
-    from llmft.engines import Engine
+from llmft.objectives import ObjectiveBase
+from llmft.objectives.sequences import is_slice
 
 
 def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor | None) -> torch.Tensor:
@@ -21,7 +19,7 @@ def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items
 
     A model with the chunked loss installed (``model.chunked_loss``, ``llmft.loss``) returns the
     same loss from its LM head, a chunk of tokens at a time, and never holds the whole logits."""
-    if "shift_labels" in batch:  # this rank's sequence slice (llmft.data.sequence): targets already shifted
+    if is_slice(batch):  # this rank's sequence slice (llmft.data.sequence): targets already shifted
         return _slice_loss(model, batch, num_items)
     head = lm_loss.find(model)
     if head is not None:
@@ -44,13 +42,8 @@ def _slice_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_item
     return lm_loss.shifted_loss(model(**inputs, use_cache=False).logits, batch["shift_labels"], num_items)
 
 
-class SFTObjective:
+class SFTObjective(ObjectiveBase):
     """Next-token loss on the target tokens; no metrics beyond the loss."""
-
-    metric_names: tuple[str, ...] = ()
-
-    def __init__(self, plan: RunPlan, engine: Engine) -> None:
-        pass
 
     def count(self, batch: dict[str, Any]) -> int:
         return batch_targets(batch)
@@ -59,6 +52,3 @@ class SFTObjective:
         self, model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor
     ) -> tuple[torch.Tensor, None]:
         return micro_loss(model, batch, num_items), None
-
-    def metrics(self, sums: list[float], count: float) -> dict[str, float]:
-        return {}

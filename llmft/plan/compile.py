@@ -15,7 +15,8 @@ import yaml
 
 from llmft.plan import launch
 from llmft.plan.engines import ENGINES, load
-from llmft.plan.resolve import PLAN_FILE, RunPlan, plan_summary
+from llmft.plan.layout import RunPlan
+from llmft.plan.resolve import PLAN_FILE, plan_summary
 from llmft.recipe.load import RECIPE_FILE, to_yaml
 
 # Artefacts that belong to one engine: removed when a recompile picks another, so a

@@ -20,18 +20,16 @@ What is deliberately absent:
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from llmft.errors import Problem
+from llmft.plan.layout import RunPlan
 from llmft.plan.shape import ModelShape, model_shape
 from llmft.recipe.schema import Recipe
 
 # stage3_max_live_parameters and stage3_max_reuse_distance, as HF's auto sets them; the memory
 # planner counts that many gathered parameters (the whole model when smaller).
 ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
-
-if TYPE_CHECKING:
-    from llmft.plan.resolve import RunPlan
 
 # Used for the bucket sizes when the model's hidden size cannot be known without a
 # download: the sizes HF's "auto" gives for a 7-8B model, a sensible middle ground.

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 if TYPE_CHECKING:
-    from llmft.plan.resolve import RunPlan
+    from llmft.plan.layout import RunPlan
 
 # accelerate names "no mixed precision" differently from our fp32.
 ACCELERATE_MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}

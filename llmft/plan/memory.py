@@ -25,18 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from llmft.errors import Problem, UserError
 from llmft.plan.batch import divisors
 from llmft.plan.deepspeed import ZERO3_MAX_LIVE_PARAMETERS
 from llmft.plan.engines import engine_spec
-from llmft.plan.objectives import FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL, objective_spec, reference_kind
+from llmft.plan.layout import RunPlan
+from llmft.plan.objectives import FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL, objective_of, reference_kind
 from llmft.plan.shape import ModelShape, linear_shapes, model_shape
 from llmft.recipe.schema import Recipe
-
-if TYPE_CHECKING:
-    from llmft.plan.resolve import RunPlan
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -133,7 +131,7 @@ def chunked_loss_on(recipe: Recipe, micro_batch_size: int) -> bool:
     micro-batch has more tokens than one chunk (where it helps); unknown shape: on."""
     if recipe.model.liger_kernels:  # Liger's fused linear cross-entropy chunks the loss itself (CUDA)
         return False
-    spec = objective_spec(recipe.train.objective)
+    spec = objective_of(recipe)
     if spec.head != "lm":  # a scalar score head has no vocabulary to chunk
         return False
     if recipe.model.chunked_loss != "auto":
@@ -141,7 +139,7 @@ def chunked_loss_on(recipe: Recipe, micro_batch_size: int) -> bool:
     shape = model_shape(recipe.model)
     if shape is None:
         return True
-    rows = micro_batch_size * spec.rows_per_item
+    rows = micro_batch_size * spec.rows(recipe)
     return rows * recipe.data.max_seq_len > loss_chunk_tokens(shape.vocab_size)
 
 
@@ -317,8 +315,8 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         "optimizer": _placed(states["optimizer"], layout.optimizer, layout.optimizer_on_gpu),
         "master_weights": _placed(states["master_weights"], layout.optimizer, layout.optimizer_on_gpu),
     }
-    spec = objective_spec(recipe.train.objective)
-    tokens = spec.rows_per_item * tokens_per_rank(recipe, micro)  # a pair is two sequences
+    spec = objective_of(recipe)
+    tokens = spec.rows(recipe) * tokens_per_rank(recipe, micro)  # a pair is two sequences
     placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])
     # Forward holds the head's output in the compute dtype, its fp32 copy for the loss and the fp32
     # log-softmax cross-entropy keeps (a + 8 bytes per logit); backward the saved log-softmax, its
@@ -360,7 +358,7 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         dp_size=dp_size,
         engine=engine,
         notes=tuple(notes),
-        rows_per_item=spec.rows_per_item,
+        rows_per_item=spec.rows(recipe),
     )
 
 

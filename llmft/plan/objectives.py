@@ -1,57 +1,114 @@
 """The objective registry: one record per ``train.objective``, found by one lookup (``objective_spec``).
 
-A record says what an objective is: what it normalises the loss by (``tokens``: the target tokens
-of the global batch, ``pairs``: its preference pairs), which model head it trains, whether it
-reads preference pairs, and which code computes its loss (``runtime``, a dotted path imported
-only when a run builds it: this module, like the rest of ``llmft.plan``, imports no torch).
+A record (``ObjectiveSpec``) says everything the rest of llmft needs to know about an objective:
 
-The loop never branches on the objective's name: it asks the runtime object for the count of a
-micro-batch and for the micro loss numerator divided by the global count (docs/design.md,
-docs/preference.md). Adding an objective is a record here and a class under ``llmft/objectives/``.
+- the kind of record it reads (``record``: SFT ``sequences`` or preference ``pairs``; the data
+  layer tokenizes, caches and collates by it) and the rows one item becomes (``rows_per_item``:
+  1, 2 for a pair, or the recipe key that holds G for G completions per prompt);
+- what the global count counts (``counts``: the loss is the sum of the global batch's item losses
+  divided by it): ``tokens`` (target tokens), ``pairs``, ``completions``;
+- the head it trains (``head``), the frozen models it needs (``frozen``: ``reference``,
+  ``reward_model``; the runtime asks the engine to build them, ``Engine.frozen_model``), the sums
+  its micro loss returns (``metrics``), its words on the model card;
+- which code computes its loss (``runtime``, a dotted path imported only when a run builds it:
+  this module, like the rest of ``llmft.plan``, imports no torch).
+
+The loop never branches on the objective's name: it asks the runtime object to prepare the step's
+micro-batches, for their count and for the micro loss numerator divided by the global count
+(docs/design.md, docs/preference.md). Nothing outside this module and an objective's own module
+compares objective names (``tests/unit/test_objectives.py``).
+
+Adding an objective is a record and a module. The built-in ones are below; a user's module
+registers its record with ``register_objective`` when it is imported, and a recipe names that
+module in ``train.objective_module`` (imported by ``load_objective_module`` before anything reads
+``train.objective``; docs/design.md "Adding an objective").
 
 How a preference run gets its reference model is decided here too (``reference_kind``), once, from
-the recipe: the plan carries the decision and the engines build what it says.
+the recipe: the plan carries the decision and the objective asks the engine for it.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Literal
 
-from llmft.errors import Problem
+from llmft.errors import Problem, UserError
 from llmft.recipe.schema import PreferenceConfig
 
 if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
 
+# The kinds of record the data layer reads (``ObjectiveSpec.record``).
+SEQUENCES = "sequences"  # SFT records: text, prompt/completion, messages; one row each (or packed)
+PAIRS = "pairs"  # preference pairs: prompt, chosen, rejected; an item is two rows
+RECORD_KINDS = (SEQUENCES, PAIRS)
+# The frozen models an objective may ask for (``ObjectiveSpec.frozen``).
+REFERENCE = "reference"  # the policy's initial function: adapters off, a frozen copy, or a named model
+REWARD_MODEL = "reward_model"  # a scoring model (for generation-based objectives)
+
 
 @dataclass(frozen=True)
 class ObjectiveSpec:
-    """One objective: what it counts, what it trains, and where its code lives."""
+    """One objective: what it reads, what it counts, what it trains, what it needs, where its code lives."""
 
     name: str  # train.objective
     title: str  # in messages
     runtime: str | None  # the Objective class (torch side); None: not built yet (refused at resolve)
-    counts: Literal["tokens", "pairs"]  # what the micro loss is normalised by (global batch)
+    counts: Literal["tokens", "pairs", "completions"]  # what the micro loss is normalised by (global batch)
     head: Literal["lm", "score"] = "lm"  # the causal-LM head, or a scalar score head
-    pairs: bool = False  # consumes preference pairs (batch.global_batch_size counts pairs)
+    record: str = SEQUENCES  # the kind of record it reads (RECORD_KINDS)
+    rows_per_item: int | str = 1  # rows an item becomes: 1, 2 (a pair), or a recipe key holding G
+    frozen: tuple[str, ...] = ()  # frozen models it may need (REFERENCE, REWARD_MODEL)
+    metrics: tuple[str, ...] = ()  # the sums its micro loss returns, reported as global-batch means
     preference_keys: bool = False  # reads preference.* (loss_type, beta, reference, ...)
+    card: str = ""  # what it is, in the model card of an export
+    tagged: bool = True  # the model card tags an export with its name (not the default objective's)
 
     @property
-    def rows_per_item(self) -> int:
-        """Sequences one item of the data holds (a micro-batch of P items runs P x this rows)."""
-        return 2 if self.pairs else 1  # a pair: chosen and rejected
+    def pairs(self) -> bool:
+        """An item is a preference pair (``batch.global_batch_size`` counts pairs)."""
+        return self.record == PAIRS
+
+    def rows(self, recipe: Recipe | None = None) -> int:
+        """Sequences one item of the data becomes (a micro-batch of P items runs P x this rows)."""
+        if isinstance(self.rows_per_item, int):
+            return self.rows_per_item
+        assert recipe is not None, f"{self.name}: rows per item is {self.rows_per_item}, read from the recipe"
+        section, _, key = self.rows_per_item.partition(".")
+        return int(getattr(getattr(recipe, section), key))
 
 
-OBJECTIVES: tuple[ObjectiveSpec, ...] = (
-    ObjectiveSpec(name="sft", title="SFT", runtime="llmft.objectives.sft:SFTObjective", counts="tokens"),
+DPO_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracy",
+    "rewards/margin",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+DEFAULT_OBJECTIVE = "sft"  # train.objective's default (recipe/schema.py)
+_BUILT_IN: tuple[ObjectiveSpec, ...] = (
+    ObjectiveSpec(
+        name="sft",
+        title="SFT",
+        runtime="llmft.objectives.sft:SFTObjective",
+        counts="tokens",
+        card="sft (next-token loss on the target tokens)",
+        tagged=False,
+    ),
     ObjectiveSpec(
         name="dpo",
         title="DPO",
         runtime="llmft.objectives.preference:PreferenceObjective",
         counts="pairs",
-        pairs=True,
+        record=PAIRS,
+        rows_per_item=2,
+        frozen=(REFERENCE,),
+        metrics=DPO_METRICS,
         preference_keys=True,
+        card="dpo",  # followed by its preference.* settings
     ),
     ObjectiveSpec(
         name="reward",
@@ -59,12 +116,27 @@ OBJECTIVES: tuple[ObjectiveSpec, ...] = (
         runtime="llmft.objectives.reward:RewardObjective",
         counts="pairs",
         head="score",
-        pairs=True,
+        record=PAIRS,
+        rows_per_item=2,
+        metrics=DPO_METRICS[:4],
+        card="reward (a scalar score head, loss -log sigmoid(r_chosen - r_rejected) per pair)",
     ),
 )
 
-_BY_NAME = {spec.name: spec for spec in OBJECTIVES}
-OBJECTIVE_NAMES: tuple[str, ...] = tuple(_BY_NAME)
+_BY_NAME: dict[str, ObjectiveSpec] = {spec.name: spec for spec in _BUILT_IN}
+
+
+def objectives() -> tuple[ObjectiveSpec, ...]:
+    """Every registered objective: the built-in ones, then those user modules registered."""
+    return tuple(_BY_NAME.values())
+
+
+def objective_names() -> tuple[str, ...]:
+    return tuple(_BY_NAME)
+
+
+OBJECTIVES = _BUILT_IN
+OBJECTIVE_NAMES: tuple[str, ...] = tuple(spec.name for spec in _BUILT_IN)
 
 # Losses that compare the policy with itself only: no reference model is built or run.
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
@@ -76,17 +148,93 @@ FROZEN_COPY = "frozen_copy"  # full fine-tune: a frozen copy of the initial weig
 REFERENCE_MODEL = "model"  # preference.reference names a model: built like the policy's base
 
 
+def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
+    """Add ``spec`` to the registry (a user module calls this when it is imported). Registering the
+    same record again is a no-op (a module imported twice); another record under a taken name is an error."""
+    known = _BY_NAME.get(spec.name)
+    problems = []
+    if known is not None and known != spec:
+        problems.append(
+            Problem(
+                "train.objective_module",
+                f"registers objective {spec.name!r}, which is registered already ({known.runtime})",
+                "Give the new objective a name of its own.",
+            )
+        )
+    if spec.record not in RECORD_KINDS:
+        problems.append(
+            Problem(
+                "train.objective_module",
+                f"registers objective {spec.name!r} reading {spec.record!r} records",
+                f"Use one of the record kinds the data layer reads: {', '.join(RECORD_KINDS)}.",
+            )
+        )
+    if problems:
+        raise UserError(*problems)
+    _BY_NAME[spec.name] = spec
+    return spec
+
+
+def load_objective_module(recipe: Recipe) -> None:
+    """Import ``train.objective_module`` (a user's module that registers its objective). Importing
+    it runs its code: it is the user's own, named explicitly, like a reward function's ``module:name``."""
+    name = recipe.train.objective_module
+    if not name:
+        return
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        raise UserError(
+            Problem(
+                "train.objective_module",
+                f"cannot import {name!r}: {type(e).__name__}: {e}",
+                "Name a module importable from this environment (on PYTHONPATH, or installed) that calls "
+                "llmft.plan.objectives.register_objective.",
+            )
+        ) from e
+
+
+def registered(name: str) -> ObjectiveSpec | None:
+    """The record of ``name``, or None when no objective of that name is registered in this process."""
+    return _BY_NAME.get(name)
+
+
 def objective_spec(name: str) -> ObjectiveSpec:
     try:
         return _BY_NAME[name]
     except KeyError:
-        raise AssertionError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVE_NAMES)}") from None
+        raise AssertionError(f"unknown objective {name!r}; known: {', '.join(_BY_NAME)}") from None
+
+
+def objective_of(recipe: Recipe) -> ObjectiveSpec:
+    """The record of ``recipe``'s ``train.objective``, its ``train.objective_module`` imported first
+    (a checkpoint's recipe read by ``llmft export`` names the module its run imported)."""
+    if recipe.train.objective not in _BY_NAME:
+        load_objective_module(recipe)
+    return objective_spec(recipe.train.objective)
+
+
+def unknown_objective(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
+    """``train.objective`` names no registered objective (checked before anything reads its record)."""
+    name = recipe.train.objective
+    if name in _BY_NAME:
+        return []
+    module = recipe.train.objective_module
+    return [
+        Problem(
+            where("train.objective"),
+            f"'{name}' is not one of {', '.join(_BY_NAME)}"
+            + (f" (train.objective_module={module} registered no objective of that name)" if module else ""),
+            "Use one of them, or name the module that registers it in train.objective_module "
+            '(docs/design.md, "Adding an objective").',
+        )
+    ]
 
 
 def reference_kind(recipe: Recipe) -> str:
     """What the run uses as its reference model (one of the constants above)."""
     p = recipe.preference
-    if not objective_spec(recipe.train.objective).pairs or recipe.train.objective != "dpo":
+    if REFERENCE not in objective_of(recipe).frozen:
         return NO_REFERENCE
     if p.loss_type in REFERENCE_FREE_LOSSES:
         return NO_REFERENCE
@@ -97,7 +245,7 @@ def reference_kind(recipe: Recipe) -> str:
 
 def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
     """What this objective cannot do (yet) with this recipe; empty for SFT."""
-    spec = objective_spec(recipe.train.objective)
+    spec = objective_of(recipe)
     p = recipe.preference
     problems: list[Problem] = []
     if spec.runtime is None:
@@ -105,7 +253,7 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
             Problem(
                 where("train.objective"),
                 f"{spec.name} ({spec.title}) is not implemented yet",
-                "Use train.objective=sft or dpo (docs/preference.md says what is done).",
+                f"Use one of {', '.join(s.name for s in objectives() if s.runtime is not None)}.",
             )
         )
     problems += head_problems(spec, recipe, where)
@@ -135,7 +283,7 @@ def _precompute_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Pr
     if reference_kind(recipe) == NO_REFERENCE:
         what = (
             f"loss_type={recipe.preference.loss_type} is reference-free"
-            if recipe.train.objective == "dpo"
+            if REFERENCE in objective_of(recipe).frozen
             else f"train.objective={recipe.train.objective} has no reference model"
         )
         return [

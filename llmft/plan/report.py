@@ -6,6 +6,7 @@ from typing import Callable
 
 from llmft.errors import UserError
 from llmft.plan.kernels import chosen_attention
+from llmft.plan.layout import RunPlan
 from llmft.plan.memory import (
     GIB,
     MemoryEstimate,
@@ -15,7 +16,7 @@ from llmft.plan.memory import (
     pick_micro_batch,
     sequence_parallel,
 )
-from llmft.plan.resolve import RunPlan, describe_engine, load_plan
+from llmft.plan.resolve import describe_engine, load_plan
 
 
 def plan_command(

@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 from llmft.errors import Problem, UserError
 from llmft.plan import memory
 from llmft.plan.batch import BatchPlan, divisors, resolve_for_world, sequences_from_tokens, solve_batch
-from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, load, one_process_engine
+from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, load
 from llmft.plan.kernels import recipe_problems
-from llmft.plan.objectives import ObjectiveSpec, objective_problems, objective_spec, reference_kind
+from llmft.plan.layout import RunPlan, World, data_parallel_size, parallel_layout, quant_storage_for
+from llmft.plan.objectives import load_objective_module, objective_problems, reference_kind, unknown_objective
 from llmft.plan.shape import model_shape
-from llmft.recipe.load import RecipeError, load_unchecked, provenance, unresolve_env
+from llmft.recipe.load import RecipeError, load_unchecked, provenance
 from llmft.recipe.schema import Recipe
 
 log = logging.getLogger("llmft")
@@ -39,169 +40,6 @@ log = logging.getLogger("llmft")
 # then sharded, so their weights equal the single-process run's; larger ones and every pretrained model
 # are built already sharded (FSDP2: on the meta device, ZeRO-3: under zero.Init). docs/design.md.
 WHOLE_INIT_MAX_PARAMS = 1_000_000_000
-
-
-@dataclass(frozen=True)
-class World:
-    """How many processes the run has, and how they sit on nodes."""
-
-    nnodes: int = 1
-    nproc_per_node: int = 1
-
-    @property
-    def size(self) -> int:
-        return self.nnodes * self.nproc_per_node
-
-    @classmethod
-    def of(cls, recipe: Recipe) -> World:
-        """The layout the recipe (and ``--nnodes`` / ``--nproc-per-node``) names: compile time."""
-        return cls(recipe.distributed.nnodes, recipe.distributed.nproc_per_node)
-
-    @classmethod
-    def running(cls, world_size: int, local_world_size: int | None = None) -> World:
-        """The layout a launcher started (``local_world_size``: processes on this node)."""
-        local = local_world_size if local_world_size and world_size % local_world_size == 0 else world_size
-        return cls(world_size // local, local)
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """How the run's processes divide the work; the runtime reads it instead of asking the engine.
-
-    A parallel dimension is a field here, sized by the resolver, not a check of the engine's name
-    wherever it matters. Ranks ``[g*sp, (g+1)*sp)`` form sequence group ``g`` (its data-parallel
-    rank): they share each sequence, each holding a slice of its tokens."""
-
-    dp_size: int  # data-parallel ranks (sequence groups): each sees its own part of the batch
-    shards_params: bool  # parameters are partitioned over the ranks (FSDP2, ZeRO-3): every rank joins every forward
-    dp_replicate: int = 1  # HSDP: replica groups; parameters are sharded within a group of world / dp_replicate
-    sp: int = 1  # distributed.sequence_parallel: ranks that share one sequence
-
-    @property
-    def dp_shard(self) -> int:
-        """Ranks that share one copy of the (sharded) parameters. With sequence parallelism the
-        parameters are sharded over every rank of a replica, sequence ranks included: they all
-        compute gradients of the same parameters (docs/long-context.md)."""
-        return self.world_size // self.dp_replicate if self.shards_params else 1
-
-    @property
-    def world_size(self) -> int:
-        """Processes in the layout: data-parallel ranks x sequence-parallel ranks."""
-        return self.dp_size * self.sp
-
-    def dp_rank(self, rank: int) -> int:
-        """The data-parallel rank (sequence group) of global ``rank``: the sampler's rank."""
-        return rank // self.sp
-
-    def sp_rank(self, rank: int) -> int:
-        """Which slice of its group's sequences global ``rank`` holds."""
-        return rank % self.sp
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """The resolved run. ``recipe`` is the intent as the user wrote it; the rest are decisions."""
-
-    recipe: Recipe
-    world: World
-    engine: str  # a name of llmft.plan.engines.ENGINES (``spec`` is its record)
-    batch: BatchPlan
-    layout: ParallelLayout
-    # Packed 4-bit weights: stored as this dtype. Engines that shard parameters (FSDP2, ZeRO-3)
-    # partition tensors of one dtype, so there they are viewed as the compute dtype; elsewhere uint8.
-    quant_storage: str | None
-    # A fresh model small enough to be built whole on every rank with the seeded init (then
-    # sharded): its weights equal the single-process run's on every engine and world size.
-    builds_whole: bool
-    notes: tuple[str, ...] = ()  # what resolving changed, for the log
-    objective: str = "sft"  # a name of llmft.plan.objectives.OBJECTIVES (``objective_spec`` is its record)
-    # Where a preference run's reference log-probs come from (llmft.plan.objectives: none,
-    # adapters_disabled, frozen_copy, model); the engines build what it says.
-    reference: str = "none"
-
-    @property
-    def spec(self) -> EngineSpec:
-        return engine_spec(self.engine)
-
-    @property
-    def objective_spec(self) -> ObjectiveSpec:
-        return objective_spec(self.objective)
-
-    @property
-    def dp_size(self) -> int:
-        return self.batch.dp_size
-
-    @property
-    def sequence_parallel(self) -> int:
-        """Ranks that share each sequence (``distributed.sequence_parallel``)."""
-        return self.layout.sp
-
-    @property
-    def max_grad_norm(self) -> float | None:
-        """Gradient clipping, the one source every engine is built with (DeepSpeed's config included)."""
-        return self.recipe.optim.max_grad_norm
-
-    @property
-    def zero_stage(self) -> int:
-        return self.recipe.distributed.zero_stage
-
-    @property
-    def dtype(self) -> str:
-        """The compute dtype (``model.dtype``)."""
-        return self.recipe.model.dtype
-
-    @property
-    def peft(self) -> bool:
-        return self.recipe.peft.method != "none"
-
-    @property
-    def meta_init(self) -> bool:
-        """The model is built on the meta device and each rank loads only its shards: FSDP2 (a
-        pretrained model, a 4-bit one included, or a fresh one too big to build whole) and ZeRO-3
-        (a pretrained model, a 4-bit one included: ``model/zero3.py``)."""
-        if self.builds_whole:
-            return False
-        q = self.recipe.model.quantization
-        pretrained = self.recipe.model.config is None
-        if not self.layout.shards_params:
-            return False
-        if self.spec.zero_init:  # a fresh model too big to build whole is built under zero.Init instead
-            return pretrained and (q is None or q.bits == 4)
-        return q is None or (q.bits == 4 and pretrained)
-
-    @property
-    def zero_init(self) -> bool:
-        """ZeRO-3 builds the model partitioned under ``zero.Init``: a fresh model too big to build
-        whole (a quantized one is still built whole: transformers does not enter ``zero.Init`` then)."""
-        return self.spec.zero_init and self.layout.shards_params and not self.builds_whole and not self.meta_init
-
-    @property
-    def chunked_loss(self) -> bool:
-        """The LM head and loss run in chunks of tokens (``llmft.loss``); a score head has no vocabulary."""
-        return self.objective_spec.head == "lm" and memory.chunked_loss_on(self.recipe, self.batch.micro_batch_size)
-
-    def on_one_process(self) -> RunPlan:
-        """The same run built as one process would build it (``llmft verify`` emulates the ranks)."""
-        one = one_process_engine()
-        return replace(
-            self,
-            engine=one.name,
-            layout=parallel_layout(self.recipe, one, self.dp_size),
-            quant_storage=quant_storage_for(self.recipe, one),
-        )
-
-    def resolved_recipe(self) -> Recipe:
-        """A copy of the recipe with the decisions written in (engine, batch, layout): what
-        ``recipe.yaml`` files hold, so that a compiled dir or a checkpoint says what ran.
-        ``${oc.env:...}`` values stay as typed: they are resolved again when the file is read."""
-        r = copy.deepcopy(self.recipe)
-        r.distributed.engine = self.engine
-        r.distributed.nnodes, r.distributed.nproc_per_node = self.world.nnodes, self.world.nproc_per_node
-        r.batch.global_batch_size = self.batch.global_batch_size
-        r.batch.micro_batch_size = self.batch.micro_batch_size
-        r.batch.gradient_accumulation_steps = self.batch.gradient_accumulation_steps
-        unresolve_env(r)  # values read from the environment (secrets) are written as typed, not resolved
-        return r
 
 
 # --- entry points -------------------------------------------------------------------------------
@@ -239,6 +77,13 @@ def resolve(
     ``micro_batch_size: auto`` needs a number and ``distributed.gpu_memory_gb`` is unset."""
     problems = list(problems or [])
     where = provenance(recipe)
+    try:
+        load_objective_module(recipe)  # a user's objective registers itself before its name is read
+    except UserError as e:
+        problems += [Problem(where(pr.where), pr.what, pr.fix) for pr in e.problems]
+    unknown = unknown_objective(recipe, where)
+    if unknown:  # every check below reads the objective's record
+        raise RecipeError(*problems, *unknown, title=f"the recipe has {len(problems) + 1} problem(s)")
     compiled = World.of(recipe)
     same = world_size is None or world_size == compiled.size
     world = compiled if same else World.running(world_size, local_world_size)
@@ -252,10 +97,8 @@ def resolve(
         except UserError as e:
             problems += [Problem(where(pr.where), pr.what, pr.fix) for pr in e.problems]
             recipe = _with_seq_len(recipe, 2)  # to go on and report every other problem too
-    problems += engine_problems(recipe, spec, world.size, where)
-    problems += objective_problems(recipe, where)
-    sp_problems = sequence_parallel_problems(recipe, spec, world.size, where)
-    problems += sp_problems
+    problems += world_problems(recipe, spec, world.size, where)
+    sp_problems = sequence_parallel_problems(recipe, spec, world.size, where)  # the batch is solved without
     batch = None
     try:
         sp = recipe.distributed.sequence_parallel if not sp_problems else 1
@@ -281,6 +124,7 @@ def resolve(
         notes=tuple(notes),
         objective=recipe.train.objective,
         reference=reference_kind(recipe),
+        chunked_loss=memory.chunked_loss_on(recipe, batch.micro_batch_size),
     )
 
 
@@ -288,30 +132,6 @@ def builds_whole(recipe: Recipe) -> bool:
     """Whether a sharding engine may build this recipe's model whole on every rank before sharding it."""
     shape = model_shape(recipe.model)
     return recipe.model.config is not None and shape is not None and shape.num_params <= WHOLE_INIT_MAX_PARAMS
-
-
-def parallel_layout(recipe: Recipe, spec: EngineSpec, dp_size: int) -> ParallelLayout:
-    """How ``spec`` lays the run out over ``dp_size`` data-parallel ranks (each a group of
-    ``distributed.sequence_parallel`` ranks where the engine runs sequence parallelism)."""
-    shards = spec.shards_parameters(recipe)
-    return ParallelLayout(
-        dp_size=dp_size,
-        shards_params=shards,
-        dp_replicate=recipe.distributed.hsdp_replicate if shards else 1,
-        sp=recipe.distributed.sequence_parallel if spec.sequence_parallel else 1,
-    )
-
-
-def quant_storage_for(recipe: Recipe, spec: EngineSpec) -> str | None:
-    """How packed 4-bit weights are stored on ``engine`` (None: not 4-bit). Where parameters are
-    sharded (FSDP2, ZeRO-3) the packed bytes are viewed as the compute dtype, as HF/PEFT, Axolotl
-    and LLaMA-Factory do with ``bnb_4bit_quant_storage``; elsewhere plain uint8."""
-    q = recipe.model.quantization
-    if q is None or q.bits != 4:
-        return None
-    if q.quant_storage is not None:
-        return q.quant_storage
-    return recipe.model.dtype if spec.shards_parameters(recipe) else "uint8"
 
 
 # --- the batch ----------------------------------------------------------------------------------
@@ -346,7 +166,7 @@ def _solve(
             )
         g = from_tokens
     micro = b.micro_batch_size
-    dp, compiled_dp = world.size // sp, max(compiled.size // sp, 1)
+    dp, compiled_dp = data_parallel_size(world.size, sp), data_parallel_size(compiled.size, sp)
     if _is_auto(micro) and _is_auto(b.gradient_accumulation_steps) and isinstance(g, int) and not isinstance(g, bool):
         micro = _planned_micro(recipe, engine, g, dp, measure_gpu)
     values = (g, micro, b.gradient_accumulation_steps)
@@ -366,7 +186,7 @@ def _planned_seq_len(
         gpu_gb = measure_gpu()
     micro = recipe.batch.micro_batch_size
     micro = micro if isinstance(micro, int) and not isinstance(micro, bool) else 1
-    dp = max(world_size // memory.sequence_parallel(recipe), 1)
+    dp = data_parallel_size(world_size, memory.sequence_parallel(recipe))
     n = memory.longest_sequence(recipe, engine, dp, gpu_gb, micro) if gpu_gb is not None else 0
     if gpu_gb is None or n < 2:
         raise UserError(
@@ -412,18 +232,28 @@ def _planned_micro(
 # --- combinations that depend on the engine or the world ----------------------------------------
 
 
-def engine_problems(r: Recipe, spec: EngineSpec, dp_size: int, where: Callable[[str], str]) -> list[Problem]:
-    """What this engine cannot do with this recipe on ``dp_size`` processes: the checks every engine
-    shares, read from its record, then its own (``EngineSpec.problems``)."""
+def world_problems(r: Recipe, spec: EngineSpec, world_size: int, where: Callable[[str], str]) -> list[Problem]:
+    """Every check of a recipe against the engine and the world it runs on, in the one order they
+    are reported (the recipe's own checks ran when it was loaded: ``recipe/validate.py``):
 
+    1. the layout: may this engine run on ``world_size`` processes (``_layout_problems``);
+    2. offload: what this engine can move off the GPU (``_offload_problems``);
+    3. the engine's own refusals (``EngineSpec.problems``);
+    4. quantization on this engine and world (``_quantization_problems``);
+    5. the speed switches, from the engine's record (``plan/kernels.py``);
+    6. the objective's (``plan/objectives.py``);
+    7. sequence parallelism (``sequence_parallel_problems``).
+    """
     own = load(spec.problems)(r, where) if spec.problems else []
     kernels = [Problem(where(pr.where), pr.what, pr.fix) for pr in recipe_problems(r, spec)]
     return (
-        _layout_problems(r, spec, dp_size, where)
+        _layout_problems(r, spec, world_size, where)
         + _offload_problems(r, spec, where)
         + own
-        + _quantization_problems(r, spec, dp_size, where)
+        + _quantization_problems(r, spec, world_size, where)
         + kernels
+        + objective_problems(r, where)
+        + sequence_parallel_problems(r, spec, world_size, where)
     )
 
 

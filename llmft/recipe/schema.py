@@ -267,9 +267,16 @@ class TrainConfig:
     progress_bar: bool = doc(True, "Show a progress bar on rank 0.")
     objective: str = doc(
         "sft",
-        "What the model learns: sft (next-token loss on the targets), dpo (preference pairs; see preference.*), "
-        "or reward (a scalar reward model trained on preference pairs).",
-        choices=("sft", "dpo", "reward"),
+        "What the model learns, a name in the objective registry (llmft.plan.objectives): sft (next-token loss "
+        "on the targets), dpo (preference pairs; see preference.*), reward (a scalar reward model trained on "
+        "preference pairs), or one that train.objective_module registers.",
+    )
+    objective_module: Optional[str] = doc(
+        None,
+        "A Python module (dotted name, importable on every rank: installed or on PYTHONPATH) that registers "
+        "train.objective with llmft.plan.objectives.register_objective; imported before the recipe is "
+        "resolved. It is code you name, run like a reward function's module:name (docs/design.md, "
+        '"Adding an objective"); null: the built-in objectives only.',
     )
 
 

@@ -17,7 +17,7 @@ import pytest
 from llmft.data import build_data
 from llmft.data import cache as cache_module
 from llmft.data import shards as shards_module
-from llmft.data.cache import BUILD_SUFFIX, CHECKSUM_BLOCK, Damaged, verify
+from llmft.data.cache import BUILD_SUFFIX, CHECKSUM_BLOCK, Damaged, check_entry
 from llmft.data.tokens import TokenDataset
 from llmft.errors import UserError
 from llmft.recipe.schema import Recipe
@@ -84,7 +84,7 @@ def test_a_damaged_meta_json_rebuilds_the_entry(tmp_path, data, damage, caplog):
 
 def test_verify_reads_blocks_and_names_the_file(tmp_path, data):
     entry = build_data(recipe(tmp_path, data), byte_tokenizer()).train.path.parent
-    meta = verify(entry)
+    meta = check_entry(entry)
     assert set(meta["files"]) == {
         "rows.arrow",
         "rows.layout.json",
@@ -95,7 +95,7 @@ def test_verify_reads_blocks_and_names_the_file(tmp_path, data):
     assert all(len(f["crc32"]) == -(-f["bytes"] // CHECKSUM_BLOCK) for f in meta["files"].values())
     (entry / "prompts.json").unlink()
     with pytest.raises(Damaged, match=f"{entry / 'prompts.json'}: cannot be read"):
-        verify(entry)
+        check_entry(entry)
 
 
 def test_a_cache_dir_that_cannot_be_written_is_a_message(tmp_path, data, monkeypatch):

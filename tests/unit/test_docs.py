@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmft.recipe.reference import REGENERATE, render_reference
+from llmft.recipe.docs import REGENERATE, render_recipe_docs
 from llmft.recipe.schema import iter_fields
 
 RECIPE_DOC = Path(__file__).resolve().parents[2] / "docs" / "recipe.md"
@@ -41,7 +41,7 @@ CONTRACT_KEYS = (
 
 
 def test_recipe_reference_is_fresh():
-    rendered = render_reference()
+    rendered = render_recipe_docs()
     committed = RECIPE_DOC.read_text() if RECIPE_DOC.exists() else ""
     assert committed == rendered, f"docs/recipe.md is out of date with llmft/recipe/schema.py; run: {REGENERATE}"
 
@@ -53,7 +53,7 @@ def test_every_contract_key_is_documented():
 
 
 def test_every_schema_key_has_a_row_with_its_choices():
-    text = render_reference()
+    text = render_recipe_docs()
     for key, f, _ in iter_fields():
         if "." not in key:
             assert f"## `{key}`" in text

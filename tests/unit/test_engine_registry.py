@@ -101,3 +101,44 @@ def test_parallel_layout(tmp_path, overrides, world, engine, sharded, replicate,
     one = plan.on_one_process()
     assert one.engine == one_process_engine().name and not one.layout.shards_params
     assert one.layout.dp_size == world  # the ranks are emulated
+
+
+MESHES = [
+    # (overrides, world size) -> the named dimensions of the run, and those FSDP2 shards parameters on
+    ([], 2, (("replicate", 1), ("shard", 2), ("sp", 1)), (("shard", 2),)),
+    (
+        ["distributed.engine=fsdp", "distributed.hsdp_replicate=2"],
+        4,
+        (("replicate", 2), ("shard", 2), ("sp", 1)),
+        (("replicate", 2), ("shard", 2)),
+    ),
+    (
+        ["distributed.engine=fsdp", "distributed.sequence_parallel=2", "model.attn_implementation=sdpa"],
+        4,
+        (("replicate", 1), ("shard", 2), ("sp", 2)),
+        (("shard", 4),),
+    ),
+    (["peft.method=lora", "distributed.engine=ddp"], 2, (("replicate", 1), ("shard", 2), ("sp", 1)), (("shard", 1),)),
+]
+
+
+@pytest.mark.parametrize("overrides,world,mesh,param_mesh", MESHES)
+def test_the_layout_is_one_named_mesh(tmp_path, overrides, world, mesh, param_mesh):
+    """The layout names every parallel dimension (ranks are row-major over them: a rank's sequence
+    group and slice are its coordinates), and FSDP2's mesh is the layout's."""
+    from llmft.plan.fsdp import fsdp_plan
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(COMPILE_RECIPE)
+    layout = load_plan(path, overrides, nproc_per_node=world).layout
+    assert layout.mesh == mesh and layout.param_mesh == param_mesh
+    sizes = dict(mesh)
+    assert sizes["replicate"] * sizes["shard"] * sizes["sp"] == world == layout.world_size
+    for rank in range(world):
+        assert (layout.dp_rank(rank), layout.sp_rank(rank)) == divmod(rank, sizes["sp"])
+    if layout.shards_params:
+        plan_mesh = fsdp_plan(load_plan(path, overrides, nproc_per_node=world)).mesh
+        assert (plan_mesh.replicate, plan_mesh.shard) == (
+            dict(param_mesh).get("replicate", 1),
+            dict(param_mesh)["shard"],
+        )

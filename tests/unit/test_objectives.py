@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmft.plan.engines import load
-from llmft.plan.objectives import OBJECTIVE_NAMES, OBJECTIVES, objective_spec
+from llmft.plan.objectives import DEFAULT_OBJECTIVE, OBJECTIVE_NAMES, OBJECTIVES, objective_spec
 from llmft.plan.resolve import load_plan, plan_summary
 from llmft.recipe.load import RecipeError
 from llmft.recipe.schema import PreferenceConfig, TrainConfig
@@ -44,12 +44,89 @@ def test_every_built_record_names_importable_code(spec):
         assert callable(load(spec.runtime))
 
 
-def test_the_recipe_choices_are_the_registry_names():
+def test_the_recipe_takes_the_registry_names_and_refuses_others(tmp_path):
+    """train.objective is checked against the registry (a user module may add names), not a list in
+    the schema: an unknown name is refused at resolve with the registered ones."""
     import dataclasses
 
     field = next(f for f in dataclasses.fields(TrainConfig) if f.name == "objective")
-    assert tuple(field.metadata["choices"]) == OBJECTIVE_NAMES
+    assert "choices" not in field.metadata and field.default == DEFAULT_OBJECTIVE
+    for name in OBJECTIVE_NAMES:
+        assert _plan(tmp_path, f"train.objective={name}").objective == name
+    (problem,) = _problems(tmp_path, "train.objective=kto")
+    assert problem.endswith(
+        "train.objective: 'kto' is not one of sft, dpo, reward | Use one of them, or name the module that "
+        'registers it in train.objective_module (docs/design.md, "Adding an objective").'
+    ), problem
     assert objective_spec("sft").counts == "tokens" and objective_spec("dpo").counts == "pairs"
+
+
+def test_an_objective_module_that_does_not_import_is_refused(tmp_path):
+    problems = _problems(tmp_path, "train.objective_module=no_such_module_here", "train.objective=kto")
+    assert "train.objective_module: cannot import 'no_such_module_here': ModuleNotFoundError" in problems[0]
+    assert (
+        "train.objective: 'kto' is not one of sft, dpo, reward (train.objective_module=no_such_module_here"
+        in (problems[1])
+    )
+
+
+def test_registering_an_objective_refuses_a_taken_name_and_is_idempotent():
+    from llmft.errors import UserError
+    from llmft.plan.objectives import ObjectiveSpec, register_objective
+
+    dpo = objective_spec("dpo")
+    assert register_objective(dpo) is dpo  # the same record again (a module imported twice): a no-op
+    with pytest.raises(UserError) as e:
+        register_objective(ObjectiveSpec(name="dpo", title="mine", runtime="my.mod:Mine", counts="tokens"))
+    assert "registers objective 'dpo', which is registered already (llmft.objectives.preference:" in str(e.value)
+    assert objective_spec("dpo") is dpo
+
+
+# --- no objective name is compared outside its record ----------------------------------------------
+
+REGISTRY = "llmft/plan/objectives.py"
+# train.objective's default: the recipe layer imports no plan/, so the schema spells it.
+ALLOWED = {("llmft/recipe/schema.py", DEFAULT_OBJECTIVE)}
+
+
+def _name_literals(path: Path, names: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    """Strings equal to an objective name in ``path``'s code (docstrings and messages aside: only a
+    whole string that IS a name, which is what a comparison, a membership or a default compares)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        f"{path.relative_to(root)}:{node.lineno}: {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings
+    ]
+
+
+def test_no_objective_name_is_compared_outside_its_record():
+    """Behaviour is read from the record (``ObjectiveSpec``): the data layer from its ``record``, the
+    model card from its ``head``/``card``, eval and verify from ``counts``."""
+    found = []
+    for path in sorted((ROOT / "llmft").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == REGISTRY:
+            continue
+        found += [hit for hit in _name_literals(path, OBJECTIVE_NAMES) if (rel, hit.rsplit("'", 2)[1]) not in ALLOWED]
+    assert not found, "decide by the objective's record (llmft.plan.objectives), not its name:\n" + "\n".join(found)
+
+
+def test_the_name_check_catches_what_it_is_for(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""sft in a docstring is words."""\nif objective in ("dpo", "reward"):\n    x = "sft or dpo"\n')
+    hits = _name_literals(probe, OBJECTIVE_NAMES, tmp_path)
+    assert [h.split(": ", 1)[1] for h in hits] == ["'dpo'", "'reward'"]
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,9 @@ from preference_batches import (
 )
 
 from llmft.dist import DistEnv
-from llmft.objectives.preference import pair_losses, sequence_logps
+from llmft.objectives import build_objective
+from llmft.objectives.preference import pair_losses
+from llmft.objectives.sequences import sequence_logps
 from llmft.plan.batch import solve_batch
 from llmft.recipe.schema import PreferenceConfig
 
@@ -267,7 +269,7 @@ def test_full_fine_tune_reference_keeps_the_initial_weights(tmp_path):
     pairs = make_pairs(4, seed=4)
     engine = _engine(plan)
     initial = {n: p.detach().clone() for n, p in engine.unwrap().named_parameters()}
-    reference = engine.reference
+    reference = build_objective(plan, engine).reference  # the objective asks the engine for it
     assert reference is not None and not any(p.requires_grad for p in reference.parameters())
     assert reference.state_dict().keys() == engine.unwrap().state_dict().keys()
     preference_step(plan, DistEnv(), micro_batches(pairs, 2))  # its own engine; this one is unchanged

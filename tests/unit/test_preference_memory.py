@@ -14,7 +14,7 @@ from preference_batches import collate_pairs, make_pairs, micro_batches, prefere
 
 from llmft import loss as lm_loss
 from llmft.dist import DistEnv
-from llmft.objectives.preference import predicted_targets, sequence_logps, sum_per_sequence
+from llmft.objectives.sequences import predicted_targets, sequence_logps, sum_per_sequence
 from llmft.plan.memory import estimate
 from llmft.plan.report import plan_command
 from llmft.plan.resolve import load_plan, resolve

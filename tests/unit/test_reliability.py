@@ -17,7 +17,7 @@ import pytest
 from helpers import write_recipe
 
 from llmft.checkpoint.layout import latest_checkpoint, resolve_checkpoint
-from llmft.checkpoint.verify import DamagedCheckpoint, check_safetensors, check_zip, verify
+from llmft.checkpoint.verify import DamagedCheckpoint, check_checkpoint, check_safetensors, check_zip
 from llmft.errors import UserError
 from llmft.rundir import RunDirLock, check_ours, clear_for_fresh_start
 
@@ -142,7 +142,7 @@ def test_marker_must_name_its_own_step(tmp_path):
     d = _step(tmp_path, 4)
     (d / "COMPLETE").write_text(json.dumps({"step": 6}))
     with pytest.raises(DamagedCheckpoint, match="says step 6, but the folder is step-4"):
-        verify(d)
+        check_checkpoint(d)
 
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures/checkpoints-v1"
@@ -176,7 +176,7 @@ def test_a_trainer_state_whose_batch_breaks_the_equation_is_damaged(tmp_path):
     state["batch"]["dp_size"] = 2
     (d / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(DamagedCheckpoint, match="micro 2 x accumulation 2 x data-parallel 2 is not global 4"):
-        verify(d)
+        check_checkpoint(d)
 
 
 def test_malformed_jsonl_line_reports_its_real_column(tmp_path):
@@ -221,7 +221,7 @@ def _whole_step(run: Path, n: int, **state) -> Path:
 def test_trainer_state_fields_are_type_checked(tmp_path, state, said):
     d = _whole_step(tmp_path, 2, **state)
     with pytest.raises(DamagedCheckpoint) as e:
-        verify(d)
+        check_checkpoint(d)
     assert str(e.value).startswith(f"{d / 'trainer_state.json'}: is damaged: cannot be read as llmft trainer state")
     assert said in str(e.value)
 
@@ -231,13 +231,13 @@ def test_trainer_state_that_is_not_an_object_is_damaged_not_a_traceback(tmp_path
     d = _whole_step(tmp_path, 2)
     (d / "trainer_state.json").write_text(content)
     with pytest.raises(DamagedCheckpoint, match=r"holds a JSON \w+, not an object of named fields"):
-        verify(d)
+        check_checkpoint(d)
 
 
 def test_trainer_state_must_agree_with_its_folder(tmp_path):
     d = _whole_step(tmp_path, 4, step=6)
     with pytest.raises(DamagedCheckpoint) as e:
-        verify(d)
+        check_checkpoint(d)
     assert str(e.value).startswith(f"{d / 'trainer_state.json'}: is damaged: says step 6, but the folder is step-4")
 
 
@@ -246,7 +246,7 @@ def test_marker_step_is_a_json_integer(tmp_path, marker):
     d = _whole_step(tmp_path, 1)
     (d / "COMPLETE").write_text(json.dumps(marker))
     with pytest.raises(DamagedCheckpoint, match="but the folder is step-1"):
-        verify(d)
+        check_checkpoint(d)
 
 
 @pytest.mark.parametrize(
@@ -271,7 +271,7 @@ def test_a_link_inside_a_checkpoint_is_refused(tmp_path):
     outside.mkdir()
     (d / "model").symlink_to(outside)
     with pytest.raises(DamagedCheckpoint) as e:
-        verify(d)
+        check_checkpoint(d)
     assert str(e.value).startswith(
         f"{d / 'model'}: refused: is a symbolic link (to {outside}); a checkpoint is read only inside its own folder"
     )
@@ -281,7 +281,7 @@ def test_a_fifo_inside_a_checkpoint_is_refused_not_waited_on(tmp_path):
     d = _whole_step(tmp_path / "run", 2)
     os.mkfifo(d / "optimizer.pt")
     with pytest.raises(DamagedCheckpoint, match="optimizer.pt: refused: is not a plain file or folder"):
-        verify(d)
+        check_checkpoint(d)
 
 
 def test_a_step_dir_linked_outside_the_run_is_refused(tmp_path):
@@ -290,7 +290,7 @@ def test_a_step_dir_linked_outside_the_run_is_refused(tmp_path):
     link = tmp_path / "run/checkpoints/step-2"
     link.symlink_to(real)
     with pytest.raises(DamagedCheckpoint) as e:
-        verify(link)
+        check_checkpoint(link)
     assert str(e.value).startswith(f"{link}: refused: is a symbolic link to {real}, outside {link.parent}")
 
 
@@ -341,7 +341,7 @@ def test_a_missing_model_folder_is_damage_not_a_file_not_found_mid_resume(tmp_pa
     """Found by the checkpoint harness (tests/integration/test_checkpoint_fuzz.py)."""
     d = _whole_step(tmp_path, 2)
     with pytest.raises(DamagedCheckpoint) as e:
-        verify(d)
+        check_checkpoint(d)
     assert str(e.value).startswith(f"{d / 'model/config.json'}: is damaged: missing")
 
 

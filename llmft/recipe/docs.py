@@ -1,6 +1,6 @@
 """docs/recipe.md, rendered from the schema's field docs (the single source of what a key means).
 
-    python -m llmft.recipe.reference > docs/recipe.md
+    python -m llmft.recipe.docs > docs/recipe.md
 
 A test fails when the committed file differs from what this renders.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from llmft.recipe.schema import Recipe, default_of, iter_fields
 
-REGENERATE = "python -m llmft.recipe.reference > docs/recipe.md"
+REGENERATE = "python -m llmft.recipe.docs > docs/recipe.md"
 
 INTRO = f"""\
 # Recipe reference
@@ -37,7 +37,7 @@ the fix; `llmft` exits 2 without a traceback.
 """
 
 
-def render_reference() -> str:
+def render_recipe_docs() -> str:
     """The whole of docs/recipe.md."""
     parts = [INTRO.rstrip()]
     owner: dict[str, type] = {"": Recipe}  # dotted prefix -> the dataclass holding its fields
@@ -113,4 +113,4 @@ def _meaning(f: Field) -> str:
 
 
 if __name__ == "__main__":
-    sys.stdout.write(render_reference())
+    sys.stdout.write(render_recipe_docs())
