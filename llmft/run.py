@@ -36,6 +36,7 @@ from llmft.engines import Engine, build_engine
 from llmft.errors import Problem, UserError
 from llmft.evaluate import Evaluator
 from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
+from llmft.malloc import settle_for_steps
 from llmft.metrics import Metrics
 from llmft.model.base_model import save_base_once
 from llmft.objectives import build_objective
@@ -252,6 +253,7 @@ class Run:
             eval_every=recipe.train.eval_every_steps,
             checkpoint_every=recipe.checkpoint.every_steps,
         )
+        settle_for_steps()  # loading is done: a fixed large mmap threshold for the steps (llmft/malloc.py)
         try:
             args = (self.engine, self.objective, self.scheduler, self.batches, self.plan.batch, self.env, loop_cfg)
             self.state = train_loop(*args, self.state, hooks, self.stop)
