@@ -12,10 +12,14 @@ Two phases, two fixed thresholds:
   ``export`` / ``verify``): 64 KiB. Every tensor of any size is its own mapping, returned to the
   kernel when it is freed, so RSS follows the live tensors, as the planner counts them.
 - **Training steps** (``settle_for_steps``, once the model is loaded, before the first step):
-  32 MiB, glibc's own ceiling, fixed (a fixed value also stops the dynamic growth), and the
-  loading's free heap pages trimmed. A step allocates and frees the same tensors every time: from
-  the arenas they are reused; as mappings every one of them would be a fresh ``mmap`` whose pages
-  fault in again, which halved the CPU step speed of a small model (docs/benchmarks.md).
+  fixed just below the weight matrices a sharded engine gathers every step (the run's planner
+  says how large: ``llmft.plan.memory.step_mmap_threshold``), at most 32 MiB (glibc's own
+  ceiling), and the loading's free heap pages trimmed. A step allocates and frees the same
+  activations every time: from the arenas they are reused; as mappings every one of them would
+  be a fresh ``mmap`` whose pages fault in again, which halved the CPU step speed of a small model
+  (docs/benchmarks.md). The gathered weights stay mappings: from the heap, a freed one in the
+  middle of an arena would stay resident, ~0.5-0.9 B per rank more at the peak (measured).
+  A fixed value also stops glibc's dynamic growth.
 
 A ``MALLOC_MMAP_THRESHOLD_`` the user set in the environment wins: nothing is changed.
 """
@@ -28,7 +32,7 @@ import platform
 import sys
 
 MMAP_THRESHOLD = 65536  # loading and export
-STEP_MMAP_THRESHOLD = 32 << 20  # training steps: glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+STEP_MMAP_THRESHOLD = 32 << 20  # training steps, at most: glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 _M_MMAP_THRESHOLD = -3  # glibc malloc.h
 ENV = "MALLOC_MMAP_THRESHOLD_"
 
@@ -64,12 +68,13 @@ def use_mmap_for_large_blocks() -> bool:
     return _managed
 
 
-def settle_for_steps() -> bool:
-    """The model is loaded: fix the threshold at 32 MiB for the training steps and give the
-    loading's free heap pages back (``malloc_trim``). Only where ``use_mmap_for_large_blocks`` set
+def settle_for_steps(threshold: int = STEP_MMAP_THRESHOLD) -> bool:
+    """The model is loaded: fix the threshold at ``threshold`` bytes (at most 32 MiB, at least
+    64 KiB) for the training steps and give the loading's free heap pages back (``malloc_trim``). Only where ``use_mmap_for_large_blocks`` set
     the threshold (a library caller's process, or the user's setting, is left alone); True when
     it did something."""
-    if not _managed or not _set_threshold(STEP_MMAP_THRESHOLD):
+    threshold = min(max(threshold, MMAP_THRESHOLD), STEP_MMAP_THRESHOLD)
+    if not _managed or not _set_threshold(threshold):
         return False
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):

@@ -42,6 +42,7 @@ from llmft.model.base_model import save_base_once
 from llmft.objectives import build_objective
 from llmft.objectives.reference import engine_plan, precompute_references, precomputing
 from llmft.optim import build_optimizer, build_scheduler, scaled_lr
+from llmft.plan.memory import step_mmap_threshold
 from llmft.plan.resolve import RunPlan
 from llmft.recipe import to_yaml
 from llmft.recipe.load import RECIPE_FILE
@@ -253,7 +254,7 @@ class Run:
             eval_every=recipe.train.eval_every_steps,
             checkpoint_every=recipe.checkpoint.every_steps,
         )
-        settle_for_steps()  # loading is done: a fixed large mmap threshold for the steps (llmft/malloc.py)
+        settle_for_steps(step_mmap_threshold(self.plan))  # loading is done: the steps' threshold (llmft/malloc.py)
         try:
             args = (self.engine, self.objective, self.scheduler, self.batches, self.plan.batch, self.env, loop_cfg)
             self.state = train_loop(*args, self.state, hooks, self.stop)

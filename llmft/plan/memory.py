@@ -606,6 +606,37 @@ def host_memory_per_node(plan: RunPlan, *, device_is_host: bool = False) -> int:
     return int(plan.world.nproc_per_node * (offloaded + loading))
 
 
+def step_mmap_threshold(plan: RunPlan) -> int:
+    """The glibc mmap threshold for the training steps (``llmft.malloc.settle_for_steps``): the
+    smallest weight matrix a sharded engine (FSDP2, ZeRO-3) gathers every step, in its resident
+    form (4-bit: half a byte a value), so that gathered weights are mappings of their own, given
+    back when released, while smaller tensors (a step's activations) reuse the heap. Unsharded
+    engines gather nothing: 32 MiB, glibc's ceiling."""
+    shape = model_shape(plan.recipe.model)
+    if not plan.layout.shards_params or shape is None:
+        return 32 << 20
+    q = plan.recipe.model.quantization
+    per_value = (
+        quantized_bytes_per_param(q.bits, q.double_quant) if q is not None else DTYPE_BYTES[plan.recipe.model.dtype]
+    )
+    smallest = shape.hidden_size * shape.num_kv_heads * shape.head_dim  # k_proj, v_proj
+    return int(smallest * per_value)
+
+
+def host_memory_per_rank(plan: RunPlan, *, device_is_host: bool = False) -> int:
+    """The peak host RAM of one rank over a whole run, in bytes (``llmft plan``'s host line).
+
+    With a GPU: its share of ``host_memory_per_node`` (loading, and what the engine offloads);
+    the step's tensors are device memory. Where the device is the host (a CPU run, as in
+    bench/load_memory.py) the step's tensors (``estimate_memory(plan).allocated``: this rank's
+    weights or shards, the gathered ones, gradients, optimizer state, activations) are host RAM
+    too, and the peak is the larger of the two phases."""
+    loading = host_memory_per_node(plan, device_is_host=device_is_host) // plan.world.nproc_per_node
+    if not device_is_host:
+        return loading
+    return max(loading, estimate_memory(plan).allocated)
+
+
 # What may make a recipe fit, tried in this order: (recipe key, value, what it costs).
 FIT_OPTIONS: tuple[tuple[str, object, str], ...] = (
     ("model.chunked_loss", True, "nothing"),
