@@ -221,11 +221,11 @@ def _phase_rows(name: str, big: list[list[dict]], tiny: list[list[dict]], b: int
 
 def _planned(recipe: Path, ranks: int, overrides: list[str]) -> int:
     """The planner's host RAM per rank (``llmft plan``'s host line, this CPU run's device being the host)."""
-    from llmft.plan.memory import host_memory_per_node
+    from llmft.plan.memory import host_memory_per_rank
     from llmft.plan.resolve import load_plan
 
     plan = load_plan(recipe, overrides, nnodes=1, nproc_per_node=ranks)
-    return host_memory_per_node(plan, device_is_host=True) // ranks
+    return host_memory_per_rank(plan, device_is_host=True)
 
 
 def main() -> None:

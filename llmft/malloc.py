@@ -11,15 +11,15 @@ Two phases, two fixed thresholds:
 - **Loading and export** (``use_mmap_for_large_blocks``, at the start of ``llmft train`` /
   ``export`` / ``verify``): 64 KiB. Every tensor of any size is its own mapping, returned to the
   kernel when it is freed, so RSS follows the live tensors, as the planner counts them.
-- **Training steps** (``settle_for_steps``, once the model is loaded, before the first step):
-  fixed just below the weight matrices a sharded engine gathers every step (the run's planner
-  says how large: ``llmft.plan.memory.step_mmap_threshold``), at most 32 MiB (glibc's own
-  ceiling), and the loading's free heap pages trimmed. A step allocates and frees the same
-  activations every time: from the arenas they are reused; as mappings every one of them would
-  be a fresh ``mmap`` whose pages fault in again, which halved the CPU step speed of a small model
-  (docs/benchmarks.md). The gathered weights stay mappings: from the heap, a freed one in the
-  middle of an arena would stay resident, ~0.5-0.9 B per rank more at the peak (measured).
-  A fixed value also stops glibc's dynamic growth.
+- **Training steps** (``settle_for_steps``, once the model is loaded, before the first step;
+  the run's planner picks the value: ``llmft.plan.memory.step_mmap_threshold``): on single and
+  DDP 32 MiB, glibc's own ceiling, fixed (a fixed value also stops the dynamic growth), and the
+  loading's free heap pages trimmed. A step allocates and frees the same tensors every time:
+  from the arenas they are reused; as mappings every one of them is a fresh ``mmap`` whose pages
+  fault in again (a held-out comparison read 0.54 of a plain loop with 64 KiB kept for the
+  steps). FSDP2 and ZeRO-3 gather weights every step: they keep 64 KiB, as a weight released in
+  the middle of an arena would stay resident (measured: more host RAM per rank at the peak,
+  docs/benchmarks.md).
 
 A ``MALLOC_MMAP_THRESHOLD_`` the user set in the environment wins: nothing is changed.
 """
@@ -69,8 +69,8 @@ def use_mmap_for_large_blocks() -> bool:
 
 
 def settle_for_steps(threshold: int = STEP_MMAP_THRESHOLD) -> bool:
-    """The model is loaded: fix the threshold at ``threshold`` bytes (at most 32 MiB, at least
-    64 KiB) for the training steps and give the loading's free heap pages back (``malloc_trim``). Only where ``use_mmap_for_large_blocks`` set
+    """The model is loaded: fix the threshold at ``threshold`` bytes (64 KiB to 32 MiB) for the
+    training steps and give the loading's free heap pages back (``malloc_trim``). Only where ``use_mmap_for_large_blocks`` set
     the threshold (a library caller's process, or the user's setting, is left alone); True when
     it did something."""
     threshold = min(max(threshold, MMAP_THRESHOLD), STEP_MMAP_THRESHOLD)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
 from llmft.errors import Problem, UserError
+from llmft.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
 from llmft.plan.batch import divisors
 from llmft.plan.deepspeed import ZERO3_MAX_LIVE_PARAMETERS
 from llmft.plan.engines import engine_spec
@@ -607,20 +608,14 @@ def host_memory_per_node(plan: RunPlan, *, device_is_host: bool = False) -> int:
 
 
 def step_mmap_threshold(plan: RunPlan) -> int:
-    """The glibc mmap threshold for the training steps (``llmft.malloc.settle_for_steps``): the
-    smallest weight matrix a sharded engine (FSDP2, ZeRO-3) gathers every step, in its resident
-    form (4-bit: half a byte a value), so that gathered weights are mappings of their own, given
-    back when released, while smaller tensors (a step's activations) reuse the heap. Unsharded
-    engines gather nothing: 32 MiB, glibc's ceiling."""
-    shape = model_shape(plan.recipe.model)
-    if not plan.layout.shards_params or shape is None:
-        return 32 << 20
-    q = plan.recipe.model.quantization
-    per_value = (
-        quantized_bytes_per_param(q.bits, q.double_quant) if q is not None else DTYPE_BYTES[plan.recipe.model.dtype]
-    )
-    smallest = shape.hidden_size * shape.num_kv_heads * shape.head_dim  # k_proj, v_proj
-    return int(smallest * per_value)
+    """The glibc mmap threshold for the training steps (``llmft.malloc.settle_for_steps``).
+
+    Single and DDP: 32 MiB (glibc's ceiling), fixed: a step's tensors reuse the heap instead of
+    faulting in fresh mappings every step. FSDP2 and ZeRO-3 gather weights every step: they keep
+    the loading's 64 KiB, so a released weight leaves the resident set at once; from the heap a
+    freed one in the middle of an arena stays (measured: 0.1-0.3 x B more per rank at the peak
+    with the threshold at the smallest gathered matrix, more at 32 MiB; docs/benchmarks.md)."""
+    return MMAP_THRESHOLD if plan.layout.shards_params else STEP_MMAP_THRESHOLD
 
 
 def host_memory_per_rank(plan: RunPlan, *, device_is_host: bool = False) -> int:

@@ -9,7 +9,6 @@ from llmft.errors import UserError
 from llmft.plan.batch import divisors
 from llmft.plan.engines import choose_engine
 from llmft.plan.memory import (
-    DTYPE_BYTES,
     GIB,
     count_params,
     estimate,
@@ -296,15 +295,13 @@ def test_host_memory_per_rank_is_loading_with_a_gpu_and_the_step_too_on_a_cpu(ba
     assert host_memory_per_rank(lora, device_is_host=True) == step
 
 
-def test_the_steps_mmap_threshold_sits_at_the_smallest_gathered_matrix(base):
-    """Gathered weights (k_proj / v_proj and up) are mappings, given back when released; a
-    step's smaller tensors reuse the heap (llmft/malloc.py). Unsharded engines gather nothing."""
+def test_the_steps_mmap_threshold_keeps_gathered_weights_mapped(base):
+    """Single and DDP steps reuse the heap (32 MiB, fixed); FSDP2 and ZeRO-3 gather weights every
+    step and keep 64 KiB, so a released one leaves the resident set (llmft/malloc.py)."""
+    from llmft.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
     from llmft.plan.memory import step_mmap_threshold
 
-    shape = model_shape(load(base).recipe.model)
-    kv = shape.hidden_size * shape.num_kv_heads * shape.head_dim
-    lora = load(base, "peft.method=lora", "distributed.engine=fsdp", nproc=8)
-    assert step_mmap_threshold(lora) == kv * DTYPE_BYTES[lora.recipe.model.dtype]
-    qlora = load(base, *QLORA, "distributed.engine=fsdp", nproc=8)
-    assert step_mmap_threshold(qlora) == int(kv * quantized_bytes_per_param(4, True))
-    assert step_mmap_threshold(load(base, "distributed.engine=ddp", nproc=8)) == 32 << 20
+    assert step_mmap_threshold(load(base, "peft.method=lora", "distributed.engine=fsdp", nproc=8)) == MMAP_THRESHOLD
+    zero3 = load(base, *QLORA, "distributed.engine=deepspeed", "distributed.zero_stage=3", nproc=8)
+    assert step_mmap_threshold(zero3) == MMAP_THRESHOLD
+    assert step_mmap_threshold(load(base, "distributed.engine=ddp", nproc=8)) == STEP_MMAP_THRESHOLD == 32 << 20
