@@ -1,27 +1,24 @@
-"""Host RAM of loading and training a pretrained model on 2 ranks, and of a merged export.
+"""Host RAM per rank of a whole training run on 2 ranks (load, two steps, a checkpoint after
+each), and of a merged export, phase by phase.
 
 A Llama of a few hundred million parameters is saved in fp32 in ~200 MB safetensors files
-(B = their bytes on disk). Each case is one ``llmft`` command (2 ranks under torchrun on gloo,
-1 training step, micro-batch 1, 64 tokens; or one ``llmft export --merge-lora`` process); each
-process reports its peak resident set (``VmHWM``: anonymous memory and touched file pages) twice:
-when the model is loaded (built, sharded, restored: ``Run.fit`` starts) and when the command ends.
+(B = their bytes on disk). Each case is one ``llmft`` command as users run it (2 ranks under
+torchrun on gloo, ``llmft train``, micro-batch 1, 64 tokens, LoRA r 8; or one ``llmft export
+--merge-lora`` process), without ``MALLOC_MMAP_THRESHOLD_`` (removed from the environment if
+set): llmft sets glibc's mmap threshold itself (llmft/malloc.py). In each process a thread
+samples ``RssAnon`` and ``RssFile`` (/proc/self/status) every 5 ms; ``VmHWM`` is not used, as it
+mixes in the mapped safetensors pages the ranks share through the page cache. Marks: engine
+built (model loaded and sharded), set up, each step, each checkpoint, end; at each, the
+anonymous and file-backed memory and the peak of each since the previous mark.
+
 The same command on a tiny pretrained model (the same code path, a few MB of weights) gives the
-baseline: interpreter, torch, DeepSpeed, transformers and their buffers. Measured = peak minus
-that baseline, per rank (the larger of the two ranks).
-
-- "loaded" is the host RAM of loading, what the goals in docs/benchmarks.md bound (on a GPU the weights go
-  to the device from there); beside it the planner's host RAM per rank
-  (``plan.memory.host_memory_per_node`` / ranks per node).
-- "whole run" adds the training step. On this CPU the step's working set (gathered layers,
-  activations, gradients, optimizer state), which a GPU holds in device memory, is host memory
-  too; beside it the larger of the planner's host RAM and its per-GPU step estimate
-  (``estimate_memory``, less the CUDA context).
-
-The commands run as users run them: without ``MALLOC_MMAP_THRESHOLD_`` (removed from the
-environment if set). llmft fixes glibc's mmap threshold itself (llmft/malloc.py).
+baseline: interpreter, torch, DeepSpeed, transformers and their buffers. Measured = the larger
+rank's peak anonymous memory over the whole command minus the baseline's; beside it the
+planner's host RAM per rank for this CPU run (``plan.memory.host_memory_per_rank``, the line
+``llmft plan`` prints). ``--phases`` adds the per-phase table of every rank.
 
     python bench/load_memory.py                   # 218 M parameters, B ~ 870 MB
-    python bench/load_memory.py --layers 4        # smaller and faster
+    python bench/load_memory.py --layers 4 --phases --repeat 1   # smaller and faster
 """
 
 from __future__ import annotations
