@@ -1,27 +1,24 @@
-"""Host RAM of loading and training a pretrained model on 2 ranks, and of a merged export.
+"""Host RAM per rank of a whole training run on 2 ranks (load, two steps, a checkpoint after
+each), and of a merged export, phase by phase.
 
 A Llama of a few hundred million parameters is saved in fp32 in ~200 MB safetensors files
-(B = their bytes on disk). Each case is one ``llmft`` command (2 ranks under torchrun on gloo,
-1 training step, micro-batch 1, 64 tokens; or one ``llmft export --merge-lora`` process); each
-process reports its peak resident set (``VmHWM``: anonymous memory and touched file pages) twice:
-when the model is loaded (built, sharded, restored: ``Run.fit`` starts) and when the command ends.
+(B = their bytes on disk). Each case is one ``llmft`` command as users run it (2 ranks under
+torchrun on gloo, ``llmft train``, micro-batch 1, 64 tokens, LoRA r 8; or one ``llmft export
+--merge-lora`` process), without ``MALLOC_MMAP_THRESHOLD_`` (removed from the environment if
+set): llmft sets glibc's mmap threshold itself (llmft/malloc.py). In each process a thread
+samples ``RssAnon`` and ``RssFile`` (/proc/self/status) every 5 ms; ``VmHWM`` is not used, as it
+mixes in the mapped safetensors pages the ranks share through the page cache. Marks: engine
+built (model loaded and sharded), set up, each step, each checkpoint, end; at each, the
+anonymous and file-backed memory and the peak of each since the previous mark.
+
 The same command on a tiny pretrained model (the same code path, a few MB of weights) gives the
-baseline: interpreter, torch, DeepSpeed, transformers and their buffers. Measured = peak minus
-that baseline, per rank (the larger of the two ranks).
-
-- "loaded" is the host RAM of loading, what the goals in docs/benchmarks.md bound (on a GPU the weights go
-  to the device from there); beside it the planner's host RAM per rank
-  (``plan.memory.host_memory_per_node`` / ranks per node).
-- "whole run" adds the training step. On this CPU the step's working set (gathered layers,
-  activations, gradients, optimizer state), which a GPU holds in device memory, is host memory
-  too; beside it the larger of the planner's host RAM and its per-GPU step estimate
-  (``estimate_memory``, less the CUDA context).
-
-The commands run as users run them: without ``MALLOC_MMAP_THRESHOLD_`` (removed from the
-environment if set). llmft fixes glibc's mmap threshold itself (llmft/malloc.py).
+baseline: interpreter, torch, DeepSpeed, transformers and their buffers. Measured = the larger
+rank's peak anonymous memory over the whole command minus the baseline's; beside it the
+planner's host RAM per rank for this CPU run (``plan.memory.host_memory_per_rank``, the line
+``llmft plan`` prints). ``--phases`` adds the per-phase table of every rank.
 
     python bench/load_memory.py                   # 218 M parameters, B ~ 870 MB
-    python bench/load_memory.py --layers 4        # smaller and faster
+    python bench/load_memory.py --layers 4 --phases --repeat 1   # smaller and faster
 """
 
 from __future__ import annotations
@@ -46,32 +43,117 @@ CASES = {  # name: (ranks, recipe overrides, goal as a fraction of B)
         0.25,
     ),
 }
+EXPORT = "merged export"
 
 
-def _vmhwm() -> int:
+def _status() -> dict[str, int]:
+    """RssAnon and RssFile of this process, bytes (``VmHWM`` mixes the two: not used)."""
+    got = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError("VmHWM")
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile"):
+            got[key] = int(value.split()[0]) * 1024
+    return got
+
+
+class Trace:
+    """Anonymous and file-backed resident memory of this process, phase by phase: at each mark the
+    current values and the peak of each since the previous mark (a thread samples every 5 ms)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.phases: list[dict] = []
+        self.lock = threading.Lock()
+        self.peak = _status()
+        self.done = threading.Event()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while not self.done.wait(0.005):
+            now = _status()
+            with self.lock:
+                self.peak = {k: max(self.peak[k], now[k]) for k in now}
+
+    def mark(self, phase: str) -> None:
+        now = _status()
+        with self.lock:
+            peak = {k: max(self.peak[k], now[k]) for k in now}
+            self.peak = now
+        self.phases.append(
+            {
+                "phase": phase,
+                "anon": now["RssAnon"],
+                "file": now["RssFile"],
+                "peak_anon": peak["RssAnon"],
+                "peak_file": peak["RssFile"],
+            }
+        )
+
+
+def _instrument(trace: Trace) -> None:
+    """Mark the phases of ``llmft train``: the engine built (model loaded and sharded), the run set
+    up, each step, each checkpoint."""
+    from llmft import run
+
+    build, setup, ckpt, loop = run.build_engine, run.Run.setup, run.Run.checkpoint, run.train_loop
+
+    def build_engine(*a, **k):
+        engine = build(*a, **k)
+        trace.mark("engine built")
+        return engine
+
+    def setup_run(self):
+        got = setup(self)
+        trace.mark("set up")
+        return got
+
+    def checkpoint(self, st):
+        ckpt(self, st)
+        trace.mark(f"checkpoint {st.step}")
+
+    def train_loop(*a, **k):
+        hooks = a[8]
+        log_train = hooks.log_train
+
+        def logged(row):
+            log_train(row)
+            trace.mark(f"step {row['step']}")
+
+        hooks.log_train = logged
+        return loop(*a, **k)
+
+    run.build_engine, run.Run.setup, run.Run.checkpoint, run.train_loop = (
+        build_engine,
+        setup_run,
+        checkpoint,
+        train_loop,
+    )
 
 
 def worker(out: str, argv: list[str]) -> None:
-    """One llmft command in this process; its peak RSS to ``out/rank-N.json`` when it is done."""
-    from llmft import run
+    """One llmft command in this process; its memory phase by phase to ``out/rank-N.json``."""
+    from llmft import dist
     from llmft.cli import main
 
-    loaded = {}
-    fit = run.Run.fit
+    trace = Trace()
+    trace.mark("start")
+    _instrument(trace)
 
-    def fit_after_load(self):  # the model is built, sharded and restored: the loading peak
-        loaded["peak"] = _vmhwm()
-        return fit(self)
+    def report(code: int) -> None:
+        trace.mark("end")
+        trace.done.set()
+        rank = os.environ.get("RANK", "0")
+        Path(out, f"rank-{rank}.json").write_text(json.dumps({"code": code, "phases": trace.phases}))
 
-    run.Run.fit = fit_after_load
-    code = main(argv)
-    rank = os.environ.get("RANK", "0")
-    report = {"code": code, "peak": _vmhwm(), "load": loaded.get("peak", 0)}
-    Path(out, f"rank-{rank}.json").write_text(json.dumps(report))
+    leave = dist.leave_process
+
+    def leave_process(code: int):  # a rank of a multi-rank run leaves through os._exit
+        report(code)
+        leave(code)
+
+    dist.leave_process = leave_process
+    report(main(argv))
 
 
 def _save_model(path: Path, config: dict, shard: str) -> int:
@@ -89,15 +171,16 @@ def _save_model(path: Path, config: dict, shard: str) -> int:
 
 
 def _recipe(work: Path, name: str, model_dir: Path, data: Path) -> Path:
-    recipe = common.base_recipe(work / name / "run", data, seq=64, micro=1, global_batch=2, steps=1)
+    """Two steps, a checkpoint after each (adapter weights only, no optimizer state)."""
+    recipe = common.base_recipe(work / name / "run", data, seq=64, micro=1, global_batch=2, steps=2)
     recipe["model"] = {"name_or_path": str(model_dir), "dtype": "fp32", "attn_implementation": "sdpa"}
     recipe["peft"] = {"method": "lora", "r": 8, "alpha": 16}
-    recipe["checkpoint"]["save_optimizer"] = False
+    recipe["checkpoint"].update(every_steps=1, keep_last=2, save_optimizer=False)
     return common.write_recipe(work / name / "recipe.yaml", recipe)
 
 
-def _run(out: Path, ranks: int, argv: list[str]) -> dict[str, int]:
-    """Peak RSS of the command's largest rank: over the whole command, and when loading was done."""
+def _run(out: Path, ranks: int, argv: list[str]) -> list[list[dict]]:
+    """Each rank's phases (``Trace``) for one command."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}  # what users have
     env["PYTHONPATH"] = str(common.ROOT)
@@ -109,19 +192,37 @@ def _run(out: Path, ranks: int, argv: list[str]) -> dict[str, int]:
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=common.ROOT, timeout=3600)
     reports = [json.loads(f.read_text()) for f in sorted(out.glob("rank-*.json"))]
     if done.returncode != 0 or len(reports) != ranks or any(r["code"] for r in reports):
-        raise SystemExit(f"{' '.join(argv)} failed:\n{done.stderr[-4000:]}")
-    return {k: max(r[k] for r in reports) for k in ("peak", "load")}
+        raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}, {len(reports)} reports):\n{done.stderr[-4000:]}")
+    return [r["phases"] for r in reports]
 
 
-def _planned(recipe: Path, ranks: int, overrides: list[str]) -> tuple[int, int]:
-    """The planner's host RAM per rank for loading, and its estimate of the training step's memory
-    per rank (the GPU's, less the CUDA context: on a CPU run it is host RAM too)."""
-    from llmft.plan.memory import CUDA_CONTEXT_BYTES, estimate_memory, host_memory_per_node
+def _peak(ranks: list[list[dict]]) -> int:
+    """The largest rank's peak anonymous memory over the whole command."""
+    return max(max(p["peak_anon"] for p in phases) for phases in ranks)
+
+
+def _lowest(runs: list[list[list[dict]]]) -> list[list[dict]]:
+    return min(runs, key=_peak)
+
+
+def _phase_rows(name: str, big: list[list[dict]], tiny: list[list[dict]], b: int) -> list[list]:
+    """Per phase and rank: anonymous memory at the mark and its peak during the phase, less the
+    tiny model's, in MB and x B; file pages at the mark (the tiny model's not taken off)."""
+    rows = []
+    for rank, (phases, base) in enumerate(zip(big, tiny, strict=True)):
+        for p, t in zip(phases, base, strict=True):
+            anon, peak = p["anon"] - t["anon"], p["peak_anon"] - t["peak_anon"]
+            rows.append([name, rank, p["phase"], anon / MB, peak / MB, peak / b, p["file"] / MB])
+    return rows
+
+
+def _planned(recipe: Path, ranks: int, overrides: list[str]) -> int:
+    """The planner's host RAM per rank (``llmft plan``'s host line, this CPU run's device being the host)."""
+    from llmft.plan.memory import host_memory_per_rank
     from llmft.plan.resolve import load_plan
 
     plan = load_plan(recipe, overrides, nnodes=1, nproc_per_node=ranks)
-    host = host_memory_per_node(plan, device_is_host=True)  # this CPU run's device is the host
-    return host // ranks, estimate_memory(plan).total - CUDA_CONTEXT_BYTES
+    return host_memory_per_rank(plan, device_is_host=True)
 
 
 def main() -> None:
@@ -133,10 +234,11 @@ def main() -> None:
     # step) near the share they have in a 70B model (3 %), instead of 40 % of a 32k-vocab toy.
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--shard", default="200MB")
-    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--cases", nargs="*", default=[*CASES, EXPORT])
     # The allocator's arenas and gloo's buffers move a rank's peak by ~20 MB from run to run: the
     # lower of two runs of each command is reported.
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--phases", action="store_true", help="print the memory of every phase and rank")
     args, rest = parser.parse_known_args()
     if args.worker:
         worker(args.worker, rest[1:] if rest[:1] == ["--"] else rest)
@@ -157,60 +259,34 @@ def main() -> None:
     _save_model(work / "tiny", tiny, args.shard)
     print(common.machine())
     print(f"model: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32; B = {b / MB:.0f} MB")
-    rows = []
+    rows, phase_rows = [], []
     for name in args.cases:
-        ranks, overrides, goal = CASES[name]
+        ranks, overrides, goal = CASES.get(name, CASES["FSDP2 + LoRA"])
         slug = name.replace(" ", "").replace("+", "-")
-        peaks = {}
+        traced = {}
         for size in ("tiny", "big"):
             recipe = _recipe(work, f"{slug}-{size}", work / size, data)
-            argv = ["train", str(recipe), *overrides, "run.overwrite=true"]
-            runs = [_run(work / f"{slug}-{size}" / f"rss-{i}", ranks, argv) for i in range(args.repeat)]
-            peaks[size] = {k: min(r[k] for r in runs) for k in ("peak", "load")}
-        host, step = _planned(_recipe(work, f"{slug}-big", work / "big", data), ranks, overrides)
-        extra = peaks["big"]["peak"] - peaks["tiny"]["peak"]
-        load = peaks["big"]["load"] - peaks["tiny"]["load"]
-        whole = max(host, step)  # on a CPU the step's memory is host memory too
-        rows.append(
-            [
-                name,
-                ranks,
-                load / MB,
-                load / b,
-                goal,
-                host / MB,
-                load / host,
-                extra / MB,
-                extra / b,
-                whole / MB,
-                extra / whole,
-            ]
-        )
-        if name == "FSDP2 + LoRA":  # the merged export of this run, one process
-            exports = {}
-            for size in ("tiny", "big"):
-                run = work / f"{slug}-{size}" / "run"
+            if name == EXPORT:  # the merged export of a FSDP2 LoRA run, one process
+                _run(work / f"{slug}-{size}" / "train", ranks, ["train", str(recipe), *overrides])
+                ranks, goal = 1, 0.5
                 out = work / f"{slug}-{size}" / "merged"
-                argv = ["export", str(run), "--merge-lora", "--out", str(out)]
-                exports[size] = _run(work / f"{slug}-{size}" / "rss-export", 1, argv)
-            extra = exports["big"]["peak"] - exports["tiny"]["peak"]
-            rows.append(
-                ["merged export of the FSDP2 LoRA run", 1, "-", "-", 0.5, "-", "-", extra / MB, extra / b, "-", "-"]
-            )
-    header = [
-        "case",
-        "ranks",
-        "loaded - tiny MB",
-        "x B",
-        "goal x B",
-        "planner host MB",
-        "loaded / planner",
-        "whole run - tiny MB",
-        "x B",
-        "planner step MB",
-        "whole / planner",
-    ]
+                argv = ["export", str(work / f"{slug}-{size}" / "run"), "--merge-lora", "--out", str(out)]
+            else:
+                argv = ["train", str(recipe), *overrides, "run.overwrite=true"]
+            runs = [_run(work / f"{slug}-{size}" / f"rss-{i}", ranks, argv) for i in range(args.repeat)]
+            traced[size] = _lowest(runs)
+        extra = _peak(traced["big"]) - _peak(traced["tiny"])
+        row = [name, ranks, extra / MB, extra / b, goal]
+        if name != EXPORT:
+            host = _planned(_recipe(work, f"{slug}-big", work / "big", data), ranks, overrides)
+            row += [host / MB, extra / host]
+        rows.append(row + ["-", "-"] * (name == EXPORT))
+        phase_rows += _phase_rows(name, traced["big"], traced["tiny"], b)
+    header = ["case", "ranks", "peak anon - tiny MB", "x B", "goal x B", "planner host MB", "measured / planner"]
     print(common.table(header, rows))
+    if args.phases:
+        header = ["case", "rank", "after", "anon - tiny MB", "peak in phase - tiny MB", "x B", "file pages MB"]
+        print(common.table(header, phase_rows))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """llmft's training loop against a plain PyTorch + transformers loop doing the same work.
 
-Both sides, in this one process, on one CPU thread: the same Llama (hidden 256, 4 layers, fp32,
+Both sides on one CPU thread each, as users run them: ``llmft train`` through its command-line
+entry (``llmft.cli.main``: the allocator settings it makes at start-up, llmft/malloc.py, included)
+in this process, the plain loop in a child process of its own with glibc's defaults (no
+``MALLOC_MMAP_THRESHOLD_`` in either environment; the bench restarts itself without one). Both: the same Llama (hidden 256, 4 layers, fp32,
 sdpa), the same records (text, every sequence exactly ``--seq`` tokens, so neither side pads),
 micro x accumulation, AdamW, gradient clipping at 1.0. The plain loop is what one writes by hand:
 a DataLoader over pre-tokenized tensors, ``loss / accumulation``, ``backward``, clip, step, zero.
 
-Side by side, step by step: ``llmft train`` runs in-process, and every time it writes a train
-row to metrics.jsonl the bench runs one step of the plain loop right there. So the two
+Side by side, step by step: every time ``llmft train`` writes a train row to metrics.jsonl the
+bench asks the child for one step of the plain loop and waits for it. So the two
 alternate every ~second (llmft, plain, llmft, plain, ...) and whatever else the machine is
 doing hits both alike. An llmft step is timed from the end of the plain step before it to its
 own metrics row: its whole loop body, hooks, logging and metrics included. Each pair gives a
@@ -22,6 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -71,10 +77,52 @@ def plain_steps(data: Path, seq: int, micro: int, accumulation: int) -> Iterator
         yield n
 
 
-def side_by_side(recipe: Path, plain: Iterator[int], steps: int, warmup: int) -> dict:
+def plain_worker(data: Path, seq: int, micro: int, accumulation: int, threads: int) -> None:
+    """The child: one plain step per line read from stdin; its wall and CPU seconds and target
+    tokens as one JSON line on stdout."""
+    _threads(threads)
+    steps = plain_steps(data, seq, micro, accumulation)
+    for _ in sys.stdin:
+        start = _now()
+        n = next(steps)
+        end = _now()
+        print(json.dumps([end[0] - start[0], end[1] - start[1], n]), flush=True)
+
+
+class PlainLoop:
+    """The plain loop in its child process, one step per ``next()``: (wall s, CPU s, tokens)."""
+
+    def __init__(self, data: Path, seq: int, micro: int, accumulation: int, threads: int) -> None:
+        argv = [sys.executable, __file__, "--plain-worker", str(data), "--seq", str(seq), "--threads", str(threads)]
+        argv += ["--micro", str(micro), "--accumulation", str(accumulation)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[float, float, int]:
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the plain loop's process ended ({self.proc.wait()})")
+        wall, cpu, n = json.loads(line)
+        return wall, cpu, n
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _llmft_train(recipe: Path) -> int:
+    from llmft.cli import main
+
+    return main(["train", str(recipe)])
+
+
+def side_by_side(recipe: Path, plain: PlainLoop, steps: int, warmup: int) -> dict:
     """One ``llmft train`` run with a plain-loop step after each of its steps; per-pair rates."""
     from llmft import metrics as llmft_metrics
-    from llmft import train as llmft_train
 
     next(plain)  # the plain model's first step (allocation of grads and Adam state) before timing
     marks: dict[str, list] = {"llmft": [], "plain": []}  # (wall, cpu, tokens) per step
@@ -88,14 +136,12 @@ def side_by_side(recipe: Path, plain: Iterator[int], steps: int, warmup: int) ->
         end = _now()
         if last_end[0] is not None:
             marks["llmft"].append((end[0] - last_end[0][0], end[1] - last_end[0][1], row["tokens"]))
-        start = _now()
-        n = next(plain)
+        marks["plain"].append(next(plain))  # timed in the child: its own wall and CPU time
         last_end[0] = _now()
-        marks["plain"].append((last_end[0][0] - start[0], last_end[0][1] - start[1], n))
 
     llmft_metrics.Metrics.write = write
     try:
-        assert llmft_train.train(str(recipe), []) == 0
+        assert _llmft_train(recipe) == 0
     finally:
         llmft_metrics.Metrics.write = original
     rows = common.train_rows(recipe.parent / "run")
@@ -125,7 +171,6 @@ def profile_llmft(recipe: Path, steps: int, warmup: int, top: int) -> None:
     import cProfile
 
     from llmft import metrics as llmft_metrics
-    from llmft import train as llmft_train
 
     prof = cProfile.Profile(time.process_time)  # CPU time: the load of other processes does not count
     original = llmft_metrics.Metrics.write
@@ -140,7 +185,7 @@ def profile_llmft(recipe: Path, steps: int, warmup: int, top: int) -> None:
 
     llmft_metrics.Metrics.write = write
     try:
-        assert llmft_train.train(str(recipe), []) == 0
+        assert _llmft_train(recipe) == 0
     finally:
         prof.disable()
         llmft_metrics.Metrics.write = original
@@ -202,8 +247,16 @@ def main() -> None:
         "--no-tensorboard", action="store_true", help="run.tensorboard=false (default: on, as in the schema)"
     )
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of each side (0: torch's default)")
+    ap.add_argument("--plain-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    common.one_thread()
+    if args.plain_worker:
+        plain_worker(Path(args.plain_worker), args.seq, args.micro, args.accumulation, args.threads)
+        return
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:  # glibc read it at start: run again as users do
+        env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    _threads(args.threads)
     common.quiet_llmft()
 
     tmp = common.scratch_dir("llmft-bench-overhead-")
@@ -217,7 +270,7 @@ def main() -> None:
     recipe["run"]["tensorboard"] = not args.no_tensorboard
     recipe_path = common.write_recipe(tmp / "recipe.yaml", recipe)
 
-    plain = plain_steps(data, args.seq, args.micro, args.accumulation)
+    plain = PlainLoop(data, args.seq, args.micro, args.accumulation, args.threads)
     r = side_by_side(recipe_path, plain, args.steps, args.warmup)
 
     print(f"machine: {common.machine()}")
@@ -252,7 +305,15 @@ def main() -> None:
         recipe["train"]["max_steps"] = steps
         common.write_recipe(recipe_path, recipe)
         profile_llmft(recipe_path, steps, args.warmup, 25)
-        profile_plain(plain, steps, args.warmup, 25)
+        profile_plain(plain_steps(data, args.seq, args.micro, args.accumulation), steps, args.warmup, 25)
+    plain.close()
+
+
+def _threads(n: int) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
 
 
 def _iqr(xs: list[float]) -> str:

@@ -36,11 +36,13 @@ from llmft.engines import Engine, build_engine
 from llmft.errors import Problem, UserError
 from llmft.evaluate import Evaluator
 from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
+from llmft.malloc import settle_for_steps
 from llmft.metrics import Metrics
 from llmft.model.base_model import save_base_once
 from llmft.objectives import ObjectiveSetup, build_objective
 from llmft.optim import build_optimizer, build_scheduler, scaled_lr
 from llmft.plan.layout import RunPlan
+from llmft.plan.memory import step_mmap_threshold
 from llmft.recipe import to_yaml
 from llmft.recipe.load import RECIPE_FILE
 from llmft.report import ProgressBar, banner, extra_metrics, report_done, versions
@@ -249,6 +251,7 @@ class Run:
             eval_every=recipe.train.eval_every_steps,
             checkpoint_every=recipe.checkpoint.every_steps,
         )
+        settle_for_steps(step_mmap_threshold(self.plan))  # loading is done: the steps' threshold (llmft/malloc.py)
         try:
             args = (self.engine, self.objective, self.scheduler, self.batches, self.plan.batch, self.env, loop_cfg)
             self.state = train_loop(*args, self.state, hooks, self.stop)

@@ -46,7 +46,7 @@ from llmft.model import ulysses, zero3
 from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta
-from llmft.plan.deepspeed import deepspeed_config
+from llmft.plan.deepspeed import deepspeed_config, host_device_config
 from llmft.plan.layout import RunPlan
 from llmft.safe_load import torch_load
 
@@ -83,8 +83,12 @@ class DeepSpeedEngineAdapter:
             timeout=datetime.timedelta(seconds=timeout_s(plan.recipe.distributed)),
         )
         self.config = deepspeed_config(plan)
+        if env.device.type == "cpu":  # gathered weights are host memory here: released after use
+            self.config = host_device_config(self.config)
         self._hf_ds = None
         model = self._build(plan, tokenizer)
+        if plan.zero_stage == 3:  # gathered weights are released after use, not kept by autograd
+            zero3.linears_save_their_weights(model)
         # Ulysses: DeepSpeed's sequence groups are the mpu; ZeRO then reduces gradients over the whole
         # world and divides them by world / N = the data-parallel ranks (docs/long-context.md).
         self._mpu = ulysses.install(model, plan.sequence_parallel) if plan.sequence_parallel > 1 else None

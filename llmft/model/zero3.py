@@ -142,3 +142,30 @@ def _dora_magnitudes(model: torch.nn.Module) -> None:
                     weight = weight.T
                 norm = dora.get_weight_norm(weight, torch.zeros_like(weight), module.scaling[adapter])
                 dora.weight.copy_(norm)
+
+
+def linears_save_their_weights(model: torch.nn.Module) -> int:
+    """Make every plain ``nn.Linear`` of a ZeRO-3 model keep its *parameter* for backward, not the
+    gathered weight; returns how many.
+
+    ``F.linear`` saves ``weight.t()``, a view of the gathered buffer, for the input's gradient: the
+    buffer then outlives ZeRO-3's release of the parameter, and by the end of the forward every
+    layer's weights are gathered at once (the whole model per rank, measured on a frozen LoRA
+    base). DeepSpeed's ``LinearFunctionForZeroStage3`` saves the parameter itself and gathers it
+    again in backward, as ``zero.Init``'s ``memory_efficient_linear`` does while a model is built
+    under it; here it is kept for the whole run."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.forward = _saving_forward(module, zero3_linear_wrap)
+            count += 1
+    return count
+
+
+def _saving_forward(module: torch.nn.Linear, linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return linear(x, module.weight, module.bias)
+
+    return forward

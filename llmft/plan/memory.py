@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from llmft.errors import Problem, UserError
+from llmft.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
 from llmft.plan.batch import divisors
 from llmft.plan.deepspeed import ZERO3_MAX_LIVE_PARAMETERS
 from llmft.plan.engines import engine_spec
@@ -658,6 +659,41 @@ def host_memory_per_node(plan: RunPlan, *, device_is_host: bool = False) -> int:
             linear_bytes = quantized_bytes_per_param(q.bits, q.double_quant) if q is not None else a
             loading += max(shape.vocab_size * shape.hidden_size * a, params.largest_linear * linear_bytes)
     return int(plan.world.nproc_per_node * (offloaded + loading))
+
+
+def step_mmap_threshold(plan: RunPlan) -> int:
+    """The glibc mmap threshold for the training steps (``llmft.malloc.settle_for_steps``).
+
+    Single and DDP: 32 MiB (glibc's ceiling), fixed: a step's tensors reuse the heap instead of
+    faulting in fresh mappings every step. FSDP2 and ZeRO-3 gather weights every step: they keep
+    the loading's 64 KiB, so a released weight leaves the resident set at once; from the heap a
+    freed one in the middle of an arena stays (measured: 0.1-0.3 x B more per rank at the peak
+    with the threshold at the smallest gathered matrix, more at 32 MiB; docs/benchmarks.md)."""
+    return MMAP_THRESHOLD if plan.layout.shards_params else STEP_MMAP_THRESHOLD
+
+
+def host_memory_per_rank(plan: RunPlan, *, device_is_host: bool = False) -> int:
+    """The peak host RAM of one rank over a whole run, in bytes (``llmft plan``'s host line).
+
+    With a GPU: its share of ``host_memory_per_node`` (loading, and what the engine offloads);
+    the step's tensors are device memory. Where the device is the host (a CPU run, as in
+    bench/load_memory.py) the step's tensors (``estimate_memory(plan).allocated``: this rank's
+    weights or shards, the gathered ones, gradients, optimizer state, activations) are host RAM
+    too, and the peak is the larger of the two phases."""
+    loading = host_memory_per_node(plan, device_is_host=device_is_host) // plan.world.nproc_per_node
+    if not device_is_host:
+        return loading
+    est = estimate_memory(plan)
+    step = est.allocated
+    if engine_spec(plan.engine).param_gather == "live_window" and plan.recipe.model.quantization is None:
+        # A CPU run's ZeRO-3 releases each weight after its module (plan.deepspeed.host_device_config,
+        # model/zero3.py): a decoder layer and the embedding-sized head gathered, not the live window
+        # (a 4-bit base's whole live window is about a layer's worth in the compute dtype: kept).
+        recipe, shape = plan.recipe, _require_shape(plan.recipe)
+        params, a = count_params(recipe, shape), DTYPE_BYTES[recipe.model.dtype]
+        window = params.layer * a + shape.vocab_size * shape.hidden_size * a
+        step += int(window - est.transient_weights)
+    return max(loading, step)
 
 
 # What may make a recipe fit, tried in this order: (recipe key, value, what it costs).

@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 from llmft.errors import UserError
 from llmft.plan.batch import divisors
 from llmft.plan.engines import choose_engine
-from llmft.plan.memory import GIB, count_params, estimate, pick_micro_batch, quantized_bytes_per_param
+from llmft.plan.memory import (
+    GIB,
+    count_params,
+    estimate,
+    estimate_memory,
+    pick_micro_batch,
+    quantized_bytes_per_param,
+)
 from llmft.plan.report import plan_command
 from llmft.plan.resolve import load_plan
 from llmft.plan.shape import model_shape
@@ -274,3 +281,27 @@ def test_host_memory_per_node_counts_how_the_model_is_loaded(base):
     assert host_memory_per_node(fresh) == pytest.approx(8 * one_fresh, rel=1e-6)  # bitsandbytes quantizes on load
     lora = load(base, "peft.method=lora", "distributed.engine=fsdp", nproc=8)
     assert host_memory_per_node(lora) == pytest.approx(shape.num_params * 2 + embedding, rel=1e-6)
+
+
+def test_host_memory_per_rank_is_loading_with_a_gpu_and_the_step_too_on_a_cpu(base):
+    """``llmft plan``'s host line: with a GPU a rank's share of the node's loading peak; on a
+    CPU-only run the step's tensors are host memory too, and the larger phase is the peak."""
+    from llmft.plan.memory import host_memory_per_node, host_memory_per_rank
+
+    lora = load(base, "peft.method=lora", "distributed.engine=fsdp", nproc=8)
+    assert host_memory_per_rank(lora) == host_memory_per_node(lora) // 8
+    step = estimate_memory(lora).allocated
+    assert step > host_memory_per_node(lora, device_is_host=True) // 8  # the step is the peak here
+    assert host_memory_per_rank(lora, device_is_host=True) == step
+
+
+def test_the_steps_mmap_threshold_keeps_gathered_weights_mapped(base):
+    """Single and DDP steps reuse the heap (32 MiB, fixed); FSDP2 and ZeRO-3 gather weights every
+    step and keep 64 KiB, so a released one leaves the resident set (llmft/malloc.py)."""
+    from llmft.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
+    from llmft.plan.memory import step_mmap_threshold
+
+    assert step_mmap_threshold(load(base, "peft.method=lora", "distributed.engine=fsdp", nproc=8)) == MMAP_THRESHOLD
+    zero3 = load(base, *QLORA, "distributed.engine=deepspeed", "distributed.zero_stage=3", nproc=8)
+    assert step_mmap_threshold(zero3) == MMAP_THRESHOLD
+    assert step_mmap_threshold(load(base, "distributed.engine=ddp", nproc=8)) == STEP_MMAP_THRESHOLD == 32 << 20
