@@ -68,11 +68,11 @@ def _recipe(tmp: Path, seq: int, vocab: int, chunked: bool) -> Path:
 def worker(recipe: str) -> None:
     import torch
 
-    from llmft.loop import micro_loss
+    from llmft.data.tokenizer import byte_tokenizer
     from llmft.model.build import prepare_model
     from llmft.plan.memory import estimate_memory
     from llmft.plan.resolve import load_plan
-    from llmft.tokenizer import byte_tokenizer
+    from llmft.training.loop import micro_loss
 
     torch.set_num_threads(1)
     plan = load_plan(recipe)

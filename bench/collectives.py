@@ -86,7 +86,7 @@ def _numel(args, kwargs) -> int:
 def worker(recipe: str, engine: str, skip: bool, steps: int) -> None:
     import torch.distributed as dist
 
-    from llmft import train as llmft_train
+    from llmft.training import train as llmft_train
 
     phase = {"now": "other", "boundary": False}
     events: list[dict] = []  # one per collective: phase, op, elements
@@ -268,8 +268,8 @@ def main() -> None:
 
 
 def _patch_overrides(overrides: list[str]) -> None:
-    """The worker's engine overrides ride on the ``train`` call: wrap llmft.train.train to add them."""
-    from llmft import train as llmft_train
+    """The worker's engine overrides ride on the ``train`` call: wrap llmft.training.train.train to add them."""
+    from llmft.training import train as llmft_train
 
     original = llmft_train.train
 

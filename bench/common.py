@@ -172,7 +172,7 @@ def quiet_llmft() -> None:
     """llmft logs its banner on every in-process run; the bench prints its own table."""
     import logging
 
-    from llmft import train as llmft_train
+    from llmft.training import train as llmft_train
 
     original = llmft_train.setup_logging
 

@@ -19,7 +19,7 @@ generated here (text of median ~300 tokens; chat of 2-12 turns):
 4. RSS: a fresh process that reads every row of the cached dataset the way a training rank does
    (``build_data``, ``DataBundle.order``, ``MicroBatchSampler``, ``make_loader`` and its collate,
    in-process loader); its peak RSS above the same process after it imported what a rank imports
-   (torch, ``llmft.run``) and ran the loader once on a tiny batch, against the size of the Arrow
+   (torch, ``llmft.training.run``) and ran the loader once on a tiny batch, against the size of the Arrow
    cache. Of that: the resident pages of the cache's memory map and the anonymous memory. And the
    same peak of the process that built the entry (step 1; its tokenizing workers are other processes).
 5. chat, assistant-only loss: seconds per record for 2- and 12-turn conversations (one render per
@@ -81,7 +81,7 @@ def train_tokenizer(text_file: Path, out: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from llmft.tokenizer import BUILTIN_TEMPLATES
+    from llmft.data.tokenizer import BUILTIN_TEMPLATES
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -133,13 +133,13 @@ def mapped(prefix):  # resident bytes of the mappings of files under prefix (the
             total += int(parts[1]) * 1024
     return total
 t0, c0 = time.time(), time.process_time()
-import llmft.run  # what a training rank imports
+import llmft.training.run  # what a training rank imports
 from llmft.data import MicroBatchSampler, build_data, make_loader
 from llmft.data.sampler import GlobalOrder
 from llmft.data.tokens import TokenDataset
 from llmft.plan.batch import BatchPlan
 from llmft.recipe import load_recipe
-from llmft.tokenizer import load_tokenizer
+from llmft.data.tokenizer import load_tokenizer
 r = load_recipe(sys.argv[1], [])
 tok = load_tokenizer(r.model)
 tiny = TokenDataset([([1, 2, 3], [-100, 2, 3], None)] * 8)  # the loader's own code pages, before the base

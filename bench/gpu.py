@@ -269,8 +269,8 @@ def ensure_model(root: Path, shape_name: str, *, tiny: bool, cuda: bool) -> Path
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from llmft.data.tokenizer import byte_tokenizer
     from llmft.plan.shape import KNOWN
-    from llmft.tokenizer import byte_tokenizer
 
     fields = {**KNOWN[shape_name], **(TINY if tiny else {})}
     name = shape_name.split("/")[-1] + ("-tiny" if tiny else "")
@@ -568,8 +568,8 @@ def peer_row(case: Case, on: Result | None, peer: Result, warmup: int, steps: in
     mfu = None
     mine = mine_peak = None
     if on is not None and on.error is None:
-        from llmft.flops import detect_device_name, flops_per_token, peak_flops
-        from llmft.flops import mfu as mfu_of
+        from llmft.metrics.flops import detect_device_name, flops_per_token, peak_flops
+        from llmft.metrics.flops import mfu as mfu_of
         from llmft.plan.resolve import load_plan
         from llmft.plan.shape import model_shape
 

@@ -71,9 +71,9 @@ def main() -> int:
 
     import torch
 
-    from llmft import metrics as llmft_metrics
-    from llmft import run as llmft_run
-    from llmft import train as llmft_train
+    from llmft.metrics import record as llmft_metrics
+    from llmft.training import run as llmft_run
+    from llmft.training import train as llmft_train
 
     cuda = torch.cuda.is_available()
     phases = Phases(cuda)

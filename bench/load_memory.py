@@ -5,7 +5,7 @@ A Llama of a few hundred million parameters is saved in fp32 in ~200 MB safetens
 (B = their bytes on disk). Each case is one ``llmft`` command as users run it (2 ranks under
 torchrun on gloo, ``llmft train``, micro-batch 1, 64 tokens, LoRA r 8; or one ``llmft export
 --merge-lora`` process), without ``MALLOC_MMAP_THRESHOLD_`` (removed from the environment if
-set): llmft sets glibc's mmap threshold itself (llmft/malloc.py). In each process a thread
+set): llmft sets glibc's mmap threshold itself (llmft/job/malloc.py). In each process a thread
 samples ``RssAnon`` and ``RssFile`` (/proc/self/status) every 5 ms; ``VmHWM`` is not used, as it
 mixes in the mapped safetensors pages the ranks share through the page cache. Marks: engine
 built (model loaded and sharded), set up, each step, each checkpoint, end; at each, the
@@ -94,7 +94,7 @@ class Trace:
 def _instrument(trace: Trace) -> None:
     """Mark the phases of ``llmft train``: the engine built (model loaded and sharded), the run set
     up, each step, each checkpoint."""
-    from llmft import run
+    from llmft.training import run
 
     build, setup, ckpt, loop = run.build_engine, run.Run.setup, run.Run.checkpoint, run.train_loop
 
@@ -133,8 +133,8 @@ def _instrument(trace: Trace) -> None:
 
 def worker(out: str, argv: list[str]) -> None:
     """One llmft command in this process; its memory phase by phase to ``out/rank-N.json``."""
-    from llmft import dist
     from llmft.cli import main
+    from llmft.job import dist
 
     trace = Trace()
     trace.mark("start")
@@ -160,7 +160,7 @@ def _save_model(path: Path, config: dict, shard: str) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmft.tokenizer import byte_tokenizer
+    from llmft.data.tokenizer import byte_tokenizer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)

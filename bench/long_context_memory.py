@@ -77,10 +77,10 @@ def worker(path: str, overrides: list[str]) -> None:
     """One configuration: the step's working set (VmHWM over the RSS before it) and the planner's."""
     import torch
 
+    from llmft.data.tokenizer import byte_tokenizer
     from llmft.model.build import prepare_model
     from llmft.plan.memory import estimate_memory
     from llmft.plan.resolve import load_plan
-    from llmft.tokenizer import byte_tokenizer
 
     common.one_thread()
     plan = load_plan(path, overrides, world_size=1)

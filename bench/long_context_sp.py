@@ -13,7 +13,7 @@ Each process builds the model and the batch, runs one step to warm up, resets it
 set (``/proc/self/clear_refs`` 5), takes its resident set as the baseline (interpreter, libraries,
 the model and its gradients: the empty-model baseline), runs the measured step and reads
 ``VmHWM``. Activation peak = VmHWM - baseline, per rank (the larger rank for sp 2). llmft's glibc
-mmap threshold is set (llmft/malloc.py), so freed tensors leave the resident set as in a run.
+mmap threshold is set (llmft/job/malloc.py), so freed tensors leave the resident set as in a run.
 
     python bench/long_context_sp.py                   # T = 8192 and 16384
     python bench/long_context_sp.py --tokens 4096     # quicker
@@ -57,7 +57,7 @@ def worker(tokens: int) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from llmft.data.sequence import sequence_slice
-    from llmft.malloc import use_mmap_for_large_blocks
+    from llmft.job.malloc import use_mmap_for_large_blocks
     from llmft.model import ulysses
     from llmft.objectives.sft import micro_loss
 

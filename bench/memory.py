@@ -71,10 +71,10 @@ def worker(recipe: str, overrides: list[str]) -> None:
     import llmft.engines.single  # noqa: F401
     import llmft.model.build  # noqa: F401
     import llmft.model.meta  # noqa: F401
-    from llmft import loop as llmft_loop
-    from llmft import metrics as llmft_metrics
-    from llmft import run as llmft_run
-    from llmft import train as llmft_train
+    from llmft.metrics import record as llmft_metrics
+    from llmft.training import loop as llmft_loop
+    from llmft.training import run as llmft_run
+    from llmft.training import train as llmft_train
 
     if any("deepspeed" in o for o in overrides):
         import llmft.engines.deepspeed  # noqa: F401

@@ -1,7 +1,7 @@
 """llmft's training loop against a plain PyTorch + transformers loop doing the same work.
 
 Both sides on one CPU thread each, as users run them: ``llmft train`` through its command-line
-entry (``llmft.cli.main``: the allocator settings it makes at start-up, llmft/malloc.py, included)
+entry (``llmft.cli.main``: the allocator settings it makes at start-up, llmft/job/malloc.py, included)
 in this process, the plain loop in a child process of its own with glibc's defaults (no
 ``MALLOC_MMAP_THRESHOLD_`` in either environment; the bench restarts itself without one). Both: the same Llama (hidden 256, 4 layers, fp32,
 sdpa), the same records (text, every sequence exactly ``--seq`` tokens, so neither side pads),
@@ -44,7 +44,7 @@ def plain_steps(data: Path, seq: int, micro: int, accumulation: int) -> Iterator
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmft.tokenizer import byte_tokenizer
+    from llmft.data.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()
     texts = [json.loads(line)["text"] for line in data.read_text().splitlines()]
@@ -122,7 +122,7 @@ def _llmft_train(recipe: Path) -> int:
 
 def side_by_side(recipe: Path, plain: PlainLoop, steps: int, warmup: int) -> dict:
     """One ``llmft train`` run with a plain-loop step after each of its steps; per-pair rates."""
-    from llmft import metrics as llmft_metrics
+    from llmft.metrics import record as llmft_metrics
 
     next(plain)  # the plain model's first step (allocation of grads and Adam state) before timing
     marks: dict[str, list] = {"llmft": [], "plain": []}  # (wall, cpu, tokens) per step
@@ -170,7 +170,7 @@ def profile_llmft(recipe: Path, steps: int, warmup: int, top: int) -> None:
     """cProfile of llmft's steady steps (set-up and the first steps left out)."""
     import cProfile
 
-    from llmft import metrics as llmft_metrics
+    from llmft.metrics import record as llmft_metrics
 
     prof = cProfile.Profile(time.process_time)  # CPU time: the load of other processes does not count
     original = llmft_metrics.Metrics.write

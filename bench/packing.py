@@ -37,9 +37,9 @@ def epoch_counts(recipe_path: Path, packing: bool, micro: int, real_tokens) -> d
     target tokens, with the recipe, the built data and a micro-batch's row count."""
     from llmft.data import MicroBatchSampler, build_data, collate
     from llmft.data.sampler import GlobalOrder
+    from llmft.data.tokenizer import load_tokenizer
     from llmft.plan.batch import BatchPlan
     from llmft.recipe import load_recipe
-    from llmft.tokenizer import load_tokenizer
 
     recipe = load_recipe(str(recipe_path), [f"data.packing={str(packing).lower()}"])
     tok = load_tokenizer(recipe.model)
@@ -85,8 +85,8 @@ def train_rate(recipe_path: Path, packing: bool, warmup: int) -> dict[str, float
     process, between metrics rows) over the steady steps of one ``llmft train`` run."""
     import time
 
-    from llmft import metrics as llmft_metrics
-    from llmft import train as llmft_train
+    from llmft.metrics import record as llmft_metrics
+    from llmft.training import train as llmft_train
 
     cpu: list[float] = []
     original = llmft_metrics.Metrics.write

@@ -42,10 +42,10 @@ def write_pairs(path: Path, n: int, prompt: int, completion: int, seed: int = 0)
 
 
 def build_run(tmp: Path, data: Path, args, method: str, precompute: bool):
-    from llmft.dist import DistEnv
+    from llmft.job.dist import DistEnv
     from llmft.plan.resolve import load_plan
-    from llmft.run import Run
     from llmft.stop import StopRequest
+    from llmft.training.run import Run
 
     name = f"{method}-{'pre' if precompute else 'fly'}"
     recipe = common.base_recipe(
@@ -64,7 +64,7 @@ def build_run(tmp: Path, data: Path, args, method: str, precompute: bool):
 
 def one_step(run) -> tuple[float, float]:
     """One optimizer step of ``run`` through the real loop: (wall s, CPU s)."""
-    from llmft.loop import LoopConfig, LoopHooks, train_loop
+    from llmft.training.loop import LoopConfig, LoopHooks, train_loop
 
     hooks = LoopHooks(log_train=lambda row: None, evaluate=lambda s: None, checkpoint=lambda s: None)
     cfg = LoopConfig(max_steps=run.state.step + 1)
@@ -118,8 +118,8 @@ def main() -> None:
     args = p.parse_args()
     common.one_thread()
     common.quiet_llmft()
-    from llmft.dist import DistEnv
-    from llmft.train import setup_logging
+    from llmft.job.dist import DistEnv
+    from llmft.training.train import setup_logging
 
     setup_logging(DistEnv())
     tmp = common.scratch_dir("llmft-bench-precompute-")

@@ -27,7 +27,7 @@ CHILD = """
 import json, resource, sys
 from llmft.data import build_data
 from llmft.recipe.schema import Recipe
-from llmft.tokenizer import byte_tokenizer
+from llmft.data.tokenizer import byte_tokenizer
 
 def hwm():  # VmHWM: this process's own peak (ru_maxrss would keep the parent's peak across exec)
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])

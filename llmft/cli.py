@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from llmft.errors import Problem, UserError
-from llmft.malloc import use_mmap_for_large_blocks
+from llmft.job.malloc import use_mmap_for_large_blocks
 from llmft.stop import Stopped
 
 # The commands that load a model: their host RAM is what docs/benchmarks.md measures.
@@ -64,8 +64,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from llmft.dist import leave_process, read_env
-    from llmft.train import train
+    from llmft.job.dist import leave_process, read_env
+    from llmft.training.train import train
 
     code = train(args.recipe, args.overrides)
     if read_env().world_size > 1:  # a rank of torchrun, the deepspeed launcher or srun: see leave_process
@@ -81,30 +81,30 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from llmft.export import export
+    from llmft.export.export import export
 
     out = export(args.checkpoint, args.out, merge_lora=args.merge_lora, trust_remote_code=args.trust_remote_code)
     print(f"exported to {out}")
     from llmft.checkpoint import resolve_checkpoint
-    from llmft.tracking import record_export
+    from llmft.metrics.trackers import record_export
 
     record_export(resolve_checkpoint(args.checkpoint), out)  # the export path on the tracked run
     if args.push_to_hub:
-        from llmft.modelcard import push_to_hub
+        from llmft.export.modelcard import push_to_hub
 
         print(f"pushed to {push_to_hub(out, args.push_to_hub, private=args.private)}")
     return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from llmft.plot import plot_run
+    from llmft.metrics.plot import plot_run
 
     print(f"wrote {plot_run(args.run_dir, args.out)}")
     return 0
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from llmft.plot import compare_runs
+    from llmft.metrics.plot import compare_runs
 
     labels = args.labels.split(",") if args.labels else None
     png, table = compare_runs(args.run_dirs, args.out, labels)
@@ -114,7 +114,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from llmft.gpu import gpu_memory_gb
+    from llmft.job.gpu import gpu_memory_gb
     from llmft.plan.report import plan_command
 
     print(
@@ -130,7 +130,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from llmft.verify import verify
+    from llmft.training.verify import verify
 
     return verify(args.recipe, args.overrides, tolerance=args.tolerance, samples=args.samples)
 
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command in HEAVY:
-        use_mmap_for_large_blocks()  # before torch allocates anything; see llmft/malloc.py
+        use_mmap_for_large_blocks()  # before torch allocates anything; see llmft/job/malloc.py
     try:
         return int(args.fn(args) or 0)
     except UserError as e:

@@ -81,7 +81,7 @@ def write_recipe(tmp: Path, **sections) -> Path:
 
 
 def train_inproc(recipe: Path, *overrides: str) -> int:
-    from llmft.train import train
+    from llmft.training.train import train
 
     return train(str(recipe), list(overrides))
 
@@ -185,7 +185,7 @@ def save_tiny_pretrained(out: Path, seed: int, dtype: torch.dtype = torch.float3
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmft.tokenizer import byte_tokenizer
+    from llmft.data.tokenizer import byte_tokenizer
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY_LLAMA, **config}))

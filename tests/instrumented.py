@@ -1,6 +1,6 @@
 """``llmft`` with test instrumentation: ``python tests/instrumented.py COMMAND ...`` (also under torchrun).
 
-Installs ``llmft.run.RunHooks`` from two environment variables of the tests (production code
+Installs ``llmft.training.run.RunHooks`` from two environment variables of the tests (production code
 reads neither), then runs the normal command line:
 
 - ``LLMFT_SAMPLE_LOG=DIR``: each rank appends the dataset indices of every micro-batch it takes
@@ -54,7 +54,7 @@ class SampleLog:
 
 
 def hooks():
-    from llmft.run import RunHooks
+    from llmft.training.run import RunHooks
 
     log_dir = os.environ.get(SAMPLE_LOG)
     kind, _, where = os.environ.get(FAULT, "").partition(":")
@@ -75,11 +75,11 @@ def hooks():
 def _sleep_in_collective(step: int, rank: int) -> None:
     import time
 
-    import llmft.loop
-    from llmft import watchdog
-    from llmft.dist import read_env
+    import llmft.training.loop
+    from llmft.job import watchdog
+    from llmft.job.dist import read_env
 
-    real = llmft.loop.all_reduce_sum
+    real = llmft.training.loop.all_reduce_sum
 
     def all_reduce_sum(values, device):
         w = watchdog.active()
@@ -88,12 +88,12 @@ def _sleep_in_collective(step: int, rank: int) -> None:
                 time.sleep(3600)
         return real(values, device)
 
-    llmft.loop.all_reduce_sum = all_reduce_sum
+    llmft.training.loop.all_reduce_sum = all_reduce_sum
 
 
 if __name__ == "__main__":
     from llmft.cli import main
-    from llmft.run import install_hooks
+    from llmft.training.run import install_hooks
 
     install_hooks(hooks())
     sys.exit(main(sys.argv[1:]))

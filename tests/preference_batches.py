@@ -96,12 +96,12 @@ def preference_step(
     ``micro``-batches; return the gradients the optimizer stepped with at the last step and its row.
     (After the first step the policy differs from its reference: a reference that followed the
     policy would show there.)"""
+    from llmft.data.tokenizer import load_tokenizer
     from llmft.engines import build_engine
-    from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
     from llmft.objectives import build_objective
-    from llmft.optim import build_optimizer, build_scheduler
     from llmft.stop import StopRequest
-    from llmft.tokenizer import load_tokenizer
+    from llmft.training.loop import LoopConfig, LoopHooks, LoopState, train_loop
+    from llmft.training.optim import build_optimizer, build_scheduler
 
     optim = plan.recipe.optim
     tokenizer = load_tokenizer(plan.recipe.model)
@@ -133,11 +133,11 @@ def run_steps(plan, engine, steps: list[list[dict]], start: int, stop: int, load
     """Steps ``start`` .. ``stop`` of a pair objective's run through the real loop on a freshly built
     ``engine``, from a saved engine and schedule (``load_from``) or fresh; saves both to ``save_to``.
     Returns the trainable weights."""
-    from llmft.dist import DistEnv
-    from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
+    from llmft.job.dist import DistEnv
     from llmft.objectives import build_objective
-    from llmft.optim import build_scheduler
     from llmft.stop import StopRequest
+    from llmft.training.loop import LoopConfig, LoopHooks, LoopState, train_loop
+    from llmft.training.optim import build_scheduler
 
     objective = build_objective(plan, engine)  # dropout off again on the new engine
     scheduler = build_scheduler(engine.optimizer, plan.recipe.optim, len(steps))

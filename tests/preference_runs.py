@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from helpers import metrics, write_recipe
 
-from llmft.consolidate import load_checkpoint_model, trainable_state
+from llmft.export.consolidate import load_checkpoint_model, trainable_state
 
 TOL = 1e-6
 

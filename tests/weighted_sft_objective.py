@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from llmft.loss import IGNORE_INDEX
+from llmft.model.loss import IGNORE_INDEX
 from llmft.objectives import ObjectiveBase, disable_dropout, model_inputs
 from llmft.plan.objectives import ObjectiveSpec, register_objective
 

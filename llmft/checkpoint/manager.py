@@ -41,11 +41,11 @@ from llmft.checkpoint.layout import (
     step_name,
     tmp_name,
 )
-from llmft.dist import DistEnv, all_reduce_sum, barrier
+from llmft.checkpoint.safe_load import torch_load
 from llmft.errors import Problem, UserError
+from llmft.job.dist import DistEnv, all_reduce_sum, barrier
 from llmft.plan.resolve import PLAN_FILE
 from llmft.recipe.load import RECIPE_FILE
-from llmft.safe_load import torch_load
 
 if TYPE_CHECKING:  # the engines import checkpoint.layout: a real import would be a package cycle
     from llmft.engines import Engine

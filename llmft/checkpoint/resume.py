@@ -76,7 +76,7 @@ def resume_point(plan: RunPlan) -> Path | None:
     is whole; a damaged one is skipped with a warning naming the file (and left in place: it is
     replaced when the run saves that step again). A path: that checkpoint, which must be whole.
     ``never``: none, and an earlier run's checkpoints are refused unless ``run.overwrite`` (then the
-    caller, which owns the run directory, clears them: ``llmft.rundir.clear_for_fresh_start``)."""
+    caller, which owns the run directory, clears them: ``llmft.checkpoint.rundir.clear_for_fresh_start``)."""
     recipe = plan.recipe
     run_dir = Path(recipe.run.output_dir)
     resume = recipe.checkpoint.resume

@@ -28,16 +28,16 @@ from llmft.data.read import Chunk, read, resolve
 from llmft.data.sampler import source_seed
 from llmft.data.sources import Source, parse_sources
 from llmft.data.stream import MixedStream, StreamDataset, open_stream
+from llmft.data.tokenizer import use_chat_template
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
 from llmft.plan.objectives import DEFAULT_OBJECTIVE
-from llmft.tokenizer import use_chat_template
 
 if TYPE_CHECKING:
     import numpy as np
     from transformers import PreTrainedTokenizerBase
 
-    from llmft.dist import DistEnv
+    from llmft.job.dist import DistEnv
     from llmft.recipe.schema import DataConfig, Recipe
 
 log = logging.getLogger("llmft.data")

@@ -12,11 +12,11 @@ import sys
 import time
 
 from llmft.data.build import build_data, cache_root
+from llmft.data.tokenizer import load_tokenizer
 from llmft.errors import Problem, UserError
 from llmft.plan.resolve import load_plan
 from llmft.recipe import load_recipe
 from llmft.stop import StopRequest
-from llmft.tokenizer import load_tokenizer
 
 
 def prepare(recipe_path: str, overrides: list[str]) -> str:

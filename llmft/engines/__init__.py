@@ -25,11 +25,11 @@ from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 
-from llmft.dist import DistEnv
+from llmft.job.dist import DistEnv
 from llmft.plan.engines import engine_spec, load
 from llmft.plan.layout import RunPlan
 
-# Builds the run's optimizer over a prepared (wrapped, sharded) model: one place, llmft.optim.
+# Builds the run's optimizer over a prepared (wrapped, sharded) model: one place, llmft.training.optim.
 OptimizerFactory = Callable[[torch.nn.Module], Any]
 
 

@@ -13,13 +13,13 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from llmft.checkpoint.layout import ADAPTER_WEIGHTS, MODEL_DIR, OPTIMIZER_FILE
-from llmft.dist import DistEnv
+from llmft.checkpoint.safe_load import torch_load
 from llmft.engines import autocast_for
+from llmft.job.dist import DistEnv
 from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
 from llmft.model.precision import compute_dtype
 from llmft.plan.layout import RunPlan
-from llmft.safe_load import torch_load
 
 
 class LocalEngine:

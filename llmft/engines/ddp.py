@@ -9,9 +9,9 @@ from typing import Any, ContextManager
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from llmft.dist import DistEnv, barrier
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import LocalEngine, load_plain, save_plain, unsharded_frozen_model
+from llmft.job.dist import DistEnv, barrier
 from llmft.model import ulysses
 from llmft.model.build import prepare_model
 from llmft.plan.layout import RunPlan

@@ -37,18 +37,18 @@ import torch
 
 from llmft.checkpoint.layout import DS_DIR, UNIVERSAL_DIR, fsync_dir, resolve_checkpoint
 from llmft.checkpoint.layout import DS_TAG as TAG
-from llmft.dist import DistEnv, broadcast_object, timeout_s
+from llmft.checkpoint.safe_load import torch_load
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import check_loaded_keys, freeze, trainable_names
 from llmft.engines.safe_deepspeed import check_deepspeed_files
 from llmft.errors import Problem, UserError
+from llmft.job.dist import DistEnv, broadcast_object, timeout_s
 from llmft.model import ulysses, zero3
 from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta
 from llmft.plan.deepspeed import deepspeed_config, host_device_config
 from llmft.plan.layout import RunPlan
-from llmft.safe_load import torch_load
 
 log = logging.getLogger("llmft")
 

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from llmft.checkpoint.layout import DCP_DIR
-from llmft.dist import DistEnv, device_mesh
 from llmft.engines import OptimizerFactory, safe_dcp
 from llmft.engines.base import LocalEngine, freeze, trainable_names
+from llmft.job.dist import DistEnv, device_mesh
 from llmft.model import ulysses
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta, materialize

@@ -28,8 +28,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.planner import ReadItem
 
+from llmft.checkpoint.safe_load import refused, torch_load
 from llmft.errors import UserError
-from llmft.safe_load import refused, torch_load
 
 METADATA_GLOBALS = frozenset(
     {

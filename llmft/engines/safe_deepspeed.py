@@ -24,8 +24,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmft.checkpoint.layout import DS_DIR, UNIVERSAL_DIR
+from llmft.checkpoint.safe_load import refused
 from llmft.checkpoint.verify import check_confined
-from llmft.safe_load import refused
 
 DEEPSPEED_GLOBALS = frozenset(
     {

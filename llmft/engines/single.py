@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from llmft.dist import DistEnv
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import LocalEngine, load_plain, save_plain, unsharded_frozen_model
+from llmft.job.dist import DistEnv
 from llmft.model.build import prepare_model
 from llmft.plan.layout import RunPlan
 

@@ -20,7 +20,7 @@ imports only those above it):
 - ``meta``: FSDP2's build on the meta device and each rank's shards loaded from safetensors;
 - ``zero3``: the same for DeepSpeed ZeRO-3, each rank filling its partitions;
 - ``save``: a step's ``model/`` dir and the plain base model (adapters out, 4-bit dequantized),
-  used by training and by ``llmft.export`` alike;
+  used by training and by ``llmft.export.export`` alike;
 - ``base_model``: ``checkpoints/base_model``, the random base of a ``model.config`` + PEFT run,
   written once.
 """

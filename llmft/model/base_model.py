@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmft.checkpoint.layout import BASE_DIR, CHECKPOINTS
-from llmft.dist import DistEnv
+from llmft.job.dist import DistEnv
 from llmft.model.precision import compute_dtype
 from llmft.model.save import save_base_model
 from llmft.plan.layout import RunPlan

@@ -23,9 +23,8 @@ import torch
 from safetensors.torch import save_model
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from llmft import loss
 from llmft.errors import Problem, UserError, cause_of
-from llmft.model import attention, kernels, long_context
+from llmft.model import attention, kernels, long_context, loss
 from llmft.model.adapters import apply_peft, init_adapters
 from llmft.model.heads import PEFT_TASK_TYPES, configure, init_head, model_class, recipe_head
 from llmft.model.precision import DTYPES, upcast_trainable
@@ -129,7 +128,7 @@ def prepare_model(plan: RunPlan, tokenizer: Any, device: torch.device, **kwargs:
 
 
 def install_chunked_loss(plan: RunPlan, model: torch.nn.Module) -> None:
-    """Where the plan says so, the LM head computes the loss in chunks (``llmft.loss``)."""
+    """Where the plan says so, the LM head computes the loss in chunks (``llmft.model.loss``)."""
     if plan.chunked_loss:
         loss.install(model)
 

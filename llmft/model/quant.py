@@ -49,7 +49,7 @@ def prepare_kbit(model: PreTrainedModel, checkpointing: dict[str, Any] | None) -
     head) are not cast to fp32: they are frozen, so an fp32 copy buys no update precision and costs
     2 bytes per parameter more (2 GiB on Llama-3-8B, whose embedding and head hold 1B parameters).
     Precision goes where it matters: the trained adapters are fp32 (``upcast_trainable``), the
-    norms compute in fp32 inside transformers' RMSNorm, and the loss is fp32 (``llmft.loss``).
+    norms compute in fp32 inside transformers' RMSNorm, and the loss is fp32 (``llmft.model.loss``).
     Every frozen tensor then has one dtype, which the sharding engines need anyway.
     """
     keep_4bit_layout(model)

@@ -3,7 +3,7 @@
 (PEFT, maybe quantized) model as a plain Hugging Face model dir: adapters left out, 4-bit and 8-bit
 weights dequantized, the config made the unquantized inference one (``plain_config``). Training
 writes the base of a fresh ``model.config`` model with it once (``checkpoints/base_model/``), and
-``llmft export`` (``llmft.export``) writes such dirs with it too: training does not import the exporter.
+``llmft export`` (``llmft.export.export``) writes such dirs with it too: training does not import the exporter.
 """
 
 from __future__ import annotations

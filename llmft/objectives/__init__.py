@@ -7,7 +7,7 @@ the global batch's target tokens), ``preference`` (the DPO family, normalised by
 ``reward`` (a reward model's score head, normalised by its pairs); a user's module may name its
 own (docs/design.md, "Adding an objective").
 
-The life of an objective in a run (``llmft.run``, ``llmft.loop``):
+The life of an objective in a run (``llmft.training.run``, ``llmft.training.loop``):
 
 1. built from the plan's record over the engine's model (``build_objective``): it asks the engine
    for the frozen models its record needs (``Engine.frozen_model``);
@@ -37,7 +37,7 @@ from llmft.plan.layout import RunPlan
 
 if TYPE_CHECKING:
     from llmft.data.bundle import DataBundle
-    from llmft.dist import DistEnv
+    from llmft.job.dist import DistEnv
 
 
 class Models(Protocol):

@@ -57,7 +57,7 @@ import torch.distributed as dist
 import llmft
 from llmft.data.pairs import PairDataset, collate_pairs
 from llmft.data.sequence import sequence_slice
-from llmft.dist import barrier, broadcast_object
+from llmft.job.dist import barrier, broadcast_object
 from llmft.objectives import Models, disable_dropout
 from llmft.objectives.sequences import SequenceSlices, model_sequence_logps
 from llmft.plan.layout import RunPlan
@@ -65,8 +65,8 @@ from llmft.plan.objectives import ADAPTERS_DISABLED, FROZEN_COPY, NO_REFERENCE, 
 
 if TYPE_CHECKING:
     from llmft.data.bundle import DataBundle
-    from llmft.dist import DistEnv
     from llmft.engines import Engine
+    from llmft.job.dist import DistEnv
 
 log = logging.getLogger("llmft")
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_reduce
 
-from llmft import loss as lm_loss
-from llmft.loss import IGNORE_INDEX
+from llmft.model import loss as lm_loss
+from llmft.model.loss import IGNORE_INDEX
 from llmft.model.ulysses import sequence_groups
 from llmft.objectives import model_inputs
 from llmft.plan.layout import ParallelLayout
@@ -115,7 +115,7 @@ def model_sequence_logps(
     model: torch.nn.Module, batch: dict[str, Any], num_sequences: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of target-token log-probs, number of target tokens) per sequence of a collated pair
-    batch, from ``model``'s forward. With the chunked head installed (``llmft.loss``) the model
+    batch, from ``model``'s forward. With the chunked head installed (``llmft.model.loss``) the model
     returns the targets' log-probs a chunk at a time and never holds the micro-batch's logits.
 
     A sequence slice (``shift_labels`` in the batch, ``llmft.data.sequence``): position t predicts

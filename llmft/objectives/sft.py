@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from llmft import loss as lm_loss
 from llmft.data import batch_targets
+from llmft.model import loss as lm_loss
 from llmft.objectives import ObjectiveBase
 from llmft.objectives.sequences import is_slice
 
@@ -17,7 +17,7 @@ def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items
     tokens of the whole global batch), so that summed gradients equal the big batch's. With
     ``num_items`` None: transformers' own token mean over this batch (references in verify).
 
-    A model with the chunked loss installed (``model.chunked_loss``, ``llmft.loss``) returns the
+    A model with the chunked loss installed (``model.chunked_loss``, ``llmft.model.loss``) returns the
     same loss from its LM head, a chunk of tokens at a time, and never holds the whole logits."""
     if is_slice(batch):  # this rank's sequence slice (llmft.data.sequence): targets already shifted
         return _slice_loss(model, batch, num_items)

@@ -92,7 +92,7 @@ class ParallelLayout:
     def param_mesh(self) -> tuple[tuple[str, int], ...]:
         """The mesh parameters are sharded on (FSDP2), named: ``replicate`` (HSDP replica groups; left
         out when 1) x ``shard`` (``dp_shard``: ``mesh``'s ``shard`` and ``sp`` together, as sequence
-        ranks compute gradients of the same parameters). ``llmft.dist.device_mesh`` builds it."""
+        ranks compute gradients of the same parameters). ``llmft.job.dist.device_mesh`` builds it."""
         shard = (("shard", self.dp_shard),)
         return (("replicate", self.dp_replicate), *shard) if self.dp_replicate > 1 else shard
 
@@ -117,7 +117,7 @@ class RunPlan:
     # Where a preference run's reference log-probs come from (llmft.plan.objectives: none,
     # adapters_disabled, frozen_copy, model); the engines build what it says.
     reference: str = "none"
-    # The LM head and loss run in chunks of tokens (``llmft.loss``; ``memory.chunked_loss_on``).
+    # The LM head and loss run in chunks of tokens (``llmft.model.loss``; ``memory.chunked_loss_on``).
     chunked_loss: bool = False
 
     @property

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from llmft.errors import Problem, UserError
-from llmft.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
+from llmft.job.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
 from llmft.plan.batch import divisors
 from llmft.plan.deepspeed import ZERO3_MAX_LIVE_PARAMETERS
 from llmft.plan.engines import engine_spec
@@ -56,7 +56,7 @@ OPTIMIZER_BYTES = {"adamw": 8, "paged_adamw": 8, "adamw_8bit": 2, "paged_adamw_8
 CUDA_CONTEXT_BYTES = GIB // 2
 FRAGMENTATION = 0.05
 
-# Chunked loss (llmft/loss.py): rows of the LM head computed at once, so that one chunk's fp32
+# Chunked loss (llmft/model/loss.py): rows of the LM head computed at once, so that one chunk's fp32
 # logits are about 64 MiB (2**24 elements): 524 tokens at vocab 32k, 131 at vocab 128k.
 LOSS_CHUNK_ELEMENTS = 2**24
 # Bytes per logit at the cross-entropy's backward: the saved fp32 log-softmax and two fp32 gradients.
@@ -323,7 +323,7 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
     # log-softmax cross-entropy keeps (a + 8 bytes per logit); backward the saved log-softmax, its
     # incoming gradient and the gradient it returns, all fp32 (12: the peak, the compute-dtype
     # logits being freed by then; measured on CPU in bf16, tests/unit/test_long_context.py). For the
-    # whole micro-batch, or one chunk of the chunked loss (llmft/loss.py recomputes one at a time).
+    # whole micro-batch, or one chunk of the chunked loss (llmft/model/loss.py recomputes one at a time).
     # Liger's fused loss chunks SFT's too, not the preference log-probs.
     chunked = chunked_loss_on(recipe, micro) or (recipe.model.liger_kernels and not spec.pairs)
     logit_rows = min(tokens, loss_chunk_tokens(shape.vocab_size)) if chunked else tokens
@@ -662,7 +662,7 @@ def host_memory_per_node(plan: RunPlan, *, device_is_host: bool = False) -> int:
 
 
 def step_mmap_threshold(plan: RunPlan) -> int:
-    """The glibc mmap threshold for the training steps (``llmft.malloc.settle_for_steps``).
+    """The glibc mmap threshold for the training steps (``llmft.job.malloc.settle_for_steps``).
 
     Single and DDP: 32 MiB (glibc's ceiling), fixed: a step's tensors reuse the heap instead of
     faulting in fresh mappings every step. FSDP2 and ZeRO-3 gather weights every step: they keep

@@ -28,7 +28,7 @@ def plan_command(
     measure_gpu: Callable[[], float | None] = lambda: None,
 ) -> str:
     """The text ``llmft plan`` prints. ``measure_gpu``: this machine's GPU memory in GiB (None: no
-    GPU), asked only when the recipe leaves ``distributed.gpu_memory_gb`` unset (``llmft.gpu``)."""
+    GPU), asked only when the recipe leaves ``distributed.gpu_memory_gb`` unset (``llmft.job.gpu``)."""
     plan = load_plan(recipe_path, overrides, nnodes=nnodes, nproc_per_node=nproc_per_node)
     recipe = plan.recipe
     est = estimate_memory(plan)

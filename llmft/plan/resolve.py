@@ -73,7 +73,7 @@ def resolve(
     the layout it names; another size re-solves a batch compiled for that layout).
 
     ``problems``: the recipe's own, found while loading it; reported together with these.
-    ``measure_gpu``: the runtime's measurement of GPU memory in GiB (``llmft.gpu``), asked when
+    ``measure_gpu``: the runtime's measurement of GPU memory in GiB (``llmft.job.gpu``), asked when
     ``micro_batch_size: auto`` needs a number and ``distributed.gpu_memory_gb`` is unset."""
     problems = list(problems or [])
     where = provenance(recipe)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from llmft.dist import leave_process
+from llmft.job.dist import leave_process
 from llmft.plan import memory
-from llmft.train import train
+from llmft.training.train import train
 
 memory.LOSS_CHUNK_ELEMENTS = 320 * 16
 

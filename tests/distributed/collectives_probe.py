@@ -15,10 +15,10 @@ import sys
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from llmft.dist import leave_process
 from llmft.engines import ddp as ddp_engine
 from llmft.engines import fsdp as fsdp_engine
-from llmft.train import train
+from llmft.job.dist import leave_process
+from llmft.training.train import train
 
 COUNT = {"reductions": 0}
 LOG: list[tuple[bool, int]] = []
@@ -98,4 +98,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    leave_process(0)  # without the interpreter's teardown (llmft.dist.leave_process says why)
+    leave_process(0)  # without the interpreter's teardown (llmft.job.dist.leave_process says why)

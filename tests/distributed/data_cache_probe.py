@@ -10,9 +10,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from llmft.data import build_data
-from llmft.dist import read_env
+from llmft.data.tokenizer import byte_tokenizer
+from llmft.job.dist import read_env
 from llmft.recipe import load_recipe
-from llmft.tokenizer import byte_tokenizer
 
 env = read_env()
 dist.init_process_group("gloo")

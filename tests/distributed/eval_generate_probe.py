@@ -18,9 +18,9 @@ from pathlib import Path
 
 from transformers.generation.utils import GenerationMixin
 
-from llmft.dist import leave_process
-from llmft.evaluate import Evaluator
-from llmft.train import train
+from llmft.job.dist import leave_process
+from llmft.training.evaluate import Evaluator
+from llmft.training.train import train
 
 TEXTS: list[list[str]] = []
 
@@ -53,4 +53,4 @@ if __name__ == "__main__":
     code = train(sys.argv[1], sys.argv[2:])
     rank = os.environ.get("RANK", "0")
     (Path(sys.argv[1]).parent / f"generated-{rank}.json").write_text(json.dumps(TEXTS))
-    leave_process(code)  # without the interpreter's teardown (llmft.dist.leave_process says why)
+    leave_process(code)  # without the interpreter's teardown (llmft.job.dist.leave_process says why)

@@ -19,9 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import llmft.plan.resolve
-from llmft.dist import leave_process
 from llmft.engines import fsdp as fsdp_engine
-from llmft.train import train
+from llmft.job.dist import leave_process
+from llmft.training.train import train
 
 LORA = ["peft.method=lora", "peft.r=4"]
 VARIANTS = {
@@ -60,10 +60,10 @@ def _watch() -> None:
 
 
 def _compare(recipe_path: str, overrides: list[str], env) -> dict:
+    from llmft.data.tokenizer import load_tokenizer
     from llmft.model.build import prepare_model
-    from llmft.optim import build_optimizer
     from llmft.plan.resolve import load_plan
-    from llmft.tokenizer import load_tokenizer
+    from llmft.training.optim import build_optimizer
 
     plan = load_plan(recipe_path, ["distributed.engine=fsdp", *overrides], world_size=env.world_size)
     recipe = plan.recipe
@@ -142,7 +142,7 @@ def _same_state(a, b) -> bool:
 
 
 def main() -> None:
-    from llmft.dist import init_distributed, read_env
+    from llmft.job.dist import init_distributed, read_env
 
     workdir, *variants = sys.argv[1:]
     _watch()
@@ -175,4 +175,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    leave_process(0)  # without the interpreter's teardown (llmft.dist.leave_process says why)
+    leave_process(0)  # without the interpreter's teardown (llmft.job.dist.leave_process says why)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shar
 
 from preference_batches import make_pairs, micro_batches, preference_step  # noqa: E402
 
-from llmft.dist import init_distributed, read_env, shutdown, timeout_s  # noqa: E402
+from llmft.job.dist import init_distributed, read_env, shutdown, timeout_s  # noqa: E402
 from llmft.plan.resolve import load_plan  # noqa: E402
 
 

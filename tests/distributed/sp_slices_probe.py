@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from llmft.data.loader import collate
 from llmft.data.sequence import sequence_slice
-from llmft.dist import leave_process
+from llmft.job.dist import leave_process
 
 
 def _rows(packed: bool) -> list[dict]:

@@ -39,9 +39,9 @@ from helpers import (
     write_recipe,
 )
 
-from llmft.consolidate import load_checkpoint_model, trainable_state
 from llmft.engines.deepspeed import deepspeed_universal
 from llmft.errors import UserError
+from llmft.export.consolidate import load_checkpoint_model, trainable_state
 
 pytestmark = pytest.mark.distributed
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import max_rel_diff, metrics, torchrun, train_inproc, write_recipe
 
-from llmft.consolidate import load_checkpoint_model, trainable_state
+from llmft.export.consolidate import load_checkpoint_model, trainable_state
 
 pytestmark = pytest.mark.distributed
 

@@ -3,7 +3,7 @@
 Two ranks train 2 steps; `llmft export RUN --out D` (and `--merge-lora` for LoRA) writes a
 Hugging Face directory that `from_pretrained` (and `PeftModel.from_pretrained` for the
 adapter) loads with the logits of the consolidated checkpoint
-(`llmft.consolidate.load_checkpoint_model`). Neither engine holds the whole model on one
+(`llmft.export.consolidate.load_checkpoint_model`). Neither engine holds the whole model on one
 rank, so a model.config base is not saved by training: export rebuilds it from the seed.
 """
 
@@ -20,8 +20,8 @@ import torch
 from helpers import ROOT, torchrun, write_recipe
 from transformers import AutoModelForCausalLM
 
-from llmft.consolidate import load_checkpoint_model, trainable_state
-from llmft.tokenizer import byte_tokenizer
+from llmft.data.tokenizer import byte_tokenizer
+from llmft.export.consolidate import load_checkpoint_model, trainable_state
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -121,17 +121,17 @@ def _streamed_full_export_equals_the_consolidated_model(run: Path, out: Path, co
 
     from safetensors.torch import load_file
 
-    import llmft.consolidate
-    import llmft.export
+    import llmft.export.consolidate
+    import llmft.export.export
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a full fine-tune export must not consolidate the whole model")
 
     with (
-        mock.patch.object(llmft.consolidate, "load_checkpoint_model", forbidden),
-        mock.patch.object(llmft.export, "EXPORT_SHARD_BYTES", 40_000),
+        mock.patch.object(llmft.export.consolidate, "load_checkpoint_model", forbidden),
+        mock.patch.object(llmft.export.export, "EXPORT_SHARD_BYTES", 40_000),
     ):
-        llmft.export.export(run, out)
+        llmft.export.export.export(run, out)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 3, files

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, max_rel_diff, metrics, torchrun, train_inproc, write_recipe
 
-from llmft.consolidate import load_checkpoint_model, trainable_state
+from llmft.export.consolidate import load_checkpoint_model, trainable_state
 
 TESTS = ROOT / "tests"
 PLUGIN = ["train.objective=weighted_sft", "train.objective_module=weighted_sft_objective"]
@@ -46,7 +46,7 @@ def test_a_registered_objective_trains_and_any_split_is_the_big_batch(tmp_path):
 
 def test_llmft_verify_runs_a_registered_objective(tmp_path, capsys):
     """``llmft verify`` prepares the micro-batches as the loop does, then counts and compares."""
-    from llmft.verify import verify
+    from llmft.training.verify import verify
 
     assert verify(str(_recipe(tmp_path)), [*PLUGIN, *SGD, "batch.micro_batch_size=2"]) == 0
     assert "weighted_sft" in capsys.readouterr().out

@@ -24,7 +24,7 @@ import torch
 from helpers import ROOT, torchrun_cmd, write_recipe
 from preference_batches import make_pairs, micro_batches, preference_step, rel_diff
 
-from llmft.dist import DistEnv
+from llmft.job.dist import DistEnv
 from llmft.plan.resolve import resolve
 from llmft.recipe import load_recipe
 

@@ -28,7 +28,7 @@ import torch
 from helpers import ROOT, torchrun_cmd, write_recipe
 from preference_batches import make_pairs, micro_batches, preference_step, rel_diff
 
-from llmft.dist import DistEnv
+from llmft.job.dist import DistEnv
 from llmft.plan.objectives import ADAPTERS_DISABLED
 from llmft.plan.resolve import resolve
 from llmft.recipe import load_recipe
@@ -46,7 +46,7 @@ BASE = [
 ]
 LORA = ["peft.method=lora", "peft.r=4"]
 QLORA = [*BASE, *LORA, "model.quantization={bits: 4}"]
-# The chunked head (model.chunked_loss=true; llmft/loss.py): the sharded head is gathered by its own
+# The chunked head (model.chunked_loss=true; llmft/model/loss.py): the sharded head is gathered by its own
 # forward call once, the chunks run its original forward (as for SFT's chunked loss).
 CHUNKED = {
     "lora": [*BASE, *LORA, "model.chunked_loss=true"],

@@ -18,8 +18,8 @@ from helpers import (
     write_recipe,
 )
 
-from llmft.consolidate import load_checkpoint_model
-from llmft.export import export
+from llmft.export.consolidate import load_checkpoint_model
+from llmft.export.export import export
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import metrics, sample_log, torchrun, train_inproc, write_recipe
 
-from llmft.consolidate import load_checkpoint_model, trainable_state
+from llmft.export.consolidate import load_checkpoint_model, trainable_state
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -56,9 +56,9 @@ def _state(path) -> dict[str, torch.Tensor]:
 
 def _initial(recipe, overrides: list[str]) -> dict[str, torch.Tensor]:
     """The weights both runs start from: the seeded build of one process."""
+    from llmft.data.tokenizer import load_tokenizer
     from llmft.model.build import prepare_model
     from llmft.plan.resolve import load_plan
-    from llmft.tokenizer import load_tokenizer
 
     plan = load_plan(recipe, [*overrides, "distributed.engine=single"])
     return trainable_state(prepare_model(plan, load_tokenizer(plan.recipe.model), torch.device("cpu")))

@@ -17,8 +17,8 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from llmft.dist import leave_process
-from llmft.train import train
+from llmft.job.dist import leave_process
+from llmft.training.train import train
 
 ZERO3 = ["distributed.engine=deepspeed", "distributed.zero_stage=3"]
 LORA = ["peft.method=lora", "peft.r=4"]
@@ -59,11 +59,11 @@ def _gathered(param: torch.Tensor) -> torch.Tensor:
 
 
 def _compare(recipe_path: str, overrides: list[str], env) -> dict:
+    from llmft.data.tokenizer import load_tokenizer
     from llmft.engines.deepspeed import DeepSpeedEngineAdapter
     from llmft.model.build import prepare_model
-    from llmft.optim import build_optimizer
     from llmft.plan.resolve import load_plan
-    from llmft.tokenizer import load_tokenizer
+    from llmft.training.optim import build_optimizer
 
     plan = load_plan(recipe_path, [*ZERO3, *overrides], world_size=env.world_size)
     recipe = plan.recipe
@@ -121,7 +121,7 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
 
 
 def main() -> None:
-    from llmft.dist import init_distributed, read_env
+    from llmft.job.dist import init_distributed, read_env
 
     sys.path.insert(0, os.path.dirname(__file__))
     workdir, *variants = sys.argv[1:]
@@ -144,4 +144,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    leave_process(0)  # without the interpreter's teardown (llmft.dist.leave_process says why)
+    leave_process(0)  # without the interpreter's teardown (llmft.job.dist.leave_process says why)

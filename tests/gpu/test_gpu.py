@@ -74,9 +74,9 @@ def test_qlora_runs_bitsandbytes_cuda_kernels(tmp_path):
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbf
 
+    from llmft.data.tokenizer import load_tokenizer
     from llmft.model.build import prepare_model
     from llmft.plan.resolve import load_plan
-    from llmft.tokenizer import load_tokenizer
 
     overrides = dict(PACKED, model__dtype="bf16", peft__method="lora", model__quantization={"bits": 4})
     plan = load_plan(str(write_recipe(tmp_path / "build", **overrides)), [])
@@ -216,7 +216,7 @@ def test_compile_with_liger_prints_no_triton_traceback(tmp_path):
 
 
 def test_fused_adamw_is_chosen_on_cuda_and_equals_foreach():
-    from llmft.optim import adamw_implementation
+    from llmft.training.optim import adamw_implementation
 
     torch.manual_seed(0)
     start = [torch.randn(s, device=CUDA) for s in [(64, 32), (32,), (128, 64)]]

@@ -14,11 +14,11 @@ import pytest
 import torch
 from helpers import write_recipe
 
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.engines import autocast_for
 from llmft.model.build import prepare_model
 from llmft.plan.memory import estimate_memory
 from llmft.plan.resolve import load_plan
-from llmft.tokenizer import byte_tokenizer
 
 pytestmark = pytest.mark.gpu
 

@@ -10,16 +10,16 @@ import pytest
 import torch
 from helpers import max_rel_diff, metrics, train_inproc, write_recipe
 
-from llmft.consolidate import load_checkpoint_model, trainable_state
+from llmft.export.consolidate import load_checkpoint_model, trainable_state
 
 SPLITS = [(8, 1), (4, 2), (2, 4), (1, 8)]
 SGD_ONE_STEP = ["optim.name=sgd", "optim.lr=1.0", "optim.max_grad_norm=null", "train.max_steps=1"]
 
 
 def _initial(recipe_path) -> dict[str, torch.Tensor]:
+    from llmft.data.tokenizer import load_tokenizer
     from llmft.model.build import build_model
     from llmft.recipe import load_recipe
-    from llmft.tokenizer import load_tokenizer
 
     r = load_recipe(recipe_path)
     return trainable_state(build_model(r, load_tokenizer(r.model)))
@@ -56,10 +56,10 @@ def test_per_micro_batch_mean_would_fail(tmp_path):
     so the equivalence test above can fail."""
     from llmft.data import MicroBatchSampler, build_data, collate
     from llmft.data.sampler import GlobalOrder
+    from llmft.data.tokenizer import load_tokenizer
     from llmft.model.build import build_model
     from llmft.plan.batch import BatchPlan
     from llmft.recipe import load_recipe
-    from llmft.tokenizer import load_tokenizer
 
     recipe_path = write_recipe(tmp_path / "naive")
     ref_w, _ = _run(tmp_path, 8)

@@ -74,11 +74,11 @@ def trained(tmp_path_factory) -> Trained:
 @pytest.fixture(scope="module")
 def engine(trained):
     """A single-process engine built as ``llmft train`` builds it (its weights are overwritten by each load)."""
-    from llmft.dist import read_env
+    from llmft.data.tokenizer import load_tokenizer
     from llmft.engines import build_engine
-    from llmft.optim import build_optimizer
+    from llmft.job.dist import read_env
     from llmft.plan.resolve import load_plan
-    from llmft.tokenizer import load_tokenizer
+    from llmft.training.optim import build_optimizer
 
     plan = load_plan(str(trained.recipe), [], world_size=1, local_world_size=1)
     return build_engine(
@@ -252,7 +252,7 @@ def resume(recipe: Path, run: Path, engine) -> Path | None:
     from llmft.checkpoint.layout import TrainerState, saved_optimizer
     from llmft.checkpoint.manager import CheckpointManager
     from llmft.checkpoint.resume import check_resume_compatible, resume_point
-    from llmft.dist import read_env
+    from llmft.job.dist import read_env
     from llmft.plan.resolve import load_plan
 
     plan = load_plan(str(recipe), [f"run.output_dir={run}"], world_size=1, local_world_size=1)

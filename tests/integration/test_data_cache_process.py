@@ -7,7 +7,7 @@ from helpers import data_recipe, rows, write_jsonl
 
 import llmft
 from llmft.data import build_data
-from llmft.tokenizer import byte_tokenizer
+from llmft.data.tokenizer import byte_tokenizer
 
 
 def test_a_rank_maps_the_cache_with_numpy_alone_and_the_file_stays_arrow(tmp_path):

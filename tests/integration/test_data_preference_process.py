@@ -9,8 +9,8 @@ from pathlib import Path
 from helpers import as_lists
 
 from llmft.data import build_data
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.recipe.schema import Recipe
-from llmft.tokenizer import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

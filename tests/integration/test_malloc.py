@@ -1,4 +1,4 @@
-"""llmft sets glibc's mmap threshold itself, phase by phase (llmft/malloc.py).
+"""llmft sets glibc's mmap threshold itself, phase by phase (llmft/job/malloc.py).
 
 By default glibc raises the threshold to the size of every mapped block that is freed, so after a
 16 MiB tensor is freed an 8 MiB one comes from the heap. While a model loads (and through an
@@ -54,10 +54,11 @@ if mode == "cli":
     from llmft import cli
     cli.main(["train", "/nonexistent.yaml"])  # a user error: the allocator is set before it
 elif mode == "call":
-    from llmft.malloc import use_mmap_for_large_blocks
+    from llmft.job.malloc import use_mmap_for_large_blocks
     got["set_here"] = use_mmap_for_large_blocks()
 elif mode == "train":  # a real `llmft train`: the threshold where the steps start
-    from llmft import cli, run
+    from llmft import cli
+    from llmft.training import run
     loop = run.train_loop
 
     def probed(*a, **k):
@@ -67,7 +68,7 @@ elif mode == "train":  # a real `llmft train`: the threshold where the steps sta
     run.train_loop = probed
     assert cli.main(["train", sys.argv[2]]) == 0
 elif mode == "settle-alone":  # a library caller that never set the loading threshold
-    from llmft.malloc import settle_for_steps
+    from llmft.job.malloc import settle_for_steps
     got["set_here"] = settle_for_steps()
 got.update(probe())
 print(json.dumps(got))

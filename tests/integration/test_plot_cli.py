@@ -7,7 +7,7 @@ import pytest
 from helpers import PLOT_ROWS, write_metrics
 
 from llmft.errors import UserError
-from llmft.plot import plot_run
+from llmft.metrics.plot import plot_run
 
 
 def test_cli_writes_a_png(tmp_path):

@@ -16,7 +16,7 @@ from helpers import ROOT, write_recipe
 
 CHECK = """
 import sys
-from llmft.train import train
+from llmft.training.train import train
 code = train(sys.argv[1], sys.argv[2:])
 print("DEEPSPEED_IMPORTED", "deepspeed" in sys.modules)
 sys.exit(code)

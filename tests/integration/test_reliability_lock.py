@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
+from llmft.checkpoint.rundir import RunDirLock
 from llmft.errors import UserError
-from llmft.rundir import RunDirLock
 
 
 def test_lock_of_a_killed_process_is_free(tmp_path):
     """flock dies with its process (kill -9 included): a requeued job is never blocked by a stale lock."""
     code = (
         "import os, sys, time; sys.path.insert(0, sys.argv[2]);"
-        "from llmft.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True);"
+        "from llmft.checkpoint.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True);"
         "time.sleep(60)"
     )
     proc = subprocess.Popen(
@@ -42,7 +42,7 @@ def test_lock_of_a_killed_process_is_free_though_its_forked_child_lives_on(tmp_p
 
     code = (
         "import os, sys, time; sys.path.insert(0, sys.argv[2]);"
-        "from llmft.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire();"
+        "from llmft.checkpoint.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire();"
         "r, w = os.pipe(); child = os.fork()\n"
         "if child == 0:\n"
         "    os.write(w, b'1'); import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)\n"

@@ -235,7 +235,7 @@ def test_a_plan_file_that_breaks_the_batch_equation_is_refused_naming_it(tmp_pat
 def test_a_checkpoint_without_a_plan_file_resumes_and_exports(tmp_path, monkeypatch, capsys, kind):
     """tests/fixtures/checkpoints-v1: written by llmft before checkpoints held plan.yaml (the step's
     recipe.yaml is then the resolved recipe, and trainer_state.json holds the batch)."""
-    from llmft.export import export_model_dir
+    from llmft.export.export import export_model_dir
 
     work = tmp_path / kind
     shutil.copytree(ROOT / "tests/fixtures/checkpoints-v1" / kind, work)

@@ -24,8 +24,8 @@ from helpers import (
     train_inproc,
 )
 
-from llmft.consolidate import load_checkpoint_model
-from llmft.export import export
+from llmft.export.consolidate import load_checkpoint_model
+from llmft.export.export import export
 
 PAIRS = ROOT / "data/preference/train.jsonl"
 

@@ -73,7 +73,7 @@ def _recipe(tmp_path, *overrides):
 
 
 def test_missing_extra_names_what_to_install(tracker_env, monkeypatch):
-    from llmft.tracking import check_available
+    from llmft.metrics.trackers import check_available
 
     tmp_path = tracker_env
 
@@ -90,7 +90,7 @@ def test_missing_extra_names_what_to_install(tracker_env, monkeypatch):
 def test_mlflow_default_store_needs_the_full_package(tmp_path, monkeypatch):
     from importlib.util import find_spec
 
-    from llmft.tracking import check_available
+    from llmft.metrics.trackers import check_available
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     recipe = _recipe(tmp_path, "run.trackers=[mlflow]")
@@ -115,7 +115,7 @@ def test_missing_extra_fails_before_any_model_is_loaded(tmp_path):
 
 
 def test_tensorboard_false_still_switches_it_off(tmp_path):
-    from llmft.tracking import selected
+    from llmft.metrics.trackers import selected
 
     assert selected(_recipe(tmp_path)) == []  # helpers' recipe: run.tensorboard false
     assert selected(_recipe(tmp_path, "run.tensorboard=true")) == ["tensorboard"]
@@ -308,7 +308,7 @@ def test_a_tracker_that_cannot_start_is_a_warning(tracker_env, monkeypatch, capf
 def test_a_tracker_that_fails_to_send_is_dropped_after_warnings(tracker_env):
     import shutil
 
-    from llmft.tracking import MAX_FAILURES, Trackers
+    from llmft.metrics.trackers import MAX_FAILURES, Trackers
 
     tmp = tracker_env
     recipe = _recipe(tmp, "run.trackers=[mlflow,tensorboard]", "run.tensorboard=true")

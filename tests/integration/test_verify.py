@@ -18,7 +18,7 @@ from helpers import ROOT, write_recipe
 from llmft.cli import main
 from llmft.errors import UserError
 from llmft.plan.batch import BatchPlan
-from llmft.verify import _big_batch_grads, check_gradients, load_for_verify, render, verify
+from llmft.training.verify import _big_batch_grads, check_gradients, load_for_verify, render, verify
 
 TOLERANCE = 1e-4
 

@@ -1,4 +1,4 @@
-"""The stall watchdog (llmft.watchdog) in a process of its own: it ends a rank that makes no progress
+"""The stall watchdog (llmft.job.watchdog) in a process of its own: it ends a rank that makes no progress
 for ``distributed.timeout_s`` with its step, phase, collective and every thread's stack (exit 124),
 and leaves alone a rank that is busy in eval or a checkpoint (their collectives are timed instead).
 The multi-rank cases (a rank asleep in a collective, a rank frozen by SIGSTOP) are
@@ -15,7 +15,7 @@ from helpers import ROOT
 STALL = textwrap.dedent(
     """
     import time
-    from llmft import watchdog
+    from llmft.job import watchdog
 
     def wait_for_the_peer():
         with watchdog.collective("all_reduce"):
@@ -30,7 +30,7 @@ STALL = textwrap.dedent(
 BUSY = textwrap.dedent(
     """
     import time
-    from llmft import watchdog
+    from llmft.job import watchdog
 
     w = watchdog.start(timeout_s=1, rank=0)
     watchdog.progress(2, "the optimizer step")
@@ -71,7 +71,7 @@ SPIN = textwrap.dedent(
     """
     import sys, threading, time
     import torch
-    from llmft.dist import leave_process
+    from llmft.job.dist import leave_process
 
     t = torch.randn(200_000)
 

@@ -10,8 +10,8 @@ from helpers import default_recipe, write_jsonl
 
 from llmft.data import build_data
 from llmft.data.encode import IGNORE_INDEX
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.errors import UserError
-from llmft.tokenizer import byte_tokenizer
 
 CHAT = {
     "messages": [

@@ -14,10 +14,10 @@ from llmft.cli import main
 from llmft.data import MicroBatchSampler, build_data
 from llmft.data.mixture import MixedDataset
 from llmft.data.sampler import GlobalOrder
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.data.tokens import TokenDataset
 from llmft.errors import UserError
 from llmft.plan.batch import BatchPlan
-from llmft.tokenizer import byte_tokenizer
 
 
 @pytest.fixture

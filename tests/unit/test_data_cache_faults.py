@@ -18,11 +18,11 @@ from llmft.data import build_data
 from llmft.data import cache as cache_module
 from llmft.data import shards as shards_module
 from llmft.data.cache import BUILD_SUFFIX, CHECKSUM_BLOCK, Damaged, check_entry
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.data.tokens import TokenDataset
 from llmft.errors import UserError
 from llmft.recipe.schema import Recipe
 from llmft.stop import STOPPED_EXIT_CODE, Stopped, StopRequest
-from llmft.tokenizer import byte_tokenizer
 
 
 def write_jsonl(path, records):

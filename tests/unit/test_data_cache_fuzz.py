@@ -32,9 +32,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmft.data import build_data
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.errors import UserError
 from llmft.recipe.schema import Recipe
-from llmft.tokenizer import byte_tokenizer
 
 FAST_EXAMPLES = 200
 SLOW_EXAMPLES = 500

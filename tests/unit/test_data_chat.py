@@ -9,9 +9,9 @@ import pytest
 from llmft.data import build_data
 from llmft.data.encode import IGNORE_INDEX, Encoder
 from llmft.data.records import BadRecord, parse_record
+from llmft.data.tokenizer import BUILTIN_TEMPLATES, byte_tokenizer
 from llmft.errors import UserError
 from llmft.recipe.schema import Recipe
-from llmft.tokenizer import BUILTIN_TEMPLATES, byte_tokenizer
 
 FOREIGN = (
     "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n\n{% endfor %}"

@@ -5,7 +5,7 @@ from transformers import PreTrainedTokenizerFast
 
 from llmft.data.encode import Encoder
 from llmft.data.records import parse_record
-from llmft.tokenizer import byte_tokenizer
+from llmft.data.tokenizer import byte_tokenizer
 
 TEXTS = ["hello world", "", "  spaces  and\ttabs\n", "é中 unicode", "a literal <eos> inside", "x" * 300]
 

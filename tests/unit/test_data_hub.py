@@ -13,9 +13,9 @@ import os
 import pytest
 
 from llmft.data import build_data
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.errors import UserError
 from llmft.recipe.schema import Recipe
-from llmft.tokenizer import byte_tokenizer
 
 TRAIN = [{"text": f"train record {i} " + "x" * (i % 7)} for i in range(40)]
 TEST = [{"text": f"test record {i}"} for i in range(10)]

@@ -11,9 +11,9 @@ from helpers import metrics, train_inproc, write_data, write_recipe
 
 from llmft.data import build_data
 from llmft.data.sampler import ProbabilityOrder, largest_remainder
+from llmft.data.tokenizer import load_tokenizer
 from llmft.errors import UserError
 from llmft.recipe import load_recipe
-from llmft.tokenizer import load_tokenizer
 
 W = ProbabilityOrder.WINDOW
 

@@ -11,9 +11,9 @@ from helpers import tiny_llama_model
 from llmft.data import build_data, collate, count_targets
 from llmft.data.encode import IGNORE_INDEX, Example
 from llmft.data.pack import pack, plan_rows
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.data.tokens import TokenDataset
 from llmft.recipe.schema import Recipe
-from llmft.tokenizer import byte_tokenizer
 
 PAD = 256
 

@@ -14,9 +14,9 @@ from llmft.data.cache import CACHE_FORMAT
 from llmft.data.encode import IGNORE_INDEX, Encoder
 from llmft.data.pairs import parse_pair, truncate_pair
 from llmft.data.records import BadRecord, Chat, PromptCompletion, parse_chat, parse_record
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.errors import UserError
 from llmft.recipe.schema import Recipe
-from llmft.tokenizer import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 PAIR = {"prompt": "reverse: abc\n", "chosen": "cba", "rejected": "abc"}

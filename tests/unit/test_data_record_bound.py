@@ -12,8 +12,8 @@ import pytest
 from llmft.data import build_data
 from llmft.data.encode import CUT_MARGIN, Encoder, max_token_chars
 from llmft.data.records import parse_record
+from llmft.data.tokenizer import CHAT_TEMPLATE, byte_tokenizer
 from llmft.recipe.schema import Recipe
-from llmft.tokenizer import CHAT_TEMPLATE, byte_tokenizer
 
 L = 32  # max_seq_len
 

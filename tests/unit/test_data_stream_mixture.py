@@ -14,9 +14,9 @@ from llmft.checkpoint.layout import TrainerState
 from llmft.data import build_data
 from llmft.data.sampler import ProbabilityOrder
 from llmft.data.stream import MixedStream
+from llmft.data.tokenizer import load_tokenizer
 from llmft.errors import UserError
 from llmft.recipe import load_recipe
-from llmft.tokenizer import load_tokenizer
 
 
 def _recipe(root: Path, **over) -> Path:

@@ -15,13 +15,13 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from llmft.checkpoint.layout import TrainerState
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.errors import UserError
-from llmft.export import BASE_DIR, export, export_model_dir
+from llmft.export.export import BASE_DIR, export, export_model_dir
 from llmft.model.build import build_model, load_base_model
 from llmft.model.quant import keep_4bit_layout
 from llmft.model.save import save_base_model, save_model_dir
 from llmft.recipe import load_recipe, to_yaml
-from llmft.tokenizer import byte_tokenizer
 
 TINY = {
     "model_type": "llama",

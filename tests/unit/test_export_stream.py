@@ -1,4 +1,4 @@
-"""Memory-bounded export (llmft/export.py ``stream_model``): merged and full exports are written
+"""Memory-bounded export (llmft/export/export.py ``stream_model``): merged and full exports are written
 one weight file at a time from the base's (or checkpoint's) shards, never building the model.
 
 A tiny Llama saved in 4 shards; a LoRA adapter (with a trained head copy) trained a few steps.
@@ -14,8 +14,8 @@ import torch
 from helpers import train_inproc, write_recipe
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from llmft import export as export_mod
-from llmft.export import export_model_dir, weight_files
+from llmft.export import export as export_mod
+from llmft.export.export import export_model_dir, weight_files
 
 TINY = {
     "model_type": "llama",
@@ -30,7 +30,7 @@ TINY = {
 
 @pytest.fixture(scope="module")
 def sharded_base(tmp_path_factory):
-    from llmft.tokenizer import byte_tokenizer
+    from llmft.data.tokenizer import byte_tokenizer
 
     root = tmp_path_factory.mktemp("stream")
     torch.manual_seed(0)

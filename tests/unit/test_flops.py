@@ -1,6 +1,6 @@
 import pytest
 
-from llmft.flops import PEAK_BF16_TFLOPS, flops_per_token, mfu, peak_flops
+from llmft.metrics.flops import PEAK_BF16_TFLOPS, flops_per_token, mfu, peak_flops
 from llmft.plan.shape import ModelShape
 
 TINY = dict(

@@ -224,7 +224,7 @@ def _run(command: str, data: bytes, items: list[str], opts: list[str] = ()) -> i
                 # train: everything before the process group is the load/validate phase; the
                 # compiler probe of model.compile=true keeps torch's cache in the example's dir
                 with (
-                    mock.patch("llmft.train.init_distributed", side_effect=_Validated),
+                    mock.patch("llmft.training.train.init_distributed", side_effect=_Validated),
                     mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": str(Path(root, "inductor"))}),
                 ):
                     try:
@@ -261,7 +261,7 @@ SLOW = settings(max_examples=500, derandomize=False, print_blob=True, **COMMON)
 @pytest.fixture(scope="module", autouse=True)
 def _warm():
     """Import what the commands import before auditing (a first import may write __pycache__)."""
-    import llmft.train  # noqa: F401
+    import llmft.training.train  # noqa: F401
 
     sys.dont_write_bytecode, old = True, sys.dont_write_bytecode
     os.environ.pop("LLMFT_FUZZ_UNSET", None)

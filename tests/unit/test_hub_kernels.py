@@ -18,13 +18,13 @@ from transformers import PreTrainedModel
 from transformers import modeling_utils as hf_modeling
 from transformers.integrations import hub_kernels
 
-from llmft.consolidate import load_checkpoint_model
-from llmft.export import export
+from llmft.data.tokenizer import byte_tokenizer
+from llmft.export.consolidate import load_checkpoint_model
+from llmft.export.export import export
 from llmft.model.build import build_model
 from llmft.plan.report import plan_command
 from llmft.recipe import load_recipe
-from llmft.tokenizer import byte_tokenizer
-from llmft.verify import check_gradients, load_for_verify
+from llmft.training.verify import check_gradients, load_for_verify
 
 
 class HubKernelsAsked(Exception):

@@ -1,4 +1,4 @@
-"""Speed switches on CPU (llmft/model/kernels.py, llmft/plan/kernels.py, llmft/optim.py): each one computes what the torch path
+"""Speed switches on CPU (llmft/model/kernels.py, llmft/plan/kernels.py, llmft/training/optim.py): each one computes what the torch path
 computes, and what cannot run here is refused with a message that names the key.
 
 - packed rows under a varlen attention kernel: the boundaries llmft passes (``cu_seq_lens``) give
@@ -187,9 +187,9 @@ def test_compile_composes_with_lora_and_gradient_checkpointing(tmp_path):
 def test_compile_wraps_each_decoder_layer_and_keeps_names(tmp_path):
     import dataclasses
 
+    from llmft.data.tokenizer import load_tokenizer
     from llmft.model.build import prepare_model
     from llmft.plan.resolve import load_plan
-    from llmft.tokenizer import load_tokenizer
 
     plan = load_plan(str(write_recipe(tmp_path, peft__method="lora", model__compile=True)), [])
     recipe = plan.recipe
@@ -307,8 +307,8 @@ def test_compile_and_liger_pick_one_path_per_module(tmp_path, compile_, liger, p
     assert kernel_paths_line(m) == line
     from types import SimpleNamespace
 
-    from llmft.dist import DistEnv
-    from llmft.report import banner
+    from llmft.job.dist import DistEnv
+    from llmft.training.report import banner
 
     plan = load_plan(str(tmp_path / "recipe.yaml"), [])
     engine, data = SimpleNamespace(unwrap=lambda: torch.nn.Linear(2, 2)), SimpleNamespace(train=range(9), num_rows=9)
@@ -324,8 +324,8 @@ def test_liger_is_asked_for_the_layer_kernels_only_where_layers_are_not_compiled
     import sys
     import types
 
+    from llmft.data.tokenizer import byte_tokenizer
     from llmft.model.build import build_model
-    from llmft.tokenizer import byte_tokenizer
 
     asked: list[dict] = []
     patcher = types.ModuleType("liger_kernel.transformers.monkey_patch")
@@ -347,7 +347,7 @@ def test_liger_is_asked_for_the_layer_kernels_only_where_layers_are_not_compiled
 
 
 def test_fused_adamw_only_on_cuda_and_same_update():
-    from llmft.optim import adamw_implementation
+    from llmft.training.optim import adamw_implementation
 
     cpu = [{"params": [torch.nn.Parameter(torch.zeros(3))]}]
     assert adamw_implementation(cpu) == {"foreach": None}  # CPU runs keep their numerics

@@ -17,10 +17,10 @@ import transformers.quantizers.quantizer_bnb_4bit as hf_bnb4
 import yaml
 from helpers import TINY_LLAMA, save_tiny_pretrained
 
+from llmft.data.tokenizer import byte_tokenizer, load_tokenizer
 from llmft.errors import ARCHITECTURE, DAMAGED, HUB_KERNELS, OFFLINE, OTHER, PACKAGE, UserError, cause_kind
 from llmft.model.build import build_model
 from llmft.recipe import load_recipe
-from llmft.tokenizer import byte_tokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ from helpers import TINY_LLAMA, write_recipe
 from test_memory_measured import PeakLiveBytes, build, micro_step
 from torch.utils._python_dispatch import _disable_current_modes
 
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.model.build import build_model
 from llmft.plan.resolve import load_plan
 from llmft.recipe import RecipeError
-from llmft.tokenizer import byte_tokenizer
 
 H, LAYERS, INTERMEDIATE = TINY_LLAMA["hidden_size"], TINY_LLAMA["num_hidden_layers"], TINY_LLAMA["intermediate_size"]
 SEQ = 200  # > 3 x hidden: 4 tiles of 50 tokens, the last one shorter than the others is not needed
@@ -318,7 +318,7 @@ def test_tiled_mlp_replays_autocast_in_backward(tmp_path):
         with autocast_for(torch.bfloat16, torch.device("cpu")):
             loss = model(**b).loss
         forward_calls = len(states)
-        loss.backward()  # outside autocast, as llmft.loop does
+        loss.backward()  # outside autocast, as llmft.training.loop does
         grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
     assert forward_calls == 4 and len(states) == 8 and all(states), states  # 4 tiles, each run twice
     want, got = grads

@@ -1,4 +1,4 @@
-"""Chunked loss (llmft/loss.py, model.chunked_loss): the same loss and gradients as transformers'
+"""Chunked loss (llmft/model/loss.py, model.chunked_loss): the same loss and gradients as transformers'
 plain path, to 1e-6 relative, on a tiny Llama, with and without LoRA; the planner counts one chunk."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import TINY_LLAMA
 
-from llmft import loss
+from llmft.model import loss
 from llmft.objectives.sft import micro_loss
 from llmft.plan import memory
 from llmft.plan.resolve import resolve
@@ -58,8 +58,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("method", ["none", "lora"])
 @pytest.mark.parametrize("num_items", [None, 123.0], ids=["token_mean", "global_count"])
 def test_chunked_loss_equals_plain(tmp_path, method, num_items):
+    from llmft.data.tokenizer import byte_tokenizer
     from llmft.model.build import build_model
-    from llmft.tokenizer import byte_tokenizer
 
     recipe = _recipe(tmp_path, f"peft.method={method}")
     plain = build_model(recipe, byte_tokenizer())
@@ -84,8 +84,8 @@ def test_chunked_loss_equals_plain(tmp_path, method, num_items):
 
 def test_chunks_are_recomputed_not_kept(tmp_path):
     """Forward keeps no logits: the tensors saved for backward hold no (rows x vocab) block."""
+    from llmft.data.tokenizer import byte_tokenizer
     from llmft.model.build import build_model
-    from llmft.tokenizer import byte_tokenizer
 
     model = build_model(_recipe(tmp_path), byte_tokenizer())
     loss.install(model, chunk_tokens=CHUNK)
@@ -119,8 +119,8 @@ def test_plan_decides_and_planner_counts_one_chunk(tmp_path, monkeypatch):
 def test_qlora_keeps_frozen_weights_in_the_compute_dtype(tmp_path):
     """One GPU first (docs/qlora.md): a bf16 QLoRA model on the single engine has no fp32 copy of a frozen
     weight (norms, embedding, head stay bf16); only the trained adapters are fp32."""
+    from llmft.data.tokenizer import byte_tokenizer
     from llmft.model.build import prepare_model
-    from llmft.tokenizer import byte_tokenizer
 
     plan = resolve(_recipe(tmp_path, "model.dtype=bf16", "model.quantization={bits: 4}", "peft.method=lora"))
     assert plan.engine == "single"
@@ -136,10 +136,10 @@ def test_bf16_frozen_weights_keep_the_loss_of_an_fp32_reference(tmp_path):
     chunk's cross-entropy in fp32. Against the same weights all in fp32, the loss agrees to bf16's
     rounding of the matmuls (measured 1.1e-5 relative; bound 1e-2) and is an fp32 number, and so do
     the adapters' gradients (measured 1.1e-2; bound 0.1)."""
+    from llmft.data.tokenizer import byte_tokenizer
     from llmft.engines import autocast_for
     from llmft.model.build import build_model
     from llmft.model.precision import upcast_trainable
-    from llmft.tokenizer import byte_tokenizer
 
     model = build_model(_recipe(tmp_path, "model.dtype=bf16", "peft.method=lora"), byte_tokenizer())
     upcast_trainable(model)

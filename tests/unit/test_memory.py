@@ -226,7 +226,7 @@ def test_train_refuses_a_run_that_cannot_fit_before_loading(base, monkeypatch):
     """gpu_memory_gb set and the planner says no: `llmft train` fails with the numbers and the
     settings that would fit, before any model or data is touched."""
     from llmft.model import build as model_mod
-    from llmft.train import train
+    from llmft.training.train import train
 
     monkeypatch.setattr(model_mod, "build_model", lambda *a, **k: pytest.fail("loaded a model"))
     overrides = ["distributed.engine=fsdp", "distributed.gpu_memory_gb=80", "batch.micro_batch_size=8"]
@@ -297,8 +297,8 @@ def test_host_memory_per_rank_is_loading_with_a_gpu_and_the_step_too_on_a_cpu(ba
 
 def test_the_steps_mmap_threshold_keeps_gathered_weights_mapped(base):
     """Single and DDP steps reuse the heap (32 MiB, fixed); FSDP2 and ZeRO-3 gather weights every
-    step and keep 64 KiB, so a released one leaves the resident set (llmft/malloc.py)."""
-    from llmft.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
+    step and keep 64 KiB, so a released one leaves the resident set (llmft/job/malloc.py)."""
+    from llmft.job.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
     from llmft.plan.memory import step_mmap_threshold
 
     assert step_mmap_threshold(load(base, "peft.method=lora", "distributed.engine=fsdp", nproc=8)) == MMAP_THRESHOLD

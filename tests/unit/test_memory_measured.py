@@ -33,12 +33,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from llmft.dist import DistEnv
+from llmft.data.tokenizer import load_tokenizer
 from llmft.engines.single import SingleEngine
-from llmft.optim import build_optimizer
+from llmft.job.dist import DistEnv
 from llmft.plan.memory import estimate_memory
 from llmft.plan.resolve import load_plan
-from llmft.tokenizer import load_tokenizer
+from llmft.training.optim import build_optimizer
 
 OVER_COUNT, UNDER_COUNT = 0.25, 0.10  # measured / estimate must lie in [1 - OVER_COUNT, 1 + UNDER_COUNT]
 
@@ -92,7 +92,7 @@ def build(tmp_path, *overrides: str):
 
 
 def micro_step(engine, batch) -> None:
-    """What llmft.loop does for one micro-batch (fp32 on CPU: autocast is a no-op)."""
+    """What llmft.training.loop does for one micro-batch (fp32 on CPU: autocast is a no-op)."""
     num_items = torch.tensor(float(batch["labels"][:, 1:].numel()))
     with engine.micro_step(True), engine.autocast():
         loss = engine.model(**batch, num_items_in_batch=num_items, use_cache=False).loss

@@ -9,11 +9,11 @@ import pytest
 import torch
 import yaml
 
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.errors import UserError
 from llmft.model.build import build_model, warn_batchnorm
 from llmft.model.structure import decoder_layer_classes, describe, param_counts
 from llmft.recipe import load_recipe
-from llmft.tokenizer import byte_tokenizer
 
 TINY = {
     "model_type": "llama",

@@ -5,7 +5,7 @@ clean user error with the export left complete)."""
 
 from __future__ import annotations
 
-from llmft.modelcard import _base_license, card_facts, render
+from llmft.export.modelcard import _base_license, card_facts, render
 
 
 def test_hub_base_and_license_go_to_the_front_matter(lora_run, tmp_path):

@@ -182,14 +182,14 @@ def test_preference_config_defaults_are_the_contract():
 def test_the_loop_never_names_an_objective():
     names = "|".join(OBJECTIVE_NAMES)
     pattern = re.compile(rf"""["']({names})["']""")
-    for path in ("llmft/loop.py", "llmft/run.py", "llmft/evaluate.py"):
+    for path in ("llmft/training/loop.py", "llmft/training/run.py", "llmft/training/evaluate.py"):
         hits = [line for line in (ROOT / path).read_text().splitlines() if pattern.search(line.split("#")[0])]
         assert not hits, f"{path}: {hits}"
 
 
 def test_verify_checks_preference_runs_by_their_count(tmp_path):
     """llmft verify takes dpo and reward recipes (tests/integration/test_verify.py runs them)."""
-    from llmft.verify import load_for_verify
+    from llmft.training.verify import load_for_verify
 
     path = tmp_path / "recipe.yaml"
     path.write_text(RECIPE)
@@ -213,8 +213,8 @@ def test_the_banner_counts_what_the_objective_reads(tmp_path, overrides, expecte
 
     import torch
 
-    from llmft.dist import DistEnv
-    from llmft.report import banner
+    from llmft.job.dist import DistEnv
+    from llmft.training.report import banner
 
     plan = _plan(tmp_path, *overrides)
     engine = SimpleNamespace(unwrap=lambda: torch.nn.Linear(2, 2))

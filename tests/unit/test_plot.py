@@ -2,7 +2,7 @@ import pytest
 from helpers import PLOT_ROWS, write_metrics
 
 from llmft.errors import UserError
-from llmft.plot import panels, plot_run, read_metrics
+from llmft.metrics.plot import panels, plot_run, read_metrics
 
 
 def test_later_row_of_a_step_wins(tmp_path):
@@ -31,7 +31,7 @@ def _train_rows(losses, lr=1e-3):
 
 
 def test_runs_overlay_and_table(tmp_path):
-    from llmft.plot import compare_runs
+    from llmft.metrics.plot import compare_runs
 
     write_metrics(tmp_path / "a/run", _train_rows([4.0, 3.0, 2.0, 1.0]) + [{"split": "eval", "step": 4, "loss": 1.5}])
     write_metrics(tmp_path / "b/run", _train_rows([4.0, 3.0, 2.0, 1.0]))
@@ -50,7 +50,7 @@ def test_runs_overlay_and_table(tmp_path):
 
 
 def test_runs_labels_must_match(tmp_path):
-    from llmft.plot import compare_runs
+    from llmft.metrics.plot import compare_runs
 
     write_metrics(tmp_path / "a", _train_rows([1.0]))
     with pytest.raises(UserError, match="--labels: gives 2 label"):

@@ -29,7 +29,7 @@ from preference_batches import (
     sequences,
 )
 
-from llmft.dist import DistEnv
+from llmft.job.dist import DistEnv
 from llmft.objectives import build_objective
 from llmft.objectives.preference import pair_losses
 from llmft.objectives.sequences import sequence_logps
@@ -232,9 +232,9 @@ def test_rewards_are_zero_at_the_start_and_dropout_is_off(tmp_path):
 
 
 def _engine(plan):
+    from llmft.data.tokenizer import load_tokenizer
     from llmft.engines import build_engine
-    from llmft.optim import build_optimizer
-    from llmft.tokenizer import load_tokenizer
+    from llmft.training.optim import build_optimizer
 
     optim = plan.recipe.optim
     return build_engine(plan, DistEnv(), load_tokenizer(plan.recipe.model), lambda m: build_optimizer(m, optim, 1.0))
@@ -306,9 +306,9 @@ def test_resume_is_bit_exact(tmp_path, method):
 
 def test_eval_reports_the_pair_mean_loss_and_reward_metrics(tmp_path):
     """Eval over 5 held-out pairs in micro-batches of 2 (2 + 2 + 1) equals the objective on all 5 at once."""
-    from llmft.evaluate import Evaluator
+    from llmft.data.tokenizer import load_tokenizer
     from llmft.objectives import build_objective
-    from llmft.tokenizer import load_tokenizer
+    from llmft.training.evaluate import Evaluator
 
     plan = _plan(tmp_path, "sigmoid", "lora", 2)
     engine = _engine(plan)

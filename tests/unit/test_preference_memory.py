@@ -1,6 +1,6 @@
 """Memory of a preference run: the planner counts 2 sequences per pair and the reference model
 (llmft/plan/memory.py, docs/preference.md "Memory"), and the chunked LM head gives the per-sequence
-log-probs without the logits, with the same loss and gradients (llmft/loss.py)."""
+log-probs without the logits, with the same loss and gradients (llmft/model/loss.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from helpers import LLAMA_8B_RECIPE, write_recipe, write_text_recipe
 from preference_batches import collate_pairs, make_pairs, micro_batches, preference_step, rel_diff
 
-from llmft import loss as lm_loss
-from llmft.dist import DistEnv
+from llmft.job.dist import DistEnv
+from llmft.model import loss as lm_loss
 from llmft.objectives.sequences import predicted_targets, sequence_logps, sum_per_sequence
 from llmft.plan.memory import estimate
 from llmft.plan.report import plan_command

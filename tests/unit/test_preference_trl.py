@@ -51,10 +51,10 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def run_llmft(tmp, model_dir, data, method: str):
     """``llmft train``'s run in this process: initial and final trainable weights, and the token ids
     of every pair in the order the run takes them."""
-    from llmft.dist import read_env
+    from llmft.job.dist import read_env
     from llmft.plan.resolve import load_plan
-    from llmft.run import Run
     from llmft.stop import StopRequest
+    from llmft.training.run import Run
 
     recipe = write_recipe(
         tmp,

@@ -17,9 +17,9 @@ import pytest
 from helpers import write_recipe
 
 from llmft.checkpoint.layout import latest_checkpoint, resolve_checkpoint
+from llmft.checkpoint.rundir import RunDirLock, check_ours, clear_for_fresh_start
 from llmft.checkpoint.verify import DamagedCheckpoint, check_checkpoint, check_safetensors, check_zip
 from llmft.errors import UserError
-from llmft.rundir import RunDirLock, check_ours, clear_for_fresh_start
 
 
 def _step(run: Path, n: int, *, complete: bool = True) -> Path:
@@ -182,8 +182,8 @@ def test_a_trainer_state_whose_batch_breaks_the_equation_is_damaged(tmp_path):
 def test_malformed_jsonl_line_reports_its_real_column(tmp_path):
     """The error names file:line and the column json reports for that line (leading spaces included)."""
     from llmft.data import build_data
+    from llmft.data.tokenizer import byte_tokenizer
     from llmft.recipe import load_recipe
-    from llmft.tokenizer import byte_tokenizer
 
     line = '  {"text": "a", "b": }'
     with pytest.raises(json.JSONDecodeError) as want:
@@ -348,7 +348,7 @@ def test_a_missing_model_folder_is_damage_not_a_file_not_found_mid_resume(tmp_pa
 def test_a_torch_file_with_a_changed_first_byte_is_damage_not_an_index_error(tmp_path):
     """Found by the checkpoint harness: the zip index is intact, but torch.load takes the file for its
     legacy format and fails inside the unpickler."""
-    from llmft.safe_load import torch_load
+    from llmft.checkpoint.safe_load import torch_load
 
     path = _real_files(tmp_path)["pt"]
     data = bytearray(path.read_bytes())
@@ -431,8 +431,8 @@ def test_a_model_config_without_a_model_type_is_damage(tmp_path, config):
 def test_a_checkpoint_tokenizer_that_does_not_load_is_damage(tmp_path, file, damage):
     """Found by the checkpoint harness: export loads the checkpoint's tokenizer (a score head's
     config takes its pad token), and a damaged tokenizer file reached it as a traceback."""
-    from llmft.export import _step_tokenizer
-    from llmft.tokenizer import byte_tokenizer
+    from llmft.data.tokenizer import byte_tokenizer
+    from llmft.export.export import _step_tokenizer
 
     folder = tmp_path / "tokenizer"
     byte_tokenizer().save_pretrained(folder)

@@ -29,15 +29,15 @@ from preference_batches import (
     sequences,
 )
 
-from llmft.dist import DistEnv
+from llmft.data.tokenizer import byte_tokenizer
 from llmft.errors import UserError
+from llmft.job.dist import DistEnv
 from llmft.model.build import build_model
 from llmft.model.heads import initial_head_weights
 from llmft.objectives.reward import RewardObjective, sequence_scores
 from llmft.plan.batch import solve_batch
 from llmft.plan.resolve import resolve
 from llmft.recipe import load_recipe
-from llmft.tokenizer import byte_tokenizer
 
 
 def _plan(tmp_path, method: str, micro: int, *extra: str):
@@ -172,7 +172,7 @@ def test_resolve_accepts_reward_and_refuses_what_it_cannot_do(tmp_path):
 def _run(plan, steps: list[list[dict]], start: int, stop: int, load_from=None, save_to=None):
     """Steps ``start`` .. ``stop`` of a reward run (AdamW) on a new engine (``run_steps``)."""
     from llmft.engines import build_engine
-    from llmft.optim import build_optimizer
+    from llmft.training.optim import build_optimizer
 
     optim = plan.recipe.optim
     engine = build_engine(plan, DistEnv(), byte_tokenizer(), lambda m: build_optimizer(m, optim, optim.lr))

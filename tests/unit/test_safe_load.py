@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from llmft.checkpoint.safe_load import torch_load
 from llmft.engines import safe_dcp
 from llmft.engines.safe_deepspeed import check_deepspeed_files, unexpected_globals
 from llmft.errors import UserError
-from llmft.safe_load import torch_load
 
 
 class WritesMarker:

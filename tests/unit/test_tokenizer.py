@@ -1,9 +1,9 @@
 import pytest
 from transformers import AutoTokenizer
 
+from llmft.data.tokenizer import BYTE_VOCAB_SIZE, SPECIAL_TOKENS, byte_tokenizer, load_tokenizer
 from llmft.errors import UserError
 from llmft.recipe.schema import ModelConfig
-from llmft.tokenizer import BYTE_VOCAB_SIZE, SPECIAL_TOKENS, byte_tokenizer, load_tokenizer
 
 CHAT = [
     {"role": "system", "content": "Be brief"},

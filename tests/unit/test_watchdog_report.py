@@ -1,5 +1,5 @@
-"""What a rank that gives up says about where it was (llmft.watchdog.where) and which errors count as
-a failed collective (llmft.dist.is_comm_failure). The exits themselves: tests/integration/test_watchdog.py
+"""What a rank that gives up says about where it was (llmft.job.watchdog.where) and which errors count as
+a failed collective (llmft.job.dist.is_comm_failure). The exits themselves: tests/integration/test_watchdog.py
 and tests/distributed/test_hangs.py."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from llmft import watchdog
-from llmft.dist import is_comm_failure
+from llmft.job import watchdog
+from llmft.job.dist import is_comm_failure
 
 
 def test_where_names_phase_step_and_the_collective_that_failed():

@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 
 from llmft.checkpoint.layout import TOKENIZER_DIR, TrainerState, resolve_checkpoint
+from llmft.checkpoint.safe_load import without_remote_code
+from llmft.data.tokenizer import load_tokenizer
 from llmft.engines import read_checkpoint
 from llmft.engines.base import trainable_names
 from llmft.model.build import build_model
 from llmft.plan.engines import engine_spec
 from llmft.recipe import Recipe, load_recipe
 from llmft.recipe.load import RECIPE_FILE
-from llmft.safe_load import without_remote_code
-from llmft.tokenizer import load_tokenizer
 
 
 def checkpoint_engine(ckpt: Path) -> str:

@@ -5,11 +5,11 @@ data, engine (model + optimizer), schedule, checkpoints, metrics and eval. ``res
 one place that puts a checkpoint back, in the only order that is exact (docs/design.md):
 trainer state -> sample position -> engine weights and optimizer -> schedule -> RNG, the RNG
 last because creating the data iterator draws from it. ``fit`` runs the loop
-(``llmft.loop``: one iteration = one optimizer step).
+(``llmft.training.loop``: one iteration = one optimizer step).
 
 ``Run`` is wiring: which checkpoint to resume and whether this recipe may continue it are
 ``llmft.checkpoint.resume``, the base model of a PEFT run ``llmft.model.base_model``, what
-the run tells its user (banner, progress bar, MFU, final report) ``llmft.report``.
+the run tells its user (banner, progress bar, MFU, final report) ``llmft.training.report``.
 
 Tests instrument a run through ``RunHooks`` (``install_hooks``), never through the environment.
 """
@@ -29,27 +29,27 @@ import torch
 from llmft.checkpoint.layout import TrainerState, latest_checkpoint, saved_optimizer
 from llmft.checkpoint.manager import CheckpointManager, SaveHooks, set_rng_state
 from llmft.checkpoint.resume import check_resume_compatible, intent_yaml, plan_yaml, resume_point, resume_schedule
+from llmft.checkpoint.rundir import RunDirLock, check_ours, clear_for_fresh_start, mark
 from llmft.data import MicroBatchSampler, build_data, make_loader
 from llmft.data.sequence import sequence_slice
-from llmft.dist import DistEnv, barrier, broadcast_object
+from llmft.data.tokenizer import load_tokenizer
 from llmft.engines import Engine, build_engine
 from llmft.errors import Problem, UserError
-from llmft.evaluate import Evaluator
-from llmft.loop import LoopConfig, LoopHooks, LoopState, train_loop
-from llmft.malloc import settle_for_steps
-from llmft.metrics import Metrics
+from llmft.job.dist import DistEnv, barrier, broadcast_object
+from llmft.job.malloc import settle_for_steps
+from llmft.metrics.record import Metrics
+from llmft.metrics.trackers import run_info
 from llmft.model.base_model import save_base_once
 from llmft.objectives import ObjectiveSetup, build_objective
-from llmft.optim import build_optimizer, build_scheduler, scaled_lr
 from llmft.plan.layout import RunPlan
 from llmft.plan.memory import step_mmap_threshold
 from llmft.recipe import to_yaml
 from llmft.recipe.load import RECIPE_FILE
-from llmft.report import ProgressBar, banner, extra_metrics, report_done, versions
-from llmft.rundir import RunDirLock, check_ours, clear_for_fresh_start, mark
 from llmft.stop import STOPPED_EXIT_CODE, StopRequest
-from llmft.tokenizer import load_tokenizer
-from llmft.tracking import run_info
+from llmft.training.evaluate import Evaluator
+from llmft.training.loop import LoopConfig, LoopHooks, LoopState, train_loop
+from llmft.training.optim import build_optimizer, build_scheduler, scaled_lr
+from llmft.training.report import ProgressBar, banner, extra_metrics, report_done, versions
 
 log = logging.getLogger("llmft")
 
@@ -251,7 +251,7 @@ class Run:
             eval_every=recipe.train.eval_every_steps,
             checkpoint_every=recipe.checkpoint.every_steps,
         )
-        settle_for_steps(step_mmap_threshold(self.plan))  # loading is done: the steps' threshold (llmft/malloc.py)
+        settle_for_steps(step_mmap_threshold(self.plan))  # loading is done: the steps' threshold (llmft/job/malloc.py)
         try:
             args = (self.engine, self.objective, self.scheduler, self.batches, self.plan.batch, self.env, loop_cfg)
             self.state = train_loop(*args, self.state, hooks, self.stop)

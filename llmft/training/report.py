@@ -13,10 +13,10 @@ from typing import Any, Callable
 import torch
 
 from llmft.checkpoint.layout import latest_checkpoint
-from llmft.dist import DistEnv
 from llmft.engines import Engine
-from llmft.flops import flops_per_token, mfu, peak_flops
-from llmft.loop import LoopState
+from llmft.job.dist import DistEnv
+from llmft.metrics.flops import flops_per_token, mfu, peak_flops
+from llmft.metrics.plot import plot_run
 from llmft.model import attention
 from llmft.model.structure import describe
 from llmft.plan.kernels import kernel_paths_line
@@ -24,7 +24,7 @@ from llmft.plan.layout import RunPlan
 from llmft.plan.report import kernels_line
 from llmft.plan.resolve import describe_engine
 from llmft.plan.shape import model_shape
-from llmft.plot import plot_run
+from llmft.training.loop import LoopState
 
 log = logging.getLogger("llmft")
 

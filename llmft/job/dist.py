@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from llmft import watchdog
 from llmft.errors import Problem, UserError
+from llmft.job import watchdog
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -114,7 +114,7 @@ def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 600
     """Create the process group. ``force``: also for one process (DDP, FSDP2 and DeepSpeed need a group).
 
     ``timeout_s`` bounds every collective: on gloo a collective that waits longer raises (the
-    caller hands the error to ``llmft.watchdog.give_up``); NCCL's own watchdog aborts the rank."""
+    caller hands the error to ``llmft.job.watchdog.give_up``); NCCL's own watchdog aborts the rank."""
     if dist.is_initialized() or not (env.distributed or force):
         return
     if not env.distributed:

@@ -10,15 +10,15 @@ import logging
 import os
 import sys
 
-from llmft import watchdog
-from llmft.dist import DistEnv, barrier, init_distributed, is_comm_failure, read_env, shutdown, timeout_s
-from llmft.gpu import gpu_memory_gb
+from llmft.job import watchdog
+from llmft.job.dist import DistEnv, barrier, init_distributed, is_comm_failure, read_env, shutdown, timeout_s
+from llmft.job.gpu import gpu_memory_gb
+from llmft.metrics.trackers import check_available
 from llmft.model import kernels
 from llmft.plan.memory import check_fits
 from llmft.plan.resolve import load_plan
-from llmft.run import Run, RunHooks
 from llmft.stop import StopRequest
-from llmft.tracking import check_available
+from llmft.training.run import Run, RunHooks
 
 log = logging.getLogger("llmft")
 

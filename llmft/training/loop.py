@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from llmft import watchdog
 from llmft.data import batch_targets
-from llmft.dist import DistEnv, all_reduce_sum
 from llmft.errors import Problem, TrainingDiverged
+from llmft.job import watchdog
+from llmft.job.dist import DistEnv, all_reduce_sum
 from llmft.plan.batch import BatchPlan
 from llmft.stop import StopRequest
 
@@ -81,7 +81,7 @@ def train_loop(
     while state.step < cfg.max_steps:
         t0 = time.perf_counter()
         step = state.step + 1
-        watchdog.progress(step, "fetching and counting the micro-batches")  # a stall: llmft.watchdog
+        watchdog.progress(step, "fetching and counting the micro-batches")  # a stall: llmft.job.watchdog
         # All micro-batches of the step are fetched first: their items (target tokens, pairs) must
         # be counted before the first backward (each micro loss is divided by the global count).
         micro_batches = objective.prepare([next(batches) for _ in range(plan.gradient_accumulation_steps)])

@@ -9,7 +9,7 @@ The model part of a (single-process) checkpoint ``checkpoints/step-N/`` (written
     recipe.yaml     the resolved recipe (how to rebuild the base model)
 
 Sharded engines write no ``model/``: an FSDP2 step dir holds ``dcp/``, a DeepSpeed one
-``deepspeed/``; export consolidates them first (``llmft.consolidate``).
+``deepspeed/``; export consolidates them first (``llmft.export.consolidate``).
 
 An adapter needs its base. A base named by ``model.name_or_path`` is found by that
 name. A base built from ``model.config`` exists only as random weights in memory, so
@@ -23,7 +23,7 @@ gives the same weights as long as torch and transformers are the versions that t
 and logs a warning saying so.
 
 Weights are written as safetensors. llmft reads safetensors and DCP only; a DeepSpeed
-checkpoint is read by DeepSpeed's own code, the one exception (see ``llmft.consolidate``).
+checkpoint is read by DeepSpeed's own code, the one exception (see ``llmft.export.consolidate``).
 """
 
 from __future__ import annotations
@@ -52,19 +52,19 @@ from llmft.checkpoint.layout import (
     TOKENIZER_DIR,
     resolve_checkpoint,
 )
+from llmft.checkpoint.safe_load import without_remote_code
 from llmft.checkpoint.verify import check_checkpoint, damaged
-from llmft.consolidate import checkpoint_engine, load_checkpoint_model, offline_recipe
 from llmft.errors import Problem, UserError, first_line
+from llmft.export.consolidate import checkpoint_engine, load_checkpoint_model, offline_recipe
+from llmft.export.modelcard import export_model_card
 from llmft.model.build import build_model, load_base_model
 from llmft.model.heads import LM, model_class, recipe_head
 from llmft.model.precision import DTYPES
 from llmft.model.save import plain_config, staged
 from llmft.model.source import resolve_name
-from llmft.modelcard import export_model_card
 from llmft.plan.engines import engine_spec, load
 from llmft.recipe import load_recipe
 from llmft.recipe.load import RECIPE_FILE
-from llmft.safe_load import without_remote_code
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

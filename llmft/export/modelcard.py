@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 from llmft import __version__
 from llmft.checkpoint.layout import STATE_FILE
 from llmft.errors import Problem, UserError
+from llmft.metrics.plot import read_metrics
 from llmft.plan.objectives import DEFAULT_OBJECTIVE, ObjectiveSpec, registered
-from llmft.plot import read_metrics
 
 log = logging.getLogger("llmft")
 

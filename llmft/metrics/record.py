@@ -2,7 +2,7 @@
 
 Only the main rank writes. ``metrics.jsonl`` is appended and flushed per row, so a killed run
 keeps every row it logged; a resumed run appends to the same file (the later row of a step counts).
-Each row then goes to the trackers of ``run.trackers`` (``llmft.tracking``): TensorBoard, W&B,
+Each row then goes to the trackers of ``run.trackers`` (``llmft.metrics.trackers``): TensorBoard, W&B,
 MLflow, each step exactly once even across kills and resumes.
 """
 
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmft.tracking import Trackers, selected
+from llmft.metrics.trackers import Trackers, selected
 
 if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe

@@ -12,7 +12,7 @@ import torch
 
 from llmft.data import collate
 from llmft.data.sequence import sequence_slice
-from llmft.dist import DistEnv, all_reduce_sum
+from llmft.job.dist import DistEnv, all_reduce_sum
 from llmft.plan.layout import RunPlan
 
 if TYPE_CHECKING:

@@ -53,10 +53,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmft.data import MicroBatchSampler, build_data, collate
-from llmft.dist import DistEnv
+from llmft.data.tokenizer import load_tokenizer
 from llmft.engines import autocast_for
 from llmft.engines.base import OneProcessModels
 from llmft.errors import Problem, UserError
+from llmft.job.dist import DistEnv
 from llmft.model.build import prepare_model
 from llmft.model.precision import compute_dtype
 from llmft.model.structure import describe
@@ -65,8 +66,7 @@ from llmft.plan.batch import BatchPlan, divisors
 from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import DEFAULT_OBJECTIVE
 from llmft.plan.resolve import load_plan
-from llmft.run import seed_everything
-from llmft.tokenizer import load_tokenizer
+from llmft.training.run import seed_everything
 
 if TYPE_CHECKING:
     from collections.abc import Callable

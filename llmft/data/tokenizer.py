@@ -81,7 +81,7 @@ def use_chat_template(tokenizer: PreTrainedTokenizerBase, value: str | None) -> 
     elif value in BUILTIN_TEMPLATES:
         tokenizer.chat_template = BUILTIN_TEMPLATES[value]
     else:
-        import difflib
+        import difflib  # only to suggest a name when the user's is unknown
 
         close = difflib.get_close_matches(value, BUILTIN_TEMPLATES, n=1)
         hint = f"Did you mean '{close[0]}'? " if close else ""
@@ -112,6 +112,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     Encoding adds ``<bos>`` (like most causal-LM tokenizers); eos is appended
     by the data pipeline, not by the tokenizer.
     """
+    # tokenizers and transformers are heavy: loaded only when a tokenizer is built
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -165,7 +166,7 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
 
 def _from_pretrained(name: str, key: str, model_cfg: ModelConfig, revision: str | None) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: loaded only when a tokenizer is read
 
     looks_local = name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
     if looks_local and not Path(name).expanduser().is_dir():

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from llmft.checkpoint.layout import TrainerState
 from llmft.errors import Problem, UserError
+from llmft.metrics.plot import read_metrics
 from llmft.plan.memory import estimate_memory
-from llmft.plot import read_metrics
 from llmft.recipe.load import flatten, to_container
 
 if TYPE_CHECKING:
-    from llmft.dist import DistEnv
+    from llmft.job.dist import DistEnv
     from llmft.plan.layout import RunPlan
     from llmft.recipe.schema import Recipe
 

@@ -1,0 +1,1 @@
+"""Checkpoints back to ordinary model directories: consolidation, ``llmft export``, the model card."""

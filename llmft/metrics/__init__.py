@@ -1,0 +1,1 @@
+"""A run's numbers: metrics.jsonl, trackers, plots, FLOPs and MFU."""
