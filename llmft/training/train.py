@@ -22,6 +22,13 @@ from llmft.training.run import Run, RunHooks
 
 log = logging.getLogger("llmft")
 
+# The runs of this process's multi-rank trainings, never freed: freeing one drops the last reference
+# to its gloo process group (held by DDP's reducer, FSDP2's mesh) on the main thread, which holds the
+# GIL, while a gloo worker thread may still be destroying the last collective's work and waits for
+# the GIL to release its tensors: a deadlock (the rank never exits), or, during interpreter
+# finalization, an abort. A rank leaves with os._exit instead (llmft.dist.leave_process).
+_kept: list = []
+
 
 def setup_logging(env: DistEnv) -> None:
     level = logging.INFO if env.is_main else logging.WARNING
@@ -58,6 +65,8 @@ def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None)
     # first step (checkpoint, exit 75) instead of killing the process with nothing to requeue.
     stop = StopRequest(d.stop_signal).install()
     run = Run(plan, env, stop, hooks)
+    if env.distributed:
+        _kept.append(run)
     watch = watchdog.start(timeout_s(d), env.rank) if env.distributed else None  # armed by the loop
     try:
         run.restore(run.setup())
