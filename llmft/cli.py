@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from llmft.errors import Problem, UserError
@@ -67,10 +69,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llmft.job.dist import leave_process, read_env
     from llmft.training.train import train
 
-    code = train(args.recipe, args.overrides)
-    if read_env().world_size > 1:  # a rank of torchrun, the deepspeed launcher or srun: see leave_process
-        leave_process(code)
-    return code
+    if read_env().world_size == 1:
+        return train(args.recipe, args.overrides)
+    # A rank of torchrun, the deepspeed launcher or srun leaves without the interpreter's teardown
+    # whatever the outcome (leave_process), a user error or a crash included: its messages first.
+    try:
+        code = _reported(args, lambda: train(args.recipe, args.overrides))
+    except BaseException:  # a crash: the traceback, then the same exit
+        traceback.print_exc()
+        code = 1
+    leave_process(code)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -234,8 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command in HEAVY:
         use_mmap_for_large_blocks()  # before torch allocates anything; see llmft/job/malloc.py
+    return _reported(args, lambda: int(args.fn(args) or 0))
+
+
+def _reported(args: argparse.Namespace, command: Callable[[], int]) -> int:
+    """Run ``command``; a user error, an interrupt or a stop request becomes its one message and exit code."""
     try:
-        return int(args.fn(args) or 0)
+        return command()
     except UserError as e:
         print(f"llmft {args.command}: error: {e.render()}", file=sys.stderr)
         return e.exit_code

@@ -26,7 +26,7 @@ log = logging.getLogger("llmft")
 # to its gloo process group (held by DDP's reducer, FSDP2's mesh) on the main thread, which holds the
 # GIL, while a gloo worker thread may still be destroying the last collective's work and waits for
 # the GIL to release its tensors: a deadlock (the rank never exits), or, during interpreter
-# finalization, an abort. A rank leaves with os._exit instead (llmft.dist.leave_process).
+# finalization, an abort. A rank leaves with os._exit instead (llmft.job.dist.leave_process).
 _kept: list = []
 
 

@@ -122,3 +122,20 @@ def test_a_rank_frozen_by_sigstop_ends_the_job(tmp_path, capsys):
     steps = sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
     assert steps and steps[-1] >= 2  # step 3 was logged; its checkpoint may be the one cut short
     _resume_from_last_checkpoint(recipe, run_dir, steps[-1], capsys)
+
+
+def test_a_user_error_on_a_rank_is_reported_and_ends_the_job(tmp_path):
+    """A user error found after the process group exists (here: data that does not parse, found by
+    the rank that builds the cache) is printed as its one message, without a traceback of llmft's,
+    and the rank leaves (leave_process) with the error's exit code; the launcher stops the other
+    rank and the job ends non-zero instead of waiting."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "fine"}\n{"text": \n')
+    recipe = _recipe(tmp_path, steps=2)
+    done = torchrun(["train", str(recipe), f"data.train={data}", "data.eval=null"], timeout=GUARD_S)
+    assert done.returncode != 0
+    assert f"llmft train: error: {data}:2: not valid JSON" in done.stderr, done.stderr[-4000:]
+    assert "exitcode  : 2" in done.stderr, done.stderr[-4000:]  # torchrun's summary: the error's own code
+    assert f"{os.sep}llmft{os.sep}" not in "".join(
+        line for line in done.stderr.splitlines() if line.lstrip().startswith("File ")
+    ), done.stderr[-4000:]
