@@ -235,9 +235,8 @@ def _source(
                 if chunks is None:
                     chunks, _ = read(resolved, scratch)
                 fields = tuple(parts.get("fields", ()))  # the record fields its key names
-                return build_entry(
-                    src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp, shards, objective, fields
-                )
+                args = (src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp, shards)
+                return build_entry(*args, objective, fields)
             finally:
                 chunks = None  # its datasets map files in scratch
                 shutil.rmtree(scratch, ignore_errors=True)

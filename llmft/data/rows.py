@@ -51,18 +51,17 @@ class RecordEncoder(Protocol):
     def encode_batch(self, records: list[Any]) -> list[Any]: ...
 
 
-def record_values(value: Any, names: tuple[str, ...], columns: dict[str, str] | None) -> np.ndarray:
-    """The record's number under each of ``names`` (read from the column ``columns`` maps it to, if
-    any), as float64; ``BadRecord`` naming the field when one is missing or not a finite number."""
+def record_values(value: Any, names: tuple[str, ...]) -> np.ndarray:
+    """The record's number under each of ``names``, as float64; ``BadRecord`` naming the field when
+    one is missing or not a finite number."""
     out = np.zeros(len(names), dtype=np.float64)
     for k, name in enumerate(names):
-        column = (columns or {}).get(name, name)
-        v = value.get(column) if isinstance(value, dict) else None
+        v = value.get(name) if isinstance(value, dict) else None
         if v is None:
-            raise BadRecord(f"has no field '{column}' (a number), which the objective reads from every record")
+            raise BadRecord(f"has no field '{name}' (a number), which the objective reads from every record")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             what = repr(v) if isinstance(v, (int, float)) else kind_of(v)
-            raise BadRecord(f"field '{column}' is {what}, not a finite number (the objective reads it as one)")
+            raise BadRecord(f"field '{name}' is {what}, not a finite number (the objective reads it as one)")
         out[k] = v
     return out
 
@@ -90,7 +89,7 @@ class Tokenize:
                     value = {c: batch[c][k] for c in batch}
                 record = self.encoder.parse(value, self.fields)
                 if self.values:
-                    numbers[k] = record_values(value, self.values, self.fields)
+                    numbers[k] = record_values(value, self.values)
                 records.append(record)
                 at.append(k)
             except ValueError as e:  # BadRecord, or a line that is not JSON

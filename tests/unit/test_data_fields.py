@@ -4,13 +4,15 @@ without one is an error at its file:line; the cache key names them (docs/data.md
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from helpers import default_recipe, write_jsonl
 
 from llmft.data import build_data
-from llmft.data.build import _common_parts
+from llmft.data.cache import read_meta
 from llmft.data.loader import collate
 from llmft.data.sequence import sequence_slice
 from llmft.data.tokenizer import byte_tokenizer
@@ -57,7 +59,7 @@ def _check_rows(ds, n: int) -> None:
         assert len(weight) == len(ids) == len(score)
         pos = item["position_ids"] if item["position_ids"] is not None else np.arange(len(ids))
         starts = list(np.flatnonzero(pos == 0)) + [len(ids)]
-        for lo, hi in zip(starts, starts[1:]):
+        for lo, hi in zip(starts[:-1], starts[1:], strict=True):
             letters = ids[lo:hi][ids[lo:hi] < 256]
             if len(letters) == 0:  # a padded tail
                 assert (weight[lo:hi] == 0).all() and (score[lo:hi] == 0).all()
@@ -93,12 +95,12 @@ def test_streamed_rows_carry_the_cached_fields(tmp_path, tok, packing):
 
 
 def test_the_cache_key_names_the_fields_and_objectives_without_fields_are_unchanged(tmp_path, tok):
-    cfg = _recipe(tmp_path).data
-    sft = _common_parts(cfg, tok, "sft")
-    assert "fields" not in sft and _common_parts(cfg, tok, "fields_probe") == {**sft, "fields": ["weight", "score"]}
     with_fields = build_data(_recipe(tmp_path), tok)
     plain = build_data(_recipe(tmp_path, objective="sft"), tok)  # same data and settings, no fields
     assert plain.entries[0]["built"] and plain.entries[0]["entry"] != with_fields.entries[0]["entry"]
+    sft = read_meta(Path(plain.entries[0]["entry"]))["parts"]
+    assert "fields" not in sft  # an objective without fields: the key's parts as they were
+    assert read_meta(Path(with_fields.entries[0]["entry"]))["parts"] == {**sft, "fields": ["weight", "score"]}
     assert "fields" not in plain.train[0]
     assert set(collate([plain.train[0]], tok.pad_token_id)) == {"input_ids", "labels", "attention_mask"}
     assert [plain.train[i]["input_ids"].tolist() for i in range(len(plain.train))] == [
