@@ -9,7 +9,8 @@ the data layer stores it with each record through the token cache and delivers i
 micro-batch as ``batch["weight"]``: each token its record's weight, packed rows included
 (docs/data.md "Record fields"). The loss: each target token's cross-entropy times its record's
 weight, summed over the global batch and divided by the global batch's summed target weight (an
-exact weighted mean, whatever the split).
+exact weighted mean, whatever the split). ``prepare`` (the stage the loop runs before it takes
+the global count) attaches each target's weight to every micro-batch.
 """
 
 from __future__ import annotations
@@ -47,13 +48,17 @@ class WeightedSFTObjective(ObjectiveBase):
         super().__init__(plan, models)
         disable_dropout(models.unwrap())  # a split must not change which units drop
 
+    def prepare(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each target's weight, once per micro-batch, before the loop takes the global count."""
+        return [{**mb, "target_weights": target_weights(mb)} for mb in micro_batches]
+
     def count(self, batch: dict[str, Any]) -> float:
-        return float(target_weights(batch).sum())
+        return float(batch["target_weights"].sum())
 
     def micro_loss(self, model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor):
         logits = model(**model_inputs(batch), use_cache=False).logits.float()
         targets = batch["labels"][:, 1:]
-        weights = target_weights(batch)
+        weights = batch["target_weights"]
         losses = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]),
             targets.reshape(-1),

@@ -17,17 +17,25 @@ from llmft.data.loader import collate
 from llmft.data.sequence import sequence_slice
 from llmft.data.tokenizer import byte_tokenizer
 from llmft.errors import UserError
+from llmft.plan import objectives
 from llmft.plan.objectives import PAIRS, ObjectiveSpec, register_objective
 
-PROBE = register_objective(
-    ObjectiveSpec(
-        name="fields_probe",
-        title="record fields probe",
-        runtime="llmft.objectives.sft:SFTObjective",
-        counts="tokens",
-        fields=("weight", "score"),
-    )
+PROBE = ObjectiveSpec(
+    name="fields_probe",
+    title="record fields probe",
+    runtime="llmft.objectives.sft:SFTObjective",
+    counts="tokens",
+    fields=("weight", "score"),
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    """PROBE registered for this module's tests only (other tests list the registered names)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(objectives, "_BY_NAME", dict(objectives._BY_NAME))
+        register_objective(PROBE)
+        yield
 
 
 @pytest.fixture(scope="module")
