@@ -31,7 +31,7 @@ from llmft.data.stream import MixedStream, StreamDataset, open_stream
 from llmft.data.tokenizer import use_chat_template
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
-from llmft.plan.objectives import DEFAULT_OBJECTIVE
+from llmft.plan.objectives import DEFAULT_OBJECTIVE, objective_spec
 
 if TYPE_CHECKING:
     import numpy as np
@@ -190,6 +190,9 @@ def _common_parts(
         # (nor an SFT entry as pairs); SFT keys stay as they were. Its rows do not depend on
         # data.packing (padding-free is how pairs are collated), so both layouts share one entry.
         parts.update(format=pairs.CACHE_FORMAT, objective=objective, packing=None)
+    fields = objective_spec(objective).fields
+    if fields:  # an entry holds the record fields it was built with (keys without fields stay as they were)
+        parts["fields"] = list(fields)
     return parts
 
 
@@ -231,9 +234,9 @@ def _source(
             try:
                 if chunks is None:
                     chunks, _ = read(resolved, scratch)
-                return build_entry(
-                    src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp, shards, objective
-                )
+                fields = tuple(parts.get("fields", ()))  # the record fields its key names
+                args = (src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp, shards)
+                return build_entry(*args, objective, fields)
             finally:
                 chunks = None  # its datasets map files in scratch
                 shutil.rmtree(scratch, ignore_errors=True)

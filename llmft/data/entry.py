@@ -50,16 +50,19 @@ def build_entry(
     tmp: Path,
     shards: Path,
     objective: str = DEFAULT_OBJECTIVE,
+    fields: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Write ``src``'s entry into ``tmp``, tokenizing into (or reusing the finished shards in) ``shards``."""
+    """Write ``src``'s entry into ``tmp``, tokenizing into (or reusing the finished shards in) ``shards``;
+    ``fields`` are the record fields (``ObjectiveSpec.fields``) stored with each record."""
     encoder = make_encoder(tokenizer, train_on, objective, cfg.max_seq_len)
     pairs = isinstance(encoder, PairEncoder)  # one item per pair: chosen and rejected as rows 2i, 2i + 1
     chunks = [c for c in chunks if len(c.dataset)]
     procs = _num_proc(cfg)
-    tokenizers = [Tokenize(encoder, c.lines, src.fields) for c in chunks]
+    tokenizers = [Tokenize(encoder, c.lines, src.fields, fields) for c in chunks]
     tokenized = tokenize_shards(chunks, tokenizers, shards, procs, src.key)
     bad, errors = _errors(tokenized)
     ids, target, offsets = _flat(tokenized)
+    values = _values(tokenized, fields)
     for e in errors:
         raise_if_fatal(e)
     locate = _Locate(chunks)
@@ -77,12 +80,14 @@ def build_entry(
     if holdout > 0:
         items, held_items = _holdout(items, holdout, seed, src.key)
     meta: dict[str, Any] = {"skipped": f"{locate(int(bad[0]))}: {errors[0]}" if len(bad) else None}
-    rows, meta["stats"] = _rows(pairs, ids, target, offsets, items, cfg, tokenizer.pad_token_id, src.key)
+    rows, meta["stats"] = _rows(pairs, ids, target, offsets, items, cfg, tokenizer.pad_token_id, src.key, values)
     meta["stats"]["skipped"] = len(bad)
     rows.write(tmp / "rows.arrow")
     prompt_items = items if eval_role else held_items
     if held_items is not None:
-        held, meta["held_stats"] = _rows(pairs, ids, target, offsets, held_items, cfg, tokenizer.pad_token_id, src.key)
+        held, meta["held_stats"] = _rows(
+            pairs, ids, target, offsets, held_items, cfg, tokenizer.pad_token_id, src.key, values
+        )
         meta["held_stats"]["skipped"] = 0
         held.write(tmp / "held.arrow")
     prompts = _eval_prompts(chunks, prompt_items, encoder, src, cfg) if prompt_items is not None else []
@@ -107,10 +112,22 @@ def read_prompts(entry: Path) -> list[tuple[np.ndarray, str]]:
     return [(rows[i]["input_ids"], ref) for i, ref in enumerate(refs)]
 
 
-def _rows(pairs: bool, ids, target, offsets, items, cfg: DataConfig, pad_id: int, key: str) -> tuple[Any, dict]:
+def _rows(pairs: bool, ids, target, offsets, items, cfg: DataConfig, pad_id: int, key: str, values) -> tuple[Any, dict]:
     if pairs:
         return build_pair_rows(ids, target, offsets, items, cfg, key)
-    return build_rows(ids, target, offsets, items, cfg, pad_id, key)
+    return build_rows(ids, target, offsets, items, cfg, pad_id, key, values)
+
+
+def _values(tokenized: list, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Each record field's number per record (the ``values`` column ``Tokenize`` wrote: one float64 per field)."""
+    if not names:
+        return {}
+    import pyarrow as pa  # only the building process: a rank that reads rows stays without it
+
+    pieces = [chunk for t in tokenized for chunk in t.column("values").chunks]
+    arr = pa.concat_arrays(pieces) if pieces else pa.array([], type=pa.large_list(pa.float64()))
+    flat = arr.flatten().to_numpy(zero_copy_only=False).astype(np.float64).reshape(len(arr), len(names))
+    return {name: flat[:, k] for k, name in enumerate(names)}
 
 
 def _errors(tokenized: list) -> tuple[np.ndarray, list[str]]:

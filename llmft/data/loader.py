@@ -26,6 +26,9 @@ def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
     Rows are arrays (``TokenDataset`` items; lists work too) copied into the batch's int64 tensors
     through numpy views of them: no Python object per token, whatever the row's length.
 
+    Record fields (``ObjectiveSpec.fields``, an item's ``fields``) become one float32 tensor each,
+    ``batch[name]`` of the batch's shape: each token its record's number, 0 on padding.
+
     Preference pairs (items of a ``pairs.PairDataset``) go to ``pairs.collate_pairs``.
     """
     if "chosen" in examples[0]:
@@ -47,7 +50,13 @@ def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
         else:
             extra[row, :n] = 1
     key = "position_ids" if packed else "attention_mask"
-    return {"input_ids": input_ids, "labels": labels, key: extra}
+    batch = {"input_ids": input_ids, "labels": labels, key: extra}
+    for name in examples[0].get("fields", ()):
+        values = torch.zeros((len(examples), width), dtype=torch.float32)
+        for row, e in enumerate(examples):
+            values.numpy()[row, : len(e["input_ids"])] = e["fields"][name]
+        batch[name] = values
+    return batch
 
 
 def count_targets(labels: torch.Tensor) -> int:

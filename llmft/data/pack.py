@@ -112,6 +112,7 @@ class PackedRows:
     target: np.ndarray  # 1 where labels == input_ids, 0 where labels == IGNORE_INDEX
     segments: np.ndarray
     segment_offsets: np.ndarray
+    segment_items: np.ndarray  # the example each segment holds (its index in ``starts``), -1 for a padded tail
 
 
 def pack_arrays(
@@ -150,10 +151,13 @@ def pack_arrays(
     counts = np.array([len(row) for row in plan], dtype=np.int64) + (tails > 0)
     segments = np.zeros(int(counts.sum()), dtype=np.int32)
     seg_offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
-    segments[seg_offsets[row_of] + (np.arange(len(members)) - first_of_row[row_of])] = member_lens
+    member_segs = seg_offsets[row_of] + (np.arange(len(members)) - first_of_row[row_of])
+    segments[member_segs] = member_lens
     has_tail = np.flatnonzero(tails > 0)
     segments[seg_offsets[has_tail + 1] - 1] = tails[has_tail]
-    return PackedRows(ids, tgt, segments, seg_offsets)
+    items = np.full(len(segments), -1, dtype=np.int64)
+    items[member_segs] = members
+    return PackedRows(ids, tgt, segments, seg_offsets, items)
 
 
 def positions(segments: np.ndarray) -> np.ndarray:

@@ -5,19 +5,22 @@
 - ``FATAL`` / ``fatal_error`` / ``raise_if_fatal``: an error that stops the build whatever
   ``data.on_bad_record`` says (e.g. no chat template), carried through the error column.
 - ``SKIP_FIX``: the fix a malformed record's message offers under ``data.on_bad_record=error``.
+- ``record_values``: the numbers an objective reads from each record (``ObjectiveSpec.fields``),
+  carried beside the tokens as a ``values`` column (one float64 per field) and into the rows.
 - ``build_rows``: truncate to ``data.max_seq_len``, drop records without a target, pack (or not).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from llmft.data.pack import pack_arrays, take_ranges
 from llmft.data.read import parse_line
-from llmft.data.records import BadRecord
+from llmft.data.records import BadRecord, kind_of
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
 
@@ -48,41 +51,64 @@ class RecordEncoder(Protocol):
     def encode_batch(self, records: list[Any]) -> list[Any]: ...
 
 
+def record_values(value: Any, names: tuple[str, ...]) -> np.ndarray:
+    """The record's number under each of ``names``, as float64; ``BadRecord`` naming the field when
+    one is missing or not a finite number."""
+    out = np.zeros(len(names), dtype=np.float64)
+    for k, name in enumerate(names):
+        v = value.get(name) if isinstance(value, dict) else None
+        if v is None:
+            raise BadRecord(f"has no field '{name}' (a number), which the objective reads from every record")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            what = repr(v) if isinstance(v, (int, float)) else kind_of(v)
+            raise BadRecord(f"field '{name}' is {what}, not a finite number (the objective reads it as one)")
+        out[k] = v
+    return out
+
+
 class Tokenize:
     """A batch of raw records -> input_ids, target mask, error (one list each, one item a record),
-    parsed and encoded by ``encoder`` (a ``RecordEncoder``)."""
+    parsed and encoded by ``encoder`` (a ``RecordEncoder``); with ``values`` (the objective's record
+    fields) also a ``values`` list: each record's numbers (``record_values``; zeros for a bad record)."""
 
-    def __init__(self, encoder: RecordEncoder, lines: bool, fields: dict[str, str]) -> None:
-        self.encoder, self.lines, self.fields = encoder, lines, fields
+    def __init__(
+        self, encoder: RecordEncoder, lines: bool, fields: dict[str, str], values: tuple[str, ...] = ()
+    ) -> None:
+        self.encoder, self.lines, self.fields, self.values = encoder, lines, fields, values
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         n = len(next(iter(batch.values())))
         errors: list[str | None] = [None] * n
         records, at = [], []
+        numbers = [np.zeros(len(self.values), np.float64)] * n
         for k in range(n):
             try:
                 if self.lines:
                     value = parse_line(batch["json"][k], batch["error"][k])
                 else:
                     value = {c: batch[c][k] for c in batch}
-                records.append(self.encoder.parse(value, self.fields))
+                record = self.encoder.parse(value, self.fields)
+                if self.values:
+                    numbers[k] = record_values(value, self.values)
+                records.append(record)
                 at.append(k)
             except ValueError as e:  # BadRecord, or a line that is not JSON
                 errors[k] = str(e)
         empty_ids, empty_target = np.zeros(0, np.int32), np.zeros(0, np.uint8)
         ids: list[np.ndarray] = [empty_ids] * n
         target: list[np.ndarray] = [empty_target] * n
+        extra = {"values": numbers} if self.values else {}
         try:
             encoded = self.encoder.encode_batch(records)
         except UserError as e:  # e.g. no chat template: stops the build, whatever data.on_bad_record says
-            return {"input_ids": ids, "target": target, "error": [fatal_error(e.problems[0])] * n}
+            return {"input_ids": ids, "target": target, "error": [fatal_error(e.problems[0])] * n, **extra}
         for k, ex in zip(at, encoded, strict=True):
             if isinstance(ex, BadRecord):
                 errors[k] = str(ex)
             else:
                 ids[k] = np.asarray(ex.input_ids, dtype=np.int32)
                 target[k] = ex.target_mask()
-        return {"input_ids": ids, "target": target, "error": errors}
+        return {"input_ids": ids, "target": target, "error": errors, **extra}
 
 
 def kept_tokens(
@@ -115,9 +141,19 @@ def prefix_counts(mask: np.ndarray, at: np.ndarray, block: int = 1 << 20) -> np.
 
 
 def build_rows(
-    ids: np.ndarray, target: np.ndarray, offsets: np.ndarray, items: np.ndarray, cfg: DataConfig, pad_id: int, key: str
+    ids: np.ndarray,
+    target: np.ndarray,
+    offsets: np.ndarray,
+    items: np.ndarray,
+    cfg: DataConfig,
+    pad_id: int,
+    key: str,
+    values: dict[str, np.ndarray] | None = None,
 ) -> tuple[TokenDataset, dict]:
-    """Truncate ``items`` to max_seq_len, drop those without a target, then pack (or not)."""
+    """Truncate ``items`` to max_seq_len, drop those without a target, then pack (or not).
+
+    ``values`` (a record field's number per record, by field name) follow their records into the
+    rows: one per unpacked row, one per segment of a packed row (0 for a padded tail)."""
     starts, lengths = offsets[items], offsets[items + 1] - offsets[items]
     kept_len = np.minimum(lengths, cfg.max_seq_len)
     truncated = int((lengths > cfg.max_seq_len).sum())
@@ -136,16 +172,20 @@ def build_rows(
             )
         )
     starts, kept_len = starts[keep], kept_len[keep]
+    kept = {name: np.asarray(v, dtype=np.float64)[items][keep] for name, v in (values or {}).items()}
     if cfg.packing:
         packed = pack_arrays(ids, target, starts, kept_len, cfg.max_seq_len, pad_id)
         num_rows = len(packed.segment_offsets) - 1
         row_offsets = np.arange(num_rows + 1, dtype=np.int64) * cfg.max_seq_len
+        at, tail = np.maximum(packed.segment_items, 0), packed.segment_items < 0
+        per_segment = {name: np.where(tail, 0.0, v[at]) if len(v) else v for name, v in kept.items()}
         rows = TokenDataset.from_arrays(
-            packed.input_ids, packed.target, row_offsets, packed.segments, packed.segment_offsets
+            packed.input_ids, packed.target, row_offsets, packed.segments, packed.segment_offsets, per_segment
         )
     else:
         row_offsets = np.concatenate([[0], np.cumsum(kept_len)]).astype(np.int64)
-        rows = TokenDataset.from_arrays(*kept_tokens(ids, target, offsets, starts, kept_len), row_offsets)
+        tokens = kept_tokens(ids, target, offsets, starts, kept_len)
+        rows = TokenDataset.from_arrays(*tokens, row_offsets, fields=kept)
     stats = {
         "records": len(items),
         "truncated": truncated,

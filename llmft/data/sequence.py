@@ -36,6 +36,8 @@ from llmft.data.encode import IGNORE_INDEX
 # Per-token tensors besides input_ids / labels / position_ids that a slice keeps its part of
 # (a preference batch's sequence_index: -1 on padding).
 _PER_TOKEN_PAD = {"sequence_index": -1}
+# A row batch's own tensors; any other of the batch's shape is a record field, sliced with pad 0.
+_ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
 def positions(batch: dict[str, Any]) -> torch.Tensor:
@@ -48,7 +50,7 @@ def positions(batch: dict[str, Any]) -> torch.Tensor:
 
 def sequence_slice(batch: dict[str, Any], sp_rank: int, sp: int) -> dict[str, Any]:
     """This rank's slice of a collated micro-batch (module docstring). Returns ``input_ids``,
-    ``position_ids``, ``shift_labels``, the other per-token tensors (and, for pairs,
+    ``position_ids``, ``shift_labels``, the other per-token tensors (record fields included; for pairs,
     ``sequence_last``) sliced; ``attention_mask`` is dropped (right padding never reaches a real
     token under causal attention); other values (a preference batch's ``num_pairs``,
     ``reference_logps``) are kept whole."""
@@ -70,6 +72,10 @@ def sequence_slice(batch: dict[str, Any], sp_rank: int, sp: int) -> dict[str, An
     for key, fill in _PER_TOKEN_PAD.items():
         if key in batch:
             whole[key] = F.pad(batch[key], (0, extra), value=fill)
+    if "sequence_index" not in batch:  # rows of records: their fields (ObjectiveSpec.fields) are per token
+        for key, v in batch.items():
+            if key not in _ROW_KEYS and isinstance(v, torch.Tensor) and v.shape == ids.shape:
+                whole[key] = F.pad(v, (0, extra), value=0)
     if "sequence_index" in batch:  # where each sequence ends: a score head reads its last token
         seq = batch["sequence_index"]
         ends = (seq >= 0) & (seq != F.pad(seq[:, 1:], (0, 1), value=-1))
@@ -77,7 +83,7 @@ def sequence_slice(batch: dict[str, Any], sp_rank: int, sp: int) -> dict[str, An
     chunk = padded // sp
     out = {k: v[:, sp_rank * chunk : (sp_rank + 1) * chunk].contiguous() for k, v in whole.items()}
     skip = {"input_ids", "labels", "attention_mask", "position_ids", *_PER_TOKEN_PAD}
-    out.update({k: v for k, v in batch.items() if k not in skip})
+    out.update({k: v for k, v in batch.items() if k not in skip and k not in whole})
     return out
 
 

@@ -160,9 +160,10 @@ def _write_shard(chunk: Chunk, tokenize: Tokenize, job: Job, path: Path, check: 
     """Tokenize records ``job[1]:job[2]`` into ``path`` (under a ``.part`` name until whole)."""
     import pyarrow as pa  # only the building process
 
-    schema = pa.schema(
-        [("input_ids", pa.large_list(pa.int32())), ("target", pa.large_list(pa.uint8())), ("error", pa.string())]
-    )
+    columns = [("input_ids", pa.large_list(pa.int32())), ("target", pa.large_list(pa.uint8())), ("error", pa.string())]
+    if tokenize.values:  # the objective's record fields: one float64 per field and record
+        columns.append(("values", pa.large_list(pa.float64())))
+    schema = pa.schema(columns)
     part = path.with_name(path.name + ".part")
     try:
         with pa.OSFile(str(part), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
@@ -170,7 +171,10 @@ def _write_shard(chunk: Chunk, tokenize: Tokenize, job: Job, path: Path, check: 
                 check()
                 out = tokenize(chunk.dataset[a : min(job[2], a + BATCH)])
                 ids, target = _lists(out["input_ids"], np.int32), _lists(out["target"], np.uint8)
-                writer.write_batch(pa.record_batch([ids, target, pa.array(out["error"], pa.string())], schema=schema))
+                arrays = [ids, target, pa.array(out["error"], pa.string())]
+                if tokenize.values:
+                    arrays.append(_lists(out["values"], np.float64))
+                writer.write_batch(pa.record_batch(arrays, schema=schema))
         os.rename(part, path)
     finally:
         if part.exists():

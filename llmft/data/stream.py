@@ -38,7 +38,7 @@ from llmft.data.sampler import ShareWindows
 from llmft.data.sources import Source
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
-from llmft.plan.objectives import DEFAULT_OBJECTIVE
+from llmft.plan.objectives import DEFAULT_OBJECTIVE, objective_spec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -188,8 +188,9 @@ class _Blocks:
         self, src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, train_on: str, objective: str
     ) -> None:
         self.key, self.cfg, self.pad_id = src.key, cfg, tokenizer.pad_token_id
-        self.lines = Tokenize(make_encoder(tokenizer, train_on, objective, cfg.max_seq_len), True, src.fields)
-        self.tables = Tokenize(make_encoder(tokenizer, train_on, objective, cfg.max_seq_len), False, src.fields)
+        names = objective_spec(objective).fields  # the record fields it reads
+        self.lines = Tokenize(make_encoder(tokenizer, train_on, objective, cfg.max_seq_len), True, src.fields, names)
+        self.tables = Tokenize(make_encoder(tokenizer, train_on, objective, cfg.max_seq_len), False, src.fields, names)
         self.pairs = isinstance(self.lines.encoder, PairEncoder)
 
     def rows(self, records: list[tuple[Any, str | None, str, bool]]) -> tuple[TokenDataset | PairDataset, dict]:
@@ -199,7 +200,7 @@ class _Blocks:
         if not records:
             return empty, {"skipped": 0}
         errors: list[str | None] = []
-        ids, target = [], []
+        ids, target, numbers = [], [], []
         for lines, group in _runs(records):
             if lines:
                 batch = {"json": [r[0] for r in group], "error": [r[1] for r in group]}
@@ -210,6 +211,7 @@ class _Blocks:
             errors += out["error"]
             ids += out["input_ids"]
             target += out["target"]
+            numbers += out.get("values", [])
         for k, e in enumerate(errors):
             raise_if_fatal(e)
             if e is not None and self.cfg.on_bad_record == "error":
@@ -227,7 +229,9 @@ class _Blocks:
             return rows, {"skipped": skipped}
         if not _any_target(flat_target, offsets, items, self.cfg.max_seq_len):
             return empty, {"skipped": skipped}
-        rows, _ = build_rows(flat_ids, flat_target, offsets, items, self.cfg, self.pad_id, self.key)
+        names = self.lines.values
+        values = {name: np.array([v[k] for v in numbers], np.float64) for k, name in enumerate(names)}
+        rows, _ = build_rows(flat_ids, flat_target, offsets, items, self.cfg, self.pad_id, self.key, values)
         return rows, {"skipped": skipped}
 
 

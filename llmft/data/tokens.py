@@ -18,6 +18,7 @@ from llmft.data.encode import IGNORE_INDEX
 from llmft.data.pack import positions
 from llmft.errors import Problem, UserError
 
+FIELD_PREFIX = "field:"  # the Arrow column of a record field (``ObjectiveSpec.fields``)
 Row = tuple["list[int] | np.ndarray", "list[int] | np.ndarray", "list[int] | np.ndarray | None"]
 
 
@@ -31,6 +32,11 @@ class TokenDataset:
 
     An item is a row as arrays, never as Python lists: a 1M-token row costs its bytes (the ids are
     a view of the map, labels 4 bytes a token, position ids 8), not a million int objects.
+
+    Record fields (``ObjectiveSpec.fields``) are stored as one float64 per unpacked row, or per
+    segment of a packed row, in a ``field:<name>`` column; an item carries them per token as
+    ``item["fields"][name]`` (each token its record's number, 0 on a packed row's padded tail).
+    Rows without fields have no such column and no ``fields`` key.
     """
 
     def __init__(self, rows: list[Row]) -> None:
@@ -57,15 +63,20 @@ class TokenDataset:
         offsets: np.ndarray,
         segments: np.ndarray | None = None,
         segment_offsets: np.ndarray | None = None,
+        fields: dict[str, np.ndarray] | None = None,
     ) -> TokenDataset:
         self = cls.__new__(cls)
-        self._set(input_ids, target, offsets, segments, segment_offsets)
+        self._set(input_ids, target, offsets, segments, segment_offsets, fields)
         return self
 
-    def _set(self, ids, target, offsets, segments, seg_offsets) -> None:
+    def _set(self, ids, target, offsets, segments, seg_offsets, fields=None) -> None:
         self._input_ids, self._target, self._offsets = ids, target, offsets
         self._segments, self._seg_offsets = segments, seg_offsets
         self.packed = segments is not None
+        self._fields: dict[str, np.ndarray] = dict(fields or {})  # per row, or per segment when packed
+        for name, v in self._fields.items():
+            want = len(segments) if self.packed else len(offsets) - 1
+            assert len(v) == want, f"field {name}: {len(v)} values for {want} rows or segments"
         self.path: Path | None = None
 
     def __len__(self) -> int:
@@ -83,7 +94,21 @@ class TokenDataset:
         }
         if self._segments is not None:
             item["position_ids"] = positions(self._segments[self._seg_offsets[i] : self._seg_offsets[i + 1]])
+        if self._fields:
+            item["fields"] = self._field_tokens(i, hi - lo)
         return item
+
+    def _field_tokens(self, i: int, n: int) -> dict[str, np.ndarray]:
+        """Row ``i``'s record fields per token (``n`` tokens): each token its record's number."""
+        if not self.packed:
+            return {name: np.full(n, v[i], dtype=np.float64) for name, v in self._fields.items()}
+        lo, hi = int(self._seg_offsets[i]), int(self._seg_offsets[i + 1])
+        lengths = np.asarray(self._segments[lo:hi], dtype=np.int64)
+        return {name: np.repeat(v[lo:hi], lengths) for name, v in self._fields.items()}
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(self._fields)
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +126,9 @@ class TokenDataset:
         }
         if self._segments is not None:
             columns["segments"] = _list_array(self._seg_offsets, self._segments)
+        at = self._seg_offsets if self.packed else np.arange(len(self) + 1, dtype=np.int64)
+        for name, v in self._fields.items():
+            columns[FIELD_PREFIX + name] = _list_array(at, np.asarray(v, dtype=np.float64))
         table = pa.table(columns)
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=max(1, len(self)))
@@ -136,7 +164,9 @@ class TokenDataset:
         offsets, ids = flat("input_ids")
         _, target = flat("target")
         segs = flat("segments") if layout["segments"] else (None, None)
-        self = cls.from_arrays(ids, target, offsets, segs[1], segs[0])
+        named = [c for c in layout["columns"] if c.startswith(FIELD_PREFIX)]
+        fields = {c[len(FIELD_PREFIX) :]: flat(c)[1] for c in named}
+        self = cls.from_arrays(ids, target, offsets, segs[1], segs[0], fields)
         self.path = path
         return self
 
@@ -146,7 +176,7 @@ class TokenDataset:
             return (TokenDataset.open, (self.path,))
         return (
             TokenDataset.from_arrays,
-            (self._input_ids, self._target, self._offsets, self._segments, self._seg_offsets),
+            (self._input_ids, self._target, self._offsets, self._segments, self._seg_offsets, self._fields),
         )
 
 

@@ -7,6 +7,9 @@ A record (``ObjectiveSpec``) says everything the rest of llmft needs to know abo
   1, 2 for a pair, or the recipe key that holds G for G completions per prompt);
 - what the global count counts (``counts``: the loss is the sum of the global batch's item losses
   divided by it): ``tokens`` (target tokens), ``pairs``, ``completions``;
+- the numbers it reads from each record besides its text (``fields``: e.g. a ``weight``; the data
+  layer stores them with each item through the token cache and delivers each as a per-token
+  tensor of the micro-batch, docs/data.md "Record fields");
 - the head it trains (``head``), the frozen models it needs (``frozen``: ``reference``,
   ``reward_model``; the runtime asks the engine to build them, ``Engine.frozen_model``), the sums
   its micro loss returns (``metrics``), its words on the model card;
@@ -46,6 +49,18 @@ RECORD_KINDS = (SEQUENCES, PAIRS)
 # The frozen models an objective may ask for (``ObjectiveSpec.frozen``).
 REFERENCE = "reference"  # the policy's initial function: adapters off, a frozen copy, or a named model
 REWARD_MODEL = "reward_model"  # a scoring model (for generation-based objectives)
+# The micro-batch's own keys: a record field (``ObjectiveSpec.fields``) cannot take one of these names.
+BATCH_KEYS = (
+    "input_ids",
+    "labels",
+    "attention_mask",
+    "position_ids",
+    "shift_labels",
+    "sequence_index",
+    "sequence_last",
+    "num_pairs",
+    "reference_logps",
+)
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,7 @@ class ObjectiveSpec:
     rows_per_item: int | str = 1  # rows an item becomes: 1, 2 (a pair), or a recipe key holding G
     frozen: tuple[str, ...] = ()  # frozen models it may need (REFERENCE, REWARD_MODEL)
     metrics: tuple[str, ...] = ()  # the sums its micro loss returns, reported as global-batch means
+    fields: tuple[str, ...] = ()  # numbers read from each record, batch[name] per token (docs/data.md)
     preference_keys: bool = False  # reads preference.* (loss_type, beta, reference, ...)
     card: str = ""  # what it is, in the model card of an export
     tagged: bool = True  # the model card tags an export with its name (not the default objective's)
@@ -169,10 +185,36 @@ def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
                 f"Use one of the record kinds the data layer reads: {', '.join(RECORD_KINDS)}.",
             )
         )
+    problems += _field_problems(spec)
     if problems:
         raise UserError(*problems)
     _BY_NAME[spec.name] = spec
     return spec
+
+
+def _field_problems(spec: ObjectiveSpec) -> list[Problem]:
+    """A record field must be a name of its own in the micro-batch, read from one row per record."""
+    if not spec.fields:
+        return []
+    if spec.record != SEQUENCES:
+        return [
+            Problem(
+                "train.objective_module",
+                f"registers objective {spec.name!r} reading fields {', '.join(spec.fields)} from {spec.record!r} "
+                "records; record fields are read from sequences records only",
+                f"Declare fields only on an objective with record={SEQUENCES!r}.",
+            )
+        ]
+    bad = [f for f in spec.fields if not f.isidentifier() or f in BATCH_KEYS or spec.fields.count(f) > 1]
+    if bad:
+        return [
+            Problem(
+                "train.objective_module",
+                f"registers objective {spec.name!r} with fields {', '.join(map(repr, bad))}",
+                f"Name each field once, as an identifier that is none of the micro-batch's keys ({', '.join(BATCH_KEYS)}).",
+            )
+        ]
+    return []
 
 
 def load_objective_module(recipe: Recipe) -> None:

@@ -1,19 +1,21 @@
 """An objective added from outside llmft (tests/weighted_sft_objective.py: one record, one module,
 found through ``train.objective_module``) trains like a built-in one: any split of the batch over
-micro-batches, accumulation and 2 FSDP2 ranks under torchrun gives the big batch's weights.
+micro-batches, accumulation and 2 FSDP2 ranks under torchrun gives the big batch's weights. Each
+record carries its own ``weight``, read through the token cache (``ObjectiveSpec.fields``).
 
 docs/design.md "Adding an objective"; G1 (accumulation is the big batch).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, max_rel_diff, metrics, torchrun, train_inproc, write_recipe
+from helpers import ROOT, max_rel_diff, metrics, torchrun, train_inproc, write_data, write_recipe
 
 from llmft.export.consolidate import load_checkpoint_model, trainable_state
 
@@ -23,6 +25,10 @@ SGD = ["optim.name=sgd", "optim.lr=0.5", "data.packing=false", "batch.global_bat
 
 
 def _recipe(tmp: Path) -> Path:
+    """The tiny recipe over records that each carry a weight (1, 2 or 3: 1 + line % 3)."""
+    data = write_data(tmp / "train.jsonl")
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    data.write_text("".join(json.dumps({**r, "weight": 1 + i % 3}) + "\n" for i, r in enumerate(records)))
     return write_recipe(tmp)
 
 
@@ -66,4 +72,4 @@ def test_two_fsdp_ranks_equal_one_process(tmp_path):
     cmd = [sys.executable, "-m", "llmft", "export", str(tmp_path / "fsdp" / "run"), "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env}, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "weighted_sft (next-token loss, each target token weighted by 1 + id % 3)" in (out / "README.md").read_text()
+    assert "each target token weighted by its record's weight" in (out / "README.md").read_text()
