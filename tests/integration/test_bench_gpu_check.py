@@ -38,7 +38,8 @@ def _same_losses(out, case: str) -> None:
     assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(on, off, strict=False))
 
 
-@pytest.mark.slow  # seven `llmft train` processes, three of them compiling: ~7 min on 2 shared cores under load
+@pytest.mark.slow
+@pytest.mark.extended  # seven `llmft train` processes, three compiling (~7 min); CI runs --quick --check
 def test_bench_gpu_check_runs_every_case_and_variant(tmp_path):
     out = tmp_path / "bench"
     table = _bench(out)
