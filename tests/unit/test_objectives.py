@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmft.plan.engines import load
-from llmft.plan.objectives import DEFAULT_OBJECTIVE, OBJECTIVE_NAMES, OBJECTIVES, objective_spec
+from llmft.plan.objectives import DEFAULT_OBJECTIVE, OBJECTIVE_NAMES, OBJECTIVES, objective_names, objective_spec
 from llmft.plan.resolve import load_plan, plan_summary
 from llmft.recipe.load import RecipeError
 from llmft.recipe.schema import PreferenceConfig, TrainConfig
@@ -54,8 +54,11 @@ def test_the_recipe_takes_the_registry_names_and_refuses_others(tmp_path):
     for name in OBJECTIVE_NAMES:
         assert _plan(tmp_path, f"train.objective={name}").objective == name
     (problem,) = _problems(tmp_path, "train.objective=kto")
+    # The names registered in this process: the built-ins, and any a test module registered before.
+    names = ", ".join(objective_names())
+    assert names.startswith("sft, dpo, reward")
     assert problem.endswith(
-        "train.objective: 'kto' is not one of sft, dpo, reward | Use one of them, or name the module that "
+        f"train.objective: 'kto' is not one of {names} | Use one of them, or name the module that "
         'registers it in train.objective_module (docs/design.md, "Adding an objective").'
     ), problem
     assert objective_spec("sft").counts == "tokens" and objective_spec("dpo").counts == "pairs"
@@ -65,7 +68,7 @@ def test_an_objective_module_that_does_not_import_is_refused(tmp_path):
     problems = _problems(tmp_path, "train.objective_module=no_such_module_here", "train.objective=kto")
     assert "train.objective_module: cannot import 'no_such_module_here': ModuleNotFoundError" in problems[0]
     assert (
-        "train.objective: 'kto' is not one of sft, dpo, reward (train.objective_module=no_such_module_here"
+        f"train.objective: 'kto' is not one of {', '.join(objective_names())} (train.objective_module=no_such_module_here"
         in (problems[1])
     )
 
