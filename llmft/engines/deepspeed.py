@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, ContextManager
 
@@ -75,6 +76,14 @@ class DeepSpeedEngineAdapter:
         self.env = env
         self.plan, self.tokenizer = plan, tokenizer  # what ``frozen_model`` builds from
         warn_stale_build_locks()
+        # DeepSpeed 0.19 calls torch's all_gather_into_tensor / reduce_scatter_tensor, which torch
+        # 2.13 deprecates with a FutureWarning that libraries' catch_warnings blocks re-arm: a
+        # ZeRO-3 run printed it at every gather (pages per step) about code the user cannot change.
+        warnings.filterwarnings(
+            "ignore",
+            r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+            FutureWarning,
+        )
         # DeepSpeed's comm layer wraps the process group train.py created; its config checks
         # (batch x world size, also inside zero.Init) read the world size from there.
         deepspeed.init_distributed(

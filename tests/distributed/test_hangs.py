@@ -48,7 +48,7 @@ def _gave_up(stderr: str, rank: int) -> str:
 def _assert_stacks(report: str) -> None:
     assert "exiting with 124" in report
     assert "Current thread" in report or "Thread 0x" in report  # faulthandler's dump of every thread
-    assert re.search(r'File ".*llmft/(loop|dist|train)\.py", line \d+ in ', report), report[:3000]
+    assert re.search(r'File ".*llmft/(training/loop|job/dist|training/train)\.py", line \d+ in ', report), report[:3000]
 
 
 def _resume_from_last_checkpoint(recipe: Path, run_dir: Path, expect: int, capsys) -> None:
