@@ -228,10 +228,13 @@ def _check_marker(step_dir: Path) -> int:
 
 
 def check_json(path: Path) -> None:
+    """A model folder's JSON files (config, generation config, adapter config, index) are objects."""
     try:
-        json.loads(path.read_text())
+        doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise damaged(path, f"not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise damaged(path, "not a JSON object")
 
 
 def check_model_config(path: Path) -> None:

@@ -48,7 +48,7 @@ from llmft.model import ulysses, zero3
 from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta
-from llmft.plan.deepspeed import deepspeed_config, host_device_config
+from llmft.plan.deepspeed import deepspeed_config
 from llmft.plan.layout import RunPlan
 
 log = logging.getLogger("llmft")
@@ -92,8 +92,6 @@ class DeepSpeedEngineAdapter:
             timeout=datetime.timedelta(seconds=timeout_s(plan.recipe.distributed)),
         )
         self.config = deepspeed_config(plan)
-        if env.device.type == "cpu":  # gathered weights are host memory here: released after use
-            self.config = host_device_config(self.config)
         self._hf_ds = None
         model = self._build(plan, tokenizer)
         if plan.zero_stage == 3:  # gathered weights are released after use, not kept by autograd

@@ -86,19 +86,6 @@ def zero_optimization(recipe: Recipe, shape: ModelShape | None) -> dict[str, Any
     return zero
 
 
-def host_device_config(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` for a run whose device is the host (a CPU run): ZeRO-3 releases a gathered
-    parameter as soon as its module is done (``stage3_max_reuse_distance`` 0) and keeps no more
-    than one prefetch bucket live, instead of HF's 1e9 that keeps every parameter gathered from
-    its forward to its backward (device memory on a GPU; on a CPU, host RAM per rank)."""
-    zero = config.get("zero_optimization", {})
-    if zero.get("stage") != 3:
-        return config
-    window = zero["stage3_prefetch_bucket_size"]
-    zero = {**zero, "stage3_max_live_parameters": window, "stage3_max_reuse_distance": 0}
-    return {**config, "zero_optimization": zero}
-
-
 def precision(dtype: str) -> dict[str, Any]:
     """``bf16`` and ``fp16`` blocks, both always present so nothing falls back to a default."""
     fp16: dict[str, Any] = {"enabled": dtype == "fp16"}

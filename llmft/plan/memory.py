@@ -685,14 +685,6 @@ def host_memory_per_rank(plan: RunPlan, *, device_is_host: bool = False) -> int:
         return loading
     est = estimate_memory(plan)
     step = est.allocated
-    if engine_spec(plan.engine).param_gather == "live_window" and plan.recipe.model.quantization is None:
-        # A CPU run's ZeRO-3 releases each weight after its module (plan.deepspeed.host_device_config,
-        # model/zero3.py): a decoder layer and the embedding-sized head gathered, not the live window
-        # (a 4-bit base's whole live window is about a layer's worth in the compute dtype: kept).
-        recipe, shape = plan.recipe, _require_shape(plan.recipe)
-        params, a = count_params(recipe, shape), DTYPE_BYTES[recipe.model.dtype]
-        window = params.layer * a + shape.vocab_size * shape.hidden_size * a
-        step += int(window - est.transient_weights)
     return max(loading, step)
 
 

@@ -448,3 +448,16 @@ def test_a_checkpoint_tokenizer_that_does_not_load_is_damage(tmp_path, file, dam
     assert str(e.value).endswith(
         "Resume from an earlier checkpoint (checkpoint.resume=auto skips damaged ones), or restore the file."
     )
+
+
+@pytest.mark.parametrize("doc", ["null", "[]", '"text"', "3"])
+def test_a_model_json_file_that_is_not_an_object_is_damage(tmp_path, doc):
+    """Found by the checkpoint fuzzer: a generation_config.json of `null` reached export as a
+    TypeError traceback."""
+    from llmft.checkpoint.verify import check_json
+
+    path = tmp_path / "generation_config.json"
+    path.write_text(doc)
+    with pytest.raises(DamagedCheckpoint) as e:
+        check_json(path)
+    assert str(e.value).startswith(f"{path}: is damaged: not a JSON object")
