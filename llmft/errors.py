@@ -134,8 +134,8 @@ def cause_kind(e: BaseException) -> str:
     return OTHER
 
 
-def _offline() -> bool:
-    flags = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+def offline(flags: tuple[str, ...] = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")) -> bool:
+    """Whether one of the Hugging Face offline variables ``flags`` is on (as huggingface_hub reads them)."""
     return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in flags)
 
 
@@ -167,7 +167,7 @@ def cause_fix(e: BaseException, name: str | None = None, local: bool = False, da
         spec = f'"{pkg}"' if re.search(r"[<>=!~\[]", pkg) else pkg
         return f"Install the missing package in this environment: `pip install {spec}`."
     if kind == OFFLINE:
-        why = "downloads are off (HF_HUB_OFFLINE=1)" if _offline() else "the Hugging Face Hub cannot be reached"
+        why = "downloads are off (HF_HUB_OFFLINE=1)" if offline() else "the Hugging Face Hub cannot be reached"
         return (
             f"{what} is not in the local Hugging Face cache (HF_HOME) and {why}: download it once on a machine "
             f"with network access (`{download}`) into the HF_HOME this job uses, or point at "

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llmft.data.sources import Source
-from llmft.errors import Problem, UserError, library_problem
+from llmft.errors import Problem, UserError, library_problem, offline
 
 if TYPE_CHECKING:
     import datasets
@@ -314,6 +313,9 @@ def load_saved(path: Path, source: Source) -> datasets.Dataset:
     return datasets.load_from_disk(str(path))
 
 
+DATASETS_OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")  # what keeps `datasets` off the Hub
+
+
 def load_hub(source: Source, streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
     import datasets  # heavy: imported only where records are read (a cache build, a stream)
 
@@ -323,11 +325,11 @@ def load_hub(source: Source, streaming: bool = False) -> datasets.Dataset | data
             source.path, name=source.name, split=split, revision=source.revision, streaming=streaming
         )
     except Exception as e:  # offline, unknown id, unknown split or config, gated repo, ...
-        offline = " (offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)" if _offline() else ""
+        when = " (offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)" if offline(DATASETS_OFFLINE) else ""
         raise UserError(
             library_problem(
                 source.key,
-                f"'{source.path}' is not a local path, and no hub dataset of that name could be loaded{offline}",
+                f"'{source.path}' is not a local path, and no hub dataset of that name could be loaded{when}",
                 e,
                 name=source.path,
                 dataset=True,
@@ -335,10 +337,6 @@ def load_hub(source: Source, streaming: bool = False) -> datasets.Dataset | data
                 "dataset must be in the local Hugging Face cache when running offline.",
             )
         ) from e
-
-
-def _offline() -> bool:
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 def _reason(e: Exception) -> str:
