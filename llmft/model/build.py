@@ -29,7 +29,7 @@ from llmft.model.adapters import apply_peft, init_adapters
 from llmft.model.heads import PEFT_TASK_TYPES, configure, init_head, model_class, recipe_head
 from llmft.model.precision import DTYPES, upcast_trainable
 from llmft.model.quant import prepare_kbit, quantization_config, quantized_skeleton
-from llmft.model.source import load_error, model_config, resolve_name
+from llmft.model.source import load_error, load_errors, model_config, resolve_name
 from llmft.plan.engines import tiled_mlp_kind
 
 if TYPE_CHECKING:
@@ -280,25 +280,19 @@ def _from_pretrained(
     name = resolve_name(m.name_or_path)
     # transformers draws the init of weights the checkpoint lacks (a new score head) from the global RNG:
     # forked, so that data order and dropout see the RNG a meta-device build (which draws none) leaves
-    try:
-        with _rng_kept(device_map):
-            model, info = model_class(head).from_pretrained(
-                name,
-                config=config,
-                revision=m.revision,
-                trust_remote_code=m.trust_remote_code,
-                dtype=dtype,
-                attn_implementation=m.attn_implementation,
-                quantization_config=quant,
-                device_map=device_map,
-                output_loading_info=True,
-                use_kernels=m.hub_kernels,  # transformers >= 5.2x: None means fetch Hub kernels on CUDA
-            )
-    except Exception as e:  # noqa: BLE001 - weights missing or not cached, damaged, a package missing...
-        error = load_error(m, name, e)
-        if error is None:
-            raise
-        raise error from None
+    with load_errors(m, name), _rng_kept(device_map):
+        model, info = model_class(head).from_pretrained(
+            name,
+            config=config,
+            revision=m.revision,
+            trust_remote_code=m.trust_remote_code,
+            dtype=dtype,
+            attn_implementation=m.attn_implementation,
+            quantization_config=quant,
+            device_map=device_map,
+            output_loading_info=True,
+            use_kernels=m.hub_kernels,  # transformers >= 5.2x: None means fetch Hub kernels on CUDA
+        )
     init_head(model, seed, list(info.get("missing_keys", ())))
     return model
 

@@ -6,6 +6,8 @@ kernel that is not installed), each naming the recipe key.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,8 +36,16 @@ def model_config(m: ModelConfig) -> PretrainedConfig:
                 )
             ) from None
     name = resolve_name(m.name_or_path)
-    try:
+    with load_errors(m, name):
         return AutoConfig.from_pretrained(name, revision=m.revision, trust_remote_code=m.trust_remote_code)
+
+
+@contextlib.contextmanager
+def load_errors(m: ModelConfig, name: str) -> Iterator[None]:
+    """A failed config or model load of ``name`` raised as its ``UserError`` (``load_error``); an
+    error that is no known cause (a bug) propagates as it is."""
+    try:
+        yield
     except Exception as e:  # noqa: BLE001 - hub, json and transformers errors share no base; bugs re-raised
         error = load_error(m, name, e)
         if error is None:
