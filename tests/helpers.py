@@ -38,6 +38,26 @@ def tiny_llama_model(attn: str = "sdpa", **overrides):
     return LlamaForCausalLM(LlamaConfig(**shape, attn_implementation=attn)).float().eval()
 
 
+def packed_and_plain(pad: int = 0) -> tuple[dict, dict]:
+    """Examples of odd lengths (some prompt tokens masked) packed into several rows of 16 in one
+    micro-batch, and the same examples one per row (padded): the packing equality tests' batches."""
+    from llmft.data import collate
+    from llmft.data.encode import IGNORE_INDEX, Example
+    from llmft.data.pack import pack
+    from llmft.data.tokens import TokenDataset
+
+    gen = torch.Generator().manual_seed(1)
+    exs = []
+    for n, masked in [(5, 2), (9, 0), (3, 1), (7, 4), (12, 3), (4, 0), (6, 1), (10, 2)]:
+        ids = torch.randint(0, 256, (n,), generator=gen).tolist()
+        exs.append(Example(ids, [IGNORE_INDEX] * masked + ids[masked:]))
+    dataset = TokenDataset(pack(exs, 16, pad))
+    packed = collate([dataset[i] for i in range(len(dataset))], pad)
+    assert packed["input_ids"].shape[0] >= 3 and "attention_mask" not in packed  # several packed rows
+    plain = collate([{"input_ids": e.input_ids, "labels": e.labels, "position_ids": None} for e in exs], pad)
+    return packed, plain
+
+
 def write_data(path: Path, n: int = 64, seed: int = 0, kind: str = "completion") -> Path:
     """Records of very different lengths, so per-micro-batch averaging would visibly differ."""
     rng = random.Random(seed)

@@ -35,9 +35,9 @@ def _run(tmp_path: Path, name: str, *overrides: str, **sections) -> list[dict]:
     return metrics(tmp_path / name / "run")
 
 
-def _run_subprocess(tmp_path: Path, name: str, **sections) -> list[dict]:
-    """A separate process: Liger patches transformers' modules process-wide, and peak memory is
-    per process."""
+def _train_subprocess(tmp_path: Path, name: str, **sections) -> subprocess.CompletedProcess:
+    """``llmft train`` in a separate process: Liger patches transformers' modules process-wide, and
+    peak memory is per process."""
     recipe = write_recipe(tmp_path / name, **sections)
     done = subprocess.run(
         [sys.executable, "-m", "llmft", "train", str(recipe)],
@@ -48,6 +48,12 @@ def _run_subprocess(tmp_path: Path, name: str, **sections) -> list[dict]:
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _run_subprocess(tmp_path: Path, name: str, **sections) -> list[dict]:
+    """The metrics of ``_train_subprocess``."""
+    _train_subprocess(tmp_path, name, **sections)
     return metrics(tmp_path / name / "run")
 
 
@@ -194,16 +200,7 @@ def test_compile_with_liger_prints_no_triton_traceback(tmp_path):
     error, and the losses equal compile alone (Liger's fused loss against torch's) to 2e-3 relative."""
     pytest.importorskip("liger_kernel", reason="liger-kernel is not installed")
     common = dict(PACKED, model__dtype="bf16", batch__micro_batch_size=2, model__compile=True)
-    both = write_recipe(tmp_path / "both", **common, model__liger_kernels=True)
-    done = subprocess.run(
-        [sys.executable, "-m", "llmft", "train", str(both)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _train_subprocess(tmp_path, "both", **common, model__liger_kernels=True)
     assert "kernel paths: decoder layers compiled by torch.compile" in done.stderr
     for sign in ("Traceback", "CompilationError", "triton_kernel_wrap"):
         assert sign not in done.stderr + done.stdout, (done.stderr + done.stdout)[-3000:]

@@ -17,39 +17,20 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import max_rel_diff, metrics, tiny_llama_model, train_inproc, write_recipe
+from helpers import max_rel_diff, metrics, packed_and_plain, tiny_llama_model, train_inproc, write_recipe
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmft.data import collate, count_targets
-from llmft.data.encode import IGNORE_INDEX, Example
-from llmft.data.pack import pack
-from llmft.data.tokens import TokenDataset
+from llmft.data import count_targets
 from llmft.errors import UserError
 from llmft.model import attention, kernels
 from llmft.plan.kernels import VARLEN_SDPA, chosen_attention
 from llmft.plan.memory import estimate, packed_mask_bytes
 from llmft.plan.resolve import load_plan
 
-PAD = 0
-
 
 def varlen_model(**overrides):
     attention.register()
     return tiny_llama_model(VARLEN_SDPA, **overrides).train()
-
-
-def packed_and_plain() -> tuple[dict, dict]:
-    """Examples packed into several rows of 16 (one micro-batch), and the same examples one per row."""
-    gen = torch.Generator().manual_seed(1)
-    exs = []
-    for n, masked in [(5, 2), (9, 0), (3, 1), (7, 4), (12, 3), (4, 0), (6, 1), (10, 2)]:
-        ids = torch.randint(0, 256, (n,), generator=gen).tolist()
-        exs.append(Example(ids, [IGNORE_INDEX] * masked + ids[masked:]))
-    dataset = TokenDataset(pack(exs, 16, PAD))
-    packed = collate([dataset[i] for i in range(len(dataset))], PAD)
-    assert packed["input_ids"].shape[0] >= 3 and "attention_mask" not in packed
-    plain = collate([{"input_ids": e.input_ids, "labels": e.labels, "position_ids": None} for e in exs], PAD)
-    return packed, plain
 
 
 def loss_and_grads(model, batch: dict, n: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:

@@ -17,18 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY_LLAMA, max_rel_diff, metrics, train_inproc, write_recipe
+from helpers import TINY_LLAMA, max_rel_diff, metrics, packed_and_plain, train_inproc, write_recipe
 
-from llmft.data import collate, count_targets
-from llmft.data.encode import IGNORE_INDEX, Example
-from llmft.data.pack import pack
-from llmft.data.tokens import TokenDataset
+from llmft.data import count_targets
+from llmft.data.encode import IGNORE_INDEX
 from llmft.errors import UserError
 from llmft.model import kernels
 from llmft.plan.resolve import load_plan
 from llmft.recipe import RecipeError
 
-PAD = 0
 VARLEN = "llmft_test_varlen"
 
 
@@ -91,19 +88,6 @@ def tiny_llama(attn: str):
     torch.manual_seed(0)
     config = AutoConfig.for_model(**TINY_LLAMA)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float().eval()
-
-
-def packed_and_plain() -> tuple[dict, dict]:
-    gen = torch.Generator().manual_seed(1)
-    exs = []
-    for n, masked in [(5, 2), (9, 0), (3, 1), (7, 4), (12, 3), (4, 0), (6, 1), (10, 2)]:
-        ids = torch.randint(0, 256, (n,), generator=gen).tolist()
-        exs.append(Example(ids, [IGNORE_INDEX] * masked + ids[masked:]))
-    dataset = TokenDataset(pack(exs, 16, PAD))
-    packed = collate([dataset[i] for i in range(len(dataset))], PAD)
-    assert packed["input_ids"].shape[0] >= 3  # several packed rows in one micro-batch
-    plain = collate([{"input_ids": e.input_ids, "labels": e.labels, "position_ids": None} for e in exs], PAD)
-    return packed, plain
 
 
 def token_losses(model, batch: dict) -> torch.Tensor:
