@@ -16,8 +16,7 @@ import subprocess
 import sys
 
 import pytest
-
-from tests.helpers import write_recipe
+from helpers import write_recipe
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only"
