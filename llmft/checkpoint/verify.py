@@ -60,6 +60,10 @@ class DamagedCheckpoint(UserError):
     """A complete checkpoint with a file that cannot be what llmft wrote."""
 
 
+# Top-level recipe keys that hold a list, not a section (``rewards``).
+LIST_SECTIONS = ("rewards",)
+
+
 def damaged(path: Path, what: str) -> DamagedCheckpoint:
     return DamagedCheckpoint(
         Problem(
@@ -96,7 +100,7 @@ def check_checkpoint(step_dir: Path) -> None:
         recipe = yaml.safe_load((step_dir / RECIPE_FILE).read_text())
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise damaged(step_dir / RECIPE_FILE, f"{type(e).__name__}: {e}".splitlines()[0]) from None
-    if not isinstance(recipe, dict) or not all(isinstance(v, dict) for v in recipe.values()):
+    if not isinstance(recipe, dict) or not all(isinstance(v, list if k in LIST_SECTIONS else dict) for k, v in recipe.items()):
         raise damaged(step_dir / RECIPE_FILE, "not a recipe (a mapping of sections such as model:, data:)")
     if (step_dir / PLAN_FILE).exists():  # older checkpoints have none
         try:

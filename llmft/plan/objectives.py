@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 # The kinds of record the data layer reads (``ObjectiveSpec.record``).
 SEQUENCES = "sequences"  # SFT records: text, prompt/completion, messages; one row each (or packed)
 PAIRS = "pairs"  # preference pairs: prompt, chosen, rejected; an item is two rows
-RECORD_KINDS = (SEQUENCES, PAIRS)
+PROMPTS = "prompts"  # prompts to complete (online RL): a prompt (text or messages) and any other fields
+RECORD_KINDS = (SEQUENCES, PAIRS, PROMPTS)
 # The frozen models an objective may ask for (``ObjectiveSpec.frozen``).
 REFERENCE = "reference"  # the policy's initial function: adapters off, a frozen copy, or a named model
 REWARD_MODEL = "reward_model"  # a scoring model (for generation-based objectives)
@@ -74,6 +75,9 @@ class ObjectiveSpec:
     head: Literal["lm", "score"] = "lm"  # the causal-LM head, or a scalar score head
     record: str = SEQUENCES  # the kind of record it reads (RECORD_KINDS)
     rows_per_item: int | str = 1  # rows an item becomes: 1, 2 (a pair), or a recipe key holding G
+    # A recipe key holding G: G consecutive positions of the global order are one record's G items
+    # (online RL: a prompt's G completions); None: a position is a record.
+    group: str | None = None
     frozen: tuple[str, ...] = ()  # frozen models it may need (REFERENCE, REWARD_MODEL)
     metrics: tuple[str, ...] = ()  # the sums its micro loss returns, reported as global-batch means
     fields: tuple[str, ...] = ()  # numbers read from each record, batch[name] per token (docs/data.md)
@@ -85,6 +89,13 @@ class ObjectiveSpec:
     def pairs(self) -> bool:
         """An item is a preference pair (``batch.global_batch_size`` counts pairs)."""
         return self.record == PAIRS
+
+    def group_size(self, recipe: Recipe) -> int:
+        """G: consecutive positions of the global order that are one record's items (1 without ``group``)."""
+        if self.group is None:
+            return 1
+        section, _, key = self.group.partition(".")
+        return int(getattr(getattr(recipe, section), key))
 
     def rows(self, recipe: Recipe | None = None) -> int:
         """Sequences one item of the data becomes (a micro-batch of P items runs P x this rows)."""
@@ -103,6 +114,9 @@ DPO_METRICS = (
     "logps/chosen",
     "logps/rejected",
 )
+
+# Sums the GRPO micro loss returns; kl, clip and entropy are token means, the rest completion means.
+GRPO_METRICS = ("kl", "clip_fraction", "entropy", "completion_tokens")
 
 DEFAULT_OBJECTIVE = "sft"  # train.objective's default (recipe/schema.py)
 _BUILT_IN: tuple[ObjectiveSpec, ...] = (
@@ -136,6 +150,17 @@ _BUILT_IN: tuple[ObjectiveSpec, ...] = (
         rows_per_item=2,
         metrics=DPO_METRICS[:4],
         card="reward (a scalar score head, loss -log sigmoid(r_chosen - r_rejected) per pair)",
+    ),
+    ObjectiveSpec(
+        name="grpo",
+        title="GRPO",
+        runtime="llmft.objectives.grpo:GRPOObjective",
+        counts="completions",
+        record=PROMPTS,
+        group="rollout.num_generations",
+        frozen=(REFERENCE, REWARD_MODEL),
+        metrics=GRPO_METRICS,
+        card="grpo (online RL: G sampled completions per prompt, group-relative advantages, clipped surrogate)",
     ),
 )
 

@@ -269,7 +269,8 @@ class TrainConfig:
         "sft",
         "What the model learns, a name in the objective registry (llmft.plan.objectives): sft (next-token loss "
         "on the targets), dpo (preference pairs; see preference.*), reward (a scalar reward model trained on "
-        "preference pairs), or one that train.objective_module registers.",
+        "preference pairs), grpo (online RL from rewards: see rollout.*, rl.*, rewards), or one that "
+        "train.objective_module registers.",
     )
     objective_module: Optional[str] = doc(
         None,
@@ -299,6 +300,58 @@ class PreferenceConfig:
         False,
         "Compute the reference log-probs once, store them with the token cache entry, and train without a "
         "reference model.",
+    )
+
+
+@dataclass
+class RolloutConfig:
+    num_generations: int = doc(
+        8,
+        "G: completions generated per prompt (train.objective=grpo). The global batch counts completions: "
+        "prompts per step x G = micro x accumulation x data-parallel.",
+    )
+    max_new_tokens: int = doc(
+        128, "Longest completion; a prompt may use data.max_seq_len minus this (longer prompts are refused)."
+    )
+    temperature: float = doc(1.0, "Sampling temperature of generation (0 < t).")
+    top_p: float = doc(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.")
+    backend: str = doc(
+        "hf",
+        "hf: transformers generate() with a KV cache, on every engine; file: completions read from rollout.file.",
+        choices=("hf", "file"),
+    )
+    file: Optional[str] = doc(
+        None,
+        'rollout.backend=file: a JSONL of {"prompt": <the record\'s prompt, as in the data>, "completions": [G strings]}, '
+        "looked up by prompt.",
+    )
+    batch_size: Optional[int] = doc(
+        None, "Completions generated together by one generate() call on a rank; null: all of a step's on that rank."
+    )
+
+
+@dataclass
+class RLConfig:
+    beta: float = doc(0.0, "KL to the reference model per token (k3 estimator); 0: no reference model is built or run.")
+    epsilon: float = doc(0.2, "Lower clipping bound of the ratio: 1 - epsilon.")
+    epsilon_high: Optional[float] = doc(
+        None, "Upper clipping bound of the ratio: 1 + epsilon_high (DAPO's clip-higher); null: epsilon."
+    )
+    iterations: int = doc(
+        1, "Policy updates per generation batch (TRL num_iterations, the PPO epochs); old log-probs kept when > 1."
+    )
+    scale_rewards: str = doc(
+        "group",
+        "Advantage = reward - group mean, divided by: group (the group's std), batch (the global batch's std), "
+        "or none (Dr. GRPO).",
+        choices=("group", "batch", "none"),
+    )
+    normalise: str = doc(
+        "global_token",
+        "The loss normaliser: global_token (every completion token of the global batch; TRL's dapo), sequence "
+        "(each completion's token mean, then the mean over completions; TRL's grpo), or constant "
+        "(completions x rollout.max_new_tokens; TRL's dr_grpo).",
+        choices=("global_token", "sequence", "constant"),
     )
 
 
@@ -391,6 +444,14 @@ class Recipe:
     train: TrainConfig = doc(TrainConfig(), "Length, logging and eval cadence.")
     checkpoint: CheckpointConfig = doc(CheckpointConfig(), "Checkpoints and resume.")
     preference: PreferenceConfig = doc(PreferenceConfig(), "Preference tuning (train.objective: dpo or reward).")
+    rollout: RolloutConfig = doc(RolloutConfig(), "Generation for online RL (train.objective: grpo).")
+    rl: RLConfig = doc(RLConfig(), "The online RL loss (train.objective: grpo).")
+    rewards: List[Any] = doc(
+        [],
+        'Rewards of train.objective=grpo: a list of {function: "module:name", weight} (a Python function of '
+        "prompt, completion and the record's other fields, returning a float or None) and/or {model: DIR, "
+        "weight} (a reward model, e.g. one exported by train.objective=reward).",
+    )
     distributed: DistributedConfig = doc(DistributedConfig(), "Engine and world layout.")
 
 
