@@ -100,7 +100,9 @@ def check_checkpoint(step_dir: Path) -> None:
         recipe = yaml.safe_load((step_dir / RECIPE_FILE).read_text())
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise damaged(step_dir / RECIPE_FILE, f"{type(e).__name__}: {e}".splitlines()[0]) from None
-    if not isinstance(recipe, dict) or not all(isinstance(v, list if k in LIST_SECTIONS else dict) for k, v in recipe.items()):
+    if not isinstance(recipe, dict) or not all(
+        isinstance(v, list if k in LIST_SECTIONS else dict) for k, v in recipe.items()
+    ):
         raise damaged(step_dir / RECIPE_FILE, "not a recipe (a mapping of sections such as model:, data:)")
     if (step_dir / PLAN_FILE).exists():  # older checkpoints have none
         try:

@@ -143,6 +143,16 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
         return t.tolist()
 
 
+def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``rows`` (the same shape on each), stacked in rank order: ``[world * n, ...]``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return rows
+    out = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
+    with watchdog.collective("all_gather"):
+        dist.all_gather(out, rows.contiguous())
+    return torch.cat(out)
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         with watchdog.collective("barrier"):

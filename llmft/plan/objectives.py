@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Literal
 
 from llmft.errors import Problem, UserError
+from llmft.plan.rl import rl_problems
 from llmft.recipe.schema import PreferenceConfig
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ DPO_METRICS = (
 )
 
 # Sums the GRPO micro loss returns; kl, clip and entropy are token means, the rest completion means.
-GRPO_METRICS = ("kl", "clip_fraction", "entropy", "completion_tokens")
+GRPO_METRICS = ("kl", "clip_fraction", "entropy", "completion_tokens", "completions")
 
 DEFAULT_OBJECTIVE = "sft"  # train.objective's default (recipe/schema.py)
 _BUILT_IN: tuple[ObjectiveSpec, ...] = (
@@ -300,10 +301,12 @@ def unknown_objective(recipe: Recipe, where: Callable[[str], str]) -> list[Probl
 
 def reference_kind(recipe: Recipe) -> str:
     """What the run uses as its reference model (one of the constants above)."""
-    p = recipe.preference
-    if REFERENCE not in objective_of(recipe).frozen:
+    p, spec = recipe.preference, objective_of(recipe)
+    if REFERENCE not in spec.frozen:
         return NO_REFERENCE
-    if p.loss_type in REFERENCE_FREE_LOSSES:
+    if spec.preference_keys and p.loss_type in REFERENCE_FREE_LOSSES:
+        return NO_REFERENCE
+    if spec.group is not None and recipe.rl.beta == 0:  # online RL without the KL term
         return NO_REFERENCE
     if p.reference != "auto":
         return REFERENCE_MODEL
@@ -324,6 +327,7 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
             )
         )
     problems += head_problems(spec, recipe, where)
+    problems += rl_problems(spec, recipe, where)
     if not spec.pairs or not spec.preference_keys:  # head_problems named any preference.* key set
         return problems
     if p.label_smoothing and p.loss_type != "sigmoid":

@@ -29,7 +29,14 @@ from llmft.plan.batch import BatchPlan, divisors, resolve_for_world, sequences_f
 from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, load
 from llmft.plan.kernels import recipe_problems
 from llmft.plan.layout import RunPlan, World, data_parallel_size, parallel_layout, quant_storage_for
-from llmft.plan.objectives import load_objective_module, objective_problems, reference_kind, unknown_objective
+from llmft.plan.objectives import (
+    load_objective_module,
+    objective_of,
+    objective_problems,
+    reference_kind,
+    unknown_objective,
+)
+from llmft.plan.rl import group_problems
 from llmft.plan.shape import model_shape
 from llmft.recipe.load import RecipeError, load_unchecked, provenance
 from llmft.recipe.schema import Recipe
@@ -110,6 +117,8 @@ def resolve(
             Problem(where(pr.where) if pr.where.startswith("batch.") else pr.where, pr.what, pr.fix)
             for pr in e.problems
         ]
+    if batch is not None:
+        problems += group_problems(objective_of(recipe), recipe, batch, where)
     if problems:
         raise RecipeError(*problems, title=f"the recipe has {len(problems)} problem(s)")
     assert batch is not None

@@ -1,0 +1,301 @@
+"""GRPO (``train.objective: grpo``): online RL from rewards, with the loss normalised over the global batch.
+
+An item of the data is one completion: G consecutive positions of the global order are one prompt's
+G completions (``ObjectiveSpec.group``; docs/data.md "Prompt records"), so the batch equation counts
+completions and a group may lie on several ranks. The step, in ``prepare`` (before the loop counts
+anything):
+
+1. this rank's completions of its items, from the rollout backend (``llmft.objectives.rollout``);
+2. their rewards (``llmft.objectives.rewards``), then one all-gather of (position, reward) rows over
+   the data-parallel ranks: every group is whole before its advantages are taken, whichever ranks
+   hold its completions. Advantage = reward - its group's mean, divided by the group's std
+   (``rl.scale_rewards: group``), the global batch's (``batch``) or nothing (``none``), + 1e-4;
+3. the update micro-batches, padding-free: each micro-batch's prompt + completion sequences in one
+   packed row (position ids restart per sequence, ``sequence_index`` names each token's completion;
+   labels only on completion tokens), with the per-token old log-probs (``rl.iterations`` > 1: the
+   policy's at generation time) and the reference's (``rl.beta`` > 0) computed without grad.
+
+The loss of a micro-batch (``micro_loss``), per completion token t of completion i, with
+ratio = exp(logp - old) (old = logp detached when ``rl.iterations`` is 1):
+
+    l_t = -min(ratio * A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A_i) + beta * k3_t,
+    k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+
+summed with a weight per token and divided by the global count (``count``, summed over the step's
+micro-batches and ranks by the loop): ``rl.normalise: global_token`` weight 1, count = completion
+tokens of the global batch (TRL's ``dapo``); ``sequence`` weight 1 / len(completion i), count =
+completions (TRL's ``grpo``); ``constant`` weight 1, count = completions x ``rollout.max_new_tokens``
+(TRL's ``dr_grpo``). Any split of the global batch (micro x accumulation x ranks) is the same step.
+
+With ``rl.iterations`` = k > 1 the data repeats each generation batch k times (docs/rl.md); the
+first of those steps generates and keeps its prepared micro-batches, the others reuse them (same
+completions, same old log-probs, the policy moved). The reference is the policy with its adapters
+disabled (LoRA/QLoRA), a frozen copy of the initial weights (full fine-tune) or none (beta 0).
+Dropout is off in the policy and the reference, as for preference objectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from llmft.data.encode import IGNORE_INDEX
+from llmft.job import watchdog
+from llmft.job.dist import all_gather_rows
+from llmft.model import loss as lm_loss
+from llmft.objectives import Models, ObjectiveBase, ObjectiveSetup, disable_dropout, model_inputs
+from llmft.objectives.reference import frozen_reference
+from llmft.objectives.rewards import Rewards
+from llmft.objectives.rollout import Prompt, make_rollout
+from llmft.objectives.sequences import predicted_targets
+from llmft.plan.layout import RunPlan
+from llmft.plan.objectives import ADAPTERS_DISABLED, NO_REFERENCE
+
+STD_EPS = 1e-4  # added to the std that scales advantages (TRL's value)
+
+
+def advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
+    """Group-relative advantages of ``rewards`` ``[N]`` (N = groups x ``group``, each group consecutive)."""
+    by_group = rewards.view(-1, group)
+    centred = (by_group - by_group.mean(dim=1, keepdim=True)).view(-1)
+    if scale == "group":
+        std = (
+            by_group.std(dim=1, keepdim=True).expand_as(by_group).reshape(-1)
+            if group > 1
+            else torch.zeros_like(rewards)
+        )
+        return centred / (std + STD_EPS)
+    if scale == "batch":
+        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+        return centred / (std + STD_EPS)
+    return centred
+
+
+def token_logps(
+    model: torch.nn.Module, batch: dict[str, Any], temperature: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-prob of the token each position predicts ``[R, T]``, the policy's entropy there or None),
+    from ``model``'s forward on a packed update batch; logits divided by ``temperature`` as sampled."""
+    target, _ = predicted_targets(batch["labels"], batch["sequence_index"])
+    head = lm_loss.find(model)
+    if head is not None:  # the chunked head never holds the logits: no entropy (resolve keeps temperature 1)
+        with lm_loss.token_logps(head, target):
+            return model(**model_inputs(batch), use_cache=False).logits, None
+    logits = model(**model_inputs(batch), use_cache=False).logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logps = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logps, entropy.detach()
+
+
+class GRPOObjective(ObjectiveBase):
+    """Group-relative policy optimisation over completions of the global batch (module docstring)."""
+
+    def __init__(self, plan: RunPlan, models: Models) -> None:
+        super().__init__(plan, models)
+        r = plan.recipe
+        self.rl, self.cfg, self.G = r.rl, r.rollout, r.rollout.num_generations
+        self.global_batch = plan.batch.global_batch_size
+        self.policy = models.unwrap()
+        self.models = models
+        self.reference_kind = plan.reference
+        self.reference = frozen_reference(plan, models)
+        disable_dropout(self.policy)
+        if self.reference is not None:
+            disable_dropout(self.reference)
+        self.synced = plan.layout.shards_params and plan.layout.dp_size > 1
+        self.layout = plan.layout
+        self.autocast = getattr(models, "autocast", contextlib.nullcontext)
+        self._kept: tuple[tuple[int, ...], list[dict[str, Any]]] | None = None  # rl.iterations > 1
+        self._stats: dict[str, float] = {}
+        self.rollout: Any = None
+        self.rewards: Rewards | None = None
+
+    def setup(self, context: ObjectiveSetup) -> None:
+        self.tokenizer, self.env = context.tokenizer, context.env
+        self.dp_rank = self.layout.dp_rank(context.env.rank)
+        device = context.env.device
+        self.rollout = make_rollout(self.plan.recipe, self.tokenizer, self.policy, device, self.synced, self.autocast)
+        self.rewards = Rewards(
+            list(self.plan.recipe.rewards), device, self.tokenizer, self.plan.recipe.model.hub_kernels
+        )
+        self.metric_names = self.plan.objective_spec.metrics
+
+    # --- the step's data stage -------------------------------------------------------------------
+
+    def prepare(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        positions = tuple(int(q) for mb in micro_batches for q in mb["positions"].tolist())
+        if self._kept is not None and self._kept[0] == positions:  # the same generation batch again
+            self._stats = {**self._stats, "generation_s": 0.0}
+            return self._kept[1]
+        prompts = [
+            Prompt(ids, record, int(q))
+            for mb in micro_batches
+            for ids, record, q in zip(mb["prompt_ids"], mb["records"], mb["positions"].tolist(), strict=True)
+        ]
+        generation = positions[0] // (self.global_batch * 1)
+        watchdog.progress(generation, "generating completions")
+        was_training = self.policy.training
+        self.policy.eval()
+        t0 = time.perf_counter()
+        completions = self.rollout.complete(prompts, generation, self.dp_rank)
+        generation_s = time.perf_counter() - t0
+        advantages_mine = self._advantages(prompts, completions, generation_s)
+        watchdog.progress(generation, "old and reference log-probs")
+        sizes = [len(mb["positions"]) for mb in micro_batches]
+        out, start = [], 0
+        for n in sizes:
+            batch = self._update_batch(
+                prompts[start : start + n], completions[start : start + n], advantages_mine[start : start + n]
+            )
+            self._frozen_logps(batch)
+            out.append(batch)
+            start += n
+        self.policy.train(was_training)
+        if self.rl.iterations > 1:
+            self._kept = (positions, out)
+        return out
+
+    def _advantages(self, prompts: list[Prompt], completions: list[list[int]], generation_s: float) -> torch.Tensor:
+        """This rank's completions' advantages, from every rank's rewards (one all-gather)."""
+        assert self.rewards is not None
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        scores = self.rewards.score([p.record["prompt"] for p in prompts], texts, [p.record for p in prompts])
+        total = self.rewards.total(scores)
+        eos = self.tokenizer.eos_token_id
+        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+        ended = torch.tensor([float(bool(c) and c[-1] == eos) for c in completions], dtype=torch.float64)
+        mine = torch.stack(
+            [torch.tensor([p.position for p in prompts], dtype=torch.float64), total, lengths, ended], dim=1
+        )
+        timing = torch.full((len(prompts), 1), generation_s, dtype=torch.float64)
+        rows = all_gather_rows(torch.cat([mine, timing, scores], dim=1).to(self.env.device)).cpu()
+        order = rows[:, 0].argsort()
+        rows = rows[order]
+        everyone = advantages(rows[:, 1], self.G, self.rl.scale_rewards)
+        where = {int(q): i for i, q in enumerate(rows[:, 0].tolist())}
+        self._stats = self._rollout_stats(rows)
+        return everyone[[where[p.position] for p in prompts]]
+
+    def _rollout_stats(self, rows: torch.Tensor) -> dict[str, float]:
+        total, lengths, ended, gen_s, scores = rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4], rows[:, 5:]
+        by_group = total.view(-1, self.G)
+        stats = {
+            "reward": float(total.mean()),
+            "reward_std": float(total.std()) if total.numel() > 1 else 0.0,
+            "reward_group_std": float(by_group.std(dim=1).mean()) if self.G > 1 else 0.0,
+            "completion_length": float(lengths.mean()),
+            "completion_length_max": float(lengths.max()),
+            "truncated_fraction": float(1.0 - ended.mean()),
+            "generation_s": float(gen_s.max()),
+            "generation_tokens_per_s": float(lengths.sum() / max(float(gen_s.max()), 1e-9)),
+        }
+        assert self.rewards is not None
+        for j, name in enumerate(self.rewards.names):
+            column = scores[:, j]
+            known = column[~column.isnan()]
+            stats[f"rewards/{name}"] = float(known.mean()) if known.numel() else math.nan
+        return stats
+
+    def _update_batch(self, prompts: list[Prompt], completions: list[list[int]], adv: torch.Tensor) -> dict[str, Any]:
+        """One packed row of prompt + completion sequences (module docstring, item 3)."""
+        ids, labels, positions, index = [], [], [], []
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            seq = torch.cat([p.ids.long(), torch.tensor(c, dtype=torch.long)])
+            ids.append(seq)
+            labels.append(torch.cat([torch.full((len(p.ids),), IGNORE_INDEX, dtype=torch.long), seq[len(p.ids) :]]))
+            positions.append(torch.arange(len(seq)))
+            index.append(torch.full((len(seq),), i, dtype=torch.long))
+        batch: dict[str, Any] = {
+            "input_ids": torch.cat(ids)[None],
+            "labels": torch.cat(labels)[None],
+            "position_ids": torch.cat(positions)[None],
+            "sequence_index": torch.cat(index)[None],
+            "advantages": adv.float(),
+            "num_completions": len(prompts),
+        }
+        _, valid = predicted_targets(batch["labels"], batch["sequence_index"])
+        lengths = torch.zeros(len(prompts)).index_add(0, batch["sequence_index"][valid], torch.ones(int(valid.sum())))
+        batch["completion_lengths"] = lengths
+        return batch
+
+    @torch.no_grad()
+    def _frozen_logps(self, batch: dict[str, Any]) -> None:
+        """The old policy's (``rl.iterations`` > 1) and the reference's (``rl.beta`` > 0) per-token log-probs."""
+        device = self.env.device
+        on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        temperature = self.cfg.temperature
+        if self.rl.iterations > 1:
+            with self.autocast():
+                batch["old_logps"] = token_logps(self.policy, on_device, temperature)[0].float().cpu()
+        if self.rl.beta == 0 or self.reference_kind == NO_REFERENCE:
+            return
+        model, scope = self.reference, contextlib.nullcontext()
+        if self.reference_kind == ADAPTERS_DISABLED:
+            model, scope = self.policy, self.policy.disable_adapter()
+        with scope, self.autocast():
+            batch["reference_logps"] = token_logps(model, on_device, temperature)[0].float().cpu()
+
+    # --- the loss ----------------------------------------------------------------------------------
+
+    def count(self, batch: dict[str, Any]) -> float:
+        if self.rl.normalise == "global_token":
+            return float(batch["completion_lengths"].sum())
+        if self.rl.normalise == "sequence":
+            return float(batch["num_completions"])
+        return float(batch["num_completions"] * self.cfg.max_new_tokens)
+
+    def micro_loss(
+        self, model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _, valid = predicted_targets(batch["labels"], batch["sequence_index"])
+        seq = torch.where(valid, batch["sequence_index"], 0)
+        logps, entropy = token_logps(model, batch, self.cfg.temperature)
+        logps = logps.float()
+        old = batch["old_logps"] if "old_logps" in batch else logps.detach()
+        adv = batch["advantages"].to(logps.device)[seq]
+        ratio = torch.exp(logps - old)
+        low, high = (
+            1.0 - self.rl.epsilon,
+            1.0 + (self.rl.epsilon_high if self.rl.epsilon_high is not None else self.rl.epsilon),
+        )
+        per_token = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+        kl = torch.zeros_like(logps)
+        if "reference_logps" in batch:
+            d = batch["reference_logps"] - logps
+            kl = torch.exp(d) - d - 1.0
+            per_token = per_token + self.rl.beta * kl
+        weight = valid.float()
+        if self.rl.normalise == "sequence":
+            weight = weight / batch["completion_lengths"].to(weight.device)[seq].clamp_min(1.0)
+        loss = (per_token * weight).sum() / num_items
+        clipped = ((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))
+        tokens = valid.float()
+        sums = torch.stack(
+            [
+                (kl.detach() * tokens).sum(),
+                (clipped.float() * tokens).sum(),
+                (entropy * tokens).sum() if entropy is not None else torch.tensor(math.nan, device=tokens.device),
+                tokens.sum(),
+                torch.tensor(float(batch["num_completions"]), device=tokens.device),
+            ]
+        )
+        return loss, sums.detach()
+
+    def metrics(self, sums: list[float], count: float) -> dict[str, float]:
+        kl, clipped, entropy, tokens, completions = sums
+        out = {
+            "kl": kl / max(tokens, 1.0),
+            "clip_fraction": clipped / max(tokens, 1.0),
+            "entropy": entropy / max(tokens, 1.0),
+            "completion_tokens": tokens,
+            "completions": completions,
+        }
+        return {**out, **self._stats}

@@ -1,0 +1,158 @@
+"""The rewards of online RL (``rewards:`` in the recipe): functions the user names, and reward models.
+
+Each entry of ``rewards`` is one column of a completion's reward vector; the reward a completion
+trains on is the weighted sum of its columns.
+
+- ``{function: "module:name", weight}``: a Python function called once per completion as
+  ``fn(prompt=..., completion=..., **fields)``: the prompt as the record holds it (text or
+  messages), the completion's text, and the record's other fields by name (a function takes what it
+  needs and ``**kwargs`` for the rest). It returns a float, or None: no opinion, counted as 0 in the
+  weighted sum (TRL's convention for a function that does not apply to a record). A function that
+  raises or returns NaN stops the run with its name and the record's prompt; nothing trained is
+  lost (the last checkpoint stands).
+- ``{model: DIR, weight}``: a sequence-classification model with one label (``train.objective:
+  reward`` exports one), scoring prompt + completion as text with its own tokenizer (the policy's
+  when DIR has none). Each rank holds a whole copy, in eval mode and without grad: a reward model
+  is small next to the policy and never trained here.
+
+The functions are imported when the objective is built, so an unknown ``module:name`` is refused
+before the first step, naming ``rewards[i].function``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from llmft.errors import Problem, UserError, library_problem
+from llmft.plan.rl import import_function, parse_rewards
+
+
+@dataclass
+class RewardSpec:
+    """One entry of ``rewards``: where it is in the recipe, its weight, and what scores."""
+
+    key: str  # rewards[i].function or rewards[i].model
+    name: str  # the column's metric name: the function's name, or the model dir's last part
+    weight: float
+    function: Callable[..., Any] | None = None
+    model: Any = None  # (model, tokenizer)
+
+
+def load_reward_model(path: str, key: str, device: torch.device, tokenizer: Any, hub_kernels: bool) -> tuple[Any, Any]:
+    """A one-label sequence-classification model and its tokenizer (the policy's when DIR has none)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, use_kernels=hub_kernels)
+    except Exception as e:
+        raise UserError(library_problem(key, f"cannot load reward model {path!r}", e, name=path)) from e
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception:
+        tok = tokenizer  # a reward model exported without its tokenizer shares the policy's
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model.config.pad_token_id = tok.pad_token_id
+    model.to(device).eval().requires_grad_(False)
+    return model, tok
+
+
+class Rewards:
+    """Every reward of the recipe, scoring completions into a ``[n, columns]`` float64 tensor."""
+
+    def __init__(self, entries: list[Any], device: torch.device, tokenizer: Any, hub_kernels: bool = False) -> None:
+        self.specs: list[RewardSpec] = []
+        for i, (kind, what, weight) in enumerate(parse_rewards(entries)):
+            key = f"rewards[{i}].{kind}"
+            if kind == "function":
+                fn = import_function(what, key)
+                self.specs.append(RewardSpec(key, what.partition(":")[2], weight, function=fn))
+            else:
+                model = load_reward_model(what, key, device, tokenizer, hub_kernels)
+                self.specs.append(RewardSpec(key, what.rstrip("/").rsplit("/", 1)[-1], weight, model=model))
+        self.weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float64)
+        self.names = tuple(unique_names([s.name for s in self.specs]))
+
+    def score(self, prompts: list[Any], completions: list[str], records: list[dict[str, Any]]) -> torch.Tensor:
+        """``[n, columns]``: each completion's reward by each entry (None -> NaN in the matrix, 0 in the sum)."""
+        columns = []
+        for spec in self.specs:
+            if spec.function is not None:
+                columns.append(self._call(spec, prompts, completions, records))
+            else:
+                columns.append(self._model_scores(spec, prompts, completions))
+        return torch.stack(columns, dim=1) if columns else torch.zeros(len(completions), 0, dtype=torch.float64)
+
+    def total(self, scores: torch.Tensor) -> torch.Tensor:
+        """The weighted sum per completion; a None (NaN in ``scores``) counts 0."""
+        return (torch.nan_to_num(scores, nan=0.0) * self.weights).sum(dim=1)
+
+    def _call(self, spec: RewardSpec, prompts: list[Any], completions: list[str], records: list[dict]) -> torch.Tensor:
+        out = torch.empty(len(completions), dtype=torch.float64)
+        for j, (prompt, completion, record) in enumerate(zip(prompts, completions, records, strict=True)):
+            fields = {k: v for k, v in record.items() if k != "prompt"}
+            try:
+                value = spec.function(prompt=prompt, completion=completion, **fields)  # type: ignore[misc]
+            except Exception as e:
+                raise UserError(
+                    _bad_reward(spec, prompt, f"raised {type(e).__name__}: {e}", _where(spec.function))
+                ) from e
+            if value is None:
+                out[j] = math.nan
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+                raise UserError(_bad_reward(spec, prompt, f"returned {value!r}", _where(spec.function)))
+            out[j] = float(value)
+        return out
+
+    @torch.no_grad()
+    def _model_scores(self, spec: RewardSpec, prompts: list[Any], completions: list[str]) -> torch.Tensor:
+        model, tok = spec.model
+        texts = [_prompt_text(p, tok) + c for p, c in zip(prompts, completions, strict=True)]
+        enc = tok(texts, return_tensors="pt", padding=True, truncation=True).to(model.device)
+        scores = model(**enc).logits[:, 0].double().cpu()
+        if not torch.isfinite(scores).all():
+            j = int((~torch.isfinite(scores)).nonzero()[0])
+            raise UserError(_bad_reward(spec, prompts[j], f"scored {float(scores[j])}", spec.key))
+        return scores
+
+
+def _prompt_text(prompt: Any, tok: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
+def _where(fn: Any) -> str:
+    try:
+        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        return getattr(fn, "__module__", "?")
+
+
+def _bad_reward(spec: RewardSpec, prompt: Any, what: str, where: str) -> Problem:
+    shown = prompt if isinstance(prompt, str) else str(prompt)
+    shown = shown if len(shown) <= 200 else shown[:200] + "..."
+    return Problem(
+        spec.key,
+        f"{spec.name} ({where}) {what} for the record with prompt {shown!r}; no optimizer step was taken "
+        "and the last checkpoint is untouched",
+        "Make the reward return a finite float (or None when it does not apply), then run again: "
+        "checkpoint.resume=auto continues from the last checkpoint.",
+    )
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """Metric names of the reward columns: a repeated name gets its position (``exact``, ``exact_2``)."""
+    out: list[str] = []
+    for n in names:
+        name, k = n, 2
+        while name in out:
+            name, k = f"{n}_{k}", k + 1
+        out.append(name)
+    return out

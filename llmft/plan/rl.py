@@ -1,0 +1,220 @@
+"""The recipe checks of online RL (``rollout.*``, ``rl.*``, ``rewards``): pure, no torch.
+
+``rl_problems`` runs with the objective's checks (an objective whose record has a ``group``: G
+completions per prompt); ``group_problems`` once the batch is solved, because the batch equation
+counts completions and a step must hold whole groups: ``global_batch_size % G == 0``. A recipe that
+sets these keys for an objective that does not read them is refused (they would be ignored).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, Callable
+
+from llmft.errors import Problem, UserError
+from llmft.recipe.schema import RLConfig, RolloutConfig
+
+if TYPE_CHECKING:
+    from llmft.plan.batch import BatchPlan
+    from llmft.plan.objectives import ObjectiveSpec
+    from llmft.recipe.schema import Recipe
+
+
+def parse_rewards(entries: list[Any]) -> list[tuple[str, str, float]]:
+    """(kind ``function`` | ``model``, what, weight) per entry of ``rewards``; a UserError naming
+    ``rewards[i]`` for each bad one."""
+    out, problems = [], []
+    for i, entry in enumerate(entries):
+        where = f"rewards[{i}]"
+        if not hasattr(entry, "items"):
+            problems.append(
+                Problem(where, f"is {entry!r}", 'Write {function: "module:name", weight: 1.0} or {model: DIR}.')
+            )
+            continue
+        entry = dict(entry.items())
+        kinds = [k for k in ("function", "model") if entry.get(k)]
+        unknown = sorted(set(entry) - {"function", "model", "weight"})
+        if unknown:
+            problems.append(
+                Problem(f"{where}.{unknown[0]}", "is not a key of a reward", "Use function, model and weight.")
+            )
+        if len(kinds) != 1:
+            problems.append(
+                Problem(
+                    where, "needs exactly one of function and model", 'e.g. {function: "my_rewards:exact", weight: 1.0}'
+                )
+            )
+            continue
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            problems.append(Problem(f"{where}.weight", f"is {weight!r}", "Use a finite number."))
+            continue
+        what = str(entry[kinds[0]])
+        if kinds[0] == "function" and (":" not in what or not all(what.partition(":")[::2])):
+            problems.append(
+                Problem(
+                    f"{where}.function",
+                    f"is {what!r}, not module:name",
+                    'Name a module and a function: "my_rewards:exact".',
+                )
+            )
+            continue
+        out.append((kinds[0], what, float(weight)))
+    if problems:
+        raise UserError(*problems)
+    return out
+
+
+def import_function(what: str, key: str) -> Callable[..., Any]:
+    """The function ``module:name`` names (importing runs the user's module: code the recipe names,
+    like ``train.objective_module``); a UserError naming ``key`` when it cannot be had."""
+    module_name, _, name = what.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise UserError(
+            Problem(
+                key,
+                f"cannot import module {module_name!r} ({type(e).__name__}: {e})",
+                "Name a module importable on every rank (installed, or on PYTHONPATH).",
+            )
+        ) from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        defined = sorted(
+            n
+            for n, v in vars(module).items()
+            if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module_name
+        )
+        raise UserError(
+            Problem(
+                key,
+                f"module {module_name!r} has no function {name!r}",
+                f"Use one of its functions ({', '.join(defined[:12]) or 'it defines none'}).",
+            )
+        )
+    return fn
+
+
+def rl_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
+    """What an online-RL recipe cannot do; for another objective, the RL keys it set (ignored otherwise)."""
+    if spec.group is None:
+        return _unread_keys(spec, recipe, where)
+    r, rl = recipe.rollout, recipe.rl
+    problems: list[Problem] = []
+
+    def bad(key: str, what: str, fix: str) -> None:
+        problems.append(Problem(where(key), what, fix))
+
+    if r.num_generations < 2:
+        bad(
+            "rollout.num_generations",
+            f"is {r.num_generations}",
+            "Use 2 or more: advantages compare a prompt's completions with each other.",
+        )
+    if r.max_new_tokens < 1:
+        bad("rollout.max_new_tokens", f"is {r.max_new_tokens}", "Use 1 or more.")
+    elif isinstance(recipe.data.max_seq_len, int) and recipe.data.max_seq_len <= r.max_new_tokens:
+        bad(
+            "rollout.max_new_tokens",
+            f"is {r.max_new_tokens}, but data.max_seq_len is {recipe.data.max_seq_len}: no room is left for a prompt",
+            "Raise data.max_seq_len (prompt + completion) or lower rollout.max_new_tokens.",
+        )
+    if not r.temperature > 0:
+        bad(
+            "rollout.temperature",
+            f"is {r.temperature}",
+            "Use a temperature above 0 (sampling; 1.0 samples the model as it is).",
+        )
+    if not 0 < r.top_p <= 1:
+        bad("rollout.top_p", f"is {r.top_p}", "Use a value in (0, 1].")
+    if r.batch_size is not None and r.batch_size < 1:
+        bad("rollout.batch_size", f"is {r.batch_size}", "Use 1 or more, or null.")
+    if r.backend == "file" and not r.file:
+        bad(
+            "rollout.file",
+            "is not set, but rollout.backend is file",
+            "Name the JSONL of prompts and their completions.",
+        )
+    if rl.beta < 0:
+        bad("rl.beta", f"is {rl.beta}", "Use 0 (no reference model) or more.")
+    if not 0 <= rl.epsilon < 1:
+        bad("rl.epsilon", f"is {rl.epsilon}", "Use a value in [0, 1).")
+    if rl.epsilon_high is not None and rl.epsilon_high < 0:
+        bad("rl.epsilon_high", f"is {rl.epsilon_high}", "Use 0 or more, or null (rl.epsilon).")
+    if rl.iterations < 1:
+        bad("rl.iterations", f"is {rl.iterations}", "Use 1 or more.")
+    if not recipe.rewards:
+        bad(
+            "rewards",
+            "is empty: nothing scores the completions",
+            'Add {function: "module:name", weight: 1.0} or {model: DIR}.',
+        )
+    try:
+        for i, (kind, what, _) in enumerate(parse_rewards(list(recipe.rewards))):
+            if kind == "function":
+                import_function(what, f"rewards[{i}].function")
+    except UserError as e:
+        problems += [Problem(where(p.where), p.what, p.fix) for p in e.problems]
+    if recipe.data.packing:
+        bad(
+            "data.packing",
+            "is true, but train.objective=grpo reads prompts",
+            "Set data.packing=false (update batches are packed by the objective).",
+        )
+    if recipe.distributed.sequence_parallel > 1:
+        bad(
+            "distributed.sequence_parallel",
+            f"is {recipe.distributed.sequence_parallel}, but train.objective={spec.name} does not run with sequence parallelism yet",
+            "Set distributed.sequence_parallel=1.",
+        )
+    return problems
+
+
+def group_problems(spec: ObjectiveSpec, recipe: Recipe, batch: BatchPlan, where: Callable[[str], str]) -> list[Problem]:
+    """A step must hold whole groups: the global batch (completions) a multiple of G."""
+    if spec.group is None:
+        return []
+    G, g = spec.group_size(recipe), batch.global_batch_size
+    if G < 1 or g % G == 0:
+        return []
+    per_rank = batch.micro_batch_size * batch.dp_size
+    fitting = [k * per_rank for k in range(1, 4 * G + 1) if (k * per_rank) % G == 0][:3]
+    divisors = [d for d in range(2, g + 1) if g % d == 0][:6]
+    return [
+        Problem(
+            where(spec.group),
+            f"is {G}, but the global batch holds {g} completions ({batch.equation()}), not a whole number of "
+            f"groups of {G}",
+            f"Use a batch.global_batch_size that is a multiple of {G} ({', '.join(map(str, fitting))} fit "
+            f"micro {batch.micro_batch_size} x {batch.dp_size} rank(s)), or a G dividing {g} "
+            f"({', '.join(map(str, divisors))}).",
+        )
+    ]
+
+
+def _unread_keys(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
+    problems = []
+    for section, cls in (("rollout", RolloutConfig), ("rl", RLConfig)):
+        default, mine = cls(), getattr(recipe, section)
+        for f in fields(cls):
+            value = getattr(mine, f.name)
+            if value != getattr(default, f.name):
+                problems.append(
+                    Problem(
+                        where(f"{section}.{f.name}"),
+                        f"is {value}, but train.objective={spec.name} does not read {section}.* (online RL's settings)",
+                        f"Remove it (default {getattr(default, f.name)}), or set train.objective=grpo.",
+                    )
+                )
+    if recipe.rewards:
+        problems.append(
+            Problem(
+                where("rewards"),
+                f"is set, but train.objective={spec.name} does not read rewards",
+                "Remove it, or set train.objective=grpo.",
+            )
+        )
+    return problems
