@@ -16,7 +16,7 @@ def exact(prompt, completion, answer, **_):
 def per_char(prompt, completion, answer, **_):
     """Partial credit: the fraction of the answer's characters the completion has at their place."""
     got = completion.strip()
-    return sum(a == b for a, b in zip(got, answer)) / max(len(answer), 1)
+    return sum(a == b for a, b in zip(got, answer, strict=False)) / max(len(answer), 1)
 
 
 def length(prompt, completion, **_):

@@ -155,6 +155,18 @@ def _spec(name: str) -> ObjectiveSpec:
 def _objective(recipe: dict) -> str:
     """``train.objective`` in words (its record's ``card``), then the ``preference.*`` settings it reads."""
     spec = _spec((recipe.get("train") or {}).get("objective", DEFAULT_OBJECTIVE))
+    if spec.group is not None:  # online RL: its rollout, loss and rewards
+        r, rl = recipe.get("rollout") or {}, recipe.get("rl") or {}
+        rewards = ", ".join(
+            f"{e.get('function') or e.get('model')} x {e.get('weight', 1.0)}" for e in recipe.get("rewards") or []
+        )
+        return (
+            f"{spec.card}; G {r.get('num_generations')}, max_new_tokens {r.get('max_new_tokens')}, temperature "
+            f"{r.get('temperature')}, beta {rl.get('beta')}, epsilon {rl.get('epsilon')}"
+            + (f"/{rl['epsilon_high']}" if rl.get("epsilon_high") is not None else "")
+            + f", normalise {rl.get('normalise')}, scale_rewards {rl.get('scale_rewards')}, iterations "
+            f"{rl.get('iterations')}; rewards: {rewards}"
+        )
     if not spec.preference_keys:
         return spec.card
     p = recipe.get("preference") or {}

@@ -81,6 +81,10 @@ class Objective(Protocol):
     def metrics(self, sums: list[float], count: float) -> dict[str, float]:
         """The global-batch means of the step's all-reduced sums (``count``: the global count)."""
 
+    def evaluate(self, dataset: Any, env: DistEnv, max_items: int | None) -> dict[str, float] | None:
+        """The eval row of an objective that evaluates otherwise than by its loss over the eval set
+        (online RL: the held-out reward of greedy completions); None: the loss eval (``Evaluator``)."""
+
 
 class ObjectiveBase:
     """The defaults of an ``Objective``: subclasses write ``count`` and ``micro_loss``."""
@@ -97,6 +101,9 @@ class ObjectiveBase:
 
     def metrics(self, sums: list[float], count: float) -> dict[str, float]:
         return {name: value / max(count, 1.0) for name, value in zip(self.metric_names, sums, strict=True)}
+
+    def evaluate(self, dataset: Any, env: DistEnv, max_items: int | None) -> dict[str, float] | None:
+        return None
 
 
 def build_objective(plan: RunPlan, models: Models) -> Objective:

@@ -18,8 +18,11 @@ anything):
 The loss of a micro-batch (``micro_loss``), per completion token t of completion i, with
 ratio = exp(logp - old) (old = logp detached when ``rl.iterations`` is 1):
 
-    l_t = -min(ratio * A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A_i) + beta * k3_t,
+    l_t = -min(ratio * A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A_i) + beta * ratio * k3_t,
     k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+
+(the KL term times the ratio, which is 1 in value: the k3 estimate's gradient under the policy that
+sampled, TRL's default ``use_bias_correction_kl``)
 
 summed with a weight per token and divided by the global count (``count``, summed over the step's
 micro-batches and ranks by the loop): ``rl.normalise: global_token`` weight 1, count = completion
@@ -46,7 +49,7 @@ import torch.nn.functional as F
 
 from llmft.data.encode import IGNORE_INDEX
 from llmft.job import watchdog
-from llmft.job.dist import all_gather_rows
+from llmft.job.dist import DistEnv, all_gather_rows, all_reduce_sum
 from llmft.model import loss as lm_loss
 from llmft.objectives import Models, ObjectiveBase, ObjectiveSetup, disable_dropout, model_inputs
 from llmft.objectives.reference import frozen_reference
@@ -140,7 +143,7 @@ class GRPOObjective(ObjectiveBase):
             for mb in micro_batches
             for ids, record, q in zip(mb["prompt_ids"], mb["records"], mb["positions"].tolist(), strict=True)
         ]
-        generation = positions[0] // (self.global_batch * 1)
+        generation = positions[0] // self.global_batch  # the generation batch (rl.iterations steps share one)
         watchdog.progress(generation, "generating completions")
         was_training = self.policy.training
         self.policy.eval()
@@ -243,6 +246,50 @@ class GRPOObjective(ObjectiveBase):
         with scope, self.autocast():
             batch["reference_logps"] = token_logps(model, on_device, temperature)[0].float().cpu()
 
+    # --- eval -------------------------------------------------------------------------------------
+
+    def evaluate(self, dataset: Any, env: DistEnv, max_items: int | None) -> dict[str, float]:
+        """The held-out reward: one greedy completion per eval prompt (``rollout.backend: file``: its
+        first completion), scored by ``rewards``; means over every eval prompt of every rank."""
+        assert self.rewards is not None
+        n = len(dataset) if max_items is None else min(len(dataset), max_items)
+        world = self.layout.dp_size
+        per = math.ceil(n / world)
+        mine = list(range(self.dp_rank * per, min((self.dp_rank + 1) * per, n)))
+        items = [dataset[i] for i in mine] or [dataset[0]]
+        items += [items[0]] * (per - len(items))  # equal generate() calls on every rank
+        prompts = [Prompt(torch.as_tensor(it["input_ids"], dtype=torch.long), it["record"], 0) for it in items]
+        was_training = self.policy.training
+        self.policy.eval()
+        completions = self.rollout.complete(prompts, -1, self.dp_rank, greedy=True)
+        self.policy.train(was_training)
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        scores = self.rewards.score([p.record["prompt"] for p in prompts], texts, [p.record for p in prompts])
+        real = len(mine)
+        total = self.rewards.total(scores)[:real]
+        known = ~scores[:real].isnan()
+        columns = torch.nan_to_num(scores[:real], nan=0.0).sum(0).tolist()
+        sums = all_reduce_sum(
+            [
+                float(total.sum()),
+                float(real),
+                float(sum(len(c) for c in completions[:real])),
+                *columns,
+                *known.sum(0).tolist(),
+            ],
+            env.device,
+        )
+        total_sum, count, lengths = sums[:3]
+        k = len(self.rewards.names)
+        row = {
+            "reward": total_sum / max(count, 1.0),
+            "prompts": int(count),
+            "completion_length": lengths / max(count, 1.0),
+        }
+        for j, name in enumerate(self.rewards.names):
+            row[f"rewards/{name}"] = sums[3 + j] / max(sums[3 + k + j], 1.0)
+        return row
+
     # --- the loss ----------------------------------------------------------------------------------
 
     def count(self, batch: dict[str, Any]) -> float:
@@ -271,7 +318,9 @@ class GRPOObjective(ObjectiveBase):
         if "reference_logps" in batch:
             d = batch["reference_logps"] - logps
             kl = torch.exp(d) - d - 1.0
-            per_token = per_token + self.rl.beta * kl
+            # times the ratio (1 in value): the k3 estimate's gradient under the sampling policy, as
+            # TRL's GRPOTrainer does by default (use_bias_correction_kl)
+            per_token = per_token + self.rl.beta * kl * ratio
         weight = valid.float()
         if self.rl.normalise == "sequence":
             weight = weight / batch["completion_lengths"].to(weight.device)[seq].clamp_min(1.0)

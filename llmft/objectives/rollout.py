@@ -61,7 +61,7 @@ class FileRollout:
         self.G, self.limit, self.tokenizer = cfg.num_generations, cfg.max_new_tokens, tokenizer
         self.table = read_rollout_file(cfg.file, self.G)
 
-    def complete(self, prompts: list[Prompt], generation: int, dp_rank: int) -> list[list[int]]:
+    def complete(self, prompts: list[Prompt], generation: int, dp_rank: int, greedy: bool = False) -> list[list[int]]:
         out = []
         eos = self.tokenizer.eos_token_id
         for p in prompts:
@@ -137,17 +137,19 @@ class HFRollout:
         self.eos = {eos} if isinstance(eos, int) else set(eos or ())
 
     @torch.no_grad()
-    def complete(self, prompts: list[Prompt], generation: int, dp_rank: int) -> list[list[int]]:
+    def complete(self, prompts: list[Prompt], generation: int, dp_rank: int, greedy: bool = False) -> list[list[int]]:
+        """Every rank calls this with the same number of prompts (the step's local batch, or an eval
+        shard padded to equal): sharded engines join each generate() call together."""
         size = self.cfg.batch_size or len(prompts)
         out: list[list[int]] = []
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(generation_seed(self.seed, generation, dp_rank))
             for start in range(0, math.ceil(len(prompts) / size) * size, size):
-                out += self._generate(prompts[start : start + size])
+                out += self._generate(prompts[start : start + size], greedy)
         return out
 
-    def _generate(self, prompts: list[Prompt]) -> list[list[int]]:
+    def _generate(self, prompts: list[Prompt], greedy: bool) -> list[list[int]]:
         pad = self.tokenizer.pad_token_id
         width = max(len(p.ids) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -160,10 +162,11 @@ class HFRollout:
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 max_new_tokens=self.cfg.max_new_tokens,
-                do_sample=True,
-                temperature=self.cfg.temperature,
-                top_p=self.cfg.top_p,
-                top_k=0,
+                **(
+                    {"do_sample": False}
+                    if greedy
+                    else {"do_sample": True, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": 0}
+                ),
                 pad_token_id=pad,
                 eos_token_id=sorted(self.eos),
                 synced_gpus=self.synced,

@@ -17,6 +17,7 @@ from llmft.plan import launch
 from llmft.plan.engines import ENGINES, load
 from llmft.plan.layout import RunPlan
 from llmft.plan.resolve import PLAN_FILE, plan_summary
+from llmft.plan.rl import rl_lines
 from llmft.recipe.load import RECIPE_FILE, to_yaml
 
 # Artefacts that belong to one engine: removed when a recompile picks another, so a
@@ -116,6 +117,7 @@ def compile_recipe(plan: RunPlan, out: Path) -> str:
     return "\n".join(
         [
             f"batch: {plan.batch.equation()}",
+            *rl_lines(plan.objective_spec, plan.recipe, plan.batch, plan.reference),
             _tokens_line(plan),
             _engine_line(plan),
             *(f"note: {n}" for n in plan.notes),

@@ -37,7 +37,6 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Literal
 
 from llmft.errors import Problem, UserError
-from llmft.plan.rl import rl_problems
 from llmft.recipe.schema import PreferenceConfig
 
 if TYPE_CHECKING:
@@ -327,7 +326,6 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
             )
         )
     problems += head_problems(spec, recipe, where)
-    problems += rl_problems(spec, recipe, where)
     if not spec.pairs or not spec.preference_keys:  # head_problems named any preference.* key set
         return problems
     if p.label_smoothing and p.loss_type != "sigmoid":

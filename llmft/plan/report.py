@@ -18,6 +18,7 @@ from llmft.plan.memory import (
     sequence_parallel,
 )
 from llmft.plan.resolve import describe_engine, load_plan
+from llmft.plan.rl import rl_lines
 
 
 def plan_command(
@@ -36,6 +37,7 @@ def plan_command(
         f"model {recipe.model.name_or_path or recipe.model.config.get('model_type')}: "
         f"{_describe(plan)}, engine {describe_engine(plan)}",
         f"{plan.batch.equation()}, {est.seq_len} tokens per sequence" + _pairs(plan, est),
+        *rl_lines(plan.objective_spec, plan.recipe, plan.batch, plan.reference),
         kernels_line(plan),
         "",
         format_estimate(est),

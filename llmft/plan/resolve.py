@@ -36,7 +36,7 @@ from llmft.plan.objectives import (
     reference_kind,
     unknown_objective,
 )
-from llmft.plan.rl import group_problems
+from llmft.plan.rl import group_problems, rl_problems
 from llmft.plan.shape import model_shape
 from llmft.recipe.load import RecipeError, load_unchecked, provenance
 from llmft.recipe.schema import Recipe
@@ -250,7 +250,7 @@ def world_problems(r: Recipe, spec: EngineSpec, world_size: int, where: Callable
     3. the engine's own refusals (``EngineSpec.problems``);
     4. quantization on this engine and world (``_quantization_problems``);
     5. the speed switches, from the engine's record (``plan/kernels.py``);
-    6. the objective's (``plan/objectives.py``);
+    6. the objective's (``plan/objectives.py``), and online RL's (``plan/rl.py``);
     7. sequence parallelism (``sequence_parallel_problems``).
     """
     own = load(spec.problems)(r, where) if spec.problems else []
@@ -262,6 +262,7 @@ def world_problems(r: Recipe, spec: EngineSpec, world_size: int, where: Callable
         + _quantization_problems(r, spec, world_size, where)
         + kernels
         + objective_problems(r, where)
+        + rl_problems(objective_of(r), r, where)
         + sequence_parallel_problems(r, spec, world_size, where)
     )
 

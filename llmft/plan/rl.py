@@ -14,6 +14,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Callable
 
 from llmft.errors import Problem, UserError
+from llmft.plan.shape import model_shape
 from llmft.recipe.schema import RLConfig, RolloutConfig
 
 if TYPE_CHECKING:
@@ -218,3 +219,32 @@ def _unread_keys(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str
             )
         )
     return problems
+
+
+def rl_lines(spec: ObjectiveSpec, recipe: Recipe, batch: BatchPlan, reference: str) -> list[str]:
+    """What ``llmft compile``, ``llmft plan`` and the banner say of an online-RL run: how the batch
+    counts (prompts x G completions), generation's KV cache per rank, and the reference."""
+    if spec.group is None:
+        return []
+    r, b = recipe, batch
+    G = spec.group_size(r)
+    lines = [
+        f"completions: {b.global_batch_size // G} prompts per step x G {G} = {b.global_batch_size} "
+        f"= micro {b.micro_batch_size} x accumulation {b.gradient_accumulation_steps} x data-parallel {b.dp_size}"
+    ]
+    shape = model_shape(r.model)
+    if r.rollout.backend == "hf" and shape is not None and isinstance(r.data.max_seq_len, int):
+        together = r.rollout.batch_size or b.local_batch_size
+        width = 2 if r.model.dtype in ("bf16", "fp16") else 4
+        kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * r.data.max_seq_len * together * width
+        lines.append(
+            f"generation ({r.rollout.backend}): KV cache up to {kv / 2**30:.2f} GiB per rank ({together} completions "
+            f"x {r.data.max_seq_len} tokens), {r.rollout.max_new_tokens} new tokens each"
+        )
+    reference = {
+        "none": "none (rl.beta 0)",
+        "adapters_disabled": "the policy with its adapters disabled",
+        "frozen_copy": "a frozen copy of the initial weights, sharded like the policy",
+    }.get(reference, reference)
+    lines.append(f"reference: {reference}; rl.normalise {r.rl.normalise}, rl.iterations {r.rl.iterations}")
+    return lines

@@ -47,7 +47,11 @@ class Evaluator:
     def run(self, step: int) -> dict[str, Any] | None:
         row: dict[str, Any] = {"split": "eval", "step": step}
         if self.data.eval is not None and len(self.data.eval):
-            row.update(self._loss())
+            cap = self.recipe.train.eval_max_batches
+            own = self.objective.evaluate(
+                self.data.eval, self.env, cap * self.micro * self.layout.dp_size if cap else None
+            )
+            row.update(own if own is not None else self._loss())
         if self.recipe.train.eval_generate_samples and self.data.eval_prompts:
             row.update(self._exact_match())
         return row if len(row) > 2 else None

@@ -23,6 +23,7 @@ from llmft.plan.kernels import kernel_paths_line
 from llmft.plan.layout import RunPlan
 from llmft.plan.report import kernels_line
 from llmft.plan.resolve import describe_engine
+from llmft.plan.rl import rl_lines
 from llmft.plan.shape import model_shape
 from llmft.training.loop import LoopState
 
@@ -45,6 +46,7 @@ def banner(plan: RunPlan, env: DistEnv, steps: int, engine: Engine, data) -> str
     items = "pairs" if pairs else "rows" if recipe.data.packing else "sequences"
     lines = [
         f"batch: {b.equation()}",
+        *rl_lines(plan.objective_spec, plan.recipe, plan.batch, plan.reference),
         f"tokens per optimizer step: {'' if recipe.data.packing and not pairs else 'up to '}{b.global_batch_size * per_item:,} "
         f"({shape})",
         f"engine: {describe_engine(plan)}, {env.world_size} process(es), device {env.device.type}, "

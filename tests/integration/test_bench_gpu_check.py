@@ -64,7 +64,9 @@ def test_bench_gpu_quick_check_runs_both_cases_and_the_peer(tmp_path):
         assert f"| {case} | " in table.split("Where the time goes")[1]
         # the raw seconds (the table rounds each to 1 ms, and a CPU step here takes ~20 ms)
         phases = json.loads((out / case / "all-on.phases.json").read_text())
-        wait, forward, backward, optimizer = (phases[f"{p}_s"] for p in ("data_wait", "forward", "backward", "optimizer"))
+        wait, forward, backward, optimizer = (
+            phases[f"{p}_s"] for p in ("data_wait", "forward", "backward", "optimizer")
+        )
         assert forward > 0 and backward > 0 and optimizer > 0 and wait >= 0
         # phases of one step, measured inside it
         assert wait + forward + backward + optimizer <= phases["step_s"] * 1.01

@@ -60,7 +60,10 @@ def _setup(tmp_path, normalise="global_token", micro=4, global_batch=12, beta=0.
         rl__normalise=normalise,
         rl__beta=beta,
         rl__iterations=iterations,
-        rewards=[{"function": "grpo_rewards:per_char", "weight": 1.0}, {"function": "grpo_rewards:length", "weight": 0.5}],
+        rewards=[
+            {"function": "grpo_rewards:per_char", "weight": 1.0},
+            {"function": "grpo_rewards:length", "weight": 0.5},
+        ],
         peft__method=peft,
         optim__name="sgd",
     )

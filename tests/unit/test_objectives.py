@@ -52,7 +52,10 @@ def test_the_recipe_takes_the_registry_names_and_refuses_others(tmp_path):
     field = next(f for f in dataclasses.fields(TrainConfig) if f.name == "objective")
     assert "choices" not in field.metadata and field.default == DEFAULT_OBJECTIVE
     for name in OBJECTIVE_NAMES:
-        assert _plan(tmp_path, f"train.objective={name}").objective == name
+        # online RL reads prompts: room for a completion and a reward are its own keys
+        rl = ["rollout.max_new_tokens=16", "rewards=[{function: 'grpo_rewards:exact'}]"]
+        extra = rl if objective_spec(name).group is not None else []
+        assert _plan(tmp_path, f"train.objective={name}", *extra).objective == name
     (problem,) = _problems(tmp_path, "train.objective=kto")
     # The names registered in this process: the built-ins, and any a test module registered before.
     names = ", ".join(objective_names())
@@ -89,7 +92,10 @@ def test_registering_an_objective_refuses_a_taken_name_and_is_idempotent():
 
 REGISTRY = "llmft/plan/objectives.py"
 # train.objective's default: the recipe layer imports no plan/, so the schema spells it.
-ALLOWED = {("llmft/recipe/schema.py", DEFAULT_OBJECTIVE)}
+ALLOWED = {
+    ("llmft/recipe/schema.py", DEFAULT_OBJECTIVE),
+    ("llmft/objectives/grpo.py", "reward"),  # the metric (a completion's reward), as TRL names it
+}
 
 
 def _name_literals(path: Path, names: tuple[str, ...], root: Path = ROOT) -> list[str]:
