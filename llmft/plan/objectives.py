@@ -324,6 +324,8 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
             )
         )
     problems += head_problems(spec, recipe, where)
+    if spec.record == PROMPTS:
+        problems += _prompt_problems(spec, recipe, where)
     if not spec.pairs or not spec.preference_keys:  # head_problems named any preference.* key set
         return problems
     if p.label_smoothing and p.loss_type != "sigmoid":
@@ -341,6 +343,31 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
         )
     if p.precompute_reference:
         problems += _precompute_problems(recipe, where)
+    return problems
+
+
+def _prompt_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
+    """Prompt records (online RL): one prompt per row, and room for the completion after it."""
+    problems: list[Problem] = []
+    if recipe.data.packing:
+        problems.append(
+            Problem(
+                where("data.packing"),
+                f"is true, but train.objective={spec.name} reads prompts, which are never packed (each prompt's "
+                "completions are generated and scored on their own)",
+                "Set data.packing=false.",
+            )
+        )
+    max_seq_len, new = recipe.data.max_seq_len, recipe.rollout.max_new_tokens
+    if isinstance(max_seq_len, int) and new >= max_seq_len:
+        problems.append(
+            Problem(
+                where("rollout.max_new_tokens"),
+                f"is {new}, which leaves no room for a prompt within data.max_seq_len={max_seq_len} "
+                "(a prompt may have data.max_seq_len - rollout.max_new_tokens tokens)",
+                "Lower rollout.max_new_tokens below data.max_seq_len, or raise data.max_seq_len.",
+            )
+        )
     return problems
 
 
