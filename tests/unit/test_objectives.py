@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from llmft.plan.engines import load
-from llmft.plan.objectives import DEFAULT_OBJECTIVE, OBJECTIVE_NAMES, OBJECTIVES, objective_names, objective_spec
+from llmft.plan.objectives import (
+    DEFAULT_OBJECTIVE,
+    OBJECTIVE_NAMES,
+    OBJECTIVES,
+    PROMPTS,
+    objective_names,
+    objective_spec,
+)
 from llmft.plan.resolve import load_plan, plan_summary
 from llmft.recipe.load import RecipeError
 from llmft.recipe.schema import PreferenceConfig, TrainConfig
@@ -52,7 +59,9 @@ def test_the_recipe_takes_the_registry_names_and_refuses_others(tmp_path):
     field = next(f for f in dataclasses.fields(TrainConfig) if f.name == "objective")
     assert "choices" not in field.metadata and field.default == DEFAULT_OBJECTIVE
     for name in OBJECTIVE_NAMES:
-        assert _plan(tmp_path, f"train.objective={name}").objective == name
+        # A prompt needs room for its completion within max_seq_len 64 (rollout.max_new_tokens is 128 by default).
+        room = ["rollout.max_new_tokens=16"] if objective_spec(name).record == PROMPTS else []
+        assert _plan(tmp_path, f"train.objective={name}", *room).objective == name
     (problem,) = _problems(tmp_path, "train.objective=kto")
     # The names registered in this process: the built-ins, and any a test module registered before.
     names = ", ".join(objective_names())
