@@ -160,6 +160,19 @@ def test_streamed_prompts_carry_their_records_in_groups(tmp_path, tok):
     assert [it["input_ids"].tolist() for it in items[:15]] == [cached.train[p]["input_ids"].tolist() for p in range(15)]
 
 
+def test_a_streamed_resume_inside_a_group_takes_the_same_items(tmp_path, tok):
+    path = write_jsonl(tmp_path / "p.jsonl", questions(9))
+    r = recipe(path, tmp_path, streaming=True, stream_block=4, group=3)
+    r.train.max_steps = 1
+    straight = build_data(r, tok)
+    want = [(straight.train[p]["position"], straight.train[p]["record"]["id"]) for p in range(40)]
+    for at in (13, 14, 27):  # inside a group: the cursor is the block holding that prompt
+        state = build_data(r, tok).state_at(at)
+        resumed = build_data(r, tok)
+        resumed.restore(state)
+        assert [(resumed.train[p]["position"], resumed.train[p]["record"]["id"]) for p in range(at, 40)] == want[at:]
+
+
 # --- G completions per prompt ----------------------------------------------------
 
 
