@@ -10,6 +10,8 @@ Reading and building (the first process that needs a cache entry):
 - ``pack``: several examples per row, attention kept apart by position ids
 - ``shards``: tokenizing a source in shards of records, in worker processes, resumable after a stop
 - ``pairs``: preference pairs (``train.objective: dpo/reward``): records, truncation, rows, collation
+- ``prompts``: prompt records (``train.objective: grpo``): records, the room for generation, rows that keep
+  their record, G completions per prompt (``PromptGroups``), collation
 - ``entry``: building one cache entry (tokenize, hold out, rows, eval prompts, write)
 - ``cache``: the tokenized-data cache: keys, the build lock, checksums, entries
 - ``build``: ``build_data``, from recipe keys to the run's ``DataBundle``

@@ -24,6 +24,7 @@ from llmft.data.bundle import DataBundle
 from llmft.data.cache import CACHE_FORMAT, default_cache_dir, get_or_build, read_meta, size_of, tokenizer_fingerprint
 from llmft.data.entry import build_entry, read_prompts
 from llmft.data.mixture import ConcatDataset, MixedDataset, probabilities
+from llmft.data.prompts import PROMPTS_FORMAT, is_prompts, prompt_room
 from llmft.data.read import Chunk, read, resolve
 from llmft.data.sampler import source_seed
 from llmft.data.sources import Source, parse_sources
@@ -31,7 +32,7 @@ from llmft.data.stream import MixedStream, StreamDataset, open_stream
 from llmft.data.tokenizer import use_chat_template
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
-from llmft.plan.objectives import DEFAULT_OBJECTIVE, objective_spec
+from llmft.plan.objectives import DEFAULT_OBJECTIVE, PROMPTS, objective_spec
 
 if TYPE_CHECKING:
     import numpy as np
@@ -63,11 +64,13 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
     cfg = recipe.data
     use_chat_template(tokenizer, cfg.chat_template)
     quiet = env is not None and not env.is_main
-    common = _common_parts(cfg, tokenizer, recipe.train.objective)
+    spec = objective_spec(recipe.train.objective)
+    room = prompt_room(recipe) if spec.record == PROMPTS else None
+    common = _common_parts(cfg, tokenizer, recipe.train.objective, room)
     holdout = cfg.eval_fraction if cfg.eval is None else 0.0
     train_sources = parse_sources(cfg.train, "data.train", weights=True)
     if cfg.streaming:
-        return _build_stream(recipe, tokenizer, train_sources, common, quiet)
+        return _grouped(_build_stream(recipe, tokenizer, train_sources, common, quiet), recipe)
     train = [_source(s, cfg, tokenizer, common, holdout, recipe.run.seed, quiet) for s in train_sources]
     evals = []
     if cfg.eval is not None:
@@ -107,7 +110,16 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
         entries += [
             {"source": s.describe(), "key": s.key, **_entry_info(d)} for s, d in zip(eval_keys, evals, strict=True)
         ]
-    return DataBundle(train_ds, eval_ds, prompts, stats, entries, probabilities=shares)
+    return _grouped(DataBundle(train_ds, eval_ds, prompts, stats, entries, probabilities=shares), recipe)
+
+
+def _grouped(bundle: DataBundle, recipe: Recipe) -> DataBundle:
+    """An objective with G items per record (``ObjectiveSpec.group``: GRPO's G completions per prompt)
+    takes each record G times in a row (``DataBundle.group_by``)."""
+    spec = objective_spec(recipe.train.objective)
+    if spec.group is not None:
+        bundle.group_by(spec.group_size(recipe), recipe.run.seed, recipe.data.shuffle)
+    return bundle
 
 
 def _build_stream(
@@ -144,10 +156,13 @@ def _build_stream(
         raise UserError(*problems)
     seed = recipe.run.seed
     if len(sources) == 1:
-        train: StreamDataset | MixedStream = open_stream(sources[0], cfg, tokenizer, seed, recipe.train.objective)
+        train: StreamDataset | MixedStream = open_stream(
+            sources[0], cfg, tokenizer, seed, recipe.train.objective, common.get("max_prompt_len")
+        )
     else:  # each source with its own seed, as ProbabilityOrder seeds the sources of a cached mixture
         streams = [
-            open_stream(s, cfg, tokenizer, source_seed(seed, k), recipe.train.objective) for k, s in enumerate(sources)
+            open_stream(s, cfg, tokenizer, source_seed(seed, k), recipe.train.objective, common.get("max_prompt_len"))
+            for k, s in enumerate(sources)
         ]
         train = MixedStream(streams, probabilities(sources), seed)
     eval_ds, prompts, stats, entries = None, [], {"streaming": True}, []
@@ -174,7 +189,7 @@ def _entry_info(d: _SourceData) -> dict:
 
 
 def _common_parts(
-    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = DEFAULT_OBJECTIVE
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = DEFAULT_OBJECTIVE, room: int | None = None
 ) -> dict[str, Any]:
     parts = {
         "llmft": llmft.__version__,
@@ -190,6 +205,10 @@ def _common_parts(
         # (nor an SFT entry as pairs); SFT keys stay as they were. Its rows do not depend on
         # data.packing (padding-free is how pairs are collated), so both layouts share one entry.
         parts.update(format=pairs.CACHE_FORMAT, objective=objective, packing=None)
+    if is_prompts(objective):
+        # A prompt entry has its own format, so it is never read as SFT rows; its rows are the
+        # prompts that fit the room generation leaves (``room``), one per row, never packed.
+        parts.update(format=PROMPTS_FORMAT, objective=objective, packing=None, max_prompt_len=room)
     fields = objective_spec(objective).fields
     if fields:  # an entry holds the record fields it was built with (keys without fields stay as they were)
         parts["fields"] = list(fields)
@@ -236,7 +255,7 @@ def _source(
                     chunks, _ = read(resolved, scratch)
                 fields = tuple(parts.get("fields", ()))  # the record fields its key names
                 args = (src, chunks, cfg, tokenizer, parts["train_on"], holdout, seed, eval_role, tmp, shards)
-                return build_entry(*args, objective, fields)
+                return build_entry(*args, objective, fields, parts.get("max_prompt_len"))
             finally:
                 chunks = None  # its datasets map files in scratch
                 shutil.rmtree(scratch, ignore_errors=True)

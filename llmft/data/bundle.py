@@ -1,4 +1,9 @@
-"""``DataBundle``: the data of a run as the training loop consumes it, and how its order and position work."""
+"""``DataBundle``: the data of a run as the training loop consumes it, and how its order and position work.
+
+An objective that takes each record G times in a row (``ObjectiveSpec.group``: GRPO's G completions
+per prompt) has its train data grouped once, by ``build_data`` (``group_by``): ``train`` is then a
+``prompts.PromptGroups`` indexed by position, whose own order is the identity (``order`` returns it),
+and ``num_rows``, ``epoch`` and the stream cursor count positions (prompts x G)."""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmft.data.mixture import MixedDataset
+from llmft.data.prompts import Positions, PromptGroups
 from llmft.data.sampler import GlobalOrder, ProbabilityOrder
 from llmft.data.stream import MixedStream, StreamDataset, StreamOrder
 from llmft.data.tokens import TokenDataset
@@ -24,21 +30,39 @@ class DataBundle:
     (``TrainerState.data``) so that a resume does not re-read the stream before it.
     """
 
-    train: TokenDataset | MixedDataset | StreamDataset | MixedStream
+    train: TokenDataset | MixedDataset | StreamDataset | MixedStream | PromptGroups
     eval: TokenDataset | MixedDataset | None
     eval_prompts: list[tuple[np.ndarray, str]]  # (prompt ids incl. chat template, reference completion)
     stats: dict = field(default_factory=dict)  # train counts at the top level, eval counts under "eval"
     entries: list[dict] = field(default_factory=list)  # one per source: cache entry, built or reused, stats
     streaming: bool = False
     probabilities: list[float] | None = None  # data.mixture=probability: the sources' shares of ``train``
+    group: int = 1  # G: consecutive positions that are one record's items (``group_by``)
+
+    def group_by(self, group: int, seed: int, shuffle: bool) -> None:
+        """Make position p of the global order item ``p % G`` of the record at position ``p // G`` of
+        the record order (seeded with ``seed``, shuffled or not); items then carry ``position``."""
+        assert not isinstance(self.train, PromptGroups), "the train data is grouped already"
+        self.train = PromptGroups(self.train, self.order(seed, shuffle), group, seed, shuffle)
+        self.group = group
+        self.stats["group"] = group
+
+    @property
+    def records(self):
+        """The train data by record: ``train`` itself, or what ``group_by`` grouped."""
+        return self.train.prompts if isinstance(self.train, PromptGroups) else self.train
 
     @property
     def num_rows(self) -> int | None:
-        """Training rows per epoch; None for a stream (its length is unknown until it is read)."""
+        """Training items (positions) per epoch, records x G when grouped; None for a stream (its
+        length is unknown until it is read)."""
         return None if self.streaming else len(self.train)
 
     def order(self, seed: int, shuffle: bool):
         """Position -> index into ``train``."""
+        if isinstance(self.train, PromptGroups):  # it orders its records itself, as group_by seeded it
+            assert (seed, shuffle) == (self.train.seed, self.train.shuffle), "grouped with another seed or shuffle"
+            return Positions()
         if self.streaming:
             return StreamOrder()
         if self.probabilities is not None:
@@ -57,7 +81,7 @@ class DataBundle:
         cursor = state.get("stream")
         if not self.streaming or cursor is None:
             return
-        sources = len(self.train.streams) if isinstance(self.train, MixedStream) else 1
+        sources = len(self.records.streams) if isinstance(self.records, MixedStream) else 1
         saved = len(cursor) if isinstance(cursor, list) else 1
         if saved != sources:
             raise UserError(

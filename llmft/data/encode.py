@@ -167,6 +167,30 @@ class Encoder:
             return self._ids(prompt, special=False), record.messages[last].content
         return None
 
+    def prompt_ids_batch(self, prompts: list[str | Chat]) -> list[np.ndarray | BadRecord]:
+        """Each prompt's ids as the model sees them before its completion (online RL prompts): a
+        string as the prompt part of a prompt/completion record (``tokenizer(prompt)`` with the
+        tokenizer's own special tokens), a conversation rendered by the chat template with
+        ``add_generation_prompt=True`` (the template writes bos); a ``BadRecord`` for a
+        conversation the template rejects."""
+        out: list[np.ndarray | BadRecord | None] = [None] * len(prompts)
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        for i, ids in zip(texts, self._ids_batch([prompts[i] for i in texts], special=True), strict=True):
+            out[i] = ids
+        chats = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+        if chats:
+            self._check_chat_support()
+            rendered = []
+            for i in chats:
+                try:
+                    rendered.append((i, self._render(prompts[i], None, generation_prompt=True)))
+                except BadRecord as e:
+                    out[i] = e
+            ids = self._ids_batch([text for _, text in rendered], special=False)
+            for (i, _), prompt in zip(rendered, ids, strict=True):
+                out[i] = prompt
+        return out  # type: ignore[return-value]
+
     def _with_eos(self, ids: np.ndarray) -> np.ndarray:
         # Some tokenizers already append eos themselves (add_eos_token=True); never write it twice.
         if self.eos and (len(ids) == 0 or ids[-1] != self.eos[0]):

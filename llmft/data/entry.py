@@ -19,6 +19,7 @@ import torch
 
 from llmft.data.encode import Encoder
 from llmft.data.pairs import PairEncoder, build_pair_rows, make_encoder
+from llmft.data.prompts import PromptEncoder, build_prompt_rows
 from llmft.data.read import Chunk, parse_line
 from llmft.data.rows import SKIP_FIX, Tokenize, build_rows, raise_if_fatal
 from llmft.data.shards import tokenize_shards
@@ -51,11 +52,14 @@ def build_entry(
     shards: Path,
     objective: str = DEFAULT_OBJECTIVE,
     fields: tuple[str, ...] = (),
+    room: int | None = None,
 ) -> dict[str, Any]:
     """Write ``src``'s entry into ``tmp``, tokenizing into (or reusing the finished shards in) ``shards``;
-    ``fields`` are the record fields (``ObjectiveSpec.fields``) stored with each record."""
-    encoder = make_encoder(tokenizer, train_on, objective, cfg.max_seq_len)
+    ``fields`` are the record fields (``ObjectiveSpec.fields``) stored with each record; ``room`` is the
+    most tokens a prompt may have (prompt records: ``prompts.prompt_room``)."""
+    encoder = make_encoder(tokenizer, train_on, objective, cfg.max_seq_len, room)
     pairs = isinstance(encoder, PairEncoder)  # one item per pair: chosen and rejected as rows 2i, 2i + 1
+    kind = "pairs" if pairs else "prompts" if isinstance(encoder, PromptEncoder) else "sequences"
     chunks = [c for c in chunks if len(c.dataset)]
     procs = _num_proc(cfg)
     tokenizers = [Tokenize(encoder, c.lines, src.fields, fields) for c in chunks]
@@ -63,6 +67,7 @@ def build_entry(
     bad, errors = _errors(tokenized)
     ids, target, offsets = _flat(tokenized)
     values = _values(tokenized, fields)
+    records = _records(tokenized) if kind == "prompts" else None
     for e in errors:
         raise_if_fatal(e)
     locate = _Locate(chunks)
@@ -80,17 +85,21 @@ def build_entry(
     if holdout > 0:
         items, held_items = _holdout(items, holdout, seed, src.key)
     meta: dict[str, Any] = {"skipped": f"{locate(int(bad[0]))}: {errors[0]}" if len(bad) else None}
-    rows, meta["stats"] = _rows(pairs, ids, target, offsets, items, cfg, tokenizer.pad_token_id, src.key, values)
+    rows, meta["stats"] = _rows(
+        kind, ids, target, offsets, items, cfg, tokenizer.pad_token_id, src.key, values, records
+    )
     meta["stats"]["skipped"] = len(bad)
     rows.write(tmp / "rows.arrow")
     prompt_items = items if eval_role else held_items
     if held_items is not None:
         held, meta["held_stats"] = _rows(
-            pairs, ids, target, offsets, held_items, cfg, tokenizer.pad_token_id, src.key, values
+            kind, ids, target, offsets, held_items, cfg, tokenizer.pad_token_id, src.key, values, records
         )
         meta["held_stats"]["skipped"] = 0
         held.write(tmp / "held.arrow")
-    prompts = _eval_prompts(chunks, prompt_items, encoder, src, cfg) if prompt_items is not None else []
+    # Exact-match eval prompts are an SFT thing: prompt records have no reference completion.
+    some = prompt_items is not None and kind != "prompts"
+    prompts = _eval_prompts(chunks, prompt_items, encoder, src, cfg) if some else []
     write_prompts(tmp, prompts)
     return meta
 
@@ -112,10 +121,25 @@ def read_prompts(entry: Path) -> list[tuple[np.ndarray, str]]:
     return [(rows[i]["input_ids"], ref) for i, ref in enumerate(refs)]
 
 
-def _rows(pairs: bool, ids, target, offsets, items, cfg: DataConfig, pad_id: int, key: str, values) -> tuple[Any, dict]:
-    if pairs:
+def _rows(
+    kind: str, ids, target, offsets, items, cfg: DataConfig, pad_id: int, key: str, values, records
+) -> tuple[Any, dict]:
+    if kind == "pairs":
         return build_pair_rows(ids, target, offsets, items, cfg, key)
+    if kind == "prompts":
+        return build_prompt_rows(ids, offsets, items, records)
     return build_rows(ids, target, offsets, items, cfg, pad_id, key, values)
+
+
+def _records(tokenized: list) -> tuple[np.ndarray, np.ndarray]:
+    """Each prompt record's JSON bytes (the ``record`` column ``Tokenize`` wrote), as offsets and bytes."""
+    import pyarrow as pa  # only the building process: a rank that reads rows stays without it
+
+    pieces = [chunk for t in tokenized for chunk in t.column("record").chunks]
+    arr = pa.concat_arrays(pieces) if pieces else pa.array([], type=pa.large_list(pa.uint8()))
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.to_numpy(zero_copy_only=False)[int(offsets[0]) :] if len(arr.values) else np.zeros(0)
+    return (offsets - offsets[0]).astype(np.int64), values.astype(np.uint8, copy=False)
 
 
 def _values(tokenized: list, names: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -9,6 +9,7 @@ import torch
 
 from llmft.data.encode import IGNORE_INDEX
 from llmft.data.pairs import collate_pairs
+from llmft.data.prompts import collate_prompts
 from llmft.data.sampler import MicroBatchSampler
 from llmft.data.sequence import count_slice_targets
 from llmft.data.workers import StopSafeDataLoader, ignore_stop_signals
@@ -29,10 +30,13 @@ def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
     Record fields (``ObjectiveSpec.fields``, an item's ``fields``) become one float32 tensor each,
     ``batch[name]`` of the batch's shape: each token its record's number, 0 on padding.
 
-    Preference pairs (items of a ``pairs.PairDataset``) go to ``pairs.collate_pairs``.
+    Preference pairs (items of a ``pairs.PairDataset``) go to ``pairs.collate_pairs``, prompts (items
+    that carry their ``record``) to ``prompts.collate_prompts``.
     """
     if "chosen" in examples[0]:
         return collate_pairs(examples, pad_id)
+    if "record" in examples[0]:
+        return collate_prompts(examples, pad_id)
     packed = examples[0]["position_ids"] is not None
     assert all((e["position_ids"] is not None) == packed for e in examples), "mixed packed and unpacked rows"
     width = max(len(e["input_ids"]) for e in examples)

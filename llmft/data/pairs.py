@@ -29,6 +29,7 @@ import torch
 
 from llmft.data.encode import IGNORE_INDEX, Encoder, Example
 from llmft.data.pack import positions, ranges, take_ranges
+from llmft.data.prompts import PromptEncoder, is_prompts
 from llmft.data.records import (
     BadRecord,
     Chat,
@@ -176,13 +177,21 @@ class PairEncoder:
 
 
 def make_encoder(
-    tokenizer: PreTrainedTokenizerBase, train_on: str, objective: str, max_tokens: int | None = None
-) -> Encoder | PairEncoder:
+    tokenizer: PreTrainedTokenizerBase,
+    train_on: str,
+    objective: str,
+    max_tokens: int | None = None,
+    room: int | None = None,
+) -> Encoder | PairEncoder | PromptEncoder:
     """The encoder for ``train.objective``'s records. SFT records are cut to ``max_tokens`` before
     tokenizing (the per-record memory bound); pairs are not yet: their prompt is truncated from the
-    left (``truncate_pair``), which a cut of the text from the right would change (docs/preference.md)."""
+    left (``truncate_pair``), which a cut of the text from the right would change (docs/preference.md).
+    Prompts (online RL) are never cut: one longer than ``room`` tokens is refused whole (``prompts.py``)."""
     if is_preference(objective):
         return PairEncoder(tokenizer, train_on, objective)
+    if is_prompts(objective):
+        assert room is not None and max_tokens is not None, "prompts need the room generation leaves"
+        return PromptEncoder(tokenizer, room, max_tokens)
     return Encoder(tokenizer, train_on, max_tokens)
 
 

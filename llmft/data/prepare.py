@@ -12,6 +12,7 @@ import sys
 import time
 
 from llmft.data.build import build_data, cache_root
+from llmft.data.prompts import is_prompts
 from llmft.data.tokenizer import load_tokenizer
 from llmft.errors import Problem, UserError
 from llmft.plan.resolve import load_plan
@@ -43,6 +44,7 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
     finally:
         stop.uninstall()
     lines = [f"data cache: {cache_root(recipe.data)} ({time.time() - started:.1f} s)"]
+    prompts = is_prompts(recipe.train.objective)  # online RL: rows are prompts, without targets
     for e in data.entries:
         s = e["stats"]
         how = "built" if e["built"] else "already there"
@@ -50,10 +52,14 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
         lines.append(f"  entry {e['entry']} ({how}, {_size(e['bytes'])})")
         if "pairs" in s:  # preference pairs: an item is a pair (chosen and rejected)
             made = f"{s['pairs']:,} pairs ({s['sequences']:,} sequences)"
+        elif prompts:
+            made = f"{s['rows']:,} prompts"
         else:
             made = f"{s['examples']:,} examples"
-        detail = f"  {s['records']:,} records -> {made}, {s['tokens']:,} tokens ({s['target_tokens']:,} targets)"
-        if "pairs" not in s:
+        detail = f"  {s['records']:,} records -> {made}, {s['tokens']:,} tokens"
+        if not prompts:
+            detail += f" ({s['target_tokens']:,} targets)"
+        if "pairs" not in s and not prompts:
             detail += f", {s['rows']:,} rows"
         if "packing_efficiency" in s:
             detail += f", packing efficiency {s['packing_efficiency']:.1%}"
@@ -62,8 +68,10 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
         if notes:
             lines.append("  " + ", ".join(notes))
     st = data.stats
-    unit = "pairs" if "pairs" in st else "rows"
+    unit = "pairs" if "pairs" in st else "prompts" if prompts else "rows"
     total = f"train: {st['rows']:,} {unit} of max_seq_len {recipe.data.max_seq_len}, {st['tokens']:,} tokens"
+    if "group" in st:
+        total += f", {st['group']} completions per prompt"
     if "mixture_rows" in st:
         total += f"; {st['mixture_rows']:,} rows per epoch after weights"
     lines.append(total)

@@ -69,12 +69,15 @@ def record_values(value: Any, names: tuple[str, ...]) -> np.ndarray:
 class Tokenize:
     """A batch of raw records -> input_ids, target mask, error (one list each, one item a record),
     parsed and encoded by ``encoder`` (a ``RecordEncoder``); with ``values`` (the objective's record
-    fields) also a ``values`` list: each record's numbers (``record_values``; zeros for a bad record)."""
+    fields) also a ``values`` list: each record's numbers (``record_values``; zeros for a bad record);
+    with an encoder that keeps records (``keeps_records``: prompts) also a ``record`` list: each
+    record's JSON as uint8 bytes (empty for a bad record)."""
 
     def __init__(
         self, encoder: RecordEncoder, lines: bool, fields: dict[str, str], values: tuple[str, ...] = ()
     ) -> None:
         self.encoder, self.lines, self.fields, self.values = encoder, lines, fields, values
+        self.records = bool(getattr(encoder, "keeps_records", False))
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         n = len(next(iter(batch.values())))
@@ -97,7 +100,9 @@ class Tokenize:
         empty_ids, empty_target = np.zeros(0, np.int32), np.zeros(0, np.uint8)
         ids: list[np.ndarray] = [empty_ids] * n
         target: list[np.ndarray] = [empty_target] * n
-        extra = {"values": numbers} if self.values else {}
+        extra: dict[str, list] = {"values": numbers} if self.values else {}
+        if self.records:
+            extra["record"] = [empty_target] * n
         try:
             encoded = self.encoder.encode_batch(records)
         except UserError as e:  # e.g. no chat template: stops the build, whatever data.on_bad_record says
@@ -108,6 +113,8 @@ class Tokenize:
             else:
                 ids[k] = np.asarray(ex.input_ids, dtype=np.int32)
                 target[k] = ex.target_mask()
+                if self.records:
+                    extra["record"][k] = np.frombuffer(ex.record, dtype=np.uint8)
         return {"input_ids": ids, "target": target, "error": errors, **extra}
 
 

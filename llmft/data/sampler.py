@@ -50,6 +50,20 @@ class GlobalOrder:
         return self._perm
 
 
+class RepeatedSteps:
+    """An order whose every global batch is taken ``times`` steps in a row (``ObjectiveSpec.repeats``:
+    online RL's policy updates per generation batch): position p reads position
+    ``(p // (batch * times)) * batch + p % batch`` of ``order``, so a step's items are the same
+    for its ``times`` steps, and the position stays the whole data state of a checkpoint."""
+
+    def __init__(self, order, batch: int, times: int) -> None:
+        self.order, self.batch, self.times = order, batch, times
+
+    def index(self, position: int) -> int:
+        block, offset = divmod(position, self.batch * self.times)
+        return self.order.index(block * self.batch + offset % self.batch)
+
+
 class MicroBatchSampler:
     """Index lists of one rank's micro-batches, step after step (endless unless ``num_steps``).
 

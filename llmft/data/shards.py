@@ -163,6 +163,8 @@ def _write_shard(chunk: Chunk, tokenize: Tokenize, job: Job, path: Path, check: 
     columns = [("input_ids", pa.large_list(pa.int32())), ("target", pa.large_list(pa.uint8())), ("error", pa.string())]
     if tokenize.values:  # the objective's record fields: one float64 per field and record
         columns.append(("values", pa.large_list(pa.float64())))
+    if tokenize.records:  # prompt records: each record's JSON bytes
+        columns.append(("record", pa.large_list(pa.uint8())))
     schema = pa.schema(columns)
     part = path.with_name(path.name + ".part")
     try:
@@ -174,6 +176,8 @@ def _write_shard(chunk: Chunk, tokenize: Tokenize, job: Job, path: Path, check: 
                 arrays = [ids, target, pa.array(out["error"], pa.string())]
                 if tokenize.values:
                     arrays.append(_lists(out["values"], np.float64))
+                if tokenize.records:
+                    arrays.append(_lists(out["record"], np.uint8))
                 writer.write_batch(pa.record_batch(arrays, schema=schema))
         os.rename(part, path)
     finally:

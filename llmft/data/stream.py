@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from llmft.data.pairs import PairDataset, PairEncoder, build_pair_rows, make_encoder
+from llmft.data.prompts import build_prompt_rows
 from llmft.data.read import LINE_EXTENSIONS, Resolved, json_rows, load_hub, load_saved, resolve
 from llmft.data.rows import SKIP_FIX, Tokenize, build_rows, raise_if_fatal
 from llmft.data.sampler import ShareWindows
@@ -185,22 +186,34 @@ class _Blocks:
     """Raw records of one block -> rows, by the cache's own tokenizer, truncation and packing."""
 
     def __init__(
-        self, src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, train_on: str, objective: str
+        self,
+        src: Source,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        train_on: str,
+        objective: str,
+        room: int | None = None,
     ) -> None:
         self.key, self.cfg, self.pad_id = src.key, cfg, tokenizer.pad_token_id
         names = objective_spec(objective).fields  # the record fields it reads
-        self.lines = Tokenize(make_encoder(tokenizer, train_on, objective, cfg.max_seq_len), True, src.fields, names)
-        self.tables = Tokenize(make_encoder(tokenizer, train_on, objective, cfg.max_seq_len), False, src.fields, names)
+        encoder = make_encoder(tokenizer, train_on, objective, cfg.max_seq_len, room)
+        self.lines = Tokenize(encoder, True, src.fields, names)
+        self.tables = Tokenize(
+            make_encoder(tokenizer, train_on, objective, cfg.max_seq_len, room), False, src.fields, names
+        )
         self.pairs = isinstance(self.lines.encoder, PairEncoder)
+        self.prompts = self.lines.records  # prompt rows keep their records
 
     def rows(self, records: list[tuple[Any, str | None, str, bool]]) -> tuple[TokenDataset | PairDataset, dict]:
-        empty = TokenDataset.from_arrays(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64))
+        empty = TokenDataset.from_arrays(*_empty_arrays())
         if self.pairs:
             empty = PairDataset(empty, self.cfg.packing)
+        if self.prompts:
+            empty = TokenDataset.from_arrays(*_empty_arrays(), records=(np.zeros(1, np.int64), np.zeros(0, np.uint8)))
         if not records:
             return empty, {"skipped": 0}
         errors: list[str | None] = []
-        ids, target, numbers = [], [], []
+        ids, target, numbers, kept = [], [], [], []
         for lines, group in _runs(records):
             if lines:
                 batch = {"json": [r[0] for r in group], "error": [r[1] for r in group]}
@@ -212,6 +225,7 @@ class _Blocks:
             ids += out["input_ids"]
             target += out["target"]
             numbers += out.get("values", [])
+            kept += out.get("record", [])
         for k, e in enumerate(errors):
             raise_if_fatal(e)
             if e is not None and self.cfg.on_bad_record == "error":
@@ -224,6 +238,11 @@ class _Blocks:
         flat_target = np.concatenate(target).astype(np.uint8) if target else np.zeros(0, np.uint8)
         if len(items) == 0:
             return empty, {"skipped": skipped}
+        if self.prompts:  # every prompt that was not refused fits: one row each
+            rec_offsets = np.concatenate([[0], np.cumsum([len(r) for r in kept])]).astype(np.int64)
+            rec_bytes = np.concatenate(kept).astype(np.uint8) if kept else np.zeros(0, np.uint8)
+            rows, _ = build_prompt_rows(flat_ids, offsets, items, (rec_offsets, rec_bytes))
+            return rows, {"skipped": skipped}
         if self.pairs:  # a block whose pairs all lose their targets is an empty block, not an error
             rows, _ = build_pair_rows(flat_ids, flat_target, offsets, items, self.cfg, self.key, allow_empty=True)
             return rows, {"skipped": skipped}
@@ -233,6 +252,11 @@ class _Blocks:
         values = {name: np.array([v[k] for v in numbers], np.float64) for k, name in enumerate(names)}
         rows, _ = build_rows(flat_ids, flat_target, offsets, items, self.cfg, self.pad_id, self.key, values)
         return rows, {"skipped": skipped}
+
+
+def _empty_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ids, target mask and offsets of no rows."""
+    return np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64)
 
 
 def _any_target(target: np.ndarray, offsets: np.ndarray, items: np.ndarray, max_len: int) -> bool:
@@ -373,9 +397,15 @@ class _IterableReader(_Reader):
 
 
 def open_stream(
-    src: Source, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, objective: str = DEFAULT_OBJECTIVE
+    src: Source,
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int,
+    objective: str = DEFAULT_OBJECTIVE,
+    room: int | None = None,
 ) -> StreamDataset:
-    """One source as a stream whose block permutations are seeded with ``seed``; ``objective``'s records."""
+    """One source as a stream whose block permutations are seeded with ``seed``; ``objective``'s records
+    (prompt records: at most ``room`` tokens each, ``prompts.prompt_room``)."""
     resolved = resolve(src)
     if resolved.kind == "files":
         kinds = {p.suffix in LINE_EXTENSIONS for p in resolved.files}
@@ -394,5 +424,5 @@ def open_stream(
             )
     else:
         reader = _IterableReader(resolved)
-    blocks = _Blocks(src, cfg, tokenizer, src.train_on or cfg.train_on, objective)
+    blocks = _Blocks(src, cfg, tokenizer, src.train_on or cfg.train_on, objective, room)
     return StreamDataset(reader, blocks, seed, cfg.shuffle, cfg.stream_block)

@@ -19,6 +19,7 @@ from llmft.data.pack import positions
 from llmft.errors import Problem, UserError
 
 FIELD_PREFIX = "field:"  # the Arrow column of a record field (``ObjectiveSpec.fields``)
+RECORD_COLUMN = "record"  # the Arrow column of a row's whole record (prompt rows): its UTF-8 JSON bytes
 Row = tuple["list[int] | np.ndarray", "list[int] | np.ndarray", "list[int] | np.ndarray | None"]
 
 
@@ -37,6 +38,10 @@ class TokenDataset:
     segment of a packed row, in a ``field:<name>`` column; an item carries them per token as
     ``item["fields"][name]`` (each token its record's number, 0 on a packed row's padded tail).
     Rows without fields have no such column and no ``fields`` key.
+
+    Prompt rows (online RL, ``prompts.py``) keep their whole parsed record as UTF-8 JSON bytes in a
+    ``record`` column (a list of uint8 per row, mapped like the tokens); an item then carries it as
+    ``item["record"]``, a dict decoded from those bytes when the item is read.
     """
 
     def __init__(self, rows: list[Row]) -> None:
@@ -64,12 +69,14 @@ class TokenDataset:
         segments: np.ndarray | None = None,
         segment_offsets: np.ndarray | None = None,
         fields: dict[str, np.ndarray] | None = None,
+        records: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> TokenDataset:
+        """``records``: (offsets, uint8 values) of each unpacked row's record as UTF-8 JSON bytes."""
         self = cls.__new__(cls)
-        self._set(input_ids, target, offsets, segments, segment_offsets, fields)
+        self._set(input_ids, target, offsets, segments, segment_offsets, fields, records)
         return self
 
-    def _set(self, ids, target, offsets, segments, seg_offsets, fields=None) -> None:
+    def _set(self, ids, target, offsets, segments, seg_offsets, fields=None, records=None) -> None:
         self._input_ids, self._target, self._offsets = ids, target, offsets
         self._segments, self._seg_offsets = segments, seg_offsets
         self.packed = segments is not None
@@ -77,6 +84,10 @@ class TokenDataset:
         for name, v in self._fields.items():
             want = len(segments) if self.packed else len(offsets) - 1
             assert len(v) == want, f"field {name}: {len(v)} values for {want} rows or segments"
+        self._records = records  # (offsets, UTF-8 JSON bytes), one record per row; None: no records
+        if records is not None:
+            assert not self.packed, "records are kept for unpacked rows only"
+            assert len(records[0]) == len(offsets), f"{len(records[0]) - 1} records for {len(offsets) - 1} rows"
         self.path: Path | None = None
 
     def __len__(self) -> int:
@@ -96,7 +107,19 @@ class TokenDataset:
             item["position_ids"] = positions(self._segments[self._seg_offsets[i] : self._seg_offsets[i + 1]])
         if self._fields:
             item["fields"] = self._field_tokens(i, hi - lo)
+        if self._records is not None:
+            item["record"] = self.record(i)
         return item
+
+    def record(self, i: int) -> dict[str, Any]:
+        """Row ``i``'s record (prompt rows), decoded from its JSON bytes."""
+        assert self._records is not None, "these rows keep no records"
+        offsets, values = self._records
+        return json.loads(values[int(offsets[i]) : int(offsets[i + 1])].tobytes().decode("utf-8"))
+
+    @property
+    def has_records(self) -> bool:
+        return self._records is not None
 
     def _field_tokens(self, i: int, n: int) -> dict[str, np.ndarray]:
         """Row ``i``'s record fields per token (``n`` tokens): each token its record's number."""
@@ -129,6 +152,8 @@ class TokenDataset:
         at = self._seg_offsets if self.packed else np.arange(len(self) + 1, dtype=np.int64)
         for name, v in self._fields.items():
             columns[FIELD_PREFIX + name] = _list_array(at, np.asarray(v, dtype=np.float64))
+        if self._records is not None:
+            columns[RECORD_COLUMN] = _list_array(self._records[0], np.asarray(self._records[1], dtype=np.uint8))
         table = pa.table(columns)
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=max(1, len(self)))
@@ -166,7 +191,11 @@ class TokenDataset:
         segs = flat("segments") if layout["segments"] else (None, None)
         named = [c for c in layout["columns"] if c.startswith(FIELD_PREFIX)]
         fields = {c[len(FIELD_PREFIX) :]: flat(c)[1] for c in named}
-        self = cls.from_arrays(ids, target, offsets, segs[1], segs[0], fields)
+        records = None
+        if layout.get("records"):  # prompt rows (no record batch: no rows, and no records)
+            empty = (np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.uint8))
+            records = flat(RECORD_COLUMN) if RECORD_COLUMN in layout["columns"] else empty
+        self = cls.from_arrays(ids, target, offsets, segs[1], segs[0], fields, records)
         self.path = path
         return self
 
@@ -176,7 +205,15 @@ class TokenDataset:
             return (TokenDataset.open, (self.path,))
         return (
             TokenDataset.from_arrays,
-            (self._input_ids, self._target, self._offsets, self._segments, self._seg_offsets, self._fields),
+            (
+                self._input_ids,
+                self._target,
+                self._offsets,
+                self._segments,
+                self._seg_offsets,
+                self._fields,
+                self._records,
+            ),
         )
 
 
@@ -214,7 +251,12 @@ def _layout(path: Path) -> dict[str, Any]:
             "offsets": [offsets.address - base, len(arr) + 1],
             "values": [values.address - base, len(arr.values), arr.type.value_type.to_pandas_dtype().__name__],
         }
-    return {"bytes": source.size(), "columns": columns, "segments": "segments" in table.column_names}
+    return {
+        "bytes": source.size(),
+        "columns": columns,
+        "segments": "segments" in table.column_names,
+        "records": RECORD_COLUMN in table.column_names,
+    }
 
 
 def _list_array(offsets: np.ndarray, values: np.ndarray):

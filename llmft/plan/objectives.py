@@ -78,6 +78,9 @@ class ObjectiveSpec:
     # A recipe key holding G: G consecutive positions of the global order are one record's G items
     # (online RL: a prompt's G completions); None: a position is a record.
     group: str | None = None
+    # A recipe key holding k: k optimizer steps in a row take the same global batch (online RL's
+    # policy updates per generation batch); None: each step its own.
+    repeats: str | None = None
     frozen: tuple[str, ...] = ()  # frozen models it may need (REFERENCE, REWARD_MODEL)
     metrics: tuple[str, ...] = ()  # the sums its micro loss returns, reported as global-batch means
     fields: tuple[str, ...] = ()  # numbers read from each record, batch[name] per token (docs/data.md)
@@ -95,6 +98,13 @@ class ObjectiveSpec:
         if self.group is None:
             return 1
         section, _, key = self.group.partition(".")
+        return int(getattr(getattr(recipe, section), key))
+
+    def repeat_count(self, recipe: Recipe) -> int:
+        """k: optimizer steps that take each global batch (1 without ``repeats``)."""
+        if self.repeats is None:
+            return 1
+        section, _, key = self.repeats.partition(".")
         return int(getattr(getattr(recipe, section), key))
 
     def rows(self, recipe: Recipe | None = None) -> int:
@@ -158,6 +168,7 @@ _BUILT_IN: tuple[ObjectiveSpec, ...] = (
         counts="completions",
         record=PROMPTS,
         group="rollout.num_generations",
+        repeats="rl.iterations",
         frozen=(REFERENCE, REWARD_MODEL),
         metrics=GRPO_METRICS,
         card="grpo (online RL: G sampled completions per prompt, group-relative advantages, clipped surrogate)",
@@ -326,6 +337,8 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
             )
         )
     problems += head_problems(spec, recipe, where)
+    if spec.record == PROMPTS:
+        problems += _prompt_problems(spec, recipe, where)
     if not spec.pairs or not spec.preference_keys:  # head_problems named any preference.* key set
         return problems
     if p.label_smoothing and p.loss_type != "sigmoid":
@@ -343,6 +356,31 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
         )
     if p.precompute_reference:
         problems += _precompute_problems(recipe, where)
+    return problems
+
+
+def _prompt_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
+    """Prompt records (online RL): one prompt per row, and room for the completion after it."""
+    problems: list[Problem] = []
+    if recipe.data.packing:
+        problems.append(
+            Problem(
+                where("data.packing"),
+                f"is true, but train.objective={spec.name} reads prompts, which are never packed (each prompt's "
+                "completions are generated and scored on their own)",
+                "Set data.packing=false.",
+            )
+        )
+    max_seq_len, new = recipe.data.max_seq_len, recipe.rollout.max_new_tokens
+    if isinstance(max_seq_len, int) and new >= max_seq_len:
+        problems.append(
+            Problem(
+                where("rollout.max_new_tokens"),
+                f"is {new}, which leaves no room for a prompt within data.max_seq_len={max_seq_len} "
+                "(a prompt may have data.max_seq_len - rollout.max_new_tokens tokens)",
+                "Lower rollout.max_new_tokens below data.max_seq_len, or raise data.max_seq_len.",
+            )
+        )
     return problems
 
 

@@ -117,12 +117,6 @@ def rl_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]
         )
     if r.max_new_tokens < 1:
         bad("rollout.max_new_tokens", f"is {r.max_new_tokens}", "Use 1 or more.")
-    elif isinstance(recipe.data.max_seq_len, int) and recipe.data.max_seq_len <= r.max_new_tokens:
-        bad(
-            "rollout.max_new_tokens",
-            f"is {r.max_new_tokens}, but data.max_seq_len is {recipe.data.max_seq_len}: no room is left for a prompt",
-            "Raise data.max_seq_len (prompt + completion) or lower rollout.max_new_tokens.",
-        )
     if not r.temperature > 0:
         bad(
             "rollout.temperature",
@@ -159,12 +153,6 @@ def rl_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]
                 import_function(what, f"rewards[{i}].function")
     except UserError as e:
         problems += [Problem(where(p.where), p.what, p.fix) for p in e.problems]
-    if recipe.data.packing:
-        bad(
-            "data.packing",
-            "is true, but train.objective=grpo reads prompts",
-            "Set data.packing=false (update batches are packed by the objective).",
-        )
     if recipe.distributed.sequence_parallel > 1:
         bad(
             "distributed.sequence_parallel",

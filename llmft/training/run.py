@@ -31,6 +31,7 @@ from llmft.checkpoint.manager import CheckpointManager, SaveHooks, set_rng_state
 from llmft.checkpoint.resume import check_resume_compatible, intent_yaml, plan_yaml, resume_point, resume_schedule
 from llmft.checkpoint.rundir import RunDirLock, check_ours, clear_for_fresh_start, mark
 from llmft.data import MicroBatchSampler, build_data, make_loader
+from llmft.data.sampler import RepeatedSteps
 from llmft.data.sequence import sequence_slice
 from llmft.data.tokenizer import load_tokenizer
 from llmft.engines import Engine, build_engine
@@ -221,6 +222,9 @@ class Run:
     def _loader(self, *, first_step: int, position: int):
         b, d = self.plan.batch, self.recipe.data
         order = self.data.order(self.recipe.run.seed, d.shuffle)  # a stream orders itself
+        times = self.plan.objective_spec.repeat_count(self.recipe)
+        if times > 1:  # each global batch taken k steps in a row (online RL's rl.iterations)
+            order = RepeatedSteps(order, b.global_batch_size, times)
         # The sampler deals the global batch to data-parallel ranks: a sequence group is one.
         sampler = MicroBatchSampler(order, b, self.plan.layout.dp_rank(self.env.rank), start_position=position)
         sampler = self.hooks.wrap_sampler(sampler, first_step, self.env)
@@ -329,7 +333,8 @@ def total_steps(plan: RunPlan, num_samples: int) -> int:
     t = plan.recipe.train
     if t.max_steps is not None:
         return t.max_steps
-    return max(1, math.ceil(t.epochs * num_samples / plan.batch.global_batch_size))
+    times = plan.objective_spec.repeat_count(plan.recipe)  # steps that take one global batch
+    return max(1, math.ceil(t.epochs * num_samples * times / plan.batch.global_batch_size))
 
 
 def source_stats(data) -> list[dict[str, Any]]:

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from llmft.plan.engines import load
-from llmft.plan.objectives import DEFAULT_OBJECTIVE, OBJECTIVE_NAMES, OBJECTIVES, objective_names, objective_spec
+from llmft.plan.objectives import (
+    DEFAULT_OBJECTIVE,
+    OBJECTIVE_NAMES,
+    OBJECTIVES,
+    objective_names,
+    objective_spec,
+)
 from llmft.plan.resolve import load_plan, plan_summary
 from llmft.recipe.load import RecipeError
 from llmft.recipe.schema import PreferenceConfig, TrainConfig

@@ -1,0 +1,294 @@
+"""Prompt records (the objectives whose ``ObjectiveSpec.record`` is ``prompts``: ``grpo``): records, tokens, rows, G completions per prompt, micro-batches.
+
+- records: ``{"prompt": "<text>"}`` or ``{"prompt": [messages]}``, with any other fields (a reference
+  answer, test cases, ...) that the reward functions read. ``fields: {prompt: question}`` renames
+  columns as for SFT records. ``parse_prompt``.
+- tokens: the prompt as the model sees it before its completion (``Encoder.prompt_ids_batch``): a
+  string exactly as the prompt part of an SFT prompt/completion record, messages through the chat
+  template with ``add_generation_prompt=True``. No token is a target. A prompt longer than the room
+  the completion leaves (``data.max_seq_len - rollout.max_new_tokens`` tokens) is a malformed record
+  (``data.on_bad_record``). ``PromptEncoder``.
+- rows: one unpacked row per prompt (``build_prompt_rows``), the whole parsed record (after field
+  renaming) kept beside it as UTF-8 JSON in the ``TokenDataset``'s ``record`` column; an item
+  carries it as ``item["record"]`` (a dict).
+- G completions per prompt: ``PromptGroups`` makes position p of the global order completion
+  ``p % G`` of the prompt at position ``p // G`` of the prompt order (shuffling, epochs, mixtures and
+  streams all act on prompts); ``DataBundle.group_by`` puts it in place of the run's train data.
+- micro-batches: ``collate_prompts``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from llmft.data.encode import IGNORE_INDEX, Encoder, Example
+from llmft.data.pack import take_ranges
+from llmft.data.records import (
+    BadRecord,
+    Chat,
+    check_not_multimodal,
+    did_you_mean,
+    kind_of,
+    parse_chat,
+    renamed,
+)
+from llmft.data.tokens import TokenDataset
+from llmft.errors import Problem, UserError
+from llmft.plan.objectives import PROMPTS, objective_spec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from llmft.recipe.schema import Recipe
+
+PROMPTS_FORMAT = "prompts-1"  # the cache format of a prompt entry (SFT entries keep cache.CACHE_FORMAT)
+PROMPT_FIELDS = ("prompt",)
+
+
+def is_prompts(objective: str) -> bool:
+    """Whether ``objective``'s records are prompts to complete (its record: ``ObjectiveSpec.record``)."""
+    return objective_spec(objective).record == PROMPTS
+
+
+def prompt_room(recipe: Recipe) -> int:
+    """The most tokens a prompt may have: what ``rollout.max_new_tokens`` leaves of ``data.max_seq_len``."""
+    room = int(recipe.data.max_seq_len) - int(recipe.rollout.max_new_tokens)
+    if room < 1:
+        raise UserError(room_problem(recipe.data.max_seq_len, recipe.rollout.max_new_tokens, "rollout.max_new_tokens"))
+    return room
+
+
+def room_problem(max_seq_len: int, max_new_tokens: int, where: str) -> Problem:
+    return Problem(
+        where,
+        f"is {max_new_tokens}, which leaves no room for a prompt within data.max_seq_len={max_seq_len}",
+        "Lower rollout.max_new_tokens below data.max_seq_len, or raise data.max_seq_len.",
+    )
+
+
+# --- records ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """A prompt (a string, or the conversation so far) and the whole record as UTF-8 JSON."""
+
+    prompt: str | Chat
+    record: bytes
+
+
+def parse_prompt(value: Any, fields: dict[str, str] | None) -> PromptRecord:
+    """One prompt record; ``fields`` maps ``prompt`` (or any other field) to the column holding it."""
+    if not isinstance(value, dict):
+        raise BadRecord(f"a record must be a JSON object, got {kind_of(value)}")
+    if fields:
+        value = renamed(value, fields)
+    check_not_multimodal(value)
+    prompt = value.get("prompt")
+    if prompt is None:
+        hint = did_you_mean(value, PROMPT_FIELDS, PROMPT_FIELDS)
+        if not hint and "messages" in value:
+            hint = " (a conversation to continue: name its column with fields: {prompt: messages})"
+        raise BadRecord(
+            "a prompt record needs 'prompt' (a string, or a list of messages); "
+            f"found keys {sorted(map(str, value))}" + hint
+        )
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRecord("'prompt' is empty")
+        parsed: str | Chat = prompt
+    elif isinstance(prompt, list):
+        try:
+            parsed = parse_chat(prompt)
+        except BadRecord as e:
+            raise BadRecord(f"'prompt': {e}") from None
+        if parsed.messages[-1].role == "assistant":
+            raise BadRecord(
+                "'prompt' ends with an assistant message; a prompt ends with the message the completion "
+                "answers (drop the last message, or end with a user or tool message)"
+            )
+    else:
+        raise BadRecord(f"'prompt' must be a string or a non-empty list of messages, got {kind_of(prompt)}")
+    return PromptRecord(parsed, _json(value))
+
+
+def _json(value: dict[str, Any]) -> bytes:
+    """The record as UTF-8 JSON; ``BadRecord`` naming the field JSON cannot hold (bytes, dates, ...)."""
+    try:
+        return json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError):
+        for key, v in value.items():
+            try:
+                json.dumps(v)
+            except (TypeError, ValueError):
+                raise BadRecord(
+                    f"field '{key}' is a {type(v).__name__}, which JSON cannot hold (the record travels with its "
+                    "prompt as JSON); convert it to a string or number, or drop the column"
+                ) from None
+        raise
+
+
+# --- tokens -----------------------------------------------------------------
+
+
+@dataclass
+class PromptExample(Example):
+    """A prompt's ids (no targets) and its record's JSON bytes."""
+
+    record: bytes = b""
+
+
+class PromptEncoder:
+    """Prompt records to ``PromptExample`` s: the prompt's ids, none of them a target, at most ``room`` tokens."""
+
+    keeps_records = True  # ``rows.Tokenize`` writes each record's JSON beside its ids
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, room: int, max_seq_len: int) -> None:
+        self.encoder = Encoder(tokenizer, "all")
+        self.room, self.max_seq_len = room, max_seq_len
+
+    def parse(self, value: Any, fields: dict[str, str] | None) -> PromptRecord:
+        return parse_prompt(value, fields)
+
+    def encode_batch(self, prompts: list[PromptRecord]) -> list[PromptExample | BadRecord]:
+        out: list[PromptExample | BadRecord] = []
+        for p, ids in zip(prompts, self.encoder.prompt_ids_batch([p.prompt for p in prompts]), strict=True):
+            if isinstance(ids, BadRecord):
+                out.append(ids)
+            elif len(ids) == 0:
+                out.append(BadRecord("'prompt' has no tokens"))
+            elif len(ids) > self.room:
+                out.append(BadRecord(self.too_long(len(ids))))
+            else:
+                out.append(PromptExample(ids, np.full(len(ids), IGNORE_INDEX, dtype=np.int32), p.record))
+        return out
+
+    def too_long(self, n: int) -> str:
+        new = self.max_seq_len - self.room
+        return (
+            f"its prompt is {n} tokens, more than the {self.room} that leave room for the completion "
+            f"(data.max_seq_len {self.max_seq_len} - rollout.max_new_tokens {new}); shorten the prompt, "
+            "raise data.max_seq_len, or lower rollout.max_new_tokens"
+        )
+
+    def eval_prompt(self, record: PromptRecord) -> None:
+        """Prompts have no reference completion: no exact-match eval prompts."""
+        return None
+
+
+# --- rows -------------------------------------------------------------------
+
+
+def build_prompt_rows(
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    items: np.ndarray,
+    records: tuple[np.ndarray, np.ndarray],
+) -> tuple[TokenDataset, dict]:
+    """One unpacked row per prompt of ``items`` (every one fits: longer ones were refused when they
+    were encoded), each with its record (``records``: offsets and JSON bytes, one per record)."""
+    starts, lengths = offsets[items], offsets[items + 1] - offsets[items]
+    (flat_ids,) = take_ranges((ids,), starts, lengths)
+    rec_offsets, rec_bytes = records
+    rec_starts, rec_lengths = rec_offsets[items], rec_offsets[items + 1] - rec_offsets[items]
+    (flat_records,) = take_ranges((rec_bytes,), rec_starts, rec_lengths)
+    row_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    kept = (np.concatenate([[0], np.cumsum(rec_lengths)]).astype(np.int64), flat_records.astype(np.uint8))
+    rows = TokenDataset.from_arrays(
+        flat_ids.astype(np.int32), np.zeros(len(flat_ids), np.uint8), row_offsets, records=kept
+    )
+    stats = {
+        "records": len(items),
+        "truncated": 0,
+        "dropped_no_targets": 0,
+        "examples": len(items),
+        "tokens": int(row_offsets[-1]),
+        "target_tokens": 0,
+        "rows": len(items),
+    }
+    return rows, stats
+
+
+# --- G completions per prompt -----------------------------------------------
+
+
+class Positions:
+    """The order of grouped prompts: position p is item p (``PromptGroups`` orders the prompts itself)."""
+
+    shuffle = False
+
+    def index(self, position: int) -> int:
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        return position
+
+
+class PromptGroups:
+    """Prompts seen as G completions each: position p is completion ``p % G`` of the prompt at
+    position ``p // G`` of ``order`` (the prompt-level order: ``GlobalOrder``, ``ProbabilityOrder``
+    or a stream's own).
+
+    Indexed by position (its order is ``Positions``, the identity), so ``MicroBatchSampler`` deals
+    completions to ranks and micro-steps and a resume from any position is exact. An item is its
+    prompt's item plus ``position``: p. ``len`` counts completions (prompts x G), so an epoch shows
+    every prompt G times; a stream has no length, and its epoch and cursor are its prompts'.
+    """
+
+    def __init__(self, prompts: Any, order: Any, group: int, seed: int, shuffle: bool) -> None:
+        if group < 1:
+            raise ValueError(f"G must be >= 1, got {group}")
+        self.prompts, self.order, self.group = prompts, order, group
+        self.seed, self.shuffle = seed, shuffle  # what ``order`` was built with
+        self.packed = False
+
+    def __len__(self) -> int:
+        return len(self.prompts) * self.group
+
+    def __getitem__(self, position: int) -> dict[str, Any]:
+        item = self.prompts[self.order.index(position // self.group)]
+        return {**item, "position": int(position)}
+
+    def prompt_position(self, position: int) -> int:
+        return position // self.group
+
+    # A stream's accounting, at the prompt its position falls in.
+    def epoch(self, position: int) -> float:
+        return self.prompts.epoch(position // self.group)
+
+    def cursor_at(self, position: int) -> Any:
+        return self.prompts.cursor_at(position // self.group)
+
+    def restore(self, cursor: Any) -> None:
+        self.prompts.restore(cursor)
+
+
+# --- micro-batches ----------------------------------------------------------
+
+
+def collate_prompts(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
+    """A micro-batch of prompt items: ``prompt_ids`` (each prompt's ids, unpadded), ``records`` (their
+    dicts), ``positions`` (their global positions, when the items carry one: training data), and the
+    prompts as ``input_ids`` right-padded with ``pad_id``, ``labels`` all IGNORE_INDEX (no targets: a
+    count of them is 0) and ``attention_mask``."""
+    prompt_ids = [torch.from_numpy(np.asarray(e["input_ids"], dtype=np.int64)) for e in examples]
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, p in enumerate(prompt_ids):
+        input_ids[row, : len(p)] = p
+        mask[row, : len(p)] = 1
+    batch: dict[str, Any] = {
+        "prompt_ids": prompt_ids,
+        "records": [e["record"] for e in examples],
+        "input_ids": input_ids,
+        "labels": torch.full_like(input_ids, IGNORE_INDEX),
+        "attention_mask": mask,
+    }
+    if "position" in examples[0]:
+        batch["positions"] = torch.tensor([e["position"] for e in examples], dtype=torch.long)
+    return batch
