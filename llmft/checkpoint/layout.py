@@ -51,6 +51,7 @@ COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 TOKENIZER_DIR = "tokenizer"
 RNG_DIR = "rng"
+OBJECTIVE_DIR = "objective"  # an objective's own state per rank (online RL: the kept generation batch)
 BASE_DIR = "base_model"  # beside the step dirs, so pruning never removes it
 EXPORTS = "exported"  # <run>/exported/step-N: llmft export's default output
 # single / DDP
@@ -79,6 +80,10 @@ def tmp_name(step: int) -> str:
 
 def rng_file(step_dir: Path, rank: int) -> Path:
     return Path(step_dir) / RNG_DIR / f"rank-{rank}.pt"
+
+
+def objective_file(step_dir: Path, rank: int) -> Path:
+    return Path(step_dir) / OBJECTIVE_DIR / f"rank-{rank}.pt"
 
 
 # --- writing: a file or folder is whole or absent -----------------------------------------------

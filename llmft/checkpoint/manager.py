@@ -31,11 +31,13 @@ from llmft.checkpoint.layout import (
     CHECKPOINTS,
     COMPLETE,
     LATEST,
+    OBJECTIVE_DIR,
     STATE_FILE,
     TOKENIZER_DIR,
     TrainerState,
     atomic_write,
     fsync_dir,
+    objective_file,
     rng_file,
     step_dirs,
     step_name,
@@ -123,9 +125,18 @@ class CheckpointManager:
         self.protected: Path | None = None  # the checkpoint we resumed from is never pruned mid-run
 
     def save(
-        self, state: TrainerState, engine: Engine, *, recipe_yaml: str, plan_yaml: str, tokenizer, save_optimizer: bool
+        self,
+        state: TrainerState,
+        engine: Engine,
+        *,
+        recipe_yaml: str,
+        plan_yaml: str,
+        tokenizer,
+        save_optimizer: bool,
+        objective_state: dict[str, Any] | None = None,
     ) -> Path:
-        """Write step ``state.step``: ``recipe_yaml`` is the run's intent, ``plan_yaml`` its decisions."""
+        """Write step ``state.step``: ``recipe_yaml`` is the run's intent, ``plan_yaml`` its decisions,
+        ``objective_state`` this rank's part of the objective's own state (``Objective.state_dict``)."""
         step = state.step
         final = self.root / step_name(step)
         tmp = self.root / tmp_name(step)
@@ -143,6 +154,10 @@ class CheckpointManager:
             if failed is None:
                 texts = {RECIPE_FILE: recipe_yaml, PLAN_FILE: plan_yaml}
                 self._write(tmp, state, engine, texts=texts, tokenizer=tokenizer, save_optimizer=save_optimizer)
+                if objective_state is not None:
+                    path = objective_file(tmp, self.env.rank)
+                    path.parent.mkdir(exist_ok=True)
+                    torch.save(objective_state, path)
         except Exception as e:  # noqa: BLE001 - only write errors are ours to report; the rest re-raise below
             failed = _write_error(e)
             if failed is None:
@@ -220,6 +235,12 @@ class CheckpointManager:
             if self.protected is not None and d.resolve() == self.protected.resolve():
                 continue
             shutil.rmtree(d, ignore_errors=True)
+
+    def load_objective_states(self, step_dir: Path) -> list[dict[str, Any]]:
+        """Every rank's objective state in ``step_dir`` (all of them: a resume on another world size
+        takes what its ranks need), in rank order; empty when the objective saved none."""
+        paths = sorted(Path(step_dir, OBJECTIVE_DIR).glob("rank-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+        return [torch_load(p) for p in paths]
 
     def load_rng(self, step_dir: Path) -> dict[str, Any] | None:
         """This rank's RNG state in ``step_dir`` (None when that rank did not exist then)."""

@@ -44,6 +44,7 @@ from llmft.checkpoint.layout import (
     DS_DIR,
     DS_TAG,
     MODEL_DIR,
+    OBJECTIVE_DIR,
     OPTIMIZER_FILE,
     RNG_DIR,
     STATE_FILE,
@@ -203,7 +204,7 @@ def _model_weights(model_dir: Path) -> list[Path]:
 
 
 def _check_files(step_dir: Path) -> None:
-    for path in sorted((step_dir / RNG_DIR).glob("*.pt")):
+    for path in sorted((step_dir / RNG_DIR).glob("*.pt")) + sorted((step_dir / OBJECTIVE_DIR).glob("*.pt")):
         check_zip(path)
     for path in sorted((step_dir / MODEL_DIR).glob("*.safetensors")):
         check_safetensors(path)

@@ -81,6 +81,13 @@ class Objective(Protocol):
     def metrics(self, sums: list[float], count: float) -> dict[str, float]:
         """The global-batch means of the step's all-reduced sums (``count``: the global count)."""
 
+    def state_dict(self) -> dict[str, Any] | None:
+        """This rank's part of what the objective keeps across steps, saved with each checkpoint
+        (tensors, numbers, lists: loaded with ``weights_only``); None: nothing."""
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        """Every rank's saved part, in rank order (another world size may resume it)."""
+
     def evaluate(self, dataset: Any, env: DistEnv, max_items: int | None) -> dict[str, float] | None:
         """The eval row of an objective that evaluates otherwise than by its loss over the eval set
         (online RL: the held-out reward of greedy completions); None: the loss eval (``Evaluator``)."""
@@ -101,6 +108,12 @@ class ObjectiveBase:
 
     def metrics(self, sums: list[float], count: float) -> dict[str, float]:
         return {name: value / max(count, 1.0) for name, value in zip(self.metric_names, sums, strict=True)}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        pass
 
     def evaluate(self, dataset: Any, env: DistEnv, max_items: int | None) -> dict[str, float] | None:
         return None

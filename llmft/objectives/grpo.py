@@ -98,6 +98,17 @@ def token_logps(
     return logps, entropy.detach()
 
 
+def _completion_tokens(batch: dict[str, Any], i: int) -> torch.Tensor:
+    """Where completion ``i``'s tokens are predicted in the packed row (a bool mask ``[T]``)."""
+    _, valid = predicted_targets(batch["labels"], batch["sequence_index"])
+    return valid[0] & (batch["sequence_index"][0] == i)
+
+
+def _shifted(mask: torch.Tensor) -> torch.Tensor:
+    """The tokens a mask of predicting positions predicts (one to the right)."""
+    return torch.nn.functional.pad(mask[:-1], (1, 0), value=False)
+
+
 class GRPOObjective(ObjectiveBase):
     """Group-relative policy optimisation over completions of the global batch (module docstring)."""
 
@@ -117,6 +128,8 @@ class GRPOObjective(ObjectiveBase):
         self.layout = plan.layout
         self.autocast = getattr(models, "autocast", contextlib.nullcontext)
         self._kept: tuple[tuple[int, ...], list[dict[str, Any]]] | None = None  # rl.iterations > 1
+        self._restored: dict[int, tuple[list[int], float, torch.Tensor]] = {}  # from a checkpoint, by position
+        self._restored_stats: dict[str, float] = {}
         self._stats: dict[str, float] = {}
         self.rollout: Any = None
         self.rewards: Rewards | None = None
@@ -144,27 +157,71 @@ class GRPOObjective(ObjectiveBase):
             for ids, record, q in zip(mb["prompt_ids"], mb["records"], mb["positions"].tolist(), strict=True)
         ]
         generation = positions[0] // self.global_batch  # the generation batch (rl.iterations steps share one)
-        watchdog.progress(generation, "generating completions")
         was_training = self.policy.training
         self.policy.eval()
-        t0 = time.perf_counter()
-        completions = self.rollout.complete(prompts, generation, self.dp_rank)
-        generation_s = time.perf_counter() - t0
-        advantages_mine = self._advantages(prompts, completions, generation_s)
+        restored = self._restored_rollout(positions)
+        if restored is not None:  # a resume inside a generation batch: its completions and old log-probs
+            completions, adv, old = restored
+        else:
+            watchdog.progress(generation, "generating completions")
+            t0 = time.perf_counter()
+            completions = self.rollout.complete(prompts, generation, self.dp_rank)
+            adv, old = self._advantages(prompts, completions, time.perf_counter() - t0), None
         watchdog.progress(generation, "old and reference log-probs")
-        sizes = [len(mb["positions"]) for mb in micro_batches]
         out, start = [], 0
-        for n in sizes:
+        for n in (len(mb["positions"]) for mb in micro_batches):
             batch = self._update_batch(
-                prompts[start : start + n], completions[start : start + n], advantages_mine[start : start + n]
+                prompts[start : start + n], completions[start : start + n], adv[start : start + n]
             )
-            self._frozen_logps(batch)
+            self._frozen_logps(batch, old[start : start + n] if old is not None else None)
             out.append(batch)
             start += n
         self.policy.train(was_training)
         if self.rl.iterations > 1:
             self._kept = (positions, out)
         return out
+
+    # --- the kept generation batch in checkpoints (rl.iterations > 1) --------------------------------
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The kept generation batch, per completion: a resume inside it (another world size too)
+        trains on the same completions with the same old log-probs."""
+        if self._kept is None:
+            return None
+        positions, batches = self._kept
+        completions, old, adv = [], [], []
+        for batch in batches:
+            for i in range(int(batch["num_completions"])):
+                mine = _completion_tokens(batch, i)
+                completions.append(batch["labels"][0][_shifted(mine)].clone())
+                old.append(batch["old_logps"][0][mine].clone())
+            adv.append(batch["advantages"])
+        return {
+            "positions": torch.tensor(positions, dtype=torch.long),
+            "completions": completions,
+            "old_logps": old,
+            "advantages": torch.cat(adv),
+            "stats": dict(self._stats),
+        }
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        self._restored = {}
+        for state in states:
+            for j, q in enumerate(state["positions"].tolist()):
+                self._restored[q] = (
+                    state["completions"][j].tolist(),
+                    float(state["advantages"][j]),
+                    state["old_logps"][j],
+                )
+            self._restored_stats = state["stats"]
+
+    def _restored_rollout(self, positions: tuple[int, ...]):
+        if not self._restored or not all(q in self._restored for q in positions):
+            return None
+        saved = [self._restored[q] for q in positions]
+        self._stats = {**self._restored_stats, "generation_s": 0.0}
+        self._restored = {}
+        return [c for c, _, _ in saved], torch.tensor([a for _, a, _ in saved]), [o for _, _, o in saved]
 
     def _advantages(self, prompts: list[Prompt], completions: list[list[int]], generation_s: float) -> torch.Tensor:
         """This rank's completions' advantages, from every rank's rewards (one all-gather)."""
@@ -230,12 +287,18 @@ class GRPOObjective(ObjectiveBase):
         return batch
 
     @torch.no_grad()
-    def _frozen_logps(self, batch: dict[str, Any]) -> None:
-        """The old policy's (``rl.iterations`` > 1) and the reference's (``rl.beta`` > 0) per-token log-probs."""
+    def _frozen_logps(self, batch: dict[str, Any], old: list[torch.Tensor] | None) -> None:
+        """The old policy's (``rl.iterations`` > 1; ``old`` per completion when restored) and the
+        reference's (``rl.beta`` > 0) per-token log-probs."""
         device = self.env.device
         on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         temperature = self.cfg.temperature
-        if self.rl.iterations > 1:
+        if self.rl.iterations > 1 and old is not None:
+            row = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+            for i, values in enumerate(old):
+                row[0][_completion_tokens(batch, i)] = values
+            batch["old_logps"] = row
+        elif self.rl.iterations > 1:
             with self.autocast():
                 batch["old_logps"] = token_logps(self.policy, on_device, temperature)[0].float().cpu()
         if self.rl.beta == 0 or self.reference_kind == NO_REFERENCE:

@@ -177,6 +177,7 @@ class Run:
         if checkpoint is not None:
             self.engine.load(checkpoint, load_optimizer=self._optimizer_state_fits(checkpoint))
             resume_schedule(self.scheduler, saved.scheduler, self.peak_lr)
+            self.objective.load_state_dict(self.checkpoints.load_objective_states(checkpoint))
             rng = self.checkpoints.load_rng(checkpoint)
             if rng is not None:  # None: this rank did not exist when the checkpoint was written
                 set_rng_state(rng)
@@ -294,6 +295,7 @@ class Run:
             plan_yaml=self.plan_yaml,
             tokenizer=self.tokenizer,
             save_optimizer=self.recipe.checkpoint.save_optimizer,
+            objective_state=self.objective.state_dict(),
         )
         log.info("checkpoint: %s", path)
 
