@@ -1,0 +1,79 @@
+"""GRPO on every engine: ``llmft train`` on 2 processes (gloo, torchrun) against one process, two SGD
+steps on the same prompts and file rollouts: the weights agree to <= 1e-5 relative (fp32). Groups of
+G=4 completions lie across ranks (micro 1 or 2 x 2 ranks), so each step's advantages need every
+rank's rewards. Every engine (DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3) runs LoRA with
+``rl.iterations: 2`` (the second step reuses the first's completions and old log-probs: the clipped
+ratio is live) and a full fine-tune with ``rl.iterations: 1``, both with the KL to the reference
+(adapters disabled; a frozen copy built like the policy). With ``rollout.backend: hf`` on the
+sharding engines, ranks whose completions end at different lengths still finish (``synced_gpus``).
+
+docs/design.md G1 (accumulation is the big batch, on every engine); docs/rl.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+from grpo_runs import grpo_recipe, tests_on_path
+from helpers import max_rel_diff, metrics, torchrun, train_inproc
+
+from llmft.export.consolidate import load_checkpoint_model, trainable_state
+
+pytestmark = pytest.mark.distributed
+
+VARIANTS = {
+    "lora-it2": ["peft.method=lora", "peft.r=4", "rl.iterations=2", "rl.beta=0.05"],
+    "full-it1": ["peft.method=none", "rl.iterations=1", "rl.beta=0.05"],
+}
+ENGINES = {
+    "ddp": ["distributed.engine=ddp", "batch.micro_batch_size=2"],
+    "fsdp": ["distributed.engine=fsdp", "batch.micro_batch_size=2"],
+    "zero2": ["distributed.engine=deepspeed", "distributed.zero_stage=2", "batch.micro_batch_size=2"],
+    "zero3": ["distributed.engine=deepspeed", "distributed.zero_stage=3", "batch.micro_batch_size=1"],
+}
+CASES = [
+    pytest.param(variant, engine, id=f"{variant}-{engine}", marks=[pytest.mark.slow] if engine != "ddp" else [])
+    for engine in ENGINES
+    for variant in VARIANTS
+]
+
+
+def _weights(tmp):
+    return trainable_state(load_checkpoint_model(tmp / "run")[0])
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    cache = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            tmp = tmp_path_factory.mktemp(f"one-{variant}")
+            assert train_inproc(grpo_recipe(tmp), *VARIANTS[variant]) == 0
+            cache[variant] = _weights(tmp)
+        return cache[variant]
+
+    return get
+
+
+@pytest.mark.parametrize(("variant", "engine"), CASES)
+def test_two_ranks_equal_one_process(tmp_path, one_process, variant, engine):
+    recipe = grpo_recipe(tmp_path)
+    proc = torchrun(["train", str(recipe), *VARIANTS[variant], *ENGINES[engine]], env=tests_on_path(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert max_rel_diff(_weights(tmp_path), one_process(variant)) <= 1e-5
+    rows = metrics(tmp_path / "run")
+    assert [r["completions"] for r in rows] == [8, 8]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
+def test_sampled_generation_on_sharded_engines_finishes(tmp_path, engine):
+    """hf generate on parameters sharded over 2 ranks, sampling completions that end at different
+    lengths on each rank; a held-out eval generates greedily the same way."""
+    recipe = grpo_recipe(tmp_path, rollout__backend="hf", rollout__max_new_tokens=12, data__eval_fraction=0.25)
+    over = [*ENGINES[engine], "train.eval_every_steps=1", "peft.method=lora", "peft.r=4"]
+    proc = torchrun(["train", str(recipe), *over], env=tests_on_path(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = metrics(tmp_path / "run")
+    assert len(rows) == 2 and all(r["generation_s"] > 0 and 1 <= r["completion_length"] <= 12 for r in rows)
+    assert metrics(tmp_path / "run", split="eval")[-1]["prompts"] == 3
