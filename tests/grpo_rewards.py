@@ -35,3 +35,10 @@ def raises(prompt, completion, **_):
 
 def nan(prompt, completion, **_):
     return math.nan
+
+
+def reversal(prompt, completion, **_):
+    """The TRL peer test's reward (a function of the prompt alone: TRL passes no record fields):
+    1 for the reversed word, plus 0.1 a character."""
+    word = prompt.removeprefix("reverse ").removesuffix(":")
+    return float(completion == word[::-1]) + 0.1 * len(completion)

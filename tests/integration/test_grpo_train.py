@@ -79,11 +79,17 @@ def test_nan_and_unknown_functions_and_a_g_that_does_not_fit(tmp_path):
         train_inproc(grpo_recipe(tmp_path / "nan", rewards=[{"function": "grpo_rewards:nan"}]))
     with pytest.raises(RecipeError) as e:
         train_inproc(grpo_recipe(tmp_path / "unknown", rewards=[{"function": "grpo_rewards:nope"}]))
-    assert "rewards[0].function: module 'grpo_rewards' has no function 'nope'. Use one of its functions (exact, " in str(e.value)
+    assert (
+        "rewards[0].function: module 'grpo_rewards' has no function 'nope'. Use one of its functions (exact, "
+        in str(e.value)
+    )
     with pytest.raises(RecipeError) as e:
         train_inproc(grpo_recipe(tmp_path / "g", rollout__num_generations=3))
     assert "rollout.num_generations: is 3, but the global batch holds 8 completions" in str(e.value)
-    assert "Use a batch.global_batch_size that is a multiple of 3 (24, 48, 72 fit micro 8 x 1 rank(s)), or a G dividing 8 (2, 4, 8)" in str(e.value)
+    assert (
+        "Use a batch.global_batch_size that is a multiple of 3 (24, 48, 72 fit micro 8 x 1 rank(s)), or a G dividing 8 (2, 4, 8)"
+        in str(e.value)
+    )
 
 
 def test_compile_prints_the_completions_equation(tmp_path, capsys):
