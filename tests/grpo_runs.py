@@ -57,6 +57,6 @@ def grpo_recipe(tmp: Path, **sections) -> Path:
     return write_recipe(tmp, **{**base, **sections})
 
 
-def tests_on_path() -> dict[str, str]:
+def rewards_importable() -> dict[str, str]:
     """The environment of a subprocess that imports the reward functions (tests/grpo_rewards.py)."""
     return {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}

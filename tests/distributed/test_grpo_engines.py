@@ -13,7 +13,7 @@ docs/design.md G1 (accumulation is the big batch, on every engine); docs/rl.md.
 from __future__ import annotations
 
 import pytest
-from grpo_runs import grpo_recipe, tests_on_path
+from grpo_runs import grpo_recipe, rewards_importable
 from helpers import max_rel_diff, metrics, torchrun, train_inproc
 
 from llmft.export.consolidate import load_checkpoint_model, trainable_state
@@ -58,7 +58,7 @@ def one_process(tmp_path_factory):
 @pytest.mark.parametrize(("variant", "engine"), CASES)
 def test_two_ranks_equal_one_process(tmp_path, one_process, variant, engine):
     recipe = grpo_recipe(tmp_path)
-    proc = torchrun(["train", str(recipe), *VARIANTS[variant], *ENGINES[engine]], env=tests_on_path(), timeout=600)
+    proc = torchrun(["train", str(recipe), *VARIANTS[variant], *ENGINES[engine]], env=rewards_importable(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert max_rel_diff(_weights(tmp_path), one_process(variant)) <= 1e-5
     rows = metrics(tmp_path / "run")
@@ -72,7 +72,7 @@ def test_sampled_generation_on_sharded_engines_finishes(tmp_path, engine):
     lengths on each rank; a held-out eval generates greedily the same way."""
     recipe = grpo_recipe(tmp_path, rollout__backend="hf", rollout__max_new_tokens=12, data__eval_fraction=0.25)
     over = [*ENGINES[engine], "train.eval_every_steps=1", "peft.method=lora", "peft.r=4"]
-    proc = torchrun(["train", str(recipe), *over], env=tests_on_path(), timeout=600)
+    proc = torchrun(["train", str(recipe), *over], env=rewards_importable(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = metrics(tmp_path / "run")
     assert len(rows) == 2 and all(r["generation_s"] > 0 and 1 <= r["completion_length"] <= 12 for r in rows)
