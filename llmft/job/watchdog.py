@@ -92,6 +92,12 @@ def progress(step: int, phase: str) -> None:
         _active.progress(step, phase)
 
 
+def phase(name: str) -> None:
+    """The current step moved on to ``name`` (an objective's data stage: generation, scoring)."""
+    if _active is not None:
+        _active.progress(_active.step, name)
+
+
 @contextlib.contextmanager
 def idle(phase: str) -> Iterator[None]:
     """Not timed by the watchdog inside the block (eval, checkpoint, the end of the run); a failing

@@ -127,7 +127,8 @@ class GRPOObjective(ObjectiveBase):
         self.synced = plan.layout.shards_params and plan.layout.dp_size > 1
         self.layout = plan.layout
         self.autocast = getattr(models, "autocast", contextlib.nullcontext)
-        self._kept: tuple[tuple[int, ...], list[dict[str, Any]]] | None = None  # rl.iterations > 1
+        # rl.iterations > 1: (the step's positions, -1, its micro-batch sizes) and its update batches
+        self._kept: tuple[tuple[int, ...], list[dict[str, Any]]] | None = None
         self._restored: dict[int, tuple[list[int], float, torch.Tensor]] = {}  # from a checkpoint, by position
         self._restored_stats: dict[str, float] = {}
         self._stats: dict[str, float] = {}
@@ -148,7 +149,10 @@ class GRPOObjective(ObjectiveBase):
 
     def prepare(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         positions = tuple(int(q) for mb in micro_batches for q in mb["positions"].tolist())
-        if self._kept is not None and self._kept[0] == positions:  # the same generation batch again
+        # the micro-batch sizes too: the same positions dealt otherwise (llmft verify's big batch) are
+        # prepared again
+        key = (*positions, -1, *(len(mb["positions"]) for mb in micro_batches))
+        if self._kept is not None and self._kept[0] == key:  # the same generation batch again
             self._stats = {**self._stats, "generation_s": 0.0}
             return self._kept[1]
         prompts = [
@@ -163,11 +167,11 @@ class GRPOObjective(ObjectiveBase):
         if restored is not None:  # a resume inside a generation batch: its completions and old log-probs
             completions, adv, old = restored
         else:
-            watchdog.progress(generation, "generating completions")
+            watchdog.phase(f"generating the completions of generation batch {generation}")
             t0 = time.perf_counter()
             completions = self.rollout.complete(prompts, generation, self.dp_rank)
             adv, old = self._advantages(prompts, completions, time.perf_counter() - t0), None
-        watchdog.progress(generation, "old and reference log-probs")
+        watchdog.phase("old and reference log-probs")
         out, start = [], 0
         for n in (len(mb["positions"]) for mb in micro_batches):
             batch = self._update_batch(
@@ -178,7 +182,7 @@ class GRPOObjective(ObjectiveBase):
             start += n
         self.policy.train(was_training)
         if self.rl.iterations > 1:
-            self._kept = (positions, out)
+            self._kept = (key, out)
         return out
 
     # --- the kept generation batch in checkpoints (rl.iterations > 1) --------------------------------
@@ -188,7 +192,8 @@ class GRPOObjective(ObjectiveBase):
         trains on the same completions with the same old log-probs."""
         if self._kept is None:
             return None
-        positions, batches = self._kept
+        key, batches = self._kept
+        positions = key[: key.index(-1)]
         completions, old, adv = [], [], []
         for batch in batches:
             for i in range(int(batch["num_completions"])):
@@ -355,12 +360,14 @@ class GRPOObjective(ObjectiveBase):
 
     # --- the loss ----------------------------------------------------------------------------------
 
-    def count(self, batch: dict[str, Any]) -> float:
+    def count(self, batch: dict[str, Any]) -> int:
+        """Completion tokens (``global_token``), completions (``sequence``), or completions x
+        ``rollout.max_new_tokens`` (``constant``)."""
         if self.rl.normalise == "global_token":
-            return float(batch["completion_lengths"].sum())
+            return int(batch["completion_lengths"].sum())
         if self.rl.normalise == "sequence":
-            return float(batch["num_completions"])
-        return float(batch["num_completions"] * self.cfg.max_new_tokens)
+            return int(batch["num_completions"])
+        return int(batch["num_completions"]) * self.cfg.max_new_tokens
 
     def micro_loss(
         self, model: torch.nn.Module, batch: dict[str, Any], num_items: torch.Tensor

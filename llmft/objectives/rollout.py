@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmft.errors import Problem, UserError
+from llmft.job import watchdog
 
 if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
@@ -146,6 +147,9 @@ class HFRollout:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(generation_seed(self.seed, generation, dp_rank))
             for start in range(0, math.ceil(len(prompts) / size) * size, size):
+                watchdog.phase(
+                    f"generating completions {start + 1}-{min(start + size, len(prompts))} of {len(prompts)}"
+                )
                 out += self._generate(prompts[start : start + size], greedy)
         return out
 

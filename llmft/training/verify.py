@@ -61,7 +61,7 @@ from llmft.job.dist import DistEnv
 from llmft.model.build import prepare_model
 from llmft.model.precision import compute_dtype
 from llmft.model.structure import describe
-from llmft.objectives import Objective, build_objective
+from llmft.objectives import Objective, ObjectiveSetup, build_objective
 from llmft.plan.batch import BatchPlan, divisors
 from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import DEFAULT_OBJECTIVE
@@ -158,15 +158,19 @@ def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult
     seed_everything(recipe.run.seed)
     tokenizer = load_tokenizer(recipe.model)
     data = build_data(recipe, tokenizer)
-    order = data.order(recipe.run.seed, recipe.data.shuffle)  # streamed data orders itself
-    ranks, big = _first_step(data.train, order, plan, tokenizer.pad_token_id)
-
     device = DistEnv().device
     one = run.on_one_process()  # the ranks are emulated in this process
     model = prepare_model(one, tokenizer, device)
     objective = _objective(one, model, tokenizer, device)
+    objective.setup(ObjectiveSetup(data, DistEnv(), tokenizer))  # as a run sets it up, before its first step
     _switch_off_dropout(model)
-    ranks = [objective.prepare(micro_batches) for micro_batches in ranks]  # as the loop does, before counting
+    order = data.order(recipe.run.seed, recipe.data.shuffle)  # streamed data orders itself
+    ranks, big = _first_step(data.train, order, plan, tokenizer.pad_token_id)
+    # As the loop does, before counting: the step's micro-batches of every (emulated) rank together,
+    # which is what an objective that needs the whole step (GRPO's group advantages) sees through
+    # its collectives; then split back per rank.
+    prepared = iter(objective.prepare([mb for micro_batches in ranks for mb in micro_batches]))
+    ranks = [[next(prepared) for _ in micro_batches] for micro_batches in ranks]
     (big,) = objective.prepare([big])
     dtype = compute_dtype(recipe)
 
@@ -213,7 +217,8 @@ def _objective(plan: RunPlan, model: torch.nn.Module, tokenizer: Any, device: to
 
 def _items(plan: RunPlan) -> str:
     """What one item of the batch is, in messages."""
-    return "pairs" if plan.objective_spec.pairs else "sequences"
+    spec = plan.objective_spec
+    return "pairs" if spec.pairs else "completions" if spec.group is not None else "sequences"
 
 
 def _first_step(dataset, order, plan: BatchPlan, pad_id: int):

@@ -110,3 +110,14 @@ def test_the_file_rollout_must_hold_every_prompt(tmp_path):
     first = json.loads(lines[0])["prompt"]
     with pytest.raises(UserError, match=f"rollout.file: has no line for the prompt {json.dumps(first)}"):
         train_inproc(recipe)
+
+
+def test_llmft_verify_checks_a_grpo_split(tmp_path, capsys):
+    """``llmft verify`` prepares the step's micro-batches of every emulated rank together (each
+    group's advantages need all of its completions' rewards), then compares the gradients."""
+    from llmft.training.verify import verify
+
+    recipe = grpo_recipe(tmp_path, batch__micro_batch_size=1)
+    assert verify(str(recipe), ["distributed.nproc_per_node=2", "rl.beta=0.05", "peft.method=lora"]) == 0
+    out = capsys.readouterr().out
+    assert "split:   micro 1 x accumulation 4 x data-parallel 2 = global 8" in out and "PASS" in out
