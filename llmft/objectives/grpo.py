@@ -132,6 +132,7 @@ class GRPOObjective(ObjectiveBase):
         self._restored: dict[int, tuple[list[int], float, torch.Tensor]] = {}  # from a checkpoint, by position
         self._restored_stats: dict[str, float] = {}
         self._stats: dict[str, float] = {}
+        self._update_from = time.perf_counter()
         self.rollout: Any = None
         self.rewards: Rewards | None = None
 
@@ -183,6 +184,7 @@ class GRPOObjective(ObjectiveBase):
         self.policy.train(was_training)
         if self.rl.iterations > 1:
             self._kept = (key, out)
+        self._update_from = time.perf_counter()  # the update: from here to the step's metrics
         return out
 
     # --- the kept generation batch in checkpoints (rl.iterations > 1) --------------------------------
@@ -410,7 +412,10 @@ class GRPOObjective(ObjectiveBase):
 
     def metrics(self, sums: list[float], count: float) -> dict[str, float]:
         kl, clipped, entropy, tokens, completions = sums
+        update_s = time.perf_counter() - self._update_from
         out = {
+            "update_s": update_s,
+            "update_tokens_per_s": tokens / max(update_s, 1e-9),
             "kl": kl / max(tokens, 1.0),
             "clip_fraction": clipped / max(tokens, 1.0),
             "entropy": entropy / max(tokens, 1.0),

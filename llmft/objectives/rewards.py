@@ -11,8 +11,8 @@ trains on is the weighted sum of its columns.
   raises or returns NaN stops the run with its name and the record's prompt; nothing trained is
   lost (the last checkpoint stands).
 - ``{model: DIR, weight}``: a sequence-classification model with one label (``train.objective:
-  reward`` exports one), scoring prompt + completion as text with its own tokenizer (the policy's
-  when DIR has none). Each rank holds a whole copy, in eval mode and without grad: a reward model
+  reward`` exports one), scoring prompt + completion + eos (as it saw pairs in training) with its
+  own tokenizer (the policy's when DIR has none). Each rank holds a whole copy, in eval mode and without grad: a reward model
   is small next to the policy and never trained here.
 
 The functions are imported when the objective is built, so an unknown ``module:name`` is refused
@@ -113,9 +113,17 @@ class Rewards:
     @torch.no_grad()
     def _model_scores(self, spec: RewardSpec, prompts: list[Any], completions: list[str]) -> torch.Tensor:
         model, tok = spec.model
-        texts = [_prompt_text(p, tok) + c for p, c in zip(prompts, completions, strict=True)]
-        enc = tok(texts, return_tensors="pt", padding=True, truncation=True).to(model.device)
-        scores = model(**enc).logits[:, 0].double().cpu()
+        # as a reward model trained on pairs saw them (docs/preference.md): prompt + completion, eos
+        rows = [
+            tok(_prompt_text(p, tok) + c)["input_ids"] + [tok.eos_token_id]
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):  # right-padded: the score is read at each row's last real token
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+        scores = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits[:, 0].double().cpu()
         if not torch.isfinite(scores).all():
             j = int((~torch.isfinite(scores)).nonzero()[0])
             raise UserError(_bad_reward(spec, prompts[j], f"scored {float(scores[j])}", spec.key))

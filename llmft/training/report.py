@@ -43,7 +43,8 @@ def banner(plan: RunPlan, env: DistEnv, steps: int, engine: Engine, data) -> str
         if rows > 1
         else f"{b.global_batch_size} sequences x {seq}"
     )
-    items = "pairs" if pairs else "rows" if recipe.data.packing else "sequences"
+    grouped = plan.objective_spec.group is not None  # online RL: an item is a completion (prompts x G)
+    items = "pairs" if pairs else "completions" if grouped else "rows" if recipe.data.packing else "sequences"
     lines = [
         f"batch: {b.equation()}",
         *rl_lines(plan.objective_spec, plan.recipe, plan.batch, plan.reference),

@@ -355,12 +355,22 @@ def check_enough_data(num_samples: int, plan: RunPlan) -> None:
     g = plan.batch.global_batch_size
     if num_samples >= g:
         return
-    pairs = plan.objective_spec.pairs
-    what = "preference pairs" if pairs else "rows after packing" if plan.recipe.data.packing else "training sequences"
+    spec = plan.objective_spec
+    pairs, grouped = spec.pairs, spec.group is not None
+    what = (
+        "preference pairs"
+        if pairs
+        else f"completions (prompts x G {spec.group_size(plan.recipe)})"
+        if grouped
+        else "rows after packing"
+        if plan.recipe.data.packing
+        else "training sequences"
+    )
+    unit = "pairs" if pairs else "completions" if grouped else "sequences"
     raise UserError(
         Problem(
             "batch.global_batch_size",
             f"is {g}, but the data has only {num_samples} {what}: one optimizer step would take some of them twice",
-            f"Use a global batch of at most {num_samples} {'pairs' if pairs else 'sequences'}, or more data.",
+            f"Use a global batch of at most {num_samples} {unit}, or more data.",
         )
     )

@@ -187,3 +187,38 @@ def test_beta_uses_the_adapters_disabled_reference(tmp_path):
     assert "reference_logps" in batch
     loss, sums = objective.micro_loss(model, batch, torch.tensor(10.0))
     assert float(sums[0]) == pytest.approx(0.0, abs=1e-6)  # adapters start at B=0: policy == reference
+
+
+def test_a_reward_model_scores_prompt_and_completion_as_transformers_does(tmp_path):
+    """``rewards: [{model: DIR}]``: a one-label sequence classifier scores prompt + completion + eos
+    (as a reward model trained on pairs saw them); a batch of different lengths scores each row as
+    transformers scores it alone."""
+    from helpers import TINY_LLAMA, reward_scores
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from llmft.data.tokenizer import byte_tokenizer
+    from llmft.objectives.rewards import Rewards
+
+    tok = byte_tokenizer()
+    torch.manual_seed(3)
+    config = AutoConfig.for_model(**{**TINY_LLAMA, "num_labels": 1, "pad_token_id": tok.pad_token_id})
+    rm_dir = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(rm_dir)
+    tok.save_pretrained(rm_dir)
+    rewards = Rewards([{"model": str(rm_dir), "weight": 2.0}], torch.device("cpu"), tok)
+    prompts, completions = ["reverse abc:", "reverse hello:"], ["cba", "olleh and more"]
+    scores = rewards.score(prompts, completions, [{"prompt": p} for p in prompts])
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    alone = torch.cat([reward_scores(model, tok, [p + c]) for p, c in zip(prompts, completions, strict=True)])
+    assert rewards.names == ("rm",)
+    assert torch.allclose(scores[:, 0].float(), alone, atol=1e-5)
+    assert torch.allclose(rewards.total(scores), 2.0 * scores[:, 0])
+
+
+def test_a_missing_reward_model_says_what_and_where(tmp_path):
+    from llmft.data.tokenizer import byte_tokenizer
+    from llmft.errors import UserError
+    from llmft.objectives.rewards import Rewards
+
+    with pytest.raises(UserError, match=r"rewards\[0\]\.model: cannot load reward model '.*nowhere' \("):
+        Rewards([{"model": str(tmp_path / "nowhere")}], torch.device("cpu"), byte_tokenizer())
