@@ -24,7 +24,13 @@ from typing import Any, ContextManager
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 from llmft.checkpoint.layout import DCP_DIR
 from llmft.engines import OptimizerFactory, safe_dcp
@@ -80,6 +86,9 @@ class FSDPEngine(LocalEngine):
             if isinstance(module, layer_classes):
                 fully_shard(module, reshard_after_forward=sharding.reshard_after_forward, **kwargs)
         fully_shard(model, reshard_after_forward=False, **kwargs)  # the root is needed right away in backward
+        # generate() on the root (a PEFT model's too) gathers the root's own parameters (embedding,
+        # norm, head) as its forward does; the layers gather theirs in their forward
+        register_fsdp_forward_method(model, "generate")
         if plan.meta_init:
             shards_on = torch.device("cpu") if sharding.cpu_offload else self.device
             materialize(model, slots, weights, seed=plan.recipe.run.seed, device=self.device, shards_on=shards_on)
