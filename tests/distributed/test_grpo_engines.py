@@ -77,3 +77,21 @@ def test_sampled_generation_on_sharded_engines_finishes(tmp_path, engine):
     rows = metrics(tmp_path / "run")
     assert len(rows) == 2 and all(r["generation_s"] > 0 and 1 <= r["completion_length"] <= 12 for r in rows)
     assert metrics(tmp_path / "run", split="eval")[-1]["prompts"] == 3
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_on_one_inside_a_generation_batch(tmp_path, one_process):
+    """A 2-rank DDP run checkpointed inside a generation batch (rl.iterations 2: step 3 generates, step
+    4 reuses) resumes on one process (each rank's kept completions and old log-probs, read from every
+    rank's file) and ends where one process running all 4 steps does."""
+    over = ["peft.method=lora", "peft.r=4", "rl.iterations=2", "rl.beta=0.05"]
+    whole = tmp_path / "whole"
+    assert train_inproc(grpo_recipe(whole), *over, "train.max_steps=4") == 0
+    run = tmp_path / "elastic"
+    recipe = grpo_recipe(run)
+    first = [*over, *ENGINES["ddp"], "train.max_steps=3", "checkpoint.every_steps=1"]
+    proc = torchrun(["train", str(recipe), *first], env=rewards_importable(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(p.name for p in (run / "run/checkpoints/step-3/objective").iterdir()) == ["rank-0.pt", "rank-1.pt"]
+    assert train_inproc(recipe, *over, "train.max_steps=4", "batch.micro_batch_size=4") == 0
+    assert max_rel_diff(_weights(run), _weights(whole)) <= 1e-5

@@ -121,3 +121,34 @@ def test_llmft_verify_checks_a_grpo_split(tmp_path, capsys):
     assert verify(str(recipe), ["distributed.nproc_per_node=2", "rl.beta=0.05", "peft.method=lora"]) == 0
     out = capsys.readouterr().out
     assert "split:   micro 1 x accumulation 4 x data-parallel 2 = global 8" in out and "PASS" in out
+
+
+def test_streamed_prompts_train_like_cached_ones(tmp_path):
+    """``data.streaming: true``: prompts read and tokenized block by block give the cached run's weights."""
+    cached = _train(tmp_path / "cached")
+    streamed = _train(tmp_path / "streamed", "data.streaming=true", "train.max_steps=2")
+    assert max_rel_diff(streamed, cached) <= 1e-6
+
+
+def test_plan_says_the_kv_cache_and_the_reference(tmp_path, capsys):
+    from llmft.cli import main
+
+    recipe = grpo_recipe(tmp_path, rollout__backend="hf", rl__beta=0.1)
+    assert main(["plan", str(recipe), "peft.method=lora"]) == 0
+    out = capsys.readouterr().out
+    assert "completions: 2 prompts per step x G 4 = 8 = micro 8 x accumulation 1 x data-parallel 1" in out
+    # 2 (k, v) x 2 layers x 2 kv heads x 16 head dim x 64 tokens x 8 completions x 4 bytes
+    assert f"generation (hf): KV cache up to {2 * 2 * 2 * 16 * 64 * 8 * 4 / 2**30:.2f} GiB per rank" in out
+    assert "reference: the policy with its adapters disabled; rl.normalise global_token, rl.iterations 1" in out
+
+
+def test_the_export_card_names_the_rl_settings(tmp_path):
+    from llmft.cli import main
+
+    _train(tmp_path, "rl.beta=0.05", "rl.epsilon_high=0.28")
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 0
+    card = (out / "README.md").read_text()
+    assert "grpo (online RL: G sampled completions per prompt" in card
+    assert "G 4, max_new_tokens 16, temperature 1.0, beta 0.05, epsilon 0.2/0.28, normalise global_token" in card
+    assert "rewards: grpo_rewards:per_char x 1.0, grpo_rewards:length x 0.5" in card
