@@ -86,7 +86,7 @@ def token_logps(
     from ``model``'s forward on a packed update batch; logits divided by ``temperature`` as sampled."""
     target, _ = predicted_targets(batch["labels"], batch["sequence_index"])
     head = lm_loss.find(model)
-    if head is not None:  # the chunked head never holds the logits: no entropy (resolve keeps temperature 1)
+    if head is not None and temperature == 1.0:  # the chunked head never holds the logits: no entropy
         with lm_loss.token_logps(head, target):
             return model(**model_inputs(batch), use_cache=False).logits, None
     logits = model(**model_inputs(batch), use_cache=False).logits.float()
@@ -418,7 +418,7 @@ class GRPOObjective(ObjectiveBase):
             "update_tokens_per_s": tokens / max(update_s, 1e-9),
             "kl": kl / max(tokens, 1.0),
             "clip_fraction": clipped / max(tokens, 1.0),
-            "entropy": entropy / max(tokens, 1.0),
+            **({"entropy": entropy / max(tokens, 1.0)} if math.isfinite(entropy) else {}),  # not with the chunked head
             "completion_tokens": tokens,
             "completions": completions,
         }

@@ -222,3 +222,19 @@ def test_a_missing_reward_model_says_what_and_where(tmp_path):
 
     with pytest.raises(UserError, match=r"rewards\[0\]\.model: cannot load reward model '.*nowhere' \("):
         Rewards([{"model": str(tmp_path / "nowhere")}], torch.device("cpu"), byte_tokenizer())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_chunked_head_gives_the_plain_gradient(tmp_path, temperature):
+    """``model.chunked_loss``: the completion tokens' log-probs a chunk at a time (at temperature 1;
+    another temperature scales the plain logits), the same gradient as the plain logits."""
+    from llmft.model import loss as lm_loss
+
+    plan, model, objective, tok = _setup(tmp_path)
+    objective.cfg.temperature = temperature
+    _, plain, _ = _grad(model, objective, tok, micro=4)
+    lm_loss.install(model, chunk_tokens=7)
+    assert lm_loss.find(model) is not None
+    _, chunked, _ = _grad(model, objective, tok, micro=4)
+    for name in plain:
+        assert torch.allclose(chunked[name], plain[name], atol=1e-7, rtol=1e-4), name
