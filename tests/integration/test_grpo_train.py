@@ -152,3 +152,16 @@ def test_the_export_card_names_the_rl_settings(tmp_path):
     assert "grpo (online RL: G sampled completions per prompt" in card
     assert "G 4, max_new_tokens 16, temperature 1.0, beta 0.05, epsilon 0.2/0.28, normalise global_token" in card
     assert "rewards: grpo_rewards:per_char x 1.0, grpo_rewards:length x 0.5" in card
+
+
+def test_sampled_rollouts_resume_with_the_same_samples(tmp_path):
+    """``rollout.backend: hf``: sampling is seeded by (run.seed, generation batch, rank) in a forked
+    RNG, so a run stopped after step 1 samples step 2's completions again as the whole run did."""
+    hf = ["rollout.backend=hf", "rollout.max_new_tokens=8", "train.max_steps=2"]
+    whole = _train(tmp_path / "whole", *hf)
+    resumed = tmp_path / "resumed"
+    _train(resumed, *hf[:-1], "train.max_steps=1", "checkpoint.every_steps=1")
+    again = _train(resumed, *hf)
+    assert max_rel_diff(again, whole) <= 1e-6
+    a, b = metrics(tmp_path / "whole" / "run")[-1], metrics(resumed / "run")[-1]
+    assert a["reward"] == b["reward"] and a["completion_length"] == b["completion_length"]
