@@ -28,7 +28,7 @@ from llmft.model import attention, kernels, long_context, loss
 from llmft.model.adapters import apply_peft, init_adapters
 from llmft.model.heads import PEFT_TASK_TYPES, configure, init_head, model_class, recipe_head
 from llmft.model.precision import DTYPES, upcast_trainable
-from llmft.model.quant import prepare_kbit, quantization_config, quantized_skeleton
+from llmft.model.quant import import_bitsandbytes, prepare_kbit, quantization_config, quantized_skeleton
 from llmft.model.source import load_error, load_errors, model_config, resolve_name
 from llmft.plan.engines import tiled_mlp_kind
 
@@ -68,6 +68,8 @@ def build_model(
     m = resolved_model(recipe)
     dtype = DTYPES[m.dtype]
     quant = quantization_config(m.quantization, dtype, storage=quant_storage)
+    if quant is not None:  # before transformers' quantizer imports it: no Hub fetch unless asked
+        import_bitsandbytes(m.hub_kernels)
     head = recipe_head(recipe)  # the objective's head: the causal LM, or a scalar score (reward models)
     config = model_config(m)
     configure(config, head, tokenizer)

@@ -6,7 +6,11 @@ in ``quant_shard``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+import logging
+import sys
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from transformers import BitsAndBytesConfig
@@ -20,6 +24,35 @@ if TYPE_CHECKING:
 
 
 STORAGE_DTYPES = {**DTYPES, "uint8": torch.uint8}
+
+
+def import_bitsandbytes(hub_kernels: bool) -> ModuleType:
+    """bitsandbytes, imported so that it fetches nothing from the Hub unless ``model.hub_kernels``.
+
+    bitsandbytes 0.50 asks the Hub for ``kernels-community/quantization-bitsandbytes`` (its CPU
+    4-bit matmul) when it is imported on a CPU with AVX512-BF16 and the ``kernels`` package is
+    installed. That is code fetched at import that no recipe named (docs/offline.md), so for its
+    first import ``kernels.get_kernel`` refuses; bitsandbytes then uses its own kernel, as it does
+    offline. Imported once per process: every later import (transformers' quantizer too) gets it."""
+    if hub_kernels or "bitsandbytes" in sys.modules:
+        return importlib.import_module("bitsandbytes")
+    try:
+        import kernels
+    except ImportError:  # nothing to fetch with
+        return importlib.import_module("bitsandbytes")
+
+    def refused(repo_id: str, *args: Any, **kwargs: Any) -> NoReturn:
+        raise RuntimeError(f"{repo_id} is not fetched: model.hub_kernels is false")
+
+    original, kernels.get_kernel = kernels.get_kernel, refused
+    quiet = logging.getLogger("bitsandbytes")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its "failed to load" warning: the refusal above, not a fault
+    try:
+        return importlib.import_module("bitsandbytes")
+    finally:
+        kernels.get_kernel = original
+        quiet.setLevel(level)
 
 
 def quantization_config(

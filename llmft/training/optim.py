@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from llmft.model.quant import import_bitsandbytes
 from llmft.recipe.schema import OptimConfig
 
 log = logging.getLogger("llmft")
@@ -56,7 +57,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float) -> torc
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps, **adamw_implementation(groups))
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
-    import bitsandbytes as bnb  # only for the bitsandbytes optimizers
+    bnb = import_bitsandbytes(hub_kernels=False)  # only for the bitsandbytes optimizers; no Hub fetch
 
     cls = {
         "adamw_8bit": bnb.optim.AdamW8bit,
