@@ -73,6 +73,7 @@ HEAVY = frozenset(
         "liger_kernel",
         "flash_attn",
         "triton",
+        "kernels",  # optional: the Hub kernels package, absent unless installed
     }
 )
 # The only module whose functions may import llmft modules (one import per subcommand).
