@@ -1,4 +1,5 @@
-"""Write the quickstart data set: data/quickstart/{train,eval}.jsonl.
+"""Write the quickstart data set: data/quickstart/{train,eval}.jsonl and the same words as prompt
+records for online RL, data/quickstart/prompts-{train,eval}.jsonl.
 
 A synthetic task that a ~0.4M-parameter byte-level Llama (configs/quickstart.yaml)
 learns on two CPU cores in under a minute, so that the quickstart shows a
@@ -12,6 +13,11 @@ model reached only ~0.2 in the same number of steps. (A "copy" task was tried as
 an easier warm-up and learned more slowly than reverse: with 8 letters, repeats
 make "find the previous letter and take the next one" ambiguous.) Eval prompts
 never occur in train.
+
+The prompt records of configs/quickstart-grpo.yaml hold the same prompts with the reversal as
+``answer`` (the field its reward functions read, examples/rewards/reversal.py):
+
+    {"answer": "dbac", "prompt": "reverse: cabd\\n"}
 
 Deterministic: stdlib only, a fixed seed, sorted keys, "\\n" line ends; rerunning
 rewrites the files byte for byte.
@@ -45,6 +51,11 @@ def make_records(num: int, rng: random.Random, taken: set[str]) -> list[dict[str
     return records
 
 
+def prompt_records(records: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The prompt records of online RL: each prompt, its completion as ``answer``."""
+    return [{"prompt": r["prompt"], "answer": r["completion"]} for r in records]
+
+
 def write_jsonl(path: Path, records: list[dict[str, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r, sort_keys=True, ensure_ascii=True) + "\n" for r in records)
@@ -62,7 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     train_records = make_records(NUM_TRAIN, rng, taken)
     write_jsonl(out / "train.jsonl", train_records)
     write_jsonl(out / "eval.jsonl", eval_records)
-    print(f"wrote {len(train_records)} train and {len(eval_records)} eval records to {out}")
+    write_jsonl(out / "prompts-train.jsonl", prompt_records(train_records))
+    write_jsonl(out / "prompts-eval.jsonl", prompt_records(eval_records))
+    print(f"wrote {len(train_records)} train and {len(eval_records)} eval records (and as prompts) to {out}")
 
 
 if __name__ == "__main__":

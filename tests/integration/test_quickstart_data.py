@@ -20,7 +20,7 @@ def test_script_regenerates_the_committed_files(tmp_path):
         text=True,
     )
     assert proc.returncode == 0, proc.stderr
-    for name in ("train.jsonl", "eval.jsonl"):
+    for name in ("train.jsonl", "eval.jsonl", "prompts-train.jsonl", "prompts-eval.jsonl"):
         assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), f"{name} differs: rerun the script"
 
 
@@ -33,3 +33,10 @@ def test_records_are_short_correct_and_held_out():
         assert r["prompt"] == f"reverse: {word}\n" and 3 <= len(word) <= 6
         # Byte tokenizer: one token per character, plus bos and eos; quickstart.yaml uses max_seq_len 64.
         assert len(r["prompt"]) + len(r["completion"]) < 48
+
+
+def test_prompt_records_are_the_sft_records_with_their_answer():
+    """configs/quickstart-grpo.yaml's prompts: the same prompt text as the SFT records, the reversal as answer."""
+    for split in ("train", "eval"):
+        sft, prompts = records(DATA / f"{split}.jsonl"), records(DATA / f"prompts-{split}.jsonl")
+        assert prompts == [{"prompt": r["prompt"], "answer": r["completion"]} for r in sft]

@@ -23,7 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 DP_SIZES = (1, 2, 8, 16)
 QUICKSTART_DP_SIZES = (1, 2)  # the CPU quickstarts are only meant for a laptop or two gloo ranks
-QUICKSTARTS = ("quickstart.yaml", "quickstart-dpo.yaml")
+QUICKSTARTS = ("quickstart.yaml", "quickstart-dpo.yaml", "quickstart-grpo.yaml")
+# configs/quickstart-grpo.yaml names reward functions reversal:exact and reversal:per_char, which its
+# header runs with PYTHONPATH=examples/rewards; resolving imports them.
+EXAMPLE_REWARDS = ROOT / "examples" / "rewards"
+
+
+@pytest.fixture(autouse=True)
+def example_rewards_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE_REWARDS))
 
 
 def dp_sizes(path: Path) -> tuple[int, ...]:
