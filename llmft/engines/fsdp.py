@@ -88,7 +88,8 @@ class FSDPEngine(LocalEngine):
         fully_shard(model, reshard_after_forward=False, **kwargs)  # the root is needed right away in backward
         # generate() on the root (a PEFT model's too) gathers the root's own parameters (embedding,
         # norm, head) as its forward does; the layers gather theirs in their forward
-        register_fsdp_forward_method(model, "generate")
+        if callable(getattr(model, "generate", None)):  # a causal LM (a score head generates nothing)
+            register_fsdp_forward_method(model, "generate")
         if plan.meta_init:
             shards_on = torch.device("cpu") if sharding.cpu_offload else self.device
             materialize(model, slots, weights, seed=plan.recipe.run.seed, device=self.device, shards_on=shards_on)
