@@ -68,14 +68,14 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
     room = prompt_room(recipe) if spec.record == PROMPTS else None
     common = _common_parts(cfg, tokenizer, recipe.train.objective, room)
     holdout = cfg.eval_fraction if cfg.eval is None else 0.0
-    train_sources = parse_sources(cfg.train, "data.train", weights=True)
+    train_sources = parse_sources(cfg.train, "data.train", weights=True, open_fields=spec.record == PROMPTS)
     if cfg.streaming:
         return _grouped(_build_stream(recipe, tokenizer, train_sources, common, quiet), recipe)
     train = [_source(s, cfg, tokenizer, common, holdout, recipe.run.seed, quiet) for s in train_sources]
     evals = []
     if cfg.eval is not None:
         evals = [_source(s, cfg, tokenizer, common, 0.0, recipe.run.seed, quiet, eval_role=True)
-                 for s in parse_sources(cfg.eval, "data.eval", weights=False)]  # fmt: skip
+                 for s in parse_sources(cfg.eval, "data.eval", weights=False, open_fields=spec.record == PROMPTS)]  # fmt: skip
 
     parts = [t.rows for t in train]
     shares = None
@@ -106,7 +106,7 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
         {"source": s.describe(), "key": s.key, **_entry_info(d)} for s, d in zip(train_sources, train, strict=True)
     ]
     if evals:
-        eval_keys = parse_sources(cfg.eval, "data.eval", weights=False)
+        eval_keys = parse_sources(cfg.eval, "data.eval", weights=False, open_fields=spec.record == PROMPTS)
         entries += [
             {"source": s.describe(), "key": s.key, **_entry_info(d)} for s, d in zip(eval_keys, evals, strict=True)
         ]
@@ -167,7 +167,9 @@ def _build_stream(
         train = MixedStream(streams, probabilities(sources), seed)
     eval_ds, prompts, stats, entries = None, [], {"streaming": True}, []
     if cfg.eval is not None:
-        eval_sources = parse_sources(cfg.eval, "data.eval", weights=False)
+        eval_sources = parse_sources(
+            cfg.eval, "data.eval", weights=False, open_fields=objective_spec(recipe.train.objective).record == PROMPTS
+        )
         evals = [_source(s, cfg, tokenizer, common, 0.0, recipe.run.seed, quiet, eval_role=True) for s in eval_sources]
         parts, prompts = [e.rows for e in evals], [p for e in evals for p in e.prompts]
         eval_ds = parts[0] if len(parts) == 1 else ConcatDataset(parts)

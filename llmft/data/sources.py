@@ -40,8 +40,9 @@ class Source:
         return f"{self.path}{extra}"
 
 
-def parse_sources(value: Any, key: str, *, weights: bool) -> list[Source]:
-    """The sources of ``data.train`` (``weights=True``) or ``data.eval``; a bad entry is a ``UserError``."""
+def parse_sources(value: Any, key: str, *, weights: bool, open_fields: bool = False) -> list[Source]:
+    """The sources of ``data.train`` (``weights=True``) or ``data.eval``; a bad entry is a ``UserError``.
+    ``open_fields``: ``fields`` may map any field name (prompt records: the reward functions read them)."""
     if value is None or value == "" or value == []:
         raise UserError(Problem(key, "is not set", f"Set {key} to a JSONL/JSON/Parquet file or directory."))
     if hasattr(value, "items") or isinstance(value, str) or not hasattr(value, "__iter__"):
@@ -50,12 +51,12 @@ def parse_sources(value: Any, key: str, *, weights: bool) -> list[Source]:
     else:
         items = list(value)
         keys = [f"{key}[{i}]" for i in range(len(items))]
-    sources = [_parse_one(item, k, weights) for item, k in zip(items, keys, strict=True)]
+    sources = [_parse_one(item, k, weights, open_fields) for item, k in zip(items, keys, strict=True)]
     # A single source keeps the plain key in messages, as users wrote it.
     return sources
 
 
-def _parse_one(item: Any, key: str, weights: bool) -> Source:
+def _parse_one(item: Any, key: str, weights: bool, open_fields: bool = False) -> Source:
     if isinstance(item, str) or not hasattr(item, "items"):
         return Source(key, str(item))
     spec = {str(k): v for k, v in item.items()}
@@ -85,7 +86,8 @@ def _parse_one(item: Any, key: str, weights: bool) -> Source:
         raise UserError(Problem(f"{key}.fields", "must map record fields to column names", "e.g. {prompt: question}"))
     fields = {str(k): str(v) for k, v in fields.items()}
     for name in fields:
-        if name not in RECORD_FIELDS:
+        # prompt records (online RL) hand every field to the reward functions: any name may be mapped
+        if name not in RECORD_FIELDS and not (open_fields and name.isidentifier()):
             close = difflib.get_close_matches(name, RECORD_FIELDS, n=1)
             hint = f"Did you mean '{close[0]}'? " if close else ""
             raise UserError(

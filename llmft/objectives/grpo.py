@@ -44,6 +44,7 @@ import math
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -328,7 +329,7 @@ class GRPOObjective(ObjectiveBase):
         mine = list(range(self.dp_rank * per, min((self.dp_rank + 1) * per, n)))
         items = [dataset[i] for i in mine] or [dataset[0]]
         items += [items[0]] * (per - len(items))  # equal generate() calls on every rank
-        prompts = [Prompt(torch.as_tensor(it["input_ids"], dtype=torch.long), it["record"], 0) for it in items]
+        prompts = [Prompt(torch.tensor(np.asarray(it["input_ids"]), dtype=torch.long), it["record"], 0) for it in items]
         was_training = self.policy.training
         self.policy.eval()
         completions = self.rollout.complete(prompts, -1, self.dp_rank, greedy=True)

@@ -31,6 +31,10 @@ import torch
 from llmft.errors import Problem, UserError, library_problem
 from llmft.plan.rl import import_function, parse_rewards
 
+# The arguments a reward function gets from llmft; a record field of one of these names is not passed
+# (a record's own ``completion``, e.g. an SFT file's answer: rename it with the source's ``fields``).
+RESERVED = ("prompt", "completion")
+
 
 @dataclass
 class RewardSpec:
@@ -95,7 +99,7 @@ class Rewards:
     def _call(self, spec: RewardSpec, prompts: list[Any], completions: list[str], records: list[dict]) -> torch.Tensor:
         out = torch.empty(len(completions), dtype=torch.float64)
         for j, (prompt, completion, record) in enumerate(zip(prompts, completions, records, strict=True)):
-            fields = {k: v for k, v in record.items() if k != "prompt"}
+            fields = {k: v for k, v in record.items() if k not in RESERVED}
             try:
                 value = spec.function(prompt=prompt, completion=completion, **fields)  # type: ignore[misc]
             except Exception as e:

@@ -148,11 +148,17 @@ def rl_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]
             'Add {function: "module:name", weight: 1.0} or {model: DIR}.',
         )
     try:
-        for i, (kind, what, _) in enumerate(parse_rewards(list(recipe.rewards))):
-            if kind == "function":
-                import_function(what, f"rewards[{i}].function")
+        entries = parse_rewards(list(recipe.rewards))
     except UserError as e:
+        entries = []
         problems += [Problem(where(p.where), p.what, p.fix) for p in e.problems]
+    for i, (kind, what, _) in enumerate(entries):  # every function that cannot be had, not the first only
+        if kind != "function":
+            continue
+        try:
+            import_function(what, f"rewards[{i}].function")
+        except UserError as e:
+            problems += [Problem(where(p.where), p.what, p.fix) for p in e.problems]
     if recipe.distributed.sequence_parallel > 1:
         bad(
             "distributed.sequence_parallel",

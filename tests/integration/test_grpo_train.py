@@ -165,3 +165,23 @@ def test_sampled_rollouts_resume_with_the_same_samples(tmp_path):
     assert max_rel_diff(again, whole) <= 1e-6
     a, b = metrics(tmp_path / "whole" / "run")[-1], metrics(resumed / "run")[-1]
     assert a["reward"] == b["reward"] and a["completion_length"] == b["completion_length"]
+
+
+def test_sft_records_train_as_prompts_with_their_completion_as_a_field(tmp_path):
+    """An SFT file's prompt/completion records, with ``fields: {answer: completion}``: the completion
+    column reaches the reward functions as ``answer`` (a record field of any name may be mapped)."""
+    prompts = tmp_path / "prompts.jsonl"
+    recipe = grpo_recipe(tmp_path)
+    records = [json.loads(line) for line in prompts.read_text().splitlines()]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["answer"]}) + "\n" for r in records))
+    source = [{"path": str(sft), "fields": {"answer": "completion"}}]
+    assert train_inproc(recipe, f"data.train={json.dumps(source)}") == 0
+    assert max_rel_diff(_weights(tmp_path), _train(tmp_path / "plain")) <= 1e-6
+    from llmft.data.sources import parse_sources
+    from llmft.errors import UserError
+
+    other = [{"path": str(sft), "fields": {"nope": "completion"}}]
+    with pytest.raises(UserError, match=r"data.train\[0\]\.fields\.nope: is not a record field"):
+        parse_sources(other, "data.train", weights=True)  # SFT and pairs: the record kinds' own names only
+    assert parse_sources(other, "data.train", weights=True, open_fields=True)[0].fields == {"nope": "completion"}
