@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import LocalEngine, load_plain, save_plain, unsharded_frozen_model
-from llmft.job.dist import DistEnv, barrier
+from llmft.job.dist import DistEnv, barrier, sequence_group
 from llmft.model import ulysses
 from llmft.model.build import prepare_model
 from llmft.plan.layout import RunPlan
@@ -22,7 +22,7 @@ class DDPEngine(LocalEngine):
         super().__init__(plan, env, tokenizer)  # DDP averages gradients over ranks: backward undoes it
         inner = prepare_model(plan, tokenizer, self.device)
         if plan.sequence_parallel > 1:  # the all-reduce averages over every rank: backward scales by the world
-            ulysses.install(inner, plan.sequence_parallel)
+            ulysses.install(inner, sequence_group(plan.layout.mesh))
         self.model = DDP(
             inner,
             device_ids=[env.local_rank] if self.device.type == "cuda" else None,

@@ -43,7 +43,7 @@ from llmft.engines import OptimizerFactory
 from llmft.engines.base import check_loaded_keys, freeze, trainable_names
 from llmft.engines.safe_deepspeed import check_deepspeed_files
 from llmft.errors import Problem, UserError
-from llmft.job.dist import DistEnv, broadcast_object, timeout_s
+from llmft.job.dist import DistEnv, broadcast_object, sequence_group, timeout_s
 from llmft.model import ulysses, zero3
 from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
@@ -98,7 +98,11 @@ class DeepSpeedEngineAdapter:
             zero3.linears_save_their_weights(model)
         # Ulysses: DeepSpeed's sequence groups are the mpu; ZeRO then reduces gradients over the whole
         # world and divides them by world / N = the data-parallel ranks (docs/long-context.md).
-        self._mpu = ulysses.install(model, plan.sequence_parallel) if plan.sequence_parallel > 1 else None
+        self._mpu = None
+        if plan.sequence_parallel > 1:
+            group = sequence_group(plan.layout.mesh)
+            ulysses.install(model, group)
+            self._mpu = ulysses.deepspeed_mpu(group)
         self.peft = is_peft(model)
         self.optimizer = make_optimizer(model)
         self.model, _, _, _ = deepspeed.initialize(

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import (
 from llmft.checkpoint.layout import DCP_DIR
 from llmft.engines import OptimizerFactory, safe_dcp
 from llmft.engines.base import LocalEngine, freeze, trainable_names
-from llmft.job.dist import DistEnv, device_mesh
+from llmft.job.dist import DistEnv, device_mesh, sequence_group
 from llmft.model import ulysses
 from llmft.model.build import prepare_model
 from llmft.model.meta import build_on_meta, materialize
@@ -80,7 +80,7 @@ class FSDPEngine(LocalEngine):
         offload = CPUOffloadPolicy(pin_memory=pin) if sharding.cpu_offload else OffloadPolicy()
         kwargs = dict(mesh=self.mesh, mp_policy=mp, offload_policy=offload)
         if plan.sequence_parallel > 1:
-            ulysses.install(model, plan.sequence_parallel)
+            ulysses.install(model, sequence_group(plan.layout.mesh))
         layer_classes = decoder_layer_classes(model)
         for module in model.modules():
             if isinstance(module, layer_classes):

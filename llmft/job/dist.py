@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -208,3 +208,22 @@ def leave_process(code: int) -> NoReturn:
 def device_mesh(device_type: str, dims: tuple[tuple[str, int], ...]):
     """The ``DeviceMesh`` of named dimensions the plan's layout gives (``ParallelLayout.param_mesh``)."""
     return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))
+
+
+_RUN_MESHES: dict[tuple[str, tuple[tuple[str, int], ...]], Any] = {}  # built once per process (groups are collective)
+
+
+def run_mesh(device_type: str, dims: tuple[tuple[str, int], ...]):
+    """The run's processes as the layout names them (``ParallelLayout.mesh``: replicate, shard, sp),
+    one ``DeviceMesh`` per process: the groups of a dimension (``mesh["sp"]``: a sequence group) come
+    from it, not from a library's own bookkeeping."""
+    key = (device_type, dims)
+    if key not in _RUN_MESHES:
+        _RUN_MESHES[key] = device_mesh(device_type, dims)
+    return _RUN_MESHES[key]
+
+
+def sequence_group(dims: tuple[tuple[str, int], ...]):
+    """This rank's sequence group: the ``sp`` dimension of the run's mesh (``ParallelLayout.mesh``;
+    ranks ``[g*N, (g+1)*N)``), on the device type a rank runs on (``DistEnv.device``)."""
+    return run_mesh("cuda" if torch.cuda.is_available() else "cpu", dims)["sp"].get_group()

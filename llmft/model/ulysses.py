@@ -17,9 +17,10 @@ What llmft adds around it (``install``):
   varlen boundaries (``model.kernels.varlen_kwargs``) of flash attention and ``varlen_sdpa``
   (``llmft.model.attention``) are recomputed for the whole row instead of the slice.
 
-The groups are DeepSpeed's (``parallel_state_sp``): ranks ``[g*N, (g+1)*N)`` share sequence group
-``g``, the same split as ``ParallelLayout.dp_rank``; the returned module is the ``mpu`` that
-``deepspeed.initialize`` takes.
+The groups are the layout's: the ``sp`` dimension of the run's mesh (``llmft.job.dist.run_mesh``;
+ranks ``[g*N, (g+1)*N)`` share sequence group ``g``, the same split as ``ParallelLayout.dp_rank``).
+DeepSpeed's engine also wants its own bookkeeping of them (``deepspeed_mpu``, the ``mpu`` that
+``deepspeed.initialize`` takes), checked to hold the same ranks.
 """
 
 from __future__ import annotations
@@ -34,28 +35,39 @@ from llmft.model.kernels import VARLEN_ATTENTION, varlen_kwargs
 _INSTALLED: dict[str, Any] = {}  # attn implementation -> the Ulysses attention installed for it (one per process)
 
 
-def sequence_groups(sp: int) -> ModuleType:
-    """DeepSpeed's sequence-parallel groups over the running process group (created once)."""
-    import deepspeed
+def deepspeed_mpu(group: Any) -> ModuleType:
+    """DeepSpeed's sequence-parallel bookkeeping (``parallel_state_sp``), the ``mpu`` that
+    ``deepspeed.initialize`` takes, checked to hold the same ranks as ``group`` (the layout's)."""
     import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
 
-    # DeepSpeed's comm layer wraps the process group llmft created (its collectives run there).
-    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
+    _deepspeed_comm()
+    size = torch.distributed.get_world_size(group)
     if mpu._SEQUENCE_PARALLEL_GROUP is None:
-        mpu.initialize_sequence_parallel(sequence_parallel_size=sp)
+        mpu.initialize_sequence_parallel(sequence_parallel_size=size)
+    theirs = torch.distributed.get_process_group_ranks(mpu.get_sequence_parallel_group())
+    ours = torch.distributed.get_process_group_ranks(group)
+    assert theirs == ours, f"DeepSpeed's sequence group {theirs} is not the layout's {ours}"
     return mpu
 
 
-def install(model: torch.nn.Module, sp: int) -> ModuleType:
-    """Run ``model``'s attention as Ulysses over groups of ``sp`` ranks; returns DeepSpeed's mpu."""
+def _deepspeed_comm() -> None:
+    """DeepSpeed's comm layer over the process group llmft created (its all-to-alls run there)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
+
+
+def install(model: torch.nn.Module, group: Any) -> None:
+    """Run ``model``'s attention as Ulysses over ``group``, this rank's sequence group (the run
+    mesh's ``sp`` dimension, ``llmft.job.dist.sequence_group``)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    mpu = sequence_groups(sp)
+    _deepspeed_comm()
     config = model.config.get_text_config()
     impl = config._attn_implementation
     if impl in _INSTALLED:
-        return mpu
+        return
     assert impl in ("sdpa", "flash_attention_2", "varlen_sdpa"), (
         "resolve refuses other attention with sequence parallelism"
     )
@@ -66,7 +78,7 @@ def install(model: torch.nn.Module, sp: int) -> ModuleType:
         attn_head_size=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         kv_head_count=config.num_key_value_heads,
         num_hidden_layers=config.num_hidden_layers,
-        process_group=mpu.get_sequence_parallel_group(),
+        process_group=group,
         seq_length_is_variable=True,
     )
     uattn.core_attn_implementation = impl
@@ -77,7 +89,6 @@ def install(model: torch.nn.Module, sp: int) -> ModuleType:
 
     ALL_ATTENTION_FUNCTIONS[impl] = attention
     _INSTALLED[impl] = uattn
-    return mpu
 
 
 def _set_rows(uattn: Any, rows: int) -> None:

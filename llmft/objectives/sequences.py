@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_reduce
 
+from llmft.job.dist import sequence_group
 from llmft.model import loss as lm_loss
 from llmft.model.loss import IGNORE_INDEX
-from llmft.model.ulysses import sequence_groups
 from llmft.objectives import model_inputs
 from llmft.plan.layout import ParallelLayout
 
@@ -38,9 +38,8 @@ class SequenceSlices:
         self.group = None
         self.first = True  # holds the first slice: counts the group's items
         if self.size > 1:
-            mpu = sequence_groups(self.size)
-            self.group = mpu.get_sequence_parallel_group()
-            self.first = mpu.get_sequence_parallel_rank() == 0
+            self.group = sequence_group(layout.mesh)
+            self.first = torch.distributed.get_rank(self.group) == 0
 
     def whole(self, values: torch.Tensor) -> torch.Tensor:
         """Per-sequence partial sums of this rank's slices, summed over the group (with gradients)."""
