@@ -1,8 +1,9 @@
 """Reward functions of the GRPO quickstart (configs/quickstart-grpo.yaml): the reversal task.
 
-A prompt record is ``{"prompt": "reverse: cabd\\n", "answer": "dbac"}`` (the recipe renames the SFT
-records' ``completion`` to ``answer``). llmft calls each function once per completion as
-``fn(prompt=..., completion=..., answer=...)``; ``**_`` takes any other field of the record.
+A prompt record is ``{"prompt": "reverse: cabd\\n", "answer": "dbac"}`` (the SFT quickstart's record
+with its completion as ``answer``: data/quickstart/prompts-*.jsonl). llmft calls each function once
+per completion as ``fn(prompt=..., completion=..., answer=...)``; ``**_`` takes any other field of
+the record.
 
 The recipe names them ``reversal:exact`` and ``reversal:per_char``, so this folder must be
 importable: run from the repository root with ``PYTHONPATH=examples/rewards``.
