@@ -58,6 +58,27 @@ def packed_and_plain(pad: int = 0) -> tuple[dict, dict]:
     return packed, plain
 
 
+# Two ranks on every engine, as the objective tests run them: micro-batches of 2 (ZeRO-3's of 1).
+TWO_RANK_ENGINES = {
+    "ddp": ["distributed.engine=ddp", "batch.micro_batch_size=2"],
+    "fsdp": ["distributed.engine=fsdp", "batch.micro_batch_size=2"],
+    "zero2": ["distributed.engine=deepspeed", "distributed.zero_stage=2", "batch.micro_batch_size=2"],
+    "zero3": ["distributed.engine=deepspeed", "distributed.zero_stage=3", "batch.micro_batch_size=1"],
+}
+
+
+def engine_cases(variants) -> list:
+    """Every (variant, engine) of ``TWO_RANK_ENGINES``: DDP's launch in the default tier, the others
+    (a few minutes on 2 shared cores) with -m slow."""
+    import pytest
+
+    return [
+        pytest.param(variant, engine, id=f"{variant}-{engine}", marks=[pytest.mark.slow] if engine != "ddp" else [])
+        for engine in TWO_RANK_ENGINES
+        for variant in variants
+    ]
+
+
 def write_data(path: Path, n: int = 64, seed: int = 0, kind: str = "completion") -> Path:
     """Records of very different lengths, so per-micro-batch averaging would visibly differ."""
     rng = random.Random(seed)

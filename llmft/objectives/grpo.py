@@ -99,10 +99,11 @@ def token_logps(
     return logps, entropy.detach()
 
 
-def _completion_tokens(batch: dict[str, Any], i: int) -> torch.Tensor:
-    """Where completion ``i``'s tokens are predicted in the packed row (a bool mask ``[T]``)."""
+def _completion_tokens(batch: dict[str, Any]) -> list[torch.Tensor]:
+    """Where each completion's tokens are predicted in the packed row (a bool mask ``[T]`` each)."""
     _, valid = predicted_targets(batch["labels"], batch["sequence_index"])
-    return valid[0] & (batch["sequence_index"][0] == i)
+    index = batch["sequence_index"][0]
+    return [valid[0] & (index == i) for i in range(int(batch["num_completions"]))]
 
 
 def _shifted(mask: torch.Tensor) -> torch.Tensor:
@@ -199,8 +200,7 @@ class GRPOObjective(ObjectiveBase):
         positions = key[: key.index(-1)]
         completions, old, adv = [], [], []
         for batch in batches:
-            for i in range(int(batch["num_completions"])):
-                mine = _completion_tokens(batch, i)
+            for mine in _completion_tokens(batch):
                 completions.append(batch["labels"][0][_shifted(mine)].clone())
                 old.append(batch["old_logps"][0][mine].clone())
             adv.append(batch["advantages"])
@@ -303,8 +303,8 @@ class GRPOObjective(ObjectiveBase):
         temperature = self.cfg.temperature
         if self.rl.iterations > 1 and old is not None:
             row = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-            for i, values in enumerate(old):
-                row[0][_completion_tokens(batch, i)] = values
+            for mine, values in zip(_completion_tokens(batch), old, strict=True):
+                row[0][mine] = values
             batch["old_logps"] = row
         elif self.rl.iterations > 1:
             with self.autocast():

@@ -37,7 +37,6 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Literal
 
 from llmft.errors import Problem, UserError
-from llmft.recipe.schema import PreferenceConfig
 
 if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
@@ -436,16 +435,36 @@ def head_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], st
             )
         )
     if spec.pairs and not spec.preference_keys:  # a key the user set would be silently ignored
-        default = PreferenceConfig()
-        for f in fields(PreferenceConfig):
-            value = getattr(recipe.preference, f.name)
-            if value != getattr(default, f.name):
-                problems.append(
-                    Problem(
-                        where(f"preference.{f.name}"),
-                        f"is {value}, but train.objective={spec.name} does not read preference.* (the DPO "
-                        "family's settings)",
-                        f"Remove it (default {getattr(default, f.name)}), or set train.objective=dpo.",
-                    )
+        problems += unread_keys(spec, recipe, where, "preference", "the DPO family's settings", readers_of_preference)
+    return problems
+
+
+def readers_of_preference(spec: ObjectiveSpec) -> bool:
+    return spec.preference_keys
+
+
+def unread_keys(
+    spec: ObjectiveSpec,
+    recipe: Recipe,
+    where: Callable[[str], str],
+    section: str,
+    whose: str,
+    reads: Callable[[ObjectiveSpec], bool],
+) -> list[Problem]:
+    """Each key of the recipe's ``section`` set away from its default, for an objective that does
+    not read that section (it would be silently ignored); ``reads``: which records do."""
+    reader = " or ".join(s.name for s in objectives() if reads(s))
+    mine = getattr(recipe, section)
+    default = type(mine)()
+    problems = []
+    for f in fields(mine):
+        value = getattr(mine, f.name)
+        if value != getattr(default, f.name):
+            problems.append(
+                Problem(
+                    where(f"{section}.{f.name}"),
+                    f"is {value}, but train.objective={spec.name} does not read {section}.* ({whose})",
+                    f"Remove it (default {getattr(default, f.name)}), or set train.objective={reader}.",
                 )
+            )
     return problems

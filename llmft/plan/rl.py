@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Callable
 
 from llmft.errors import Problem, UserError
+from llmft.plan.objectives import objectives, unread_keys
 from llmft.plan.shape import model_shape
-from llmft.recipe.schema import RLConfig, RolloutConfig
 
 if TYPE_CHECKING:
     from llmft.plan.batch import BatchPlan
@@ -190,26 +189,29 @@ def group_problems(spec: ObjectiveSpec, recipe: Recipe, batch: BatchPlan, where:
     ]
 
 
+def _online(spec: ObjectiveSpec) -> bool:
+    """An objective that reads rollout.*, rl.* and rewards: G completions per prompt."""
+    return spec.group is not None
+
+
+def _online(spec: ObjectiveSpec) -> bool:
+    """An objective that reads rollout.*, rl.* and rewards: G completions per prompt."""
+    return spec.group is not None
+
+
 def _unread_keys(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
-    problems = []
-    for section, cls in (("rollout", RolloutConfig), ("rl", RLConfig)):
-        default, mine = cls(), getattr(recipe, section)
-        for f in fields(cls):
-            value = getattr(mine, f.name)
-            if value != getattr(default, f.name):
-                problems.append(
-                    Problem(
-                        where(f"{section}.{f.name}"),
-                        f"is {value}, but train.objective={spec.name} does not read {section}.* (online RL's settings)",
-                        f"Remove it (default {getattr(default, f.name)}), or set train.objective=grpo.",
-                    )
-                )
+    problems = [
+        p
+        for section in ("rollout", "rl")
+        for p in unread_keys(spec, recipe, where, section, "online RL's settings", _online)
+    ]
     if recipe.rewards:
+        reader = " or ".join(s.name for s in objectives() if _online(s))
         problems.append(
             Problem(
                 where("rewards"),
                 f"is set, but train.objective={spec.name} does not read rewards",
-                "Remove it, or set train.objective=grpo.",
+                f"Remove it, or set train.objective={reader}.",
             )
         )
     return problems

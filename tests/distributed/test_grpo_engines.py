@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 from grpo_runs import grpo_recipe, rewards_importable
-from helpers import max_rel_diff, metrics, torchrun, train_inproc
+from helpers import TWO_RANK_ENGINES, engine_cases, max_rel_diff, metrics, torchrun, train_inproc
 
 from llmft.export.consolidate import load_checkpoint_model, trainable_state
 
@@ -24,17 +24,8 @@ VARIANTS = {
     "lora-it2": ["peft.method=lora", "peft.r=4", "rl.iterations=2", "rl.beta=0.05"],
     "full-it1": ["peft.method=none", "rl.iterations=1", "rl.beta=0.05"],
 }
-ENGINES = {
-    "ddp": ["distributed.engine=ddp", "batch.micro_batch_size=2"],
-    "fsdp": ["distributed.engine=fsdp", "batch.micro_batch_size=2"],
-    "zero2": ["distributed.engine=deepspeed", "distributed.zero_stage=2", "batch.micro_batch_size=2"],
-    "zero3": ["distributed.engine=deepspeed", "distributed.zero_stage=3", "batch.micro_batch_size=1"],
-}
-CASES = [
-    pytest.param(variant, engine, id=f"{variant}-{engine}", marks=[pytest.mark.slow] if engine != "ddp" else [])
-    for engine in ENGINES
-    for variant in VARIANTS
-]
+ENGINES = TWO_RANK_ENGINES
+CASES = engine_cases(VARIANTS)
 
 
 def _weights(tmp):

@@ -21,7 +21,7 @@ import subprocess
 
 import pytest
 import torch
-from helpers import ROOT, torchrun_cmd, write_recipe
+from helpers import ROOT, TWO_RANK_ENGINES, engine_cases, torchrun_cmd, write_recipe
 from preference_batches import make_pairs, micro_batches, preference_step, rel_diff
 
 from llmft.job.dist import DistEnv
@@ -50,18 +50,8 @@ VARIANTS = {
     "reward-lora": ["train.objective=reward", *LORA],
     "reward-full": ["train.objective=reward", *FULL],
 }
-ENGINES = {
-    "ddp": ["distributed.engine=ddp", "batch.micro_batch_size=2"],
-    "fsdp": ["distributed.engine=fsdp", "batch.micro_batch_size=2"],
-    "zero2": ["distributed.engine=deepspeed", "distributed.zero_stage=2", "batch.micro_batch_size=2"],
-    "zero3": ["distributed.engine=deepspeed", "distributed.zero_stage=3", "batch.micro_batch_size=1"],
-}
-# DDP's launch in the default tier, the others (a few minutes on 2 shared cores) with -m slow.
-CASES = [
-    pytest.param(variant, engine, id=f"{variant}-{engine}", marks=[pytest.mark.slow] if engine != "ddp" else [])
-    for engine in ENGINES
-    for variant in VARIANTS
-]
+ENGINES = TWO_RANK_ENGINES
+CASES = engine_cases(VARIANTS)
 
 
 @pytest.fixture(scope="module")
