@@ -31,6 +31,7 @@ resumed by FSDP on any world size, but an export that rebuilds the base elsewher
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 from pathlib import Path
@@ -194,6 +195,30 @@ class SafetensorsWeights:
                 )
             return (stored[index] if index else f.get_tensor(ckpt_key)).clone()
 
+    def mapped_rows(
+        self, key: str, index: tuple[slice, ...], shape: torch.Size, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """Rows ``index`` of the weight of base-model ``key`` as the weight file's own pages (a
+        private mapping: nothing is copied, the pages are the page cache's, shared by every process
+        that reads the file, and a write would copy only the page it touches), or None where that
+        cannot be: another dtype in the file, not whole rows, an address the dtype cannot start at."""
+        if len(index) != len(shape) or any(
+            (s.start, s.stop) != (0, n) for s, n in zip(index[1:], shape[1:], strict=True)
+        ):
+            return None
+        path = self.directory / self.files[self.keys[key]]
+        data_start, header = _safetensors_header(path)
+        entry = header[self.keys[key]]
+        if _SAFETENSORS_DTYPES.get(entry["dtype"]) != dtype or tuple(entry["shape"]) != tuple(shape):
+            return None
+        row = shape[1:].numel() * dtype.itemsize
+        start = data_start + entry["data_offsets"][0] + index[0].start * row
+        if start % dtype.itemsize:
+            return None
+        storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
+        rows = torch.empty(0, dtype=torch.uint8).set_(storage, start, ((index[0].stop - index[0].start) * row,))
+        return rows.view(dtype).view(index[0].stop - index[0].start, *shape[1:])
+
     def read_flat(self, key: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` of the flattened weight ``key``: only the rows covering them are read."""
         if end <= start:
@@ -205,6 +230,18 @@ class SafetensorsWeights:
 
     def close(self) -> None:
         """Nothing stays open between reads (see ``read``)."""
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+@functools.lru_cache(maxsize=64)
+def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """Where a safetensors file's data starts, and its header (each tensor's dtype, shape and byte
+    range from there): an 8-byte little-endian length, then that many bytes of JSON."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return 8 + length, json.loads(f.read(length))
 
 
 def _weights_dir(recipe: Recipe) -> Path:
@@ -263,6 +300,7 @@ def materialize(
     ``_init_weights`` for a fresh one."""
     model.to_empty(device=shards_on)
     written: set[str] = set()
+    in_host_memory = device.type == shards_on.type == "cpu"
     with torch.no_grad():
         init_buffers(model, slots, device)
         if weights is not None:
@@ -270,11 +308,17 @@ def materialize(
                 if key in weights.fresh:
                     continue
                 for name in names:
+                    param = slots.param(name)
+                    local, index = local_shard(param)
+                    mapped = None
+                    if in_host_memory and not param.requires_grad and name not in slots.packed:
+                        mapped = weights.mapped_rows(key, index, param.shape, slots.dtype[name])
                     if name in slots.packed:
                         _quantize_into_shard(slots, name, weights, key, device)
+                    elif mapped is not None:
+                        _place_shard(slots, name, mapped)
                     else:
-                        local, index = local_shard(slots.param(name))
-                        local.copy_(weights.read(key, index, slots.param(name).shape).to(slots.dtype[name]))
+                        local.copy_(weights.read(key, index, param.shape).to(slots.dtype[name]))
                     written.add(name)
             weights.close()
             written |= _init_head(slots, weights.fresh, seed)
@@ -285,6 +329,19 @@ def materialize(
     left = sorted(set(slots.owners) - written)  # to_empty left them holding whatever memory held
     if left:
         raise _not_meta_buildable(slots, ", ".join(left[:3]) + (", ..." if len(left) > 3 else ""))
+
+
+def _place_shard(slots: ParamSlots, name: str, local: torch.Tensor) -> None:
+    """Make ``local`` this rank's shard of the frozen parameter ``name`` (on each module holding
+    it): a new parameter, which FSDP2 adopts as it does one ``load_state_dict(assign=True)`` set."""
+    param = slots.param(name)
+    if isinstance(param, DTensor):
+        local = DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    placed = torch.nn.Parameter(local, requires_grad=False)
+    for module, attr in slots.owners[name]:
+        module._parameters[attr] = placed
 
 
 def _quantize_into_shard(

@@ -457,7 +457,14 @@ def _transient_weights(recipe: Recipe, engine: str, shape: ModelShape, params: P
         out += min(params.base, ZERO3_MAX_LIVE_PARAMETERS) * gather
     elif spec.autocast_weight_cache and not peft and a < 4:
         out += params.base * a  # autocast's cached compute-dtype copy of every fp32 weight
-    if m.quantization is not None and m.quantization.bits == 4:
+    return out + _matrix_transients(recipe, params, a)
+
+
+def _matrix_transients(recipe: Recipe, params: Params, a: int) -> float:
+    """Whole weight matrices made for one matmul, on any engine."""
+    out = 0.0
+    quant = recipe.model.quantization
+    if quant is not None and quant.bits == 4:
         out += params.largest_linear * a  # one matrix dequantized for its matmul
     if recipe.peft.method == "dora":
         out += 2 * params.largest_linear * 4  # DoRA materialises W + BA to take its column norms
@@ -685,7 +692,35 @@ def host_memory_per_rank(plan: RunPlan, *, device_is_host: bool = False) -> int:
         return loading
     est = estimate_memory(plan)
     step = est.allocated
+    if _host_fsdp_units(plan):
+        step += int(_host_fsdp_window(plan) - est.transient_weights)
     return max(loading, step)
+
+
+def _host_fsdp_units(plan: RunPlan) -> bool:
+    """A CPU run's FSDP2 with a frozen base: attention, MLP, embedding and head each a unit
+    gathered alone (engines/fsdp.py). A full fine-tune's units also hold their gradients while they
+    reduce: the device estimate (two layers and the root gathered) is kept for it."""
+    recipe = plan.recipe
+    spec = engine_spec(plan.engine)
+    sharded = spec.param_gather == "per_layer" and spec.shards_parameters(recipe)
+    return sharded and recipe.distributed.reshard_after_forward and recipe.peft.method != "none"
+
+
+def _host_fsdp_window(plan: RunPlan) -> float:
+    """What a CPU run's FSDP2 step holds gathered beyond the shards: the largest unit (attention,
+    MLP, embedding or untied head) twice, as its all-gather's output and the unsharded copy it is
+    copied into are both live while the copy runs (measured: bench/load_memory.py --phases), and
+    the whole matrices a matmul makes (a 4-bit base's dequantized one, DoRA's W + BA)."""
+    recipe, shape = plan.recipe, _require_shape(plan.recipe)
+    a = DTYPE_BYTES[recipe.model.dtype]
+    shapes = linear_shapes(shape)
+    quant = recipe.model.quantization
+    per_linear = a if quant is None else quant.bits / 8
+    attention = sum(i * o for n, (i, o) in shapes.items() if n not in MLP_LINEARS) * per_linear
+    mlp = sum(i * o for n, (i, o) in shapes.items() if n in MLP_LINEARS) * per_linear
+    vocab = shape.vocab_size * shape.hidden_size * a  # the embedding, and the head alike
+    return 2 * max(attention, mlp, vocab) + _matrix_transients(recipe, count_params(recipe, shape), a)
 
 
 # What may make a recipe fit, tried in this order: (recipe key, value, what it costs).

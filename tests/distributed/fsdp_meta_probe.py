@@ -16,6 +16,7 @@ import os
 import sys
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
 
 import llmft.plan.resolve
@@ -129,8 +130,27 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
         logits = engine.model(input_ids=ids).logits.float()
         ref_logits = reference(input_ids=ids).logits.float()
     out["logits_finite"] = bool(logits.isfinite().all())
+    # After the forward (FSDP2's lazy init adopted the shards): which frozen weights of the model,
+    # 4-bit ones aside, are this rank's rows of the weight file itself (a mapping, not a copy).
+    for module in engine.model.modules():  # units kept gathered after forward (root, head) too
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    packed = {id(m.weight) for m in engine.model.modules() if type(m).__name__ == "Linear4bit"}
+    frozen = {n: p for n, p in engine.model.named_parameters() if not p.requires_grad and id(p) not in packed}
+    out["frozen"] = len(frozen)
+    out["frozen_copied"] = sorted(n for n, p in frozen.items() if not _in_weight_file(p.to_local().data_ptr()))
     out["logits_diff"] = (logits - ref_logits).abs().max().item()
     return out
+
+
+def _in_weight_file(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of a .safetensors file (/proc/self/maps)."""
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[-1].endswith(".safetensors")
+    return False
 
 
 def _same_state(a, b) -> bool:

@@ -54,9 +54,38 @@ def probe(tmp_path_factory):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_meta_build_never_holds_the_whole_model(probe, variant):
     r = probe[1][variant]
-    assert r["meta_at_fully_shard"] and r["num_fully_shard"] == 3  # 2 decoder layers + the root
+    assert r["meta_at_fully_shard"]
+    # On a CPU each of the 2 decoder layers is 3 units (attention, MLP, the layer's norms), the
+    # embedding and the LM head one each (none when tied, no head on a score model), + the root.
+    vocab = {"tied_sharded": 0, "reward_full": 1, "reward_lora": 1}.get(variant, 2)
+    assert r["num_fully_shard"] == 2 * 3 + vocab + 1, r["num_fully_shard"]
     assert r["from_pretrained_calls"] == 0
     assert 0.45 < r["local_fraction"] < 0.55  # this rank's half of every tensor, no more
+
+
+# Frozen weights stored in the dtype they are used in are mapped: LoRA's base, a QLoRA base's
+# embedding, norms and head (its 4-bit weights are quantized), a reward model's frozen base. Copied:
+# weights stored in another dtype (tied_sharded's files are bf16, its run fp32; dora_bf16 the
+# other way), a fresh model (no file) and a score head the checkpoint lacks (seeded inits); a full
+# fine-tune freezes nothing.
+COPIED = {
+    "tied_sharded": "all",
+    "dora_bf16": "all",
+    "fresh_big": "all",
+    "reward_lora": ["base_model.model.score.original_module.weight"],
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_cpu_runs_frozen_shards_are_the_weight_files_pages(probe, variant):
+    """On a CPU the frozen base is not copied: each rank's rows of it are the safetensors file's
+    own pages (shared through the page cache, as from_pretrained leaves a CPU model's weights)."""
+    r = probe[1][variant]
+    copied = COPIED.get(variant, [])
+    assert r["frozen_copied"] == (sorted(r["frozen_copied"]) if copied == "all" else copied)
+    if copied == "all":
+        assert len(r["frozen_copied"]) == r["frozen"] > 0
+    assert r["frozen"] > 0 or variant in ("full", "reward_full")
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "fresh_big"])
