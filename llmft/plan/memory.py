@@ -693,8 +693,25 @@ def host_memory_per_rank(plan: RunPlan, *, device_is_host: bool = False) -> int:
     est = estimate_memory(plan)
     step = est.allocated
     if _host_fsdp_units(plan):
-        step += int(_host_fsdp_window(plan) - est.transient_weights)
+        mapped = int(_host_mapped_weights(plan, est))
+        loading -= mapped
+        step += int(_host_fsdp_window(plan) - est.transient_weights) - mapped
     return max(loading, step)
+
+
+def _host_mapped_weights(plan: RunPlan, est: MemoryEstimate) -> float:
+    """The part of this rank's weight shards a CPU run's FSDP2 leaves in the pretrained weight
+    files' pages (model/meta.py ``mapped_rows``: frozen, stored in the dtype the run uses, assumed
+    here to be ``model.dtype``), which is page cache, not the rank's own memory: LoRA's whole base,
+    a 4-bit base's embedding, head and norms (its linears are quantized copies)."""
+    recipe = plan.recipe
+    if recipe.model.config is not None or not plan.meta_init:
+        return 0.0
+    params = count_params(recipe, _require_shape(recipe))
+    a = DTYPE_BYTES[recipe.model.dtype]
+    frozen = params.other * a if recipe.model.quantization is not None else params.base * a
+    states = _states(recipe, plan.engine, params, a)
+    return est.weights * frozen / states["weights"]
 
 
 def _host_fsdp_units(plan: RunPlan) -> bool:
