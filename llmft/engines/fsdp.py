@@ -1,4 +1,6 @@
-"""PyTorch FSDP2: ``fully_shard`` per decoder layer and the root, gradients reduce-scattered once
+"""PyTorch FSDP2: ``fully_shard`` per decoder layer and the root (on a CPU run, whose gathered
+weights are host memory, also per attention, MLP, input embedding and LM head, without backward
+prefetch: one of them gathered at a time), gradients reduce-scattered once
 per optimizer step (``set_requires_gradient_sync(False)`` on the other micro-steps), or, with
 ``distributed.fsdp_grad_sync: micro_step``, every micro-step (sharded gradients while
 accumulating), DCP checkpoints that reshard to any world size.

@@ -9,6 +9,10 @@ included, sharded by ``fully_shard`` while still empty, and only then materialis
   the rows this rank keeps (``safe_open(...).get_slice``), so a rank never holds more than its
   shards plus one slice; each tensor goes through the dtype the model was built in before the
   trainable ones are upcast, exactly like ``from_pretrained`` + ``upcast_trainable``;
+- on a CPU run (shards and compute on the host), a frozen weight stored in the dtype the model
+  uses is not copied at all: this rank's rows of it are the file's own pages (``mapped_rows``, a
+  private mapping), page cache shared by every process reading the file, as ``from_pretrained``
+  leaves the weights of a model it loads on the CPU; a weight to train, or to convert, is copied;
 - buffers the checkpoint does not hold (rotary ``inv_freq``) are recomputed by the model's own
   ``_init_weights``, which is what ``from_pretrained`` does for them too;
 - a pretrained 4-bit (QLoRA) base is built in its packed layout (``llmft.model.quant.quantized_skeleton``);
@@ -31,7 +35,6 @@ resumed by FSDP on any world size, but an export that rebuilds the base elsewher
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import re
 from pathlib import Path
@@ -145,6 +148,7 @@ class SafetensorsWeights:
         self.files = files  # checkpoint key -> file name
         self.keys = keys  # base-model key -> checkpoint key
         self.fresh = fresh  # base-model keys of a score head the checkpoint lacks: seeded init (llmft.model.heads)
+        self._mapped: dict[str, tuple[int, dict[str, Any], torch.UntypedStorage]] = {}  # file -> mapping
 
     @classmethod
     def of(cls, recipe: Recipe, slots: ParamSlots) -> SafetensorsWeights:
@@ -206,18 +210,24 @@ class SafetensorsWeights:
             (s.start, s.stop) != (0, n) for s, n in zip(index[1:], shape[1:], strict=True)
         ):
             return None
-        path = self.directory / self.files[self.keys[key]]
-        data_start, header = _safetensors_header(path)
+        row = shape[1:].numel()
+        flat = self.mapped_flat(key, shape, dtype, index[0].start * row, index[0].stop * row)
+        return None if flat is None else flat.view(index[0].stop - index[0].start, *shape[1:])
+
+    def mapped_flat(self, key: str, shape: torch.Size, dtype: torch.dtype, start: int, end: int) -> torch.Tensor | None:
+        """Elements ``[start, end)`` of the flattened weight ``key`` as the weight file's own pages
+        (see ``mapped_rows``), or None."""
+        file = self.files[self.keys[key]]
+        if file not in self._mapped:  # one mapping per file, its header read once
+            self._mapped[file] = _map_safetensors(self.directory / file)
+        data_start, header, storage = self._mapped[file]
         entry = header[self.keys[key]]
         if _SAFETENSORS_DTYPES.get(entry["dtype"]) != dtype or tuple(entry["shape"]) != tuple(shape):
             return None
-        row = shape[1:].numel() * dtype.itemsize
-        start = data_start + entry["data_offsets"][0] + index[0].start * row
-        if start % dtype.itemsize:
+        first = data_start + entry["data_offsets"][0] + start * dtype.itemsize
+        if first % dtype.itemsize or not 0 <= start <= end <= shape.numel():
             return None
-        storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
-        rows = torch.empty(0, dtype=torch.uint8).set_(storage, start, ((index[0].stop - index[0].start) * row,))
-        return rows.view(dtype).view(index[0].stop - index[0].start, *shape[1:])
+        return torch.empty(0, dtype=torch.uint8).set_(storage, first, ((end - start) * dtype.itemsize,)).view(dtype)
 
     def read_flat(self, key: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` of the flattened weight ``key``: only the rows covering them are read."""
@@ -229,19 +239,23 @@ class SafetensorsWeights:
         return self.read(key, index, shape).reshape(-1)[start - first * row : end - first * row]
 
     def close(self) -> None:
-        """Nothing stays open between reads (see ``read``)."""
+        """Nothing stays open between reads (see ``read``); a mapping lives on only in the shards
+        made from it."""
+        self._mapped.clear()
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-@functools.lru_cache(maxsize=64)
-def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
-    """Where a safetensors file's data starts, and its header (each tensor's dtype, shape and byte
-    range from there): an 8-byte little-endian length, then that many bytes of JSON."""
+def _map_safetensors(path: Path) -> tuple[int, dict[str, Any], torch.UntypedStorage]:
+    """Where a safetensors file's data starts, its header (each tensor's dtype, shape and byte
+    range from there: an 8-byte little-endian length, then that many bytes of JSON), and the
+    whole file mapped privately (its pages are read when first touched)."""
     with open(path, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
-        return 8 + length, json.loads(f.read(length))
+        header = json.loads(f.read(length))
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
+    return 8 + length, header, storage
 
 
 def _weights_dir(recipe: Recipe) -> Path:
