@@ -41,7 +41,7 @@ from llmft.engines.base import LocalEngine, freeze, trainable_names
 from llmft.job.dist import DistEnv, device_mesh, sequence_group
 from llmft.model import ulysses
 from llmft.model.build import prepare_model
-from llmft.model.meta import build_on_meta, materialize
+from llmft.model.meta import ParamSlots, SafetensorsWeights, build_on_meta, materialize
 from llmft.model.precision import DTYPES
 from llmft.model.structure import decoder_layer_classes
 from llmft.plan.fsdp import fsdp_plan
@@ -68,6 +68,7 @@ class FSDPEngine(LocalEngine):
         """The plan's model, ``fully_shard``-ed per decoder layer and at the root, its shards placed."""
 
         sharding = self.sharding
+        slots = weights = None
         if plan.meta_init:
             model, slots, weights = build_on_meta(plan, tokenizer)
         else:
@@ -91,9 +92,14 @@ class FSDPEngine(LocalEngine):
                 for part in layer_parts(module) if host else []:
                     fully_shard(part, reshard_after_forward=sharding.reshard_after_forward, **kwargs)
                 fully_shard(module, reshard_after_forward=sharding.reshard_after_forward, **kwargs)
+        # On a CPU run a frozen embedding or head the weight file holds in the run's dtype is not
+        # sharded: every rank maps it whole from the file (page cache, shared), nothing to gather.
+        whole = mapped_vocab(model, slots, weights) if host and plan.meta_init and not sharding.cpu_offload else set()
         for module, reshard in vocab_units(model) if host else []:
-            fully_shard(module, reshard_after_forward=reshard, **kwargs)
-        fully_shard(model, reshard_after_forward=False, **kwargs)  # the root is needed right away in backward
+            if module.weight not in whole:
+                fully_shard(module, reshard_after_forward=reshard, **kwargs)
+        # the root is needed right away in backward
+        fully_shard(model, reshard_after_forward=False, ignored_params=whole or None, **kwargs)
         if host:
             no_backward_prefetch(model)
         # generate() on the root (a PEFT model's too) gathers the root's own parameters (embedding,
@@ -163,6 +169,30 @@ def vocab_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
         if head is not None:
             units.append((head, False))
     return units
+
+
+def mapped_vocab(
+    model: torch.nn.Module, slots: ParamSlots, weights: SafetensorsWeights | None
+) -> set[torch.nn.Parameter]:
+    """The input embedding and LM head weights that are frozen and stored in the weight files in
+    the dtype the model uses (``SafetensorsWeights.can_map``): on a CPU run every rank maps them
+    whole (``llmft.model.meta.materialize``) and FSDP2 leaves them alone."""
+    if weights is None:
+        return set()
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    candidates = [
+        m._parameters.get("weight") for m in (get_in() if get_in else None, get_out() if get_out else None) if m
+    ]
+    by_key = slots.by_key()
+    keys = {id(slots.param(name)): (key, name) for key, names in by_key.items() for name in names}
+    whole = set()
+    for p in candidates:
+        if p is None or p.requires_grad or id(p) not in keys:
+            continue
+        key, name = keys[id(p)]
+        if key not in weights.fresh and weights.can_map(key, p.shape, slots.dtype[name]):
+            whole.add(p)
+    return whole
 
 
 def no_backward_prefetch(model: torch.nn.Module) -> None:

@@ -214,6 +214,10 @@ class SafetensorsWeights:
         flat = self.mapped_flat(key, shape, dtype, index[0].start * row, index[0].stop * row)
         return None if flat is None else flat.view(index[0].stop - index[0].start, *shape[1:])
 
+    def can_map(self, key: str, shape: torch.Size, dtype: torch.dtype) -> bool:
+        """Whether the weight of ``key`` can be mapped whole (``mapped_flat``) as ``dtype``."""
+        return self.mapped_flat(key, shape, dtype, 0, 0) is not None
+
     def mapped_flat(self, key: str, shape: torch.Size, dtype: torch.dtype, start: int, end: int) -> torch.Tensor | None:
         """Elements ``[start, end)`` of the flattened weight ``key`` as the weight file's own pages
         (see ``mapped_rows``), or None."""

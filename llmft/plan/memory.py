@@ -726,9 +726,10 @@ def _host_fsdp_units(plan: RunPlan) -> bool:
 
 def _host_fsdp_window(plan: RunPlan) -> float:
     """What a CPU run's FSDP2 step holds gathered beyond the shards: the largest unit (attention,
-    MLP, embedding or untied head) twice, as its all-gather's output and the unsharded copy it is
-    copied into are both live while the copy runs (measured: bench/load_memory.py --phases), and
-    the whole matrices a matmul makes (a 4-bit base's dequantized one, DoRA's W + BA)."""
+    MLP; the embedding and head only when trained or fresh: a frozen pretrained one is mapped
+    whole from its file, not gathered) twice, as its all-gather's output and the unsharded copy it
+    is copied into are both live while the copy runs (measured: bench/load_memory.py --phases),
+    and the whole matrices a matmul makes (a 4-bit base's dequantized one, DoRA's W + BA)."""
     recipe, shape = plan.recipe, _require_shape(plan.recipe)
     a = DTYPE_BYTES[recipe.model.dtype]
     shapes = linear_shapes(shape)
@@ -736,7 +737,9 @@ def _host_fsdp_window(plan: RunPlan) -> float:
     per_linear = a if quant is None else quant.bits / 8
     attention = sum(i * o for n, (i, o) in shapes.items() if n not in MLP_LINEARS) * per_linear
     mlp = sum(i * o for n, (i, o) in shapes.items() if n in MLP_LINEARS) * per_linear
-    vocab = shape.vocab_size * shape.hidden_size * a  # the embedding, and the head alike
+    saved = {str(n).rsplit(".", 1)[-1] for n in recipe.peft.modules_to_save or ()}
+    gathered_vocab = recipe.model.config is not None or bool(saved & {"embed_tokens", "lm_head"})
+    vocab = shape.vocab_size * shape.hidden_size * a if gathered_vocab else 0  # the embedding, the head alike
     return 2 * max(attention, mlp, vocab) + _matrix_transients(recipe, count_params(recipe, shape), a)
 
 

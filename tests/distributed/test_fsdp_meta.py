@@ -43,6 +43,24 @@ VARIANTS = [
 ]
 
 
+# On a CPU each decoder layer is 3 units (attention, MLP, the layer's norms), + the root, + the
+# embedding and the head, each a unit unless tied (in the root), absent (a score model's head) or
+# frozen in the run's dtype in the file: then every rank maps it whole, unsharded (MAPPED_WHOLE).
+BOTH = ["model.embed_tokens.weight", "lm_head.weight"]
+VOCAB_UNITS = {
+    "full": BOTH,
+    "lora": [],
+    "dora_bf16": BOTH,  # stored fp32, run in bf16
+    "lora_save_head": ["lm_head.weight"],  # the trained copy and its frozen original
+    "tied_sharded": [],
+    "fresh_big": BOTH,
+    "qlora": [],
+    "reward_full": BOTH[:1],
+    "reward_lora": [],
+}
+MAPPED_WHOLE = {"lora": BOTH, "lora_save_head": BOTH[:1], "qlora": BOTH, "reward_lora": BOTH[:1]}
+
+
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     """The one launch: builds, compares and trains on 2 ranks. Returns (workdir, report)."""
@@ -55,10 +73,8 @@ def probe(tmp_path_factory):
 def test_meta_build_never_holds_the_whole_model(probe, variant):
     r = probe[1][variant]
     assert r["meta_at_fully_shard"]
-    # On a CPU each of the 2 decoder layers is 3 units (attention, MLP, the layer's norms), the
-    # embedding and the LM head one each (none when tied, no head on a score model), + the root.
-    vocab = {"tied_sharded": 0, "reward_full": 1, "reward_lora": 1}.get(variant, 2)
-    assert r["num_fully_shard"] == 2 * 3 + vocab + 1, r["num_fully_shard"]
+    assert r["num_fully_shard"] == 2 * 3 + len(VOCAB_UNITS[variant]) + 1, r["num_fully_shard"]
+    assert r["whole"] == sorted(f"base_model.model.{n}" for n in MAPPED_WHOLE.get(variant, []))
     assert r["from_pretrained_calls"] == 0
     assert 0.45 < r["local_fraction"] < 0.55  # this rank's half of every tensor, no more
 
