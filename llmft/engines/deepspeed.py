@@ -91,7 +91,9 @@ class DeepSpeedEngineAdapter:
             auto_mpi_discovery=False,
             timeout=datetime.timedelta(seconds=timeout_s(plan.recipe.distributed)),
         )
-        self.config = deepspeed_config(plan)
+        # On a CPU the gathered weights are host RAM: ZeRO-3 keeps about one layer of them
+        # (plan.deepspeed.host_live_window), not HF's 1e9 parameters.
+        self.config = deepspeed_config(plan, device_is_host=env.device.type == "cpu")
         self._hf_ds = None
         model = self._build(plan, tokenizer)
         if plan.zero_stage == 3:  # gathered weights are released after use, not kept by autograd
