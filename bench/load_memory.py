@@ -15,7 +15,9 @@ The same command on a tiny pretrained model (the same code path, a few MB of wei
 baseline: interpreter, torch, DeepSpeed, transformers and their buffers. Measured = the larger
 rank's peak anonymous memory over the whole command minus the baseline's; beside it the
 planner's host RAM per rank for this CPU run (``plan.memory.host_memory_per_rank``, the line
-``llmft plan`` prints). ``--phases`` adds the per-phase table of every rank.
+``llmft plan`` prints). ``--phases`` adds the per-phase table of every rank, with each step's
+wall time (``step_time_s`` of metrics.jsonl) and the rank's CPU time over it (less sensitive to
+other jobs on the machine); ``--steps N`` runs N steps instead of two.
 
     python bench/load_memory.py                   # 218 M parameters, B ~ 870 MB
     python bench/load_memory.py --layers 4 --phases --repeat 1   # smaller and faster
@@ -75,7 +77,9 @@ class Trace:
             with self.lock:
                 self.peak = {k: max(self.peak[k], now[k]) for k in now}
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: str, **extra) -> None:
+        import time
+
         now = _status()
         with self.lock:
             peak = {k: max(self.peak[k], now[k]) for k in now}
@@ -87,6 +91,8 @@ class Trace:
                 "file": now["RssFile"],
                 "peak_anon": peak["RssAnon"],
                 "peak_file": peak["RssFile"],
+                "cpu_s": time.process_time(),
+                **extra,
             }
         )
 
@@ -118,7 +124,7 @@ def _instrument(trace: Trace) -> None:
 
         def logged(row):
             log_train(row)
-            trace.mark(f"step {row['step']}")
+            trace.mark(f"step {row['step']}", step_time_s=row["step_time_s"])
 
         hooks.log_train = logged
         return loop(*a, **k)
@@ -170,9 +176,9 @@ def _save_model(path: Path, config: dict, shard: str) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def _recipe(work: Path, name: str, model_dir: Path, data: Path) -> Path:
-    """Two steps, a checkpoint after each (adapter weights only, no optimizer state)."""
-    recipe = common.base_recipe(work / name / "run", data, seq=64, micro=1, global_batch=2, steps=2)
+def _recipe(work: Path, name: str, model_dir: Path, data: Path, steps: int = 2) -> Path:
+    """``steps`` steps (two by default), a checkpoint after each (adapter weights only, no optimizer state)."""
+    recipe = common.base_recipe(work / name / "run", data, seq=64, micro=1, global_batch=2, steps=steps)
     recipe["model"] = {"name_or_path": str(model_dir), "dtype": "fp32", "attn_implementation": "sdpa"}
     recipe["peft"] = {"method": "lora", "r": 8, "alpha": 16}
     recipe["checkpoint"].update(every_steps=1, keep_last=2, save_optimizer=False)
@@ -210,9 +216,10 @@ def _phase_rows(name: str, big: list[list[dict]], tiny: list[list[dict]], b: int
     tiny model's, in MB and x B; file pages at the mark (the tiny model's not taken off)."""
     rows = []
     for rank, (phases, base) in enumerate(zip(big, tiny, strict=True)):
-        for p, t in zip(phases, base, strict=True):
+        for before, p, t in zip([phases[0], *phases], phases, base, strict=False):
             anon, peak = p["anon"] - t["anon"], p["peak_anon"] - t["peak_anon"]
-            rows.append([name, rank, p["phase"], anon / MB, peak / MB, peak / b, p["file"] / MB])
+            times = [p["step_time_s"], p["cpu_s"] - before["cpu_s"]] if "step_time_s" in p else ["-", "-"]
+            rows.append([name, rank, p["phase"], anon / MB, peak / MB, peak / b, p["file"] / MB, *times])
     return rows
 
 
@@ -239,6 +246,7 @@ def main() -> None:
     # lower of two runs of each command is reported.
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--phases", action="store_true", help="print the memory of every phase and rank")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per run (a checkpoint after each)")
     args, rest = parser.parse_known_args()
     if args.worker:
         worker(args.worker, rest[1:] if rest[:1] == ["--"] else rest)
@@ -265,7 +273,7 @@ def main() -> None:
         slug = name.replace(" ", "").replace("+", "-")
         traced = {}
         for size in ("tiny", "big"):
-            recipe = _recipe(work, f"{slug}-{size}", work / size, data)
+            recipe = _recipe(work, f"{slug}-{size}", work / size, data, args.steps)
             if name == EXPORT:  # the merged export of a FSDP2 LoRA run, one process
                 _run(work / f"{slug}-{size}" / "train", ranks, ["train", str(recipe), *overrides])
                 ranks, goal = 1, 0.5
@@ -278,14 +286,24 @@ def main() -> None:
         extra = _peak(traced["big"]) - _peak(traced["tiny"])
         row = [name, ranks, extra / MB, extra / b, goal]
         if name != EXPORT:
-            host = _planned(_recipe(work, f"{slug}-big", work / "big", data), ranks, overrides)
+            host = _planned(_recipe(work, f"{slug}-big", work / "big", data, args.steps), ranks, overrides)
             row += [host / MB, extra / host]
         rows.append(row + ["-", "-"] * (name == EXPORT))
         phase_rows += _phase_rows(name, traced["big"], traced["tiny"], b)
     header = ["case", "ranks", "peak anon - tiny MB", "x B", "goal x B", "planner host MB", "measured / planner"]
     print(common.table(header, rows))
     if args.phases:
-        header = ["case", "rank", "after", "anon - tiny MB", "peak in phase - tiny MB", "x B", "file pages MB"]
+        header = [
+            "case",
+            "rank",
+            "after",
+            "anon - tiny MB",
+            "peak in phase - tiny MB",
+            "x B",
+            "file pages MB",
+            "step s",
+            "CPU s",
+        ]
         print(common.table(header, phase_rows))
 
 
