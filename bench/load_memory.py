@@ -15,7 +15,9 @@ The same command on a tiny pretrained model (the same code path, a few MB of wei
 baseline: interpreter, torch, DeepSpeed, transformers and their buffers. Measured = the larger
 rank's peak anonymous memory over the whole command minus the baseline's; beside it the
 planner's host RAM per rank for this CPU run (``plan.memory.host_memory_per_rank``, the line
-``llmft plan`` prints). ``--phases`` adds the per-phase table of every rank.
+``llmft plan`` prints). ``--phases`` adds the per-phase table of every rank, with each step's
+wall time (``step_time_s`` of metrics.jsonl) and the rank's CPU time over it (less sensitive to
+other jobs on the machine); ``--steps N`` runs N steps instead of two.
 
     python bench/load_memory.py                   # 218 M parameters, B ~ 870 MB
     python bench/load_memory.py --layers 4 --phases --repeat 1   # smaller and faster
@@ -76,7 +78,9 @@ class Trace:
             with self.lock:
                 self.peak = {k: max(self.peak[k], now[k]) for k in now}
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: str, **extra) -> None:
+        import time
+
         now = _status()
         with self.lock:
             peak = {k: max(self.peak[k], now[k]) for k in now}
@@ -88,6 +92,8 @@ class Trace:
                 "file": now["RssFile"],
                 "peak_anon": peak["RssAnon"],
                 "peak_file": peak["RssFile"],
+                "cpu_s": time.process_time(),
+                **extra,
             }
         )
 
@@ -119,7 +125,7 @@ def _instrument(trace: Trace) -> None:
 
         def logged(row):
             log_train(row)
-            trace.mark(f"step {row['step']}")
+            trace.mark(f"step {row['step']}", step_time_s=row["step_time_s"])
 
         hooks.log_train = logged
         return loop(*a, **k)
@@ -241,9 +247,10 @@ def _phase_rows(name: str, big: list[list[dict]], tiny: list[list[dict]], b: int
     tiny model's, in MB and x B; file pages at the mark (the tiny model's not taken off)."""
     rows = []
     for rank, (phases, base) in enumerate(zip(big, tiny, strict=True)):
-        for p, t in zip(phases, base, strict=True):
+        for before, p, t in zip([phases[0], *phases], phases, base, strict=False):
             anon, peak = p["anon"] - t["anon"], p["peak_anon"] - t["peak_anon"]
-            rows.append([name, rank, p["phase"], anon / MB, peak / MB, peak / b, p["file"] / MB])
+            times = [p["step_time_s"], p["cpu_s"] - before["cpu_s"]] if "step_time_s" in p else ["-", "-"]
+            rows.append([name, rank, p["phase"], anon / MB, peak / MB, peak / b, p["file"] / MB, *times])
     return rows
 
 
@@ -342,7 +349,17 @@ def main() -> None:
     ]
     print(common.table([*header, "step s (median, 2nd step on)"], rows))
     if args.phases:
-        header = ["case", "rank", "after", "anon - tiny MB", "peak in phase - tiny MB", "x B", "file pages MB"]
+        header = [
+            "case",
+            "rank",
+            "after",
+            "anon - tiny MB",
+            "peak in phase - tiny MB",
+            "x B",
+            "file pages MB",
+            "step s",
+            "CPU s",
+        ]
         print(common.table(header, phase_rows))
 
 

@@ -30,7 +30,7 @@ from typing import ClassVar
 from llmft.errors import Problem, UserError
 from llmft.job.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
 from llmft.plan.batch import divisors
-from llmft.plan.deepspeed import ZERO3_MAX_LIVE_PARAMETERS
+from llmft.plan.deepspeed import DTYPE_BYTES, ZERO3_MAX_LIVE_PARAMETERS
 from llmft.plan.engines import engine_spec
 from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL, objective_of, reference_kind
@@ -38,7 +38,6 @@ from llmft.plan.shape import ModelShape, linear_shapes, model_shape
 from llmft.recipe.schema import Recipe
 
 GIB = 2**30
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # 4-bit NF4 packs two weights per byte; each block of 64 weights has an absmax constant:
 # fp32 (4 / 64 B/param), or with double quantization an 8-bit constant plus one fp32
@@ -452,9 +451,10 @@ def _transient_weights(recipe: Recipe, engine: str, shape: ModelShape, params: P
     elif gathered == "live_window":
         # DeepSpeed releases a gathered parameter only when it is next used more than
         # stage3_max_reuse_distance parameters later and more than stage3_max_live_parameters are
-        # live (both 1e9, as HF's auto sets them): up to 1e9 parameters stay gathered between
-        # forward and backward, the whole model when it is smaller.
-        out += min(params.base, ZERO3_MAX_LIVE_PARAMETERS) * gather
+        # live (both 1e9 on a GPU, as HF's auto sets them): up to 1e9 parameters stay gathered
+        # between forward and backward, the whole model when it is smaller. A CPU run bounds both
+        # to a layer (host_memory_per_rank counts that instead).
+        out += _live_window(params, gather)
     elif spec.autocast_weight_cache and not peft and a < 4:
         out += params.base * a  # autocast's cached compute-dtype copy of every fp32 weight
     return out + _matrix_transients(recipe, params, a)
@@ -692,10 +692,15 @@ def host_memory_per_rank(plan: RunPlan, *, device_is_host: bool = False) -> int:
         return loading
     est = estimate_memory(plan)
     step = est.allocated
+    recipe, spec = plan.recipe, engine_spec(plan.engine)
     if _host_fsdp_units(plan):
         mapped = int(_host_mapped_weights(plan, est))
         loading -= mapped
         step += int(_host_fsdp_window(plan) - est.transient_weights) - mapped
+    elif spec.param_gather == "live_window" and spec.shards_parameters(recipe):
+        # A CPU run's ZeRO-3 keeps about one layer gathered (plan.deepspeed.host_live_window), not
+        # the GPU's 1e9 parameters that estimate_memory counts.
+        step += int(host_gathered_bytes(recipe) - _live_window_bytes(recipe, plan.engine))
     return max(loading, step)
 
 
@@ -741,6 +746,31 @@ def _host_fsdp_window(plan: RunPlan) -> float:
     gathered_vocab = recipe.model.config is not None or bool(saved & {"embed_tokens", "lm_head"})
     vocab = shape.vocab_size * shape.hidden_size * a if gathered_vocab else 0  # the embedding, the head alike
     return 2 * max(attention, mlp, vocab) + _matrix_transients(recipe, count_params(recipe, shape), a)
+
+
+def host_gathered_bytes(recipe: Recipe) -> int:
+    """The weights a CPU run's ZeRO-3 holds gathered at its peak (``plan.deepspeed.host_live_window``:
+    live window and reuse distance one decoder layer): the layer being computed and the next one
+    (prefetched up to the live window; 4-bit where the base is), and the LM head, which the reuse
+    distance keeps from its forward to its backward (in the compute dtype: never quantized)."""
+    shape = _require_shape(recipe)
+    params, a = count_params(recipe, shape), DTYPE_BYTES[recipe.model.dtype]
+    q = recipe.model.quantization
+    linear_bytes = quantized_bytes_per_param(q.bits, q.double_quant) if q is not None else a
+    norms = params.layer - shape.layer_linear_params
+    layer = shape.layer_linear_params * linear_bytes + norms * a
+    return int(2 * layer + shape.vocab_size * shape.hidden_size * a)
+
+
+def _live_window_bytes(recipe: Recipe, engine: str) -> float:
+    """The gathered weights ``estimate`` counts for ZeRO-3's live window (the GPU's 1e9 parameters)."""
+    params, a = count_params(recipe, _require_shape(recipe)), DTYPE_BYTES[recipe.model.dtype]
+    weights = _states(recipe, engine, params, a)["weights"]
+    return _live_window(params, weights / max(params.base, 1) if recipe.model.quantization is not None else a)
+
+
+def _live_window(params: Params, gather: float) -> float:
+    return min(params.base, ZERO3_MAX_LIVE_PARAMETERS) * gather
 
 
 # What may make a recipe fit, tried in this order: (recipe key, value, what it costs).

@@ -329,3 +329,28 @@ def test_the_steps_mmap_threshold_keeps_gathered_weights_mapped(base):
     zero3 = load(base, *QLORA, "distributed.engine=deepspeed", "distributed.zero_stage=3", nproc=8)
     assert step_mmap_threshold(zero3) == MMAP_THRESHOLD
     assert step_mmap_threshold(load(base, "distributed.engine=ddp", nproc=8)) == STEP_MMAP_THRESHOLD == 32 << 20
+
+
+def test_a_cpu_runs_zero3_host_line_counts_one_layer_gathered_not_the_live_window(base):
+    """A CPU run's ZeRO-3 keeps about one layer gathered (plan.deepspeed.host_live_window): the
+    host line counts the layer being computed, the prefetched next one and the LM head (kept from
+    its forward to its backward) instead of the GPU's 1e9-parameter live window; a 4-bit base's
+    layers gathered packed, its head in the compute dtype."""
+    from llmft.plan.memory import host_gathered_bytes, host_memory_per_node, host_memory_per_rank
+
+    zero3 = ("distributed.engine=deepspeed", "distributed.zero_stage=3")
+    for overrides, linear_bytes in (
+        (("peft.method=lora",), 2),
+        ((*QLORA,), quantized_bytes_per_param(4, True)),
+    ):
+        plan = load(base, *overrides, *zero3, nproc=8)
+        shape = model_shape(plan.recipe.model)
+        layer = shape.layer_linear_params * linear_bytes + 2 * shape.hidden_size * 2  # bf16 norms
+        head = shape.vocab_size * shape.hidden_size * 2
+        assert host_gathered_bytes(plan.recipe) == pytest.approx(2 * layer + head, rel=1e-6)
+
+    lora = load(base, "peft.method=lora", *zero3, nproc=8)
+    gpu_step = estimate_memory(lora).allocated  # counts 1e9 bf16 parameters gathered (8B > 1e9)
+    cpu_step = gpu_step - 10**9 * 2 + host_gathered_bytes(lora.recipe)
+    assert cpu_step > host_memory_per_node(lora, device_is_host=True) // 8  # the step is the peak here
+    assert host_memory_per_rank(lora, device_is_host=True) == pytest.approx(cpu_step, abs=1)
