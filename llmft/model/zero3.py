@@ -73,6 +73,8 @@ def materialize(
             )
         )
     by_key = {name: key for key, names in slots.by_key().items() for name in names}
+    offloaded = ds_config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none") != "none"
+    host = device.type == "cpu" and not offloaded  # partitions live in this process's memory
     with torch.no_grad():
         init_buffers(model, slots, device)
         for name, owners in slots.owners.items():
@@ -86,6 +88,14 @@ def materialize(
                 )
             elif by_key.get(name) in head:
                 values = head[by_key[name]].reshape(-1)[start:end].to(slots.dtype[name])
+            elif (
+                name in by_key
+                and host
+                and (mapped := _mapped_partition(param, weights, by_key[name], slots, name)) is not None
+            ):
+                param.partition()  # what it copies is replaced: this rank's range of the weight file's own pages
+                param.ds_tensor.data = mapped
+                continue
             elif name in by_key:
                 values = weights.read_flat(by_key[name], param.ds_shape, start, end).to(slots.dtype[name])
             elif name in adapters:
@@ -99,6 +109,21 @@ def materialize(
         weights.close()
         if slots.peft:
             _dora_magnitudes(model)
+
+
+def _mapped_partition(
+    param: torch.nn.Parameter, weights: SafetensorsWeights, key: str, slots: ParamSlots, name: str
+) -> torch.Tensor | None:
+    """On a CPU run, a frozen weight stored in the dtype the model uses: this rank's partition as
+    the weight file's own pages (``SafetensorsWeights.mapped_flat``), nothing copied; None for a
+    weight to train, a padded partition (the last rank's, when the size does not divide), a weight
+    ZeRO-3 keeps whole (``ds_persist``) or one the file holds in another dtype."""
+    if param.requires_grad or getattr(param, "ds_persist", False):
+        return None
+    start, end = partition_range(param.ds_numel, param.ds_zero_partition_rank, param.ds_zero_partition_world_size)
+    if end - start != -(-param.ds_numel // param.ds_zero_partition_world_size):
+        return None
+    return weights.mapped_flat(key, param.ds_shape, slots.dtype[name], start, end)
 
 
 def _zero_param(
