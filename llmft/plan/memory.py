@@ -694,23 +694,31 @@ def host_memory_per_rank(plan: RunPlan, *, device_is_host: bool = False) -> int:
     step = est.allocated
     recipe, spec = plan.recipe, engine_spec(plan.engine)
     if _host_fsdp_units(plan):
-        mapped = int(_host_mapped_weights(plan, est))
-        loading -= mapped
-        step += int(_host_fsdp_window(plan) - est.transient_weights) - mapped
+        step += int(_host_fsdp_window(plan) - est.transient_weights)
     elif spec.param_gather == "live_window" and spec.shards_parameters(recipe):
         # A CPU run's ZeRO-3 keeps about one layer gathered (plan.deepspeed.host_live_window), not
         # the GPU's 1e9 parameters that estimate_memory counts.
         step += int(host_gathered_bytes(recipe) - _live_window_bytes(recipe, plan.engine))
-    return max(loading, step)
+    mapped = int(_host_mapped_weights(plan, est))
+    return max(loading - mapped, step - mapped)
 
 
 def _host_mapped_weights(plan: RunPlan, est: MemoryEstimate) -> float:
-    """The part of this rank's weight shards a CPU run's FSDP2 leaves in the pretrained weight
-    files' pages (model/meta.py ``mapped_rows``: frozen, stored in the dtype the run uses, assumed
-    here to be ``model.dtype``), which is page cache, not the rank's own memory: LoRA's whole base,
-    a 4-bit base's embedding, head and norms (its linears are quantized copies)."""
+    """The part of this rank's weight shards a CPU run's FSDP2 or ZeRO-3 leaves in the pretrained
+    weight files' pages (model/meta.py ``mapped_rows``, model/zero3.py: frozen, stored in the dtype
+    the run uses, assumed here to be ``model.dtype``), which is page cache, not the rank's own
+    memory: an adapter run's whole base, a 4-bit base's embedding, head and norms (its linears are
+    quantized copies). Not where parameters are offloaded (the engine's own buffers)."""
     recipe = plan.recipe
-    if recipe.model.config is not None or not plan.meta_init:
+    sharded = engine_spec(plan.engine).shards_parameters(recipe)
+    offloaded = recipe.distributed.offload_params != "none"
+    if (
+        recipe.model.config is not None
+        or not plan.meta_init
+        or not sharded
+        or offloaded
+        or recipe.peft.method == "none"
+    ):
         return 0.0
     params = count_params(recipe, _require_shape(recipe))
     a = DTYPE_BYTES[recipe.model.dtype]

@@ -353,4 +353,6 @@ def test_a_cpu_runs_zero3_host_line_counts_one_layer_gathered_not_the_live_windo
     gpu_step = estimate_memory(lora).allocated  # counts 1e9 bf16 parameters gathered (8B > 1e9)
     cpu_step = gpu_step - 10**9 * 2 + host_gathered_bytes(lora.recipe)
     assert cpu_step > host_memory_per_node(lora, device_is_host=True) // 8  # the step is the peak here
-    assert host_memory_per_rank(lora, device_is_host=True) == pytest.approx(cpu_step, abs=1)
+    # less the frozen base's partition, which stays in the weight files' pages (model/zero3.py)
+    on_cpu = cpu_step - estimate_memory(lora).weights
+    assert host_memory_per_rank(lora, device_is_host=True) == pytest.approx(on_cpu, abs=2)
