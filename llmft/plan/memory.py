@@ -703,6 +703,12 @@ def host_memory_per_rank(plan: RunPlan, *, device_is_host: bool = False) -> int:
     return max(loading - mapped, step - mapped)
 
 
+def host_mapped_per_rank(plan: RunPlan) -> int:
+    """Bytes of the pretrained weight files a CPU-only run's rank reads its frozen shards from in
+    place (page cache, shared by every process reading the files; not in ``host_memory_per_rank``)."""
+    return int(_host_mapped_weights(plan, estimate_memory(plan)))
+
+
 def _host_mapped_weights(plan: RunPlan, est: MemoryEstimate) -> float:
     """The part of this rank's weight shards a CPU run's FSDP2 or ZeRO-3 leaves in the pretrained
     weight files' pages (model/meta.py ``mapped_rows``, model/zero3.py: frozen, stored in the dtype

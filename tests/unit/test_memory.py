@@ -287,7 +287,8 @@ def test_host_memory_per_node_counts_how_the_model_is_loaded(base):
 def test_host_memory_per_rank_is_loading_with_a_gpu_and_the_step_too_on_a_cpu(base):
     """``llmft plan``'s host line: with a GPU a rank's share of the node's loading peak; on a
     CPU-only run the step's tensors are host memory too, and the larger phase is the peak."""
-    from llmft.plan.memory import host_memory_per_node, host_memory_per_rank
+    from llmft.plan.memory import host_mapped_per_rank, host_memory_per_node, host_memory_per_rank
+    from llmft.plan.report import host_line
 
     lora = load(base, "peft.method=lora", "distributed.engine=fsdp", nproc=8)
     assert host_memory_per_rank(lora) == host_memory_per_node(lora) // 8
@@ -306,6 +307,8 @@ def test_host_memory_per_rank_is_loading_with_a_gpu_and_the_step_too_on_a_cpu(ba
     assert lora.meta_init
     on_cpu = est.allocated - est.transient_weights + window - est.weights
     assert host_memory_per_rank(lora, device_is_host=True) == pytest.approx(on_cpu, abs=2)
+    assert host_mapped_per_rank(lora) == pytest.approx(est.weights, abs=2)
+    assert "of the weight files read in place, page cache)" in host_line(lora)
     # QLoRA: the 4-bit linears are quantized copies; the embedding, head and norms are mapped, and
     # one matrix is dequantized for its matmul.
     qlora = load(base, "peft.method=lora", "model.quantization={bits: 4}", "distributed.engine=fsdp", nproc=8)
