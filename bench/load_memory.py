@@ -17,10 +17,16 @@ rank's peak anonymous memory over the whole command minus the baseline's; beside
 planner's host RAM per rank for this CPU run (``plan.memory.host_memory_per_rank``, the line
 ``llmft plan`` prints). ``--phases`` adds the per-phase table of every rank, with each step's
 wall time (``step_time_s`` of metrics.jsonl) and the rank's CPU time over it (less sensitive to
-other jobs on the machine); ``--steps N`` runs N steps instead of two.
+other jobs on the machine); ``--steps N`` runs N steps instead of two. The data cache is built
+once before the measured commands (``llmft prepare``), as a multi-node job is run.
+
+``--against REV`` runs every command a second time with the llmft of git revision ``REV`` of
+this repository (unpacked with ``git archive``), the two alternating, so that a change is
+measured side by side with what it changes: memory, and the median step time (2nd step on).
 
     python bench/load_memory.py                   # 218 M parameters, B ~ 870 MB
     python bench/load_memory.py --layers 4 --phases --repeat 1   # smaller and faster
+    python bench/load_memory.py --against main --steps 4 --phases --cases "FSDP2 + LoRA"
 """
 
 from __future__ import annotations
