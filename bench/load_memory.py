@@ -321,14 +321,15 @@ def main() -> None:
             if name == EXPORT:  # the merged export of a FSDP2 LoRA run, one process
                 _run(work / f"{slug}-{size}" / "train", ranks, ["train", str(recipe), *overrides])
                 ranks, goal = 1, 0.5
-                out = work / f"{slug}-{size}" / "merged"
-                argv = ["export", str(work / f"{slug}-{size}" / "run"), "--merge-lora", "--out", str(out)]
+                argv = ["export", str(work / f"{slug}-{size}" / "run"), "--merge-lora", "--out"]
             else:
                 argv = ["train", str(recipe), *overrides, "run.overwrite=true"]
             runs: dict[str, list] = {code: [] for code in codes}
             for i in range(args.repeat):
                 for code, tree in codes.items():  # alternating: other load on the machine hits both alike
-                    runs[code].append(_run(work / f"{slug}-{size}" / f"rss-{code}-{i}", ranks, argv, tree))
+                    out = work / f"{slug}-{size}" / f"rss-{code}-{i}"
+                    merged = [str(out / "merged")] if name == EXPORT else []  # export: a new --out each time
+                    runs[code].append(_run(out, ranks, [*argv, *merged], tree))
                     if size == "big" and name != EXPORT:
                         seconds[code] += _step_seconds(work / f"{slug}-{size}" / "run")
             for code in codes:
@@ -343,6 +344,9 @@ def main() -> None:
                 + [step if step is not None else "-"]
             )
             phase_rows += _phase_rows(f"{name} ({code})", traced[code, "big"], traced[code, "tiny"], b)
+            print(
+                " | ".join(str(round(c, 3) if isinstance(c, float) else c) for c in rows[-1]), flush=True
+            )  # as it comes
     header = [
         "case",
         "code",
