@@ -15,10 +15,18 @@ The same command on a tiny pretrained model (the same code path, a few MB of wei
 baseline: interpreter, torch, DeepSpeed, transformers and their buffers. Measured = the larger
 rank's peak anonymous memory over the whole command minus the baseline's; beside it the
 planner's host RAM per rank for this CPU run (``plan.memory.host_memory_per_rank``, the line
-``llmft plan`` prints). ``--phases`` adds the per-phase table of every rank.
+``llmft plan`` prints). ``--phases`` adds the per-phase table of every rank, with each step's
+wall time (``step_time_s`` of metrics.jsonl) and the rank's CPU time over it (less sensitive to
+other jobs on the machine); ``--steps N`` runs N steps instead of two. The data cache is built
+once before the measured commands (``llmft prepare``), as a multi-node job is run.
+
+``--against REV`` runs every command a second time with the llmft of git revision ``REV`` of
+this repository (unpacked with ``git archive``), the two alternating, so that a change is
+measured side by side with what it changes: memory, and the median step time (2nd step on).
 
     python bench/load_memory.py                   # 218 M parameters, B ~ 870 MB
     python bench/load_memory.py --layers 4 --phases --repeat 1   # smaller and faster
+    python bench/load_memory.py --against main --steps 4 --phases --cases "FSDP2 + LoRA"
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -75,7 +84,9 @@ class Trace:
             with self.lock:
                 self.peak = {k: max(self.peak[k], now[k]) for k in now}
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: str, **extra) -> None:
+        import time
+
         now = _status()
         with self.lock:
             peak = {k: max(self.peak[k], now[k]) for k in now}
@@ -87,6 +98,8 @@ class Trace:
                 "file": now["RssFile"],
                 "peak_anon": peak["RssAnon"],
                 "peak_file": peak["RssFile"],
+                "cpu_s": time.process_time(),
+                **extra,
             }
         )
 
@@ -118,7 +131,7 @@ def _instrument(trace: Trace) -> None:
 
         def logged(row):
             log_train(row)
-            trace.mark(f"step {row['step']}")
+            trace.mark(f"step {row['step']}", step_time_s=row["step_time_s"])
 
         hooks.log_train = logged
         return loop(*a, **k)
@@ -131,8 +144,10 @@ def _instrument(trace: Trace) -> None:
     )
 
 
-def worker(out: str, argv: list[str]) -> None:
-    """One llmft command in this process; its memory phase by phase to ``out/rank-N.json``."""
+def worker(out: str, code: str, argv: list[str]) -> None:
+    """One llmft command in this process, with the llmft in ``code``; its memory phase by phase to
+    ``out/rank-N.json``."""
+    sys.path.insert(0, code)  # before common's repository root
     from llmft.cli import main
     from llmft.job import dist
 
@@ -170,21 +185,33 @@ def _save_model(path: Path, config: dict, shard: str) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def _recipe(work: Path, name: str, model_dir: Path, data: Path) -> Path:
-    """Two steps, a checkpoint after each (adapter weights only, no optimizer state)."""
-    recipe = common.base_recipe(work / name / "run", data, seq=64, micro=1, global_batch=2, steps=2)
+def _recipe(work: Path, name: str, model_dir: Path, data: Path, steps: int = 2) -> Path:
+    """``steps`` steps (two by default), a checkpoint after each (adapter weights only, no optimizer state)."""
+    recipe = common.base_recipe(work / name / "run", data, seq=64, micro=1, global_batch=2, steps=steps)
     recipe["model"] = {"name_or_path": str(model_dir), "dtype": "fp32", "attn_implementation": "sdpa"}
     recipe["peft"] = {"method": "lora", "r": 8, "alpha": 16}
     recipe["checkpoint"].update(every_steps=1, keep_last=2, save_optimizer=False)
+    # The data cache is built once before the measured commands (``llmft prepare``), as a
+    # multi-node job is run: a rank that builds it imports datasets and pyarrow (~50 MB of
+    # anonymous memory that stays), and which rank does is a race.
+    recipe["data"]["cache_dir"] = str(work / "data-cache")
     return common.write_recipe(work / name / "recipe.yaml", recipe)
 
 
-def _run(out: Path, ranks: int, argv: list[str]) -> list[list[dict]]:
-    """Each rank's phases (``Trace``) for one command."""
+def _prepare(recipe: Path, overrides: list[str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(common.ROOT)}
+    cmd = [sys.executable, "-m", "llmft", "prepare", str(recipe), *overrides]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=common.ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"llmft prepare {recipe} failed:\n{done.stderr[-4000:]}")
+
+
+def _run(out: Path, ranks: int, argv: list[str], code: Path = common.ROOT) -> list[list[dict]]:
+    """Each rank's phases (``Trace``) for one command, run with the llmft in ``code``."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}  # what users have
-    env["PYTHONPATH"] = str(common.ROOT)
-    entry = [str(Path(__file__).resolve()), "--worker", str(out), "--"]
+    env["PYTHONPATH"] = str(code)
+    entry = [str(Path(__file__).resolve()), "--worker", str(out), "--code", str(code), "--"]
     if ranks == 1:
         cmd = [sys.executable, *entry, *argv]
     else:
@@ -194,6 +221,22 @@ def _run(out: Path, ranks: int, argv: list[str]) -> list[list[dict]]:
     if done.returncode != 0 or len(reports) != ranks or any(r["code"] for r in reports):
         raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}, {len(reports)} reports):\n{done.stderr[-4000:]}")
     return [r["phases"] for r in reports]
+
+
+def _step_seconds(run_dir: Path) -> list[float]:
+    """``step_time_s`` of each train row of the run's metrics.jsonl, the first step left out (it
+    also records DeepSpeed's fetch trace and warms the allocator)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step_time_s"] for r in rows if r.get("split") == "train" and r["step"] > 1]
+
+
+def _against(rev: str, work: Path) -> Path:
+    """The llmft of git revision ``rev`` of this repository, unpacked under ``work``."""
+    tree = work / f"code-{rev}"
+    tree.mkdir()
+    archive = subprocess.run(["git", "archive", rev], cwd=common.ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
 
 
 def _peak(ranks: list[list[dict]]) -> int:
@@ -210,9 +253,10 @@ def _phase_rows(name: str, big: list[list[dict]], tiny: list[list[dict]], b: int
     tiny model's, in MB and x B; file pages at the mark (the tiny model's not taken off)."""
     rows = []
     for rank, (phases, base) in enumerate(zip(big, tiny, strict=True)):
-        for p, t in zip(phases, base, strict=True):
+        for before, p, t in zip([phases[0], *phases], phases, base, strict=False):
             anon, peak = p["anon"] - t["anon"], p["peak_anon"] - t["peak_anon"]
-            rows.append([name, rank, p["phase"], anon / MB, peak / MB, peak / b, p["file"] / MB])
+            times = [p["step_time_s"], p["cpu_s"] - before["cpu_s"]] if "step_time_s" in p else ["-", "-"]
+            rows.append([name, rank, p["phase"], anon / MB, peak / MB, peak / b, p["file"] / MB, *times])
     return rows
 
 
@@ -228,6 +272,7 @@ def _planned(recipe: Path, ranks: int, overrides: list[str]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--code", default=str(common.ROOT), help=argparse.SUPPRESS)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=16)
     # A small vocabulary keeps the embedding and head (which FSDP2's root gathers whole for the
@@ -239,11 +284,16 @@ def main() -> None:
     # lower of two runs of each command is reported.
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--phases", action="store_true", help="print the memory of every phase and rank")
+    parser.add_argument("--steps", type=int, default=2, help="training steps of each run (step time: the 2nd on)")
+    parser.add_argument(
+        "--against", metavar="REV", help="also run every command with the llmft of git revision REV, alternating"
+    )
     args, rest = parser.parse_known_args()
     if args.worker:
-        worker(args.worker, rest[1:] if rest[:1] == ["--"] else rest)
+        worker(args.worker, args.code, rest[1:] if rest[:1] == ["--"] else rest)
         return
     work = common.scratch_dir("load-memory")
+    codes = {"now": common.ROOT} | ({args.against: _against(args.against, work)} if args.against else {})
     data = common.write_text_records(work / "train.jsonl", [200] * 16)
     big = {
         **common.BENCH_LLAMA,
@@ -263,29 +313,63 @@ def main() -> None:
     for name in args.cases:
         ranks, overrides, goal = CASES.get(name, CASES["FSDP2 + LoRA"])
         slug = name.replace(" ", "").replace("+", "-")
-        traced = {}
+        traced: dict[tuple[str, str], list[list[dict]]] = {}
+        seconds: dict[str, list[float]] = {code: [] for code in codes}
         for size in ("tiny", "big"):
-            recipe = _recipe(work, f"{slug}-{size}", work / size, data)
+            recipe = _recipe(work, f"{slug}-{size}", work / size, data, args.steps)
+            _prepare(recipe, overrides)
             if name == EXPORT:  # the merged export of a FSDP2 LoRA run, one process
                 _run(work / f"{slug}-{size}" / "train", ranks, ["train", str(recipe), *overrides])
                 ranks, goal = 1, 0.5
-                out = work / f"{slug}-{size}" / "merged"
-                argv = ["export", str(work / f"{slug}-{size}" / "run"), "--merge-lora", "--out", str(out)]
+                argv = ["export", str(work / f"{slug}-{size}" / "run"), "--merge-lora", "--out"]
             else:
                 argv = ["train", str(recipe), *overrides, "run.overwrite=true"]
-            runs = [_run(work / f"{slug}-{size}" / f"rss-{i}", ranks, argv) for i in range(args.repeat)]
-            traced[size] = _lowest(runs)
-        extra = _peak(traced["big"]) - _peak(traced["tiny"])
-        row = [name, ranks, extra / MB, extra / b, goal]
-        if name != EXPORT:
-            host = _planned(_recipe(work, f"{slug}-big", work / "big", data), ranks, overrides)
-            row += [host / MB, extra / host]
-        rows.append(row + ["-", "-"] * (name == EXPORT))
-        phase_rows += _phase_rows(name, traced["big"], traced["tiny"], b)
-    header = ["case", "ranks", "peak anon - tiny MB", "x B", "goal x B", "planner host MB", "measured / planner"]
-    print(common.table(header, rows))
+            runs: dict[str, list] = {code: [] for code in codes}
+            for i in range(args.repeat):
+                for code, tree in codes.items():  # alternating: other load on the machine hits both alike
+                    out = work / f"{slug}-{size}" / f"rss-{code}-{i}"
+                    merged = [str(out / "merged")] if name == EXPORT else []  # export: a new --out each time
+                    runs[code].append(_run(out, ranks, [*argv, *merged], tree))
+                    if size == "big" and name != EXPORT:
+                        seconds[code] += _step_seconds(work / f"{slug}-{size}" / "run")
+            for code in codes:
+                traced[code, size] = _lowest(runs[code])
+        host = None if name == EXPORT else _planned(_recipe(work, f"{slug}-big", work / "big", data), ranks, overrides)
+        for code in codes:
+            extra = _peak(traced[code, "big"]) - _peak(traced[code, "tiny"])
+            step = statistics.median(seconds[code]) if seconds[code] else None
+            rows.append(
+                [name, code, ranks, extra / MB, extra / b, goal]
+                + ([host / MB, extra / host] if host and code == "now" else ["-", "-"])
+                + [step if step is not None else "-"]
+            )
+            phase_rows += _phase_rows(f"{name} ({code})", traced[code, "big"], traced[code, "tiny"], b)
+            print(
+                " | ".join(str(round(c, 3) if isinstance(c, float) else c) for c in rows[-1]), flush=True
+            )  # as it comes
+    header = [
+        "case",
+        "code",
+        "ranks",
+        "peak anon - tiny MB",
+        "x B",
+        "goal x B",
+        "planner host MB",
+        "measured / planner",
+    ]
+    print(common.table([*header, "step s (median, 2nd step on)"], rows))
     if args.phases:
-        header = ["case", "rank", "after", "anon - tiny MB", "peak in phase - tiny MB", "x B", "file pages MB"]
+        header = [
+            "case",
+            "rank",
+            "after",
+            "anon - tiny MB",
+            "peak in phase - tiny MB",
+            "x B",
+            "file pages MB",
+            "step s",
+            "CPU s",
+        ]
         print(common.table(header, phase_rows))
 
 

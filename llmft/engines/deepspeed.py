@@ -91,7 +91,9 @@ class DeepSpeedEngineAdapter:
             auto_mpi_discovery=False,
             timeout=datetime.timedelta(seconds=timeout_s(plan.recipe.distributed)),
         )
-        self.config = deepspeed_config(plan)
+        # On a CPU the gathered weights are host RAM: ZeRO-3 keeps about one layer of them
+        # (plan.deepspeed.host_live_window), not HF's 1e9 parameters.
+        self.config = deepspeed_config(plan, device_is_host=env.device.type == "cpu")
         self._hf_ds = None
         model = self._build(plan, tokenizer)
         if plan.zero_stage == 3:  # gathered weights are released after use, not kept by autograd
@@ -205,6 +207,11 @@ class DeepSpeedEngineAdapter:
         assert path is not None, f"DeepSpeed found no checkpoint in {load_dir}"
         if repair:
             _repair_zero3_universal_load(optimizer, groups)
+        if self.model.zero_optimization_stage() == 3:
+            # The load leaves ZeRO-3's persistent parameters gathered (checkpoint_event_epilogue), a
+            # state a fresh run's first pass never sees: released, so the pass that records
+            # DeepSpeed's fetch trace sees what a fresh run's does (see release_after_load).
+            release_after_load(self.model)
 
 
 def _repair_zero3_universal_load(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
@@ -225,6 +232,23 @@ def _repair_zero3_universal_load(optimizer: torch.optim.Optimizer, groups: list[
     for state in optimizer.state.values():
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
+
+
+def release_after_load(engine: Any) -> None:
+    """Partition every parameter of a ZeRO-3 engine that has just loaded a checkpoint, the
+    persistent ones (``stage3_param_persistence_threshold``: LoRA's small matrices) included, as
+    they are when a fresh run starts.
+
+    DeepSpeed's ``load_checkpoint`` ends by gathering the persistent parameters
+    (``checkpoint_event_epilogue``). PEFT's LoRA layer reads ``lora_A.weight.dtype`` in its own
+    forward, before ``lora_A`` runs; DeepSpeed registers a parameter read that way while it is
+    partitioned as an *external* parameter of the reading module (``ZeROOrderedDict.__getitem__``),
+    for good. A fresh run registers it in its first pass, the one that records DeepSpeed's fetch
+    trace. A resumed run read it gathered in that pass, registered it in the next one (the
+    optimizer step partitions every parameter) and then fetched for the LoRA layer a parameter its
+    recorded trace does not have there: "tracing error" as soon as the live window is bounded
+    (with 1e9 the prefetcher had already taken those entries off the queue)."""
+    engine.empty_partition_cache()
 
 
 # --- DeepSpeed universal checkpoints: ZeRO 1-3 state resharded for any data-parallel size ----------

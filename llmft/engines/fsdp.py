@@ -1,4 +1,6 @@
-"""PyTorch FSDP2: ``fully_shard`` per decoder layer and the root, gradients reduce-scattered once
+"""PyTorch FSDP2: ``fully_shard`` per decoder layer and the root (on a CPU run, whose gathered
+weights are host memory, also per attention, MLP, input embedding and LM head, without backward
+prefetch: one of them gathered at a time), gradients reduce-scattered once
 per optimizer step (``set_requires_gradient_sync(False)`` on the other micro-steps), or, with
 ``distributed.fsdp_grad_sync: micro_step``, every micro-step (sharded gradients while
 accumulating), DCP checkpoints that reshard to any world size.
@@ -26,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -38,7 +41,7 @@ from llmft.engines.base import LocalEngine, freeze, trainable_names
 from llmft.job.dist import DistEnv, device_mesh, sequence_group
 from llmft.model import ulysses
 from llmft.model.build import prepare_model
-from llmft.model.meta import build_on_meta, materialize
+from llmft.model.meta import ParamSlots, SafetensorsWeights, build_on_meta, materialize
 from llmft.model.precision import DTYPES
 from llmft.model.structure import decoder_layer_classes
 from llmft.plan.fsdp import fsdp_plan
@@ -65,6 +68,7 @@ class FSDPEngine(LocalEngine):
         """The plan's model, ``fully_shard``-ed per decoder layer and at the root, its shards placed."""
 
         sharding = self.sharding
+        slots = weights = None
         if plan.meta_init:
             model, slots, weights = build_on_meta(plan, tokenizer)
         else:
@@ -82,10 +86,22 @@ class FSDPEngine(LocalEngine):
         if plan.sequence_parallel > 1:
             ulysses.install(model, sequence_group(plan.layout.mesh))
         layer_classes = decoder_layer_classes(model)
+        host = self.device.type == "cpu"  # the gathered weights are host memory: one unit at a time
         for module in model.modules():
             if isinstance(module, layer_classes):
+                for part in layer_parts(module) if host else []:
+                    fully_shard(part, reshard_after_forward=sharding.reshard_after_forward, **kwargs)
                 fully_shard(module, reshard_after_forward=sharding.reshard_after_forward, **kwargs)
-        fully_shard(model, reshard_after_forward=False, **kwargs)  # the root is needed right away in backward
+        # On a CPU run a frozen embedding or head the weight file holds in the run's dtype is not
+        # sharded: every rank maps it whole from the file (page cache, shared), nothing to gather.
+        whole = mapped_vocab(model, slots, weights) if host and plan.meta_init and not sharding.cpu_offload else set()
+        for module, reshard in vocab_units(model) if host else []:
+            if module.weight not in whole:
+                fully_shard(module, reshard_after_forward=reshard, **kwargs)
+        # the root is needed right away in backward
+        fully_shard(model, reshard_after_forward=False, ignored_params=whole or None, **kwargs)
+        if host:
+            no_backward_prefetch(model)
         # generate() on the root (a PEFT model's too) gathers the root's own parameters (embedding,
         # norm, head) as its forward does; the layers gather theirs in their forward
         if callable(getattr(model, "generate", None)):  # a causal LM (a score head generates nothing)
@@ -127,6 +143,66 @@ class FSDPEngine(LocalEngine):
             optim_state_dict=state.get("optim", {}) if load_optimizer else {},
             options=self._options(),
         )
+
+
+def layer_parts(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """A decoder layer's attention and MLP (its children holding a quarter of its parameters or
+    more), each its own unit on a CPU run: a step's host memory then holds one of them gathered
+    at a time, not the whole layer (the layer's own unit keeps its norms). Not inside a compiled
+    layer, whose graph FSDP2's hooks on a submodule would break."""
+    if getattr(layer, "_compiled_call_impl", None) is not None:
+        return []
+    total = sum(p.numel() for p in layer.parameters())
+    return [c for c in layer.children() if 4 * sum(p.numel() for p in c.parameters()) >= total]
+
+
+def vocab_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
+    """The input embedding and the LM head, each its own unit on a CPU run, with whether it is
+    resharded after forward: the embedding is (its backward needs no weight: the embedding is
+    frozen or its gradient is a sparse scatter computed from the gathered weight's shape), the
+    head is not (its backward comes first). Neither when they share a weight (tied)."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    embed, head = get_in() if get_in else None, get_out() if get_out else None
+    units = []
+    if embed is not None and not (head is not None and getattr(head, "weight", None) is embed.weight):
+        units.append((embed, True))
+        if head is not None:
+            units.append((head, False))
+    return units
+
+
+def mapped_vocab(
+    model: torch.nn.Module, slots: ParamSlots, weights: SafetensorsWeights | None
+) -> set[torch.nn.Parameter]:
+    """The input embedding and LM head weights that are frozen and stored in the weight files in
+    the dtype the model uses (``SafetensorsWeights.can_map``): on a CPU run every rank maps them
+    whole (``llmft.model.meta.materialize``) and FSDP2 leaves them alone."""
+    if weights is None:
+        return set()
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    candidates = [
+        m._parameters.get("weight") for m in (get_in() if get_in else None, get_out() if get_out else None) if m
+    ]
+    by_key = slots.by_key()
+    keys = {id(slots.param(name)): (key, name) for key, names in by_key.items() for name in names}
+    whole = set()
+    for p in candidates:
+        if p is None or p.requires_grad or id(p) not in keys:
+            continue
+        key, name = keys[id(p)]
+        if key not in weights.fresh and weights.can_map(key, p.shape, slots.dtype[name]):
+            whole.add(p)
+    return whole
+
+
+def no_backward_prefetch(model: torch.nn.Module) -> None:
+    """Each unit gathers only itself in backward. By default a unit's backward also gathers the
+    next one; with an accelerator that all-gather overlaps compute, on a CPU (gloo, no streams)
+    it runs at once, so it only holds a second unit gathered (and its all-gather buffer). Asking
+    a unit to prefetch itself replaces the default, and is a no-op: it is already gathered."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_modules_to_backward_prefetch([module])
 
 
 def read_dcp(model: torch.nn.Module, step_dir: Path) -> None:

@@ -9,6 +9,10 @@ included, sharded by ``fully_shard`` while still empty, and only then materialis
   the rows this rank keeps (``safe_open(...).get_slice``), so a rank never holds more than its
   shards plus one slice; each tensor goes through the dtype the model was built in before the
   trainable ones are upcast, exactly like ``from_pretrained`` + ``upcast_trainable``;
+- on a CPU run (shards and compute on the host), a frozen weight stored in the dtype the model
+  uses is not copied at all: this rank's rows of it are the file's own pages (``mapped_rows``, a
+  private mapping), page cache shared by every process reading the file, as ``from_pretrained``
+  leaves the weights of a model it loads on the CPU; a weight to train, or to convert, is copied;
 - buffers the checkpoint does not hold (rotary ``inv_freq``) are recomputed by the model's own
   ``_init_weights``, which is what ``from_pretrained`` does for them too;
 - a pretrained 4-bit (QLoRA) base is built in its packed layout (``llmft.model.quant.quantized_skeleton``);
@@ -144,6 +148,7 @@ class SafetensorsWeights:
         self.files = files  # checkpoint key -> file name
         self.keys = keys  # base-model key -> checkpoint key
         self.fresh = fresh  # base-model keys of a score head the checkpoint lacks: seeded init (llmft.model.heads)
+        self._mapped: dict[str, tuple[int, dict[str, Any], torch.UntypedStorage]] = {}  # file -> mapping
 
     @classmethod
     def of(cls, recipe: Recipe, slots: ParamSlots) -> SafetensorsWeights:
@@ -194,6 +199,40 @@ class SafetensorsWeights:
                 )
             return (stored[index] if index else f.get_tensor(ckpt_key)).clone()
 
+    def mapped_rows(
+        self, key: str, index: tuple[slice, ...], shape: torch.Size, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """Rows ``index`` of the weight of base-model ``key`` as the weight file's own pages (a
+        private mapping: nothing is copied, the pages are the page cache's, shared by every process
+        that reads the file, and a write would copy only the page it touches), or None where that
+        cannot be: another dtype in the file, not whole rows, an address the dtype cannot start at."""
+        if len(index) != len(shape) or any(
+            (s.start, s.stop) != (0, n) for s, n in zip(index[1:], shape[1:], strict=True)
+        ):
+            return None
+        row = shape[1:].numel()
+        flat = self.mapped_flat(key, shape, dtype, index[0].start * row, index[0].stop * row)
+        return None if flat is None else flat.view(index[0].stop - index[0].start, *shape[1:])
+
+    def can_map(self, key: str, shape: torch.Size, dtype: torch.dtype) -> bool:
+        """Whether the weight of ``key`` can be mapped whole (``mapped_flat``) as ``dtype``."""
+        return self.mapped_flat(key, shape, dtype, 0, 0) is not None
+
+    def mapped_flat(self, key: str, shape: torch.Size, dtype: torch.dtype, start: int, end: int) -> torch.Tensor | None:
+        """Elements ``[start, end)`` of the flattened weight ``key`` as the weight file's own pages
+        (see ``mapped_rows``), or None."""
+        file = self.files[self.keys[key]]
+        if file not in self._mapped:  # one mapping per file, its header read once
+            self._mapped[file] = _map_safetensors(self.directory / file)
+        data_start, header, storage = self._mapped[file]
+        entry = header[self.keys[key]]
+        if _SAFETENSORS_DTYPES.get(entry["dtype"]) != dtype or tuple(entry["shape"]) != tuple(shape):
+            return None
+        first = data_start + entry["data_offsets"][0] + start * dtype.itemsize
+        if first % dtype.itemsize or not 0 <= start <= end <= shape.numel():
+            return None
+        return torch.empty(0, dtype=torch.uint8).set_(storage, first, ((end - start) * dtype.itemsize,)).view(dtype)
+
     def read_flat(self, key: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` of the flattened weight ``key``: only the rows covering them are read."""
         if end <= start:
@@ -204,7 +243,23 @@ class SafetensorsWeights:
         return self.read(key, index, shape).reshape(-1)[start - first * row : end - first * row]
 
     def close(self) -> None:
-        """Nothing stays open between reads (see ``read``)."""
+        """Nothing stays open between reads (see ``read``); a mapping lives on only in the shards
+        made from it."""
+        self._mapped.clear()
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _map_safetensors(path: Path) -> tuple[int, dict[str, Any], torch.UntypedStorage]:
+    """Where a safetensors file's data starts, its header (each tensor's dtype, shape and byte
+    range from there: an 8-byte little-endian length, then that many bytes of JSON), and the
+    whole file mapped privately (its pages are read when first touched)."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
+    return 8 + length, header, storage
 
 
 def _weights_dir(recipe: Recipe) -> Path:
@@ -263,6 +318,7 @@ def materialize(
     ``_init_weights`` for a fresh one."""
     model.to_empty(device=shards_on)
     written: set[str] = set()
+    in_host_memory = device.type == shards_on.type == "cpu"
     with torch.no_grad():
         init_buffers(model, slots, device)
         if weights is not None:
@@ -270,11 +326,17 @@ def materialize(
                 if key in weights.fresh:
                     continue
                 for name in names:
+                    param = slots.param(name)
+                    local, index = local_shard(param)
+                    mapped = None
+                    if in_host_memory and not param.requires_grad and name not in slots.packed:
+                        mapped = weights.mapped_rows(key, index, param.shape, slots.dtype[name])
                     if name in slots.packed:
                         _quantize_into_shard(slots, name, weights, key, device)
+                    elif mapped is not None:
+                        _place_shard(slots, name, mapped)
                     else:
-                        local, index = local_shard(slots.param(name))
-                        local.copy_(weights.read(key, index, slots.param(name).shape).to(slots.dtype[name]))
+                        local.copy_(weights.read(key, index, param.shape).to(slots.dtype[name]))
                     written.add(name)
             weights.close()
             written |= _init_head(slots, weights.fresh, seed)
@@ -285,6 +347,19 @@ def materialize(
     left = sorted(set(slots.owners) - written)  # to_empty left them holding whatever memory held
     if left:
         raise _not_meta_buildable(slots, ", ".join(left[:3]) + (", ..." if len(left) > 3 else ""))
+
+
+def _place_shard(slots: ParamSlots, name: str, local: torch.Tensor) -> None:
+    """Make ``local`` this rank's shard of the frozen parameter ``name`` (on each module holding
+    it): a new parameter, which FSDP2 adopts as it does one ``load_state_dict(assign=True)`` set."""
+    param = slots.param(name)
+    if isinstance(param, DTensor):
+        local = DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    placed = torch.nn.Parameter(local, requires_grad=False)
+    for module, attr in slots.owners[name]:
+        module._parameters[attr] = placed
 
 
 def _quantize_into_shard(

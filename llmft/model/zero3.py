@@ -27,6 +27,7 @@ threshold keeps transformers' own ``zero.Init`` path (``RunPlan.zero_init``).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -72,6 +73,8 @@ def materialize(
             )
         )
     by_key = {name: key for key, names in slots.by_key().items() for name in names}
+    offloaded = ds_config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none") != "none"
+    host = device.type == "cpu" and not offloaded  # partitions live in this process's memory
     with torch.no_grad():
         init_buffers(model, slots, device)
         for name, owners in slots.owners.items():
@@ -85,6 +88,14 @@ def materialize(
                 )
             elif by_key.get(name) in head:
                 values = head[by_key[name]].reshape(-1)[start:end].to(slots.dtype[name])
+            elif (
+                name in by_key
+                and host
+                and (mapped := _mapped_partition(param, weights, by_key[name], slots, name)) is not None
+            ):
+                param.partition()  # what it copies is replaced: this rank's range of the weight file's own pages
+                param.ds_tensor.data = mapped
+                continue
             elif name in by_key:
                 values = weights.read_flat(by_key[name], param.ds_shape, start, end).to(slots.dtype[name])
             elif name in adapters:
@@ -98,6 +109,21 @@ def materialize(
         weights.close()
         if slots.peft:
             _dora_magnitudes(model)
+
+
+def _mapped_partition(
+    param: torch.nn.Parameter, weights: SafetensorsWeights, key: str, slots: ParamSlots, name: str
+) -> torch.Tensor | None:
+    """On a CPU run, a frozen weight stored in the dtype the model uses: this rank's partition as
+    the weight file's own pages (``SafetensorsWeights.mapped_flat``), nothing copied; None for a
+    weight to train, a padded partition (the last rank's, when the size does not divide), a weight
+    ZeRO-3 keeps whole (``ds_persist``) or one the file holds in another dtype."""
+    if param.requires_grad or getattr(param, "ds_persist", False):
+        return None
+    start, end = partition_range(param.ds_numel, param.ds_zero_partition_rank, param.ds_zero_partition_world_size)
+    if end - start != -(-param.ds_numel // param.ds_zero_partition_world_size):
+        return None
+    return weights.mapped_flat(key, param.ds_shape, slots.dtype[name], start, end)
 
 
 def _zero_param(
@@ -145,21 +171,29 @@ def _dora_magnitudes(model: torch.nn.Module) -> None:
 
 
 def linears_save_their_weights(model: torch.nn.Module) -> int:
-    """Make every plain ``nn.Linear`` of a ZeRO-3 model keep its *parameter* for backward, not the
-    gathered weight; returns how many.
+    """Make every plain ``nn.Linear`` and bitsandbytes ``Linear4bit`` of a ZeRO-3 model keep its
+    *parameter* for backward, not the gathered weight; returns how many.
 
     ``F.linear`` saves ``weight.t()``, a view of the gathered buffer, for the input's gradient: the
     buffer then outlives ZeRO-3's release of the parameter, and by the end of the forward every
     layer's weights are gathered at once (the whole model per rank, measured on a frozen LoRA
     base). DeepSpeed's ``LinearFunctionForZeroStage3`` saves the parameter itself and gathers it
     again in backward, as ``zero.Init``'s ``memory_efficient_linear`` does while a model is built
-    under it; here it is kept for the whole run."""
+    under it; here it is kept for the whole run. bitsandbytes' ``MatMul4Bit`` keeps a view of the
+    gathered 4-bit weight as a plain attribute of its autograd node (``ctx.tensors``), which
+    backward does not free: every packed layer stayed gathered from its forward until the next
+    step's forward replaced the graph (measured: the whole 4-bit base per rank between steps).
+    ``_Linear4bitSavingWeight`` computes the same two products from the saved parameter."""
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
+    bnb = sys.modules.get("bitsandbytes")  # a 4-bit model has imported it; others need not pay for it
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.forward = _saving_forward(module, zero3_linear_wrap)
+            count += 1
+        elif bnb is not None and isinstance(module, bnb.nn.Linear4bit):
+            module.forward = _saving_4bit_forward(module)
             count += 1
     return count
 
@@ -167,5 +201,52 @@ def linears_save_their_weights(model: torch.nn.Module) -> int:
 def _saving_forward(module: torch.nn.Linear, linear):
     def forward(x: torch.Tensor) -> torch.Tensor:
         return linear(x, module.weight, module.bias)
+
+    return forward
+
+
+class _Linear4bitSavingWeight(torch.autograd.Function):
+    """``bitsandbytes.matmul_4bit`` (the same kernel and the same backward product as its
+    ``MatMul4Bit``) that saves the 4-bit *parameter* for backward: ZeRO-3 gathers it again for the
+    module's backward, and releases it after."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        import bitsandbytes as bnb
+
+        ctx.save_for_backward(weight)
+        ctx.quant_state = weight.quant_state
+        # grad mode is off in here: bitsandbytes computes the product without an autograd node
+        return bnb.matmul_4bit(x, weight, quant_state=weight.quant_state, bias=bias)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        import bitsandbytes.functional as bnbf
+
+        (weight,) = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            dense = bnbf.dequantize_4bit(weight.view(-1, 1), ctx.quant_state).to(grad_output.dtype)
+            grad_x = torch.matmul(grad_output, dense)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+        return grad_x, None, grad_bias
+
+
+def _saving_4bit_forward(module: torch.nn.Module):
+    """``Linear4bit.forward`` (compute dtype, quantization state) through ``_Linear4bitSavingWeight``.
+    Without its CPU inference repacking, which llmft turns off anyway (``model.quant.keep_4bit_layout``)."""
+    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        fix_4bit_weight_quant_state_from_module(module)
+        if not module.compute_type_is_set:
+            module.set_compute_type(x)
+            module.compute_type_is_set = True
+        dtype = x.dtype
+        if module.compute_dtype is not None:
+            x = x.to(module.compute_dtype)
+        bias = None if module.bias is None else module.bias.to(x.dtype)
+        return _Linear4bitSavingWeight.apply(x, module.weight, bias).to(dtype)
 
     return forward

@@ -27,10 +27,12 @@ from llmft.plan.layout import RunPlan
 from llmft.plan.shape import ModelShape, model_shape
 from llmft.recipe.schema import Recipe
 
-# stage3_max_live_parameters and stage3_max_reuse_distance, as HF's auto sets them; the memory
-# planner counts that many gathered parameters (the whole model when smaller).
+# stage3_max_live_parameters and stage3_max_reuse_distance on a GPU, as HF's auto sets them; the
+# memory planner counts that many gathered parameters (the whole model when smaller). A CPU run
+# bounds both to one decoder layer (host_live_window).
 ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
 
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Used for the bucket sizes when the model's hidden size cannot be known without a
 # download: the sizes HF's "auto" gives for a 7-8B model, a sensible middle ground.
 FALLBACK_HIDDEN_SIZE = 4096
@@ -46,11 +48,36 @@ def _offload(device: str, recipe: Recipe) -> dict[str, Any]:
     return block
 
 
-def zero_optimization(recipe: Recipe, shape: ModelShape | None) -> dict[str, Any]:
+def host_live_window(recipe: Recipe, shape: ModelShape | None) -> int:
+    """ZeRO-3's live window and reuse distance where the device is the host (a CPU run): one
+    decoder layer, in the elements ZeRO-3 stores (a 4- or 8-bit base's packed bytes in
+    ``model.dtype`` elements, its quantization storage), and never less than the prefetch bucket.
+
+    DeepSpeed keeps a gathered parameter until it is next used more than
+    ``stage3_max_reuse_distance`` elements later, and prefetches while fewer than
+    ``stage3_max_live_parameters`` are gathered. HF's 1e9 keeps every parameter of a model below
+    1e9 gathered from its forward to its backward once DeepSpeed has traced a step: on a GPU that
+    is device memory the planner counts and saves a gather per layer in backward; on a CPU it is
+    host RAM, the whole model per rank from the second step on. With one layer a rank holds its
+    partition plus about the module being computed and the next layer, as FSDP2 does, and gathers
+    each layer again in backward, as FSDP2 does."""
+    h = shape.hidden_size if shape is not None else FALLBACK_HIDDEN_SIZE
+    bucket = int(0.9 * h * h)
+    if shape is None:
+        return bucket
+    linear = shape.layer_linear_params
+    q = recipe.model.quantization
+    if q is not None:  # packed: bits / 8 bytes a weight, stored as model.dtype elements
+        linear = -(-linear * q.bits // (8 * DTYPE_BYTES[recipe.model.dtype]))
+    return max(linear + 2 * h, bucket)
+
+
+def zero_optimization(recipe: Recipe, shape: ModelShape | None, *, device_is_host: bool = False) -> dict[str, Any]:
     """The ``zero_optimization`` block for stages 0-3, bucket sizes from the hidden size.
 
     The sizes are what HF's ``auto`` would give: reduce bucket h*h, stage-3 prefetch
-    0.9*h*h, and params smaller than 10*h kept whole on every rank.
+    0.9*h*h, and params smaller than 10*h kept whole on every rank. ``device_is_host``: a CPU
+    run's ZeRO-3 keeps about one decoder layer gathered (``host_live_window``), not HF's 1e9.
     """
     d = recipe.distributed
     stage = d.zero_stage
@@ -69,11 +96,12 @@ def zero_optimization(recipe: Recipe, shape: ModelShape | None) -> dict[str, Any
         zero["allgather_partitions"] = True
         zero["allgather_bucket_size"] = bucket
     else:
+        window = host_live_window(recipe, shape) if device_is_host else ZERO3_MAX_LIVE_PARAMETERS
         zero.update(
             stage3_prefetch_bucket_size=int(0.9 * h * h),
             stage3_param_persistence_threshold=10 * h,
-            stage3_max_live_parameters=ZERO3_MAX_LIVE_PARAMETERS,
-            stage3_max_reuse_distance=ZERO3_MAX_LIVE_PARAMETERS,
+            stage3_max_live_parameters=window,
+            stage3_max_reuse_distance=window,
             sub_group_size=1_000_000_000,
             # llmft consolidates ZeRO-3 shards itself at export; gathering 16-bit
             # weights on every save would materialise the whole model on rank 0.
@@ -96,8 +124,10 @@ def precision(dtype: str) -> dict[str, Any]:
     return {"bf16": {"enabled": dtype == "bf16"}, "fp16": fp16}
 
 
-def deepspeed_config(plan: RunPlan) -> dict[str, Any]:
-    """The complete DeepSpeed config of a resolved run (its batch solved for its world size)."""
+def deepspeed_config(plan: RunPlan, *, device_is_host: bool = False) -> dict[str, Any]:
+    """The complete DeepSpeed config of a resolved run (its batch solved for its world size).
+    ``ds_config.json`` is the GPU run's; a CPU run (``device_is_host``) differs only in ZeRO-3's
+    live window (``host_live_window``)."""
     recipe, batch = plan.recipe, plan.batch  # BatchPlan asserts the equation holds
     shape = model_shape(recipe.model)
     max_norm = plan.max_grad_norm  # the same value the other engines clip with
@@ -106,7 +136,7 @@ def deepspeed_config(plan: RunPlan) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": batch.micro_batch_size,
         "gradient_accumulation_steps": batch.gradient_accumulation_steps,
         "gradient_clipping": float(max_norm) if max_norm is not None else 0.0,
-        "zero_optimization": zero_optimization(recipe, shape),
+        "zero_optimization": zero_optimization(recipe, shape, device_is_host=device_is_host),
         **precision(recipe.model.dtype),
         # The optimizer is llmft's own torch (or bitsandbytes) optimizer.
         "zero_allow_untested_optimizer": True,

@@ -30,7 +30,7 @@ from typing import ClassVar
 from llmft.errors import Problem, UserError
 from llmft.job.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
 from llmft.plan.batch import divisors
-from llmft.plan.deepspeed import ZERO3_MAX_LIVE_PARAMETERS
+from llmft.plan.deepspeed import DTYPE_BYTES, ZERO3_MAX_LIVE_PARAMETERS
 from llmft.plan.engines import engine_spec
 from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL, objective_of, reference_kind
@@ -38,7 +38,6 @@ from llmft.plan.shape import ModelShape, linear_shapes, model_shape
 from llmft.recipe.schema import Recipe
 
 GIB = 2**30
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # 4-bit NF4 packs two weights per byte; each block of 64 weights has an absmax constant:
 # fp32 (4 / 64 B/param), or with double quantization an 8-bit constant plus one fp32
@@ -452,12 +451,20 @@ def _transient_weights(recipe: Recipe, engine: str, shape: ModelShape, params: P
     elif gathered == "live_window":
         # DeepSpeed releases a gathered parameter only when it is next used more than
         # stage3_max_reuse_distance parameters later and more than stage3_max_live_parameters are
-        # live (both 1e9, as HF's auto sets them): up to 1e9 parameters stay gathered between
-        # forward and backward, the whole model when it is smaller.
-        out += min(params.base, ZERO3_MAX_LIVE_PARAMETERS) * gather
+        # live (both 1e9 on a GPU, as HF's auto sets them): up to 1e9 parameters stay gathered
+        # between forward and backward, the whole model when it is smaller. A CPU run bounds both
+        # to a layer (host_memory_per_rank counts that instead).
+        out += _live_window(params, gather)
     elif spec.autocast_weight_cache and not peft and a < 4:
         out += params.base * a  # autocast's cached compute-dtype copy of every fp32 weight
-    if m.quantization is not None and m.quantization.bits == 4:
+    return out + _matrix_transients(recipe, params, a)
+
+
+def _matrix_transients(recipe: Recipe, params: Params, a: int) -> float:
+    """Whole weight matrices made for one matmul, on any engine."""
+    out = 0.0
+    quant = recipe.model.quantization
+    if quant is not None and quant.bits == 4:
         out += params.largest_linear * a  # one matrix dequantized for its matmul
     if recipe.peft.method == "dora":
         out += 2 * params.largest_linear * 4  # DoRA materialises W + BA to take its column norms
@@ -685,7 +692,99 @@ def host_memory_per_rank(plan: RunPlan, *, device_is_host: bool = False) -> int:
         return loading
     est = estimate_memory(plan)
     step = est.allocated
-    return max(loading, step)
+    recipe, spec = plan.recipe, engine_spec(plan.engine)
+    if _host_fsdp_units(plan):
+        step += int(_host_fsdp_window(plan) - est.transient_weights)
+    elif spec.param_gather == "live_window" and spec.shards_parameters(recipe):
+        # A CPU run's ZeRO-3 keeps about one layer gathered (plan.deepspeed.host_live_window), not
+        # the GPU's 1e9 parameters that estimate_memory counts.
+        step += int(host_gathered_bytes(recipe) - _live_window_bytes(recipe, plan.engine))
+    mapped = int(_host_mapped_weights(plan, est))
+    return max(loading - mapped, step - mapped)
+
+
+def host_mapped_per_rank(plan: RunPlan) -> int:
+    """Bytes of the pretrained weight files a CPU-only run's rank reads its frozen shards from in
+    place (page cache, shared by every process reading the files; not in ``host_memory_per_rank``)."""
+    return int(_host_mapped_weights(plan, estimate_memory(plan)))
+
+
+def _host_mapped_weights(plan: RunPlan, est: MemoryEstimate) -> float:
+    """The part of this rank's weight shards a CPU run's FSDP2 or ZeRO-3 leaves in the pretrained
+    weight files' pages (model/meta.py ``mapped_rows``, model/zero3.py: frozen, stored in the dtype
+    the run uses, assumed here to be ``model.dtype``), which is page cache, not the rank's own
+    memory: an adapter run's whole base, a 4-bit base's embedding, head and norms (its linears are
+    quantized copies). Not where parameters are offloaded (the engine's own buffers)."""
+    recipe = plan.recipe
+    sharded = engine_spec(plan.engine).shards_parameters(recipe)
+    offloaded = recipe.distributed.offload_params != "none"
+    if (
+        recipe.model.config is not None
+        or not plan.meta_init
+        or not sharded
+        or offloaded
+        or recipe.peft.method == "none"
+    ):
+        return 0.0
+    params = count_params(recipe, _require_shape(recipe))
+    a = DTYPE_BYTES[recipe.model.dtype]
+    frozen = params.other * a if recipe.model.quantization is not None else params.base * a
+    states = _states(recipe, plan.engine, params, a)
+    return est.weights * frozen / states["weights"]
+
+
+def _host_fsdp_units(plan: RunPlan) -> bool:
+    """A CPU run's FSDP2 with a frozen base: attention, MLP, embedding and head each a unit
+    gathered alone (engines/fsdp.py). A full fine-tune's units also hold their gradients while they
+    reduce: the device estimate (two layers and the root gathered) is kept for it."""
+    recipe = plan.recipe
+    spec = engine_spec(plan.engine)
+    sharded = spec.param_gather == "per_layer" and spec.shards_parameters(recipe)
+    return sharded and recipe.distributed.reshard_after_forward and recipe.peft.method != "none"
+
+
+def _host_fsdp_window(plan: RunPlan) -> float:
+    """What a CPU run's FSDP2 step holds gathered beyond the shards: the largest unit (attention,
+    MLP; the embedding and head only when trained or fresh: a frozen pretrained one is mapped
+    whole from its file, not gathered) twice, as its all-gather's output and the unsharded copy it
+    is copied into are both live while the copy runs (measured: bench/load_memory.py --phases),
+    and the whole matrices a matmul makes (a 4-bit base's dequantized one, DoRA's W + BA)."""
+    recipe, shape = plan.recipe, _require_shape(plan.recipe)
+    a = DTYPE_BYTES[recipe.model.dtype]
+    shapes = linear_shapes(shape)
+    quant = recipe.model.quantization
+    per_linear = a if quant is None else quant.bits / 8
+    attention = sum(i * o for n, (i, o) in shapes.items() if n not in MLP_LINEARS) * per_linear
+    mlp = sum(i * o for n, (i, o) in shapes.items() if n in MLP_LINEARS) * per_linear
+    saved = {str(n).rsplit(".", 1)[-1] for n in recipe.peft.modules_to_save or ()}
+    gathered_vocab = recipe.model.config is not None or bool(saved & {"embed_tokens", "lm_head"})
+    vocab = shape.vocab_size * shape.hidden_size * a if gathered_vocab else 0  # the embedding, the head alike
+    return 2 * max(attention, mlp, vocab) + _matrix_transients(recipe, count_params(recipe, shape), a)
+
+
+def host_gathered_bytes(recipe: Recipe) -> int:
+    """The weights a CPU run's ZeRO-3 holds gathered at its peak (``plan.deepspeed.host_live_window``:
+    live window and reuse distance one decoder layer): the layer being computed and the next one
+    (prefetched up to the live window; 4-bit where the base is), and the LM head, which the reuse
+    distance keeps from its forward to its backward (in the compute dtype: never quantized)."""
+    shape = _require_shape(recipe)
+    params, a = count_params(recipe, shape), DTYPE_BYTES[recipe.model.dtype]
+    q = recipe.model.quantization
+    linear_bytes = quantized_bytes_per_param(q.bits, q.double_quant) if q is not None else a
+    norms = params.layer - shape.layer_linear_params
+    layer = shape.layer_linear_params * linear_bytes + norms * a
+    return int(2 * layer + shape.vocab_size * shape.hidden_size * a)
+
+
+def _live_window_bytes(recipe: Recipe, engine: str) -> float:
+    """The gathered weights ``estimate`` counts for ZeRO-3's live window (the GPU's 1e9 parameters)."""
+    params, a = count_params(recipe, _require_shape(recipe)), DTYPE_BYTES[recipe.model.dtype]
+    weights = _states(recipe, engine, params, a)["weights"]
+    return _live_window(params, weights / max(params.base, 1) if recipe.model.quantization is not None else a)
+
+
+def _live_window(params: Params, gather: float) -> float:
+    return min(params.base, ZERO3_MAX_LIVE_PARAMETERS) * gather
 
 
 # What may make a recipe fit, tried in this order: (recipe key, value, what it costs).

@@ -12,6 +12,7 @@ from llmft.plan.memory import (
     MemoryEstimate,
     estimate_memory,
     format_estimate,
+    host_mapped_per_rank,
     host_memory_per_rank,
     longest_sequence,
     pick_micro_batch,
@@ -44,15 +45,17 @@ def plan_command(
         "",
     ]
     head += [f"note: {n}" for n in est.notes]
-    head.append(_host_line(plan))
+    head.append(host_line(plan))
     return "\n".join(head + _fit_lines(plan, est, measure_gpu))
 
 
-def _host_line(plan: RunPlan) -> str:
+def host_line(plan: RunPlan) -> str:
     """Host RAM per rank at its peak: with a GPU (loading, offloaded state), and on a CPU-only run,
     where the step's tensors are host memory too (docs/benchmarks.md measures both)."""
     gpu, cpu = host_memory_per_rank(plan), host_memory_per_rank(plan, device_is_host=True)
-    return f"host RAM per rank (peak): {gpu / GIB:.2f} GiB with a GPU, {cpu / GIB:.2f} GiB on a CPU-only run"
+    mapped = host_mapped_per_rank(plan)
+    files = f" (+ {mapped / GIB:.2f} GiB of the weight files read in place, page cache)" if mapped else ""
+    return f"host RAM per rank (peak): {gpu / GIB:.2f} GiB with a GPU, {cpu / GIB:.2f} GiB on a CPU-only run{files}"
 
 
 def _pairs(plan: RunPlan, est: MemoryEstimate) -> str:

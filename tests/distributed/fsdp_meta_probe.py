@@ -16,6 +16,8 @@ import os
 import sys
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import llmft.plan.resolve
@@ -82,9 +84,9 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
         "num_fully_shard": len(WATCH["fully_shard_devices"]),
         "from_pretrained_calls": len(WATCH["from_pretrained"]),
     }
-    local = sum(p.to_local().numel() for p in engine.model.parameters())
-    total = sum(p.numel() for p in engine.model.parameters())
-    out["local_fraction"] = local / total
+    sharded = [p for p in engine.model.parameters() if isinstance(p, DTensor)]
+    out["local_fraction"] = sum(p.to_local().numel() for p in sharded) / sum(p.numel() for p in sharded)
+    out["whole"] = sorted(n for n, p in engine.model.named_parameters() if not isinstance(p, DTensor))
     torch.random.set_rng_state(rng_before)  # the reference starts from the same global RNG
     quantized = recipe.model.quantization is not None
     # A 4-bit reference is FSDP's whole build (the same packed storage dtype), before sharding.
@@ -94,7 +96,7 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     ref_params = dict(reference.named_parameters())
     diffs, shards_differ = {}, True
     for name, p in engine.model.named_parameters():
-        full = p.full_tensor()
+        full = _full(p)
         assert full.dtype == ref_params[name].dtype, (name, full.dtype, ref_params[name].dtype)
         if type(ref_params[name]).__name__ == "Params4bit":  # packed bytes: compared as bytes
             same = torch.equal(full.view(torch.uint8), ref_params[name].data.view(torch.uint8))
@@ -121,16 +123,41 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     if recipe.model.config is not None:  # a fresh model: its own seeded init, the same on a rebuild
         again = fsdp_engine.FSDPEngine(plan, env, tokenizer, optimizer).model.named_parameters()
         params = dict(engine.model.named_parameters())
-        out["rebuild_diff"] = max((p.full_tensor() - params[n].full_tensor()).abs().max().item() for n, p in again)
-        matrices = [p.full_tensor() for n, p in params.items() if p.dim() == 2 and "lora_" not in n]
+        out["rebuild_diff"] = max((_full(p) - _full(params[n])).abs().max().item() for n, p in again)
+        matrices = [_full(p) for n, p in params.items() if p.dim() == 2 and "lora_" not in n]
         out["matrix_std"] = [min(m.std().item() for m in matrices), max(m.std().item() for m in matrices)]
     ids = torch.arange(24).view(2, 12) * 7 % 250
     with torch.no_grad():
         logits = engine.model(input_ids=ids).logits.float()
         ref_logits = reference(input_ids=ids).logits.float()
     out["logits_finite"] = bool(logits.isfinite().all())
+    # After the forward (FSDP2's lazy init adopted the shards): which frozen weights of the model,
+    # 4-bit ones aside, are this rank's rows of the weight file itself (a mapping, not a copy).
+    for module in engine.model.modules():  # units kept gathered after forward (root, head) too
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    packed = {id(m.weight) for m in engine.model.modules() if type(m).__name__ == "Linear4bit"}
+    frozen = {n: p for n, p in engine.model.named_parameters() if not p.requires_grad and id(p) not in packed}
+    out["frozen"] = len(frozen)
+    local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in frozen.items()}
+    out["frozen_copied"] = sorted(n for n, t in local.items() if not _in_weight_file(t.data_ptr()))
     out["logits_diff"] = (logits - ref_logits).abs().max().item()
     return out
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: gathered when sharded (a CPU run's mapped embedding and head are not)."""
+    return p.full_tensor() if isinstance(p, DTensor) else p.data
+
+
+def _in_weight_file(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of a .safetensors file (/proc/self/maps)."""
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[-1].endswith(".safetensors")
+    return False
 
 
 def _same_state(a, b) -> bool:

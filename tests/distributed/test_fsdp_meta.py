@@ -43,6 +43,24 @@ VARIANTS = [
 ]
 
 
+# On a CPU each decoder layer is 3 units (attention, MLP, the layer's norms), + the root, + the
+# embedding and the head, each a unit unless tied (in the root), absent (a score model's head) or
+# frozen in the run's dtype in the file: then every rank maps it whole, unsharded (MAPPED_WHOLE).
+BOTH = ["model.embed_tokens.weight", "lm_head.weight"]
+VOCAB_UNITS = {
+    "full": BOTH,
+    "lora": [],
+    "dora_bf16": BOTH,  # stored fp32, run in bf16
+    "lora_save_head": ["lm_head.weight"],  # the trained copy and its frozen original
+    "tied_sharded": [],
+    "fresh_big": BOTH,
+    "qlora": [],
+    "reward_full": BOTH[:1],
+    "reward_lora": [],
+}
+MAPPED_WHOLE = {"lora": BOTH, "lora_save_head": BOTH[:1], "qlora": BOTH, "reward_lora": BOTH[:1]}
+
+
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     """The one launch: builds, compares and trains on 2 ranks. Returns (workdir, report)."""
@@ -54,9 +72,36 @@ def probe(tmp_path_factory):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_meta_build_never_holds_the_whole_model(probe, variant):
     r = probe[1][variant]
-    assert r["meta_at_fully_shard"] and r["num_fully_shard"] == 3  # 2 decoder layers + the root
+    assert r["meta_at_fully_shard"]
+    assert r["num_fully_shard"] == 2 * 3 + len(VOCAB_UNITS[variant]) + 1, r["num_fully_shard"]
+    assert r["whole"] == sorted(f"base_model.model.{n}" for n in MAPPED_WHOLE.get(variant, []))
     assert r["from_pretrained_calls"] == 0
     assert 0.45 < r["local_fraction"] < 0.55  # this rank's half of every tensor, no more
+
+
+# Frozen weights stored in the dtype they are used in are mapped: LoRA's base, a QLoRA base's
+# embedding, norms and head (its 4-bit weights are quantized), a reward model's frozen base. Copied:
+# weights stored in another dtype (tied_sharded's files are bf16, its run fp32; dora_bf16 the
+# other way), a fresh model (no file) and a score head the checkpoint lacks (seeded inits); a full
+# fine-tune freezes nothing.
+COPIED = {
+    "tied_sharded": "all",
+    "dora_bf16": "all",
+    "fresh_big": "all",
+    "reward_lora": ["base_model.model.score.original_module.weight"],
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_cpu_runs_frozen_shards_are_the_weight_files_pages(probe, variant):
+    """On a CPU the frozen base is not copied: each rank's rows of it are the safetensors file's
+    own pages (shared through the page cache, as from_pretrained leaves a CPU model's weights)."""
+    r = probe[1][variant]
+    copied = COPIED.get(variant, [])
+    assert r["frozen_copied"] == (sorted(r["frozen_copied"]) if copied == "all" else copied)
+    if copied == "all":
+        assert len(r["frozen_copied"]) == r["frozen"] > 0
+    assert r["frozen"] > 0 or variant in ("full", "reward_full")
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "fresh_big"])

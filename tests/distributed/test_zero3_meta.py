@@ -49,6 +49,24 @@ def test_zero3_partitioned_load_is_the_whole_model(probe, variant):
     assert r["same_rng_after"]
 
 
+def test_a_cpu_runs_frozen_partitions_are_the_weight_files_pages(probe):
+    """On a CPU a frozen weight stored in the run's dtype is not copied: each rank's partition of
+    it is the safetensors file's own pages. Not mapped: a full fine-tune's (trained), bf16 files
+    under an fp32 run (tied_sharded), offloaded partitions (DeepSpeed's own CPU buffers)."""
+    report = probe[1]
+    for variant in ("lora", "dora", "lora_save_head", "qlora"):
+        assert len(report[variant]["frozen_mapped"]) == report[variant]["frozen"] > 0, variant
+    # the score head the checkpoint lacks gets its seeded init: a copy
+    r = report["reward_lora"]
+    assert (
+        len(r["frozen_mapped"]) == r["frozen"] - 1
+        and "base_model.model.score.original_module.weight" not in r["frozen_mapped"]
+    )
+    for variant in ("tied_sharded", "qlora_offload"):
+        assert report[variant]["frozen"] > 0 and report[variant]["frozen_mapped"] == [], variant
+    assert report["full"]["frozen"] == report["reward_full"]["frozen"] == 0
+
+
 def test_zero3_4bit_load_has_the_whole_builds_statistics(probe):
     r = probe[1]["qlora"]
     assert r["num_4bit"] == 14  # 7 linear layers in each of 2 decoder layers

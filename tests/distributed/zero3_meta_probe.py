@@ -117,7 +117,23 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
         logits = engine.model(input_ids=ids).logits.float()
         ref_logits = reference(input_ids=ids).logits.float()
     out["logits_diff"] = (logits - ref_logits).abs().max().item()
+    # After the forward: the frozen weights (4-bit ones aside) whose partition is this rank's range
+    # of the weight file itself (a mapping, not a copy).
+    packed = {id(m.weight) for m in engine.model.modules() if type(m).__name__ == "Linear4bit"}
+    frozen = {n: p for n, p in params.items() if not p.requires_grad and id(p) not in packed}
+    out["frozen"] = len(frozen)
+    out["frozen_mapped"] = sorted(n for n, p in frozen.items() if _in_weight_file(p.ds_tensor.data_ptr()))
     return out
+
+
+def _in_weight_file(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of a .safetensors file (/proc/self/maps)."""
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[-1].endswith(".safetensors")
+    return False
 
 
 def main() -> None:

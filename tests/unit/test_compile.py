@@ -19,7 +19,7 @@ import yaml
 from helpers import COMPILE_RECIPE, write_text_recipe
 
 from llmft.plan.compile import compile_recipe
-from llmft.plan.deepspeed import FALLBACK_HIDDEN_SIZE, deepspeed_config, zero_optimization
+from llmft.plan.deepspeed import FALLBACK_HIDDEN_SIZE, deepspeed_config, host_live_window, zero_optimization
 from llmft.plan.fsdp import Mesh, MixedPrecision, accelerate_config, fsdp_plan
 from llmft.plan.resolve import resolve
 from llmft.plan.shape import ModelShape, model_shape
@@ -488,3 +488,38 @@ def test_4bit_storage_other_than_the_compute_dtype_is_refused_where_sharded(base
             model__quantization=QuantizationConfig(bits=4, quant_storage="uint8"),
             peft__method="lora",
         )
+
+
+def test_a_cpu_run_keeps_one_zero3_layer_gathered_not_the_model(base, ds_parse):
+    """On a CPU the gathered weights are host RAM: a CPU run's ZeRO-3 live window and reuse
+    distance are one decoder layer as ZeRO-3 stores it (a 4-bit base's packed elements), never the
+    whole model; the written config (a GPU's) keeps HF's 1e9; DeepSpeed accepts both."""
+    run = ds_recipe(base, 3, "none", "none", "fp32", 2, peft__method="lora")
+    shape = model_shape(run.recipe.model)
+    on_cpu = deepspeed_config(run, device_is_host=True)
+    zero = on_cpu["zero_optimization"]
+    layer = shape.layer_linear_params + 2 * shape.hidden_size
+    assert zero["stage3_max_live_parameters"] == zero["stage3_max_reuse_distance"] == layer
+    assert zero["stage3_max_reuse_distance"] < shape.num_params // 2  # a layer, not the model (1e9: all of it)
+    assert {k: v for k, v in on_cpu.items() if k != "zero_optimization"} == {
+        k: v for k, v in deepspeed_config(run).items() if k != "zero_optimization"
+    }
+    written = deepspeed_config(run)["zero_optimization"]
+    assert written["stage3_max_live_parameters"] == written["stage3_max_reuse_distance"] == 10**9
+    assert {k: v for k, v in zero.items() if not k.startswith("stage3_max")} == {
+        k: v for k, v in written.items() if not k.startswith("stage3_max")
+    }
+    ds_parse(on_cpu, 2)
+
+    qlora = ds_recipe(
+        base, 3, "none", "none", "fp32", 2, peft__method="lora", model__quantization=QuantizationConfig(bits=4)
+    )
+    packed = host_live_window(qlora.recipe, shape)  # two weights a byte, four bytes an fp32 element
+    assert packed == -(-shape.layer_linear_params // 8) + 2 * shape.hidden_size
+    assert deepspeed_config(qlora, device_is_host=True)["zero_optimization"]["stage3_max_live_parameters"] == packed
+    small = ModelShape.from_config({"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 16})
+    bucket = zero_optimization(qlora.recipe, small)["stage3_prefetch_bucket_size"]
+    assert host_live_window(qlora.recipe, small) == bucket  # a packed layer below one prefetch bucket
+    assert host_live_window(run.recipe, None) == int(0.9 * FALLBACK_HIDDEN_SIZE**2)  # shape unknown: one bucket
+    stage2 = ds_recipe(base, 2, "none", "none", "fp32", 2)
+    assert deepspeed_config(stage2, device_is_host=True) == deepspeed_config(stage2)

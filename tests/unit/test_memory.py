@@ -9,6 +9,7 @@ from llmft.errors import UserError
 from llmft.plan.batch import divisors
 from llmft.plan.engines import choose_engine
 from llmft.plan.memory import (
+    DTYPE_BYTES,
     GIB,
     count_params,
     estimate,
@@ -286,13 +287,39 @@ def test_host_memory_per_node_counts_how_the_model_is_loaded(base):
 def test_host_memory_per_rank_is_loading_with_a_gpu_and_the_step_too_on_a_cpu(base):
     """``llmft plan``'s host line: with a GPU a rank's share of the node's loading peak; on a
     CPU-only run the step's tensors are host memory too, and the larger phase is the peak."""
-    from llmft.plan.memory import host_memory_per_node, host_memory_per_rank
+    from llmft.plan.memory import host_mapped_per_rank, host_memory_per_node, host_memory_per_rank
+    from llmft.plan.report import host_line
 
     lora = load(base, "peft.method=lora", "distributed.engine=fsdp", nproc=8)
     assert host_memory_per_rank(lora) == host_memory_per_node(lora) // 8
-    step = estimate_memory(lora).allocated
-    assert step > host_memory_per_node(lora, device_is_host=True) // 8  # the step is the peak here
-    assert host_memory_per_rank(lora, device_is_host=True) == step
+    est = estimate_memory(lora)
+    assert est.allocated > host_memory_per_node(lora, device_is_host=True) // 8  # the step is the peak here
+    # A CPU run's FSDP2 gathers one unit at a time (engines/fsdp.py): the larger of attention and
+    # MLP, twice (its all-gather output and the unsharded copy), not two layers and the root; the
+    # frozen embedding and head are mapped whole from the weight files, never gathered.
+    shape = model_shape(lora.recipe.model)
+    a = DTYPE_BYTES[lora.recipe.model.dtype]
+    mlp = 3 * shape.hidden_size * shape.intermediate_size
+    assert mlp > 4 * shape.hidden_size**2
+    window = 2 * mlp * a
+    # LoRA's frozen base shard stays in the weight files' pages (model/meta.py): page cache, not the
+    # rank's own memory.
+    assert lora.meta_init
+    on_cpu = est.allocated - est.transient_weights + window - est.weights
+    assert host_memory_per_rank(lora, device_is_host=True) == pytest.approx(on_cpu, abs=2)
+    assert host_mapped_per_rank(lora) == pytest.approx(est.weights, abs=2)
+    assert "of the weight files read in place, page cache)" in host_line(lora)
+    # QLoRA: the 4-bit linears are quantized copies; the embedding, head and norms are mapped, and
+    # one matrix is dequantized for its matmul.
+    qlora = load(base, "peft.method=lora", "model.quantization={bits: 4}", "distributed.engine=fsdp", nproc=8)
+    est = estimate_memory(qlora)
+    params = count_params(qlora.recipe, shape)
+    window = 2 * mlp * 0.5 + params.largest_linear * a  # 4-bit: half a byte per weight
+    on_cpu = est.allocated - est.transient_weights + window - params.other * a / 8
+    assert host_memory_per_rank(qlora, device_is_host=True) == pytest.approx(on_cpu, abs=2)
+    # A full fine-tune keeps the device estimate (units also hold their gradients while they reduce).
+    full = load(base, "distributed.engine=fsdp", nproc=8)
+    assert host_memory_per_rank(full, device_is_host=True) == estimate_memory(full).allocated
 
 
 def test_the_steps_mmap_threshold_keeps_gathered_weights_mapped(base):
@@ -305,3 +332,30 @@ def test_the_steps_mmap_threshold_keeps_gathered_weights_mapped(base):
     zero3 = load(base, *QLORA, "distributed.engine=deepspeed", "distributed.zero_stage=3", nproc=8)
     assert step_mmap_threshold(zero3) == MMAP_THRESHOLD
     assert step_mmap_threshold(load(base, "distributed.engine=ddp", nproc=8)) == STEP_MMAP_THRESHOLD == 32 << 20
+
+
+def test_a_cpu_runs_zero3_host_line_counts_one_layer_gathered_not_the_live_window(base):
+    """A CPU run's ZeRO-3 keeps about one layer gathered (plan.deepspeed.host_live_window): the
+    host line counts the layer being computed, the prefetched next one and the LM head (kept from
+    its forward to its backward) instead of the GPU's 1e9-parameter live window; a 4-bit base's
+    layers gathered packed, its head in the compute dtype."""
+    from llmft.plan.memory import host_gathered_bytes, host_memory_per_node, host_memory_per_rank
+
+    zero3 = ("distributed.engine=deepspeed", "distributed.zero_stage=3")
+    for overrides, linear_bytes in (
+        (("peft.method=lora",), 2),
+        ((*QLORA,), quantized_bytes_per_param(4, True)),
+    ):
+        plan = load(base, *overrides, *zero3, nproc=8)
+        shape = model_shape(plan.recipe.model)
+        layer = shape.layer_linear_params * linear_bytes + 2 * shape.hidden_size * 2  # bf16 norms
+        head = shape.vocab_size * shape.hidden_size * 2
+        assert host_gathered_bytes(plan.recipe) == pytest.approx(2 * layer + head, rel=1e-6)
+
+    lora = load(base, "peft.method=lora", *zero3, nproc=8)
+    gpu_step = estimate_memory(lora).allocated  # counts 1e9 bf16 parameters gathered (8B > 1e9)
+    cpu_step = gpu_step - 10**9 * 2 + host_gathered_bytes(lora.recipe)
+    assert cpu_step > host_memory_per_node(lora, device_is_host=True) // 8  # the step is the peak here
+    # less the frozen base's partition, which stays in the weight files' pages (model/zero3.py)
+    on_cpu = cpu_step - estimate_memory(lora).weights
+    assert host_memory_per_rank(lora, device_is_host=True) == pytest.approx(on_cpu, abs=2)

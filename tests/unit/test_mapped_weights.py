@@ -1,0 +1,59 @@
+"""A CPU run's frozen shards straight from the weight files (llmft/model/meta.py ``mapped_rows``,
+``mapped_flat``): the file's own pages, equal to what a copy reads, and a write never reaches the file."""
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from llmft.model.meta import SafetensorsWeights
+
+
+def _weights(tmp_path: Path) -> tuple[SafetensorsWeights, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    tensors = {
+        "w": torch.randn(6, 4),
+        "half": torch.randn(6, 4).to(torch.bfloat16),
+        "odd": torch.randn(3, 5),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    files = dict.fromkeys(tensors, "model.safetensors")
+    return SafetensorsWeights(tmp_path, files, {k: k for k in tensors}), tensors
+
+
+def _in_file(t: torch.Tensor, path: Path) -> bool:
+    address = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[-1] == str(path)
+    return False
+
+
+def test_rows_are_the_files_pages_and_equal_a_read(tmp_path):
+    weights, tensors = _weights(tmp_path)
+    index = (slice(2, 5), slice(0, 4))
+    rows = weights.mapped_rows("w", index, torch.Size((6, 4)), torch.float32)
+    assert torch.equal(rows, tensors["w"][2:5]) and torch.equal(rows, weights.read("w", index, torch.Size((6, 4))))
+    assert _in_file(rows, tmp_path / "model.safetensors")
+    flat = weights.mapped_flat("odd", torch.Size((3, 5)), torch.float32, 4, 13)
+    assert torch.equal(flat, tensors["odd"].reshape(-1)[4:13])
+
+
+def test_a_write_stays_in_this_process(tmp_path):
+    weights, tensors = _weights(tmp_path)
+    before = (tmp_path / "model.safetensors").read_bytes()
+    rows = weights.mapped_rows("w", (slice(0, 6), slice(0, 4)), torch.Size((6, 4)), torch.float32)
+    rows.add_(1.0)
+    assert torch.equal(rows, tensors["w"] + 1.0)
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+
+
+def test_what_cannot_be_mapped_is_none(tmp_path):
+    weights, _ = _weights(tmp_path)
+    shape = torch.Size((6, 4))
+    assert weights.mapped_rows("half", (slice(0, 3), slice(0, 4)), shape, torch.float32) is None  # stored bf16
+    assert weights.mapped_rows("w", (slice(0, 3), slice(0, 2)), shape, torch.float32) is None  # not whole rows
+    assert weights.mapped_rows("w", (slice(0, 3), slice(0, 4)), torch.Size((4, 6)), torch.float32) is None  # shape
+    assert weights.mapped_flat("w", shape, torch.float32, 20, 30) is None  # past the end
