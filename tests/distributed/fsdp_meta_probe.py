@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -24,6 +25,9 @@ import llmft.plan.resolve
 from llmft.engines import fsdp as fsdp_engine
 from llmft.job.dist import leave_process
 from llmft.training.train import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared helpers
+from mapped import in_weight_file  # noqa: E402
 
 LORA = ["peft.method=lora", "peft.r=4"]
 VARIANTS = {
@@ -140,7 +144,7 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     frozen = {n: p for n, p in engine.model.named_parameters() if not p.requires_grad and id(p) not in packed}
     out["frozen"] = len(frozen)
     local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in frozen.items()}
-    out["frozen_copied"] = sorted(n for n, t in local.items() if not _in_weight_file(t.data_ptr()))
+    out["frozen_copied"] = sorted(n for n, t in local.items() if not in_weight_file(t.data_ptr()))
     out["logits_diff"] = (logits - ref_logits).abs().max().item()
     return out
 
@@ -148,16 +152,6 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
 def _full(p: torch.Tensor) -> torch.Tensor:
     """A parameter whole: gathered when sharded (a CPU run's mapped embedding and head are not)."""
     return p.full_tensor() if isinstance(p, DTensor) else p.data
-
-
-def _in_weight_file(address: int) -> bool:
-    """Whether ``address`` lies in a mapping of a .safetensors file (/proc/self/maps)."""
-    for line in open("/proc/self/maps"):
-        span, *rest = line.split()
-        start, end = (int(x, 16) for x in span.split("-"))
-        if start <= address < end:
-            return rest[-1].endswith(".safetensors")
-    return False
 
 
 def _same_state(a, b) -> bool:

@@ -13,12 +13,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from llmft.job.dist import leave_process
 from llmft.training.train import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: shared helpers
+from mapped import in_weight_file  # noqa: E402
 
 ZERO3 = ["distributed.engine=deepspeed", "distributed.zero_stage=3"]
 LORA = ["peft.method=lora", "peft.r=4"]
@@ -122,18 +126,8 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     packed = {id(m.weight) for m in engine.model.modules() if type(m).__name__ == "Linear4bit"}
     frozen = {n: p for n, p in params.items() if not p.requires_grad and id(p) not in packed}
     out["frozen"] = len(frozen)
-    out["frozen_mapped"] = sorted(n for n, p in frozen.items() if _in_weight_file(p.ds_tensor.data_ptr()))
+    out["frozen_mapped"] = sorted(n for n, p in frozen.items() if in_weight_file(p.ds_tensor.data_ptr()))
     return out
-
-
-def _in_weight_file(address: int) -> bool:
-    """Whether ``address`` lies in a mapping of a .safetensors file (/proc/self/maps)."""
-    for line in open("/proc/self/maps"):
-        span, *rest = line.split()
-        start, end = (int(x, 16) for x in span.split("-"))
-        if start <= address < end:
-            return rest[-1].endswith(".safetensors")
-    return False
 
 
 def main() -> None:

@@ -4,6 +4,7 @@
 from pathlib import Path
 
 import torch
+from mapped import in_weight_file
 from safetensors.torch import save_file
 
 from llmft.model.meta import SafetensorsWeights
@@ -21,22 +22,12 @@ def _weights(tmp_path: Path) -> tuple[SafetensorsWeights, dict[str, torch.Tensor
     return SafetensorsWeights(tmp_path, files, {k: k for k in tensors}), tensors
 
 
-def _in_file(t: torch.Tensor, path: Path) -> bool:
-    address = t.data_ptr()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span, *rest = line.split()
-        start, end = (int(x, 16) for x in span.split("-"))
-        if start <= address < end:
-            return rest[-1] == str(path)
-    return False
-
-
 def test_rows_are_the_files_pages_and_equal_a_read(tmp_path):
     weights, tensors = _weights(tmp_path)
     index = (slice(2, 5), slice(0, 4))
     rows = weights.mapped_rows("w", index, torch.Size((6, 4)), torch.float32)
     assert torch.equal(rows, tensors["w"][2:5]) and torch.equal(rows, weights.read("w", index, torch.Size((6, 4))))
-    assert _in_file(rows, tmp_path / "model.safetensors")
+    assert in_weight_file(rows.data_ptr(), tmp_path / "model.safetensors")
     flat = weights.mapped_flat("odd", torch.Size((3, 5)), torch.float32, 4, 13)
     assert torch.equal(flat, tensors["odd"].reshape(-1)[4:13])
 
