@@ -254,7 +254,10 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 def _map_safetensors(path: Path) -> tuple[int, dict[str, Any], torch.UntypedStorage]:
     """Where a safetensors file's data starts, its header (each tensor's dtype, shape and byte
     range from there: an 8-byte little-endian length, then that many bytes of JSON), and the
-    whole file mapped privately (its pages are read when first touched)."""
+    whole file mapped privately (its pages are read when first touched). The file is opened with
+    safetensors first, so a damaged one fails as it does for ``read`` (header, coverage)."""
+    with safe_open(str(path), framework="pt"):
+        pass
     with open(path, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(length))

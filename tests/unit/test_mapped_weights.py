@@ -3,8 +3,10 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 from mapped import in_weight_file
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from llmft.model.meta import SafetensorsWeights
@@ -48,3 +50,17 @@ def test_what_cannot_be_mapped_is_none(tmp_path):
     assert weights.mapped_rows("w", (slice(0, 3), slice(0, 2)), shape, torch.float32) is None  # not whole rows
     assert weights.mapped_rows("w", (slice(0, 3), slice(0, 4)), torch.Size((4, 6)), torch.float32) is None  # shape
     assert weights.mapped_flat("w", shape, torch.float32, 20, 30) is None  # past the end
+
+
+def test_a_damaged_file_fails_as_a_read_of_it_does(tmp_path):
+    """A truncated weight file: the mapping reports safetensors' own error, as ``read`` does (the
+    message the load's error handling names the damaged file with), not a torch storage error."""
+    weights, _ = _weights(tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    index, shape = (slice(0, 3), slice(0, 4)), torch.Size((6, 4))
+    with pytest.raises(SafetensorError, match="incomplete metadata, file not fully covered") as read:
+        weights.read("w", index, shape)
+    with pytest.raises(SafetensorError) as mapped:
+        weights.mapped_rows("w", index, shape, torch.float32)
+    assert str(mapped.value) == str(read.value)
