@@ -156,13 +156,18 @@ def layer_parts(layer: torch.nn.Module) -> list[torch.nn.Module]:
     return [c for c in layer.children() if 4 * sum(p.numel() for p in c.parameters()) >= total]
 
 
+def _embedding_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """The model's input embedding and LM head modules (None where it has none: a score model's head)."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    return (get_in() if get_in else None), (get_out() if get_out else None)
+
+
 def vocab_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
     """The input embedding and the LM head, each its own unit on a CPU run, with whether it is
     resharded after forward: the embedding is (its backward needs no weight: the embedding is
     frozen or its gradient is a sparse scatter computed from the gathered weight's shape), the
     head is not (its backward comes first). Neither when they share a weight (tied)."""
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    embed, head = get_in() if get_in else None, get_out() if get_out else None
+    embed, head = _embedding_and_head(model)
     units = []
     if embed is not None and not (head is not None and getattr(head, "weight", None) is embed.weight):
         units.append((embed, True))
@@ -179,10 +184,7 @@ def mapped_vocab(
     whole (``llmft.model.meta.materialize``) and FSDP2 leaves them alone."""
     if weights is None:
         return set()
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    candidates = [
-        m._parameters.get("weight") for m in (get_in() if get_in else None, get_out() if get_out else None) if m
-    ]
+    candidates = [m._parameters.get("weight") for m in _embedding_and_head(model) if m is not None]
     by_key = slots.by_key()
     keys = {id(slots.param(name)): (key, name) for key, names in by_key.items() for name in names}
     whole = set()

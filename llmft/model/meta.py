@@ -329,18 +329,19 @@ def materialize(
                 if key in weights.fresh:
                     continue
                 for name in names:
+                    written.add(name)
+                    if name in slots.packed:
+                        _quantize_into_shard(slots, name, weights, key, device)
+                        continue
                     param = slots.param(name)
                     local, index = local_shard(param)
                     mapped = None
-                    if in_host_memory and not param.requires_grad and name not in slots.packed:
+                    if in_host_memory and not param.requires_grad:
                         mapped = weights.mapped_rows(key, index, param.shape, slots.dtype[name])
-                    if name in slots.packed:
-                        _quantize_into_shard(slots, name, weights, key, device)
-                    elif mapped is not None:
+                    if mapped is not None:
                         _place_shard(slots, name, mapped)
                     else:
                         local.copy_(weights.read(key, index, param.shape).to(slots.dtype[name]))
-                    written.add(name)
             weights.close()
             written |= _init_head(slots, weights.fresh, seed)
         else:

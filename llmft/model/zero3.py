@@ -91,7 +91,7 @@ def materialize(
             elif (
                 name in by_key
                 and host
-                and (mapped := _mapped_partition(param, weights, by_key[name], slots, name)) is not None
+                and (mapped := _mapped_partition(param, weights, by_key[name], slots, name, start, end)) is not None
             ):
                 param.partition()  # what it copies is replaced: this rank's range of the weight file's own pages
                 param.ds_tensor.data = mapped
@@ -112,15 +112,15 @@ def materialize(
 
 
 def _mapped_partition(
-    param: torch.nn.Parameter, weights: SafetensorsWeights, key: str, slots: ParamSlots, name: str
+    param: torch.nn.Parameter, weights: SafetensorsWeights, key: str, slots: ParamSlots, name: str, start: int, end: int
 ) -> torch.Tensor | None:
     """On a CPU run, a frozen weight stored in the dtype the model uses: this rank's partition as
     the weight file's own pages (``SafetensorsWeights.mapped_flat``), nothing copied; None for a
     weight to train, a padded partition (the last rank's, when the size does not divide), a weight
-    ZeRO-3 keeps whole (``ds_persist``) or one the file holds in another dtype."""
+    ZeRO-3 keeps whole (``ds_persist``) or one the file holds in another dtype. ``[start, end)``:
+    the partition's elements (``partition_range``)."""
     if param.requires_grad or getattr(param, "ds_persist", False):
         return None
-    start, end = partition_range(param.ds_numel, param.ds_zero_partition_rank, param.ds_zero_partition_world_size)
     if end - start != -(-param.ds_numel // param.ds_zero_partition_world_size):
         return None
     return weights.mapped_flat(key, param.ds_shape, slots.dtype[name], start, end)
