@@ -17,7 +17,11 @@ the meta device exactly as for FSDP2, and then, one parameter at a time:
   it whole on load; the whole statistics go on the parameter and its module, where bitsandbytes
   finds them when DeepSpeed gathers the weight for a forward;
 - adapters get llmft's seeded init (``llmft.model.adapters.initial_adapter_weights``); DoRA magnitudes the
-  row norms of the loaded base weight, computed while that weight is gathered, one layer at a time.
+  row norms of the loaded base weight, computed while that weight is gathered, one layer at a time;
+- on a CPU run (parameters not offloaded) a PEFT run's frozen weight stored in the run's dtype is
+  not partitioned over the ranks: it is the weight file's own pages, whole, a ZeRO-3 parameter
+  partitioned over a group of this rank alone (``_kept_whole``), so DeepSpeed's fetch points at
+  the pages instead of gathering the weight, and a node holds it once, in the page cache.
 
 Peak per rank: its partitions plus its part of one parameter (the full-size allocation is
 untouched outside that part, except for small tensors). The model equals the whole build to the
@@ -74,10 +78,14 @@ def materialize(
         )
     by_key = {name: key for key, names in slots.by_key().items() for name in names}
     offloaded = ds_config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none") != "none"
-    host = device.type == "cpu" and not offloaded  # partitions live in this process's memory
+    # partitions live in this process's memory; a frozen weight is excluded from checkpoints (PEFT)
+    alone = _group_of_this_rank() if device.type == "cpu" and not offloaded and slots.peft else None
     with torch.no_grad():
         init_buffers(model, slots, device)
         for name, owners in slots.owners.items():
+            if alone is not None and (mapped := _mapped_whole(slots, weights, by_key, head, name)) is not None:
+                _kept_whole(init, mapped, owners, alone)
+                continue
             param = _zero_param(init, slots, name, owners, device)
             start, end = partition_range(
                 param.ds_numel, param.ds_zero_partition_rank, param.ds_zero_partition_world_size
@@ -88,14 +96,6 @@ def materialize(
                 )
             elif by_key.get(name) in head:
                 values = head[by_key[name]].reshape(-1)[start:end].to(slots.dtype[name])
-            elif (
-                name in by_key
-                and host
-                and (mapped := _mapped_partition(param, weights, by_key[name], slots, name, start, end)) is not None
-            ):
-                param.partition()  # what it copies is replaced: this rank's range of the weight file's own pages
-                param.ds_tensor.data = mapped
-                continue
             elif name in by_key:
                 values = weights.read_flat(by_key[name], param.ds_shape, start, end).to(slots.dtype[name])
             elif name in adapters:
@@ -111,19 +111,51 @@ def materialize(
             _dora_magnitudes(model)
 
 
-def _mapped_partition(
-    param: torch.nn.Parameter, weights: SafetensorsWeights, key: str, slots: ParamSlots, name: str, start: int, end: int
+def _group_of_this_rank() -> Any:
+    """A process group of this rank alone (only its member creates it)."""
+    rank = torch.distributed.get_rank()
+    return torch.distributed.new_group([rank], use_local_synchronization=True)
+
+
+def _mapped_whole(
+    slots: ParamSlots, weights: SafetensorsWeights, by_key: dict[str, str], head: dict[str, Any], name: str
 ) -> torch.Tensor | None:
-    """On a CPU run, a frozen weight stored in the dtype the model uses: this rank's partition as
+    """A frozen pretrained weight the file holds in the dtype the model uses: the whole weight as
     the weight file's own pages (``SafetensorsWeights.mapped_flat``), nothing copied; None for a
-    weight to train, a padded partition (the last rank's, when the size does not divide), a weight
-    ZeRO-3 keeps whole (``ds_persist``) or one the file holds in another dtype. ``[start, end)``:
-    the partition's elements (``partition_range``)."""
-    if param.requires_grad or getattr(param, "ds_persist", False):
+    weight to train, a 4-bit one (quantized at load), a new head, or one stored in another dtype."""
+    meta = slots.param(name)
+    key = by_key.get(name)
+    if meta.requires_grad or name in slots.packed or key is None or key in head:
         return None
-    if end - start != -(-param.ds_numel // param.ds_zero_partition_world_size):
-        return None
-    return weights.mapped_flat(key, param.ds_shape, slots.dtype[name], start, end)
+    mapped = weights.mapped_flat(key, meta.shape, slots.dtype[name], 0, meta.shape.numel())
+    return None if mapped is None else mapped.view(meta.shape)
+
+
+def _kept_whole(init: Any, mapped: torch.Tensor, owners: list[tuple[torch.nn.Module, str]], alone: Any) -> None:
+    """Make ``mapped`` (a frozen weight, the weight file's own pages) a ZeRO-3 parameter
+    partitioned over ``alone``, a group of this rank only: its one partition is the whole weight,
+    so DeepSpeed's fetch points the parameter at those pages (its no-gather path for a partition
+    group of one) instead of gathering it from the other ranks, and its release drops only that
+    view. Each rank reads the weight in place; a node holds it once, in the page cache.
+
+    Only for weights a checkpoint leaves out (a PEFT run's frozen base): DeepSpeed would save a
+    frozen parameter's partition from every rank, here the whole weight each time. The partition
+    is set as DeepSpeed's first ``partition`` sets it, which then only frees the parameter's data."""
+    from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
+
+    param = torch.nn.Parameter(mapped, requires_grad=False)
+    param.ds_zero_partition_process_group = alone  # read by _convert_to_deepspeed_param
+    for module, attr in owners:
+        module._parameters[attr] = param
+    init._convert_to_deepspeed_param(param)
+    partition = mapped.view(-1)
+    partition.requires_grad = False
+    partition.ds_numel = partition.numel()
+    partition.status = PartitionedParamStatus.AVAILABLE
+    partition.final_location = None
+    param.ds_tensor = partition
+    param.ds_numel_aligned = partition.numel()
+    param.partition()  # already partitioned: DeepSpeed only frees the parameter's data
 
 
 def _zero_param(

@@ -641,7 +641,8 @@ def host_memory_per_node(plan: RunPlan, *, device_is_host: bool = False) -> int:
     the device is the host (``device_is_host``: a CPU run, as in bench/load_memory.py). A fresh ``model.config`` model too
     big to build whole goes through ``zero.Init`` (about one shard per rank) unless quantized:
     bitsandbytes quantizes on load, so that base is built whole on every rank, and so is every
-    model on single / DDP / ZeRO 0-2."""
+    model on single / DDP / ZeRO 0-2. On a CPU run the frozen weights read in place
+    (``_reads_in_place``) are the weight files' pages, not the ranks' memory: not counted."""
     recipe, engine, dp = plan.recipe, plan.engine, plan.dp_size
     shape = _require_shape(recipe)
     params = count_params(recipe, shape)
@@ -655,16 +656,20 @@ def host_memory_per_node(plan: RunPlan, *, device_is_host: bool = False) -> int:
         offloaded += (states["optimizer"] + states["master_weights"]) / layout.optimizer
     q = recipe.model.quantization
     sharded_load = plan.meta_init or (plan.zero_init and q is None)
-    loading = states["weights"] / layout.weights if sharded_load else states["weights"]
+    in_place = device_is_host and _reads_in_place(plan)
+    weights = states["weights"] - (_frozen_in_file(recipe) if in_place else 0)
+    loading = weights / layout.weights if sharded_load else weights
     if sharded_load:
         # This rank's part of the tensor being read (the embedding or a matrix; a 4-bit one is read
-        # in the compute dtype and quantized)...
-        loading += max(shape.vocab_size * shape.hidden_size, params.largest_linear) * a / layout.weights
+        # in the compute dtype and quantized; none where the base is read in place, bar 4-bit)...
+        vocab = 0 if in_place else shape.vocab_size * shape.hidden_size
+        linear = params.largest_linear if q is not None or not in_place else 0
+        loading += max(vocab, linear) * a / layout.weights
         if (
             engine_spec(engine).whole_param_on_load and device_is_host
         ):  # ... and the ZeRO-3 parameter it goes into, whole for a moment
             linear_bytes = quantized_bytes_per_param(q.bits, q.double_quant) if q is not None else a
-            loading += max(shape.vocab_size * shape.hidden_size * a, params.largest_linear * linear_bytes)
+            loading += max(vocab * a, linear * linear_bytes)
     return int(plan.world.nproc_per_node * (offloaded + loading))
 
 
@@ -692,45 +697,58 @@ def host_memory_per_rank(plan: RunPlan, *, device_is_host: bool = False) -> int:
         return loading
     est = estimate_memory(plan)
     step = est.allocated
-    recipe, spec = plan.recipe, engine_spec(plan.engine)
-    if _host_fsdp_units(plan):
-        step += int(_host_fsdp_window(plan) - est.transient_weights)
-    elif spec.param_gather == "live_window" and spec.shards_parameters(recipe):
-        # A CPU run's ZeRO-3 keeps about one layer gathered (plan.deepspeed.host_live_window), not
-        # the GPU's 1e9 parameters that estimate_memory counts.
-        step += int(host_gathered_bytes(recipe) - _live_window_bytes(recipe, plan.engine))
-    mapped = int(_host_mapped_weights(plan, est))
-    return max(loading - mapped, step - mapped)
+    gathers = _host_gathers(plan)
+    if gathers is not None:
+        # The layers' gathers and the logits are never live together (the logits exist from the
+        # head's forward to its backward, between the last layer's two passes); a gathered head is.
+        apart, beside = gathers
+        step += int(beside + max(apart, est.logits) - est.logits - est.transient_weights)
+    return max(loading, step - int(_host_mapped_weights(plan, est)))
 
 
 def host_mapped_per_rank(plan: RunPlan) -> int:
-    """Bytes of the pretrained weight files a CPU-only run's rank reads its frozen shards from in
-    place (page cache, shared by every process reading the files; not in ``host_memory_per_rank``)."""
+    """Bytes of the pretrained weight files a CPU-only run's rank reads its frozen weights from in
+    place (page cache, shared by every process reading the files; not in ``host_memory_per_rank``):
+    its shards of them on FSDP2, the whole of them on ZeRO-3 (model/zero3.py keeps them whole)."""
+    if not _reads_in_place(plan):
+        return 0
+    if engine_spec(plan.engine).param_gather == "live_window":
+        return int(_frozen_in_file(plan.recipe))
     return int(_host_mapped_weights(plan, estimate_memory(plan)))
 
 
-def _host_mapped_weights(plan: RunPlan, est: MemoryEstimate) -> float:
-    """The part of this rank's weight shards a CPU run's FSDP2 or ZeRO-3 leaves in the pretrained
-    weight files' pages (model/meta.py ``mapped_rows``, model/zero3.py: frozen, stored in the dtype
-    the run uses, assumed here to be ``model.dtype``), which is page cache, not the rank's own
-    memory: an adapter run's whole base, a 4-bit base's embedding, head and norms (its linears are
-    quantized copies). Not where parameters are offloaded (the engine's own buffers)."""
+def _reads_in_place(plan: RunPlan) -> bool:
+    """Whether a CPU run's FSDP2 or ZeRO-3 leaves its frozen pretrained weights in the weight
+    files' pages (model/meta.py ``mapped_rows``, model/zero3.py; frozen, stored in the dtype the run
+    uses, assumed here to be ``model.dtype``): an adapter run of a pretrained model whose
+    parameters are not offloaded (offloaded, they are the engine's own buffers)."""
     recipe = plan.recipe
-    sharded = engine_spec(plan.engine).shards_parameters(recipe)
-    offloaded = recipe.distributed.offload_params != "none"
-    if (
-        recipe.model.config is not None
-        or not plan.meta_init
-        or not sharded
-        or offloaded
-        or recipe.peft.method == "none"
-    ):
-        return 0.0
+    return (
+        recipe.model.config is None
+        and plan.meta_init
+        and engine_spec(plan.engine).shards_parameters(recipe)
+        and recipe.distributed.offload_params == "none"
+        and recipe.peft.method != "none"
+    )
+
+
+def _frozen_in_file(recipe: Recipe) -> float:
+    """The frozen weights a CPU run reads in place, whole: an adapter run's whole base, a 4-bit
+    base's embedding, head and norms (its linears are quantized copies)."""
     params = count_params(recipe, _require_shape(recipe))
     a = DTYPE_BYTES[recipe.model.dtype]
-    frozen = params.other * a if recipe.model.quantization is not None else params.base * a
-    states = _states(recipe, plan.engine, params, a)
-    return est.weights * frozen / states["weights"]
+    return params.other * a if recipe.model.quantization is not None else params.base * a
+
+
+def _host_mapped_weights(plan: RunPlan, est: MemoryEstimate) -> float:
+    """The part of this rank's weight shards (``est.weights``) that is the weight files' pages,
+    page cache, not the rank's own memory (``_reads_in_place``)."""
+    if not _reads_in_place(plan):
+        return 0.0
+    recipe = plan.recipe
+    params = count_params(recipe, _require_shape(recipe))
+    states = _states(recipe, plan.engine, params, DTYPE_BYTES[recipe.model.dtype])
+    return est.weights * _frozen_in_file(recipe) / states["weights"]
 
 
 def _host_fsdp_units(plan: RunPlan) -> bool:
@@ -743,37 +761,64 @@ def _host_fsdp_units(plan: RunPlan) -> bool:
     return sharded and recipe.distributed.reshard_after_forward and recipe.peft.method != "none"
 
 
-def _host_fsdp_window(plan: RunPlan) -> float:
-    """What a CPU run's FSDP2 step holds gathered beyond the shards: the largest unit (attention,
-    MLP; the embedding and head only when trained or fresh: a frozen pretrained one is mapped
-    whole from its file, not gathered) twice, as its all-gather's output and the unsharded copy it
-    is copied into are both live while the copy runs (measured: bench/load_memory.py --phases),
-    and the whole matrices a matmul makes (a 4-bit base's dequantized one, DoRA's W + BA)."""
-    recipe, shape = plan.recipe, _require_shape(plan.recipe)
-    a = DTYPE_BYTES[recipe.model.dtype]
-    shapes = linear_shapes(shape)
-    quant = recipe.model.quantization
-    per_linear = a if quant is None else quant.bits / 8
-    attention = sum(i * o for n, (i, o) in shapes.items() if n not in MLP_LINEARS) * per_linear
-    mlp = sum(i * o for n, (i, o) in shapes.items() if n in MLP_LINEARS) * per_linear
+def _host_gathers(plan: RunPlan) -> tuple[float, float] | None:
+    """What a CPU run's FSDP2 or ZeRO-3 step holds gathered beyond its shards, as ``(apart,
+    beside)``: apart from the logits (the layers', with the whole matrices a matmul makes) and
+    beside them (the head's); None where the device estimate is kept (a full fine-tune on FSDP2,
+    an engine that does not shard parameters).
+
+    FSDP2 (``_host_fsdp_units``) gathers one unit at a time: the largest (attention, MLP; the
+    embedding and head only when trained or fresh: a frozen pretrained one is mapped whole from its
+    file, not gathered) twice, as its all-gather's output and the unsharded copy it is copied into
+    are both live while the copy runs (measured: bench/load_memory.py --phases). ZeRO-3: see
+    ``host_gathered_bytes``."""
+    recipe, spec = plan.recipe, engine_spec(plan.engine)
+    shape = _require_shape(recipe)
+    params, a = count_params(recipe, shape), DTYPE_BYTES[recipe.model.dtype]
+    vocab = shape.vocab_size * shape.hidden_size * a
+    if _host_fsdp_units(plan):
+        shapes = linear_shapes(shape)
+        quant = recipe.model.quantization
+        per_linear = a if quant is None else quant.bits / 8
+        attention = sum(i * o for n, (i, o) in shapes.items() if n not in MLP_LINEARS) * per_linear
+        mlp = sum(i * o for n, (i, o) in shapes.items() if n in MLP_LINEARS) * per_linear
+        head = 2 * vocab if _vocab_gathered(recipe) else 0
+        return 2 * max(attention, mlp) + _matrix_transients(recipe, params, a), head
+    if spec.param_gather == "live_window" and spec.shards_parameters(recipe):
+        # A CPU run's ZeRO-3 keeps about one layer gathered (plan.deepspeed.host_live_window), not
+        # the GPU's 1e9 parameters that estimate_memory counts.
+        head = vocab if _zero3_head_gathered(plan) else 0
+        return host_gathered_bytes(plan) - head + _matrix_transients(recipe, params, a), head
+    return None
+
+
+def _vocab_gathered(recipe: Recipe) -> bool:
+    """Whether a CPU run gathers the embedding and head: when trained (``peft.modules_to_save``) or
+    fresh (``model.config``); a frozen pretrained one is read whole from its file."""
     saved = {str(n).rsplit(".", 1)[-1] for n in recipe.peft.modules_to_save or ()}
-    gathered_vocab = recipe.model.config is not None or bool(saved & {"embed_tokens", "lm_head"})
-    vocab = shape.vocab_size * shape.hidden_size * a if gathered_vocab else 0  # the embedding, the head alike
-    return 2 * max(attention, mlp, vocab) + _matrix_transients(recipe, count_params(recipe, shape), a)
+    return recipe.model.config is not None or bool(saved & {"embed_tokens", "lm_head"})
 
 
-def host_gathered_bytes(recipe: Recipe) -> int:
+def host_gathered_bytes(plan: RunPlan) -> int:
     """The weights a CPU run's ZeRO-3 holds gathered at its peak (``plan.deepspeed.host_live_window``:
     live window and reuse distance one decoder layer): the layer being computed and the next one
     (prefetched up to the live window; 4-bit where the base is), and the LM head, which the reuse
-    distance keeps from its forward to its backward (in the compute dtype: never quantized)."""
+    distance keeps from its forward to its backward (in the compute dtype: never quantized). A
+    frozen weight read in place (``_reads_in_place``) is kept whole, the file's pages: never gathered."""
+    recipe = plan.recipe
     shape = _require_shape(recipe)
     params, a = count_params(recipe, shape), DTYPE_BYTES[recipe.model.dtype]
     q = recipe.model.quantization
-    linear_bytes = quantized_bytes_per_param(q.bits, q.double_quant) if q is not None else a
-    norms = params.layer - shape.layer_linear_params
-    layer = shape.layer_linear_params * linear_bytes + norms * a
-    return int(2 * layer + shape.vocab_size * shape.hidden_size * a)
+    in_place = _reads_in_place(plan)
+    linear_bytes = quantized_bytes_per_param(q.bits, q.double_quant) if q is not None else 0 if in_place else a
+    norms = 0 if in_place else (params.layer - shape.layer_linear_params) * a
+    layer = shape.layer_linear_params * linear_bytes + norms
+    head = shape.vocab_size * shape.hidden_size * a if _zero3_head_gathered(plan) else 0
+    return int(2 * layer + head)
+
+
+def _zero3_head_gathered(plan: RunPlan) -> bool:
+    return not _reads_in_place(plan) or _vocab_gathered(plan.recipe)
 
 
 def _live_window_bytes(recipe: Recipe, engine: str) -> float:

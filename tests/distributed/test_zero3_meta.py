@@ -4,7 +4,8 @@ base: quantized weight by weight, its partition of the packed bytes kept), and i
 model, to the bit, as the whole build.
 
 One torchrun launch (tests/distributed/zero3_meta_probe.py) checks, on 2 ranks: ``from_pretrained``
-is never called; each rank holds half of every parameter; every gathered parameter, every buffer,
+is never called; each rank holds half of every parameter (a frozen weight read in place on a
+CPU: all of it, kept whole); every gathered parameter, every buffer,
 every 4-bit module's statistics and the logits equal the whole build (full fine-tune, LoRA, DoRA,
 LoRA + modules_to_save, tied embeddings with uneven partitions from several bf16 files, QLoRA,
 QLoRA with parameters and optimizer offloaded to the CPU, a reward model's score head, new to the
@@ -49,21 +50,26 @@ def test_zero3_partitioned_load_is_the_whole_model(probe, variant):
     assert r["same_rng_after"]
 
 
-def test_a_cpu_runs_frozen_partitions_are_the_weight_files_pages(probe):
-    """On a CPU a frozen weight stored in the run's dtype is not copied: each rank's partition of
-    it is the safetensors file's own pages. Not mapped: a full fine-tune's (trained), bf16 files
-    under an fp32 run (tied_sharded), offloaded partitions (DeepSpeed's own CPU buffers)."""
+def test_a_cpu_peft_runs_frozen_weights_are_the_weight_files_pages_kept_whole(probe):
+    """On a CPU a frozen weight stored in the run's dtype is not copied: it is partitioned over a
+    group of the rank alone, its one partition the whole weight as the safetensors file's own pages,
+    so no rank gathers it from another. Not so: a full fine-tune's (trained), bf16 files under an
+    fp32 run (tied_sharded), offloaded partitions (DeepSpeed's own CPU buffers), 4-bit weights."""
     report = probe[1]
     for variant in ("lora", "dora", "lora_save_head", "qlora"):
-        assert len(report[variant]["frozen_mapped"]) == report[variant]["frozen"] > 0, variant
-    # the score head the checkpoint lacks gets its seeded init: a copy
+        r = report[variant]
+        assert len(r["frozen_mapped"]) == r["frozen"] > 0, variant
+        assert r["kept_whole"] == r["frozen_mapped"], variant
+    # the score head the checkpoint lacks gets its seeded init: a copy, partitioned
     r = report["reward_lora"]
     assert (
         len(r["frozen_mapped"]) == r["frozen"] - 1
         and "base_model.model.score.original_module.weight" not in r["frozen_mapped"]
+        and r["kept_whole"] == r["frozen_mapped"]
     )
-    for variant in ("tied_sharded", "qlora_offload"):
-        assert report[variant]["frozen"] > 0 and report[variant]["frozen_mapped"] == [], variant
+    for variant in ("tied_sharded", "qlora_offload", "full", "reward_full"):
+        assert report[variant]["frozen_mapped"] == report[variant]["kept_whole"] == [], variant
+    assert report["tied_sharded"]["frozen"] > 0 and report["qlora_offload"]["frozen"] > 0
     assert report["full"]["frozen"] == report["reward_full"]["frozen"] == 0
 
 

@@ -84,7 +84,12 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     out: dict = {"from_pretrained_calls": len(FROM_PRETRAINED), "zero_params": True}
     params = dict(model.named_parameters())
     out["zero_params"] = all(hasattr(p, "ds_tensor") for p in params.values())
-    out["local_fraction"] = sum(p.ds_tensor.numel() for p in params.values()) / sum(p.ds_numel for p in params.values())
+    # a frozen weight read in place is partitioned over a group of this rank alone: kept whole
+    spread = [p for p in params.values() if p.ds_zero_partition_world_size > 1]
+    out["local_fraction"] = sum(p.ds_tensor.numel() for p in spread) / sum(p.ds_numel for p in spread)
+    out["kept_whole"] = sorted(
+        n for n, p in params.items() if p.ds_zero_partition_world_size == 1 and p.ds_tensor.numel() == p.ds_numel
+    )
     torch.random.set_rng_state(rng_before)  # the reference starts from the same global RNG
     quantized = recipe.model.quantization is not None
     # A 4-bit reference is ZeRO-3's whole build (the same packed storage dtype).

@@ -269,9 +269,15 @@ def test_host_memory_per_node_counts_how_the_model_is_loaded(base):
     zero3 = load(base, *QLORA, "distributed.engine=deepspeed", "distributed.zero_stage=3", nproc=8)
     assert zero3.meta_init and not zero3.zero_init  # loaded partitioned from the meta device
     assert host_memory_per_node(zero3) == pytest.approx(one_q + embedding, rel=1e-6)
-    # each parameter is allocated whole on the device for a moment: host RAM when the device is the CPU
+    # each parameter is allocated whole on the device for a moment: host RAM when the device is the
+    # CPU, bar the frozen weights a CPU run reads in place (embedding, head, norms: the weight files'
+    # pages), so the largest is a 4-bit matrix, read in the compute dtype
     on_cpu = host_memory_per_node(zero3, device_is_host=True)
-    assert on_cpu == pytest.approx(one_q + embedding + 8 * embedding, rel=1e-6)
+    q = quantized_bytes_per_param(4, True)
+    assert on_cpu == pytest.approx(p.linear * q + p.largest_linear * 2 + 8 * p.largest_linear * q, rel=1e-6)
+    full = load(base, "distributed.engine=deepspeed", "distributed.zero_stage=3", nproc=8)  # trained: copied
+    on_cpu = host_memory_per_node(full, device_is_host=True)
+    assert on_cpu == pytest.approx(shape.num_params * 2 + embedding + 8 * embedding, rel=1e-6)
     config = "{model_type: llama, hidden_size: 4096, num_hidden_layers: 32, intermediate_size: 14336, "
     config += "num_attention_heads: 32, num_key_value_heads: 8, vocab_size: 128256}"
     fresh = load(base, *QLORA, "distributed.engine=deepspeed", "distributed.zero_stage=3", "model.name_or_path=null",
@@ -305,7 +311,9 @@ def test_host_memory_per_rank_is_loading_with_a_gpu_and_the_step_too_on_a_cpu(ba
     # LoRA's frozen base shard stays in the weight files' pages (model/meta.py): page cache, not the
     # rank's own memory.
     assert lora.meta_init
-    on_cpu = est.allocated - est.transient_weights + window - est.weights
+    # The logits live from the head's forward to its backward, when no layer is gathered: the
+    # larger of the two counts.
+    on_cpu = est.allocated - est.transient_weights - est.logits + max(window, est.logits) - est.weights
     assert host_memory_per_rank(lora, device_is_host=True) == pytest.approx(on_cpu, abs=2)
     assert host_mapped_per_rank(lora) == pytest.approx(est.weights, abs=2)
     assert "of the weight files read in place, page cache)" in host_line(lora)
@@ -315,7 +323,7 @@ def test_host_memory_per_rank_is_loading_with_a_gpu_and_the_step_too_on_a_cpu(ba
     est = estimate_memory(qlora)
     params = count_params(qlora.recipe, shape)
     window = 2 * mlp * 0.5 + params.largest_linear * a  # 4-bit: half a byte per weight
-    on_cpu = est.allocated - est.transient_weights + window - params.other * a / 8
+    on_cpu = est.allocated - est.transient_weights - est.logits + max(window, est.logits) - params.other * a / 8
     assert host_memory_per_rank(qlora, device_is_host=True) == pytest.approx(on_cpu, abs=2)
     # A full fine-tune keeps the device estimate (units also hold their gradients while they reduce).
     full = load(base, "distributed.engine=fsdp", nproc=8)
@@ -337,25 +345,32 @@ def test_the_steps_mmap_threshold_keeps_gathered_weights_mapped(base):
 def test_a_cpu_runs_zero3_host_line_counts_one_layer_gathered_not_the_live_window(base):
     """A CPU run's ZeRO-3 keeps about one layer gathered (plan.deepspeed.host_live_window): the
     host line counts the layer being computed, the prefetched next one and the LM head (kept from
-    its forward to its backward) instead of the GPU's 1e9-parameter live window; a 4-bit base's
-    layers gathered packed, its head in the compute dtype."""
-    from llmft.plan.memory import host_gathered_bytes, host_memory_per_node, host_memory_per_rank
+    its forward to its backward) instead of the GPU's 1e9-parameter live window. A frozen weight of
+    an adapter run is read whole from the weight files in place (model/zero3.py), never gathered:
+    none of a LoRA base, a 4-bit base's layers gathered packed; a full fine-tune gathers all."""
+    from llmft.plan.memory import host_gathered_bytes, host_mapped_per_rank, host_memory_per_node, host_memory_per_rank
 
     zero3 = ("distributed.engine=deepspeed", "distributed.zero_stage=3")
-    for overrides, linear_bytes in (
-        (("peft.method=lora",), 2),
-        ((*QLORA,), quantized_bytes_per_param(4, True)),
-    ):
-        plan = load(base, *overrides, *zero3, nproc=8)
-        shape = model_shape(plan.recipe.model)
-        layer = shape.layer_linear_params * linear_bytes + 2 * shape.hidden_size * 2  # bf16 norms
-        head = shape.vocab_size * shape.hidden_size * 2
-        assert host_gathered_bytes(plan.recipe) == pytest.approx(2 * layer + head, rel=1e-6)
-
+    full = load(base, *zero3, nproc=8)
+    shape = model_shape(full.recipe.model)
+    head = shape.vocab_size * shape.hidden_size * 2
+    layer = shape.layer_linear_params * 2 + 2 * shape.hidden_size * 2  # bf16 linears and norms
+    assert host_gathered_bytes(full) == pytest.approx(2 * layer + head, rel=1e-6)
+    assert host_mapped_per_rank(full) == 0
+    qlora = load(base, *QLORA, *zero3, nproc=8)
+    assert host_gathered_bytes(qlora) == pytest.approx(
+        2 * shape.layer_linear_params * quantized_bytes_per_param(4, True), rel=1e-6
+    )
     lora = load(base, "peft.method=lora", *zero3, nproc=8)
+    assert host_gathered_bytes(lora) == 0
+    # a trained head (modules_to_save) is gathered, not read in place
+    assert host_gathered_bytes(load(base, "peft.method=lora", "peft.modules_to_save=[lm_head]", *zero3, nproc=8)) == head
+
     gpu_step = estimate_memory(lora).allocated  # counts 1e9 bf16 parameters gathered (8B > 1e9)
-    cpu_step = gpu_step - 10**9 * 2 + host_gathered_bytes(lora.recipe)
-    assert cpu_step > host_memory_per_node(lora, device_is_host=True) // 8  # the step is the peak here
-    # less the frozen base's partition, which stays in the weight files' pages (model/zero3.py)
+    cpu_step = gpu_step - 10**9 * 2  # nothing gathered beside the logits
+    # less the frozen base's partition, which is the weight files' pages
     on_cpu = cpu_step - estimate_memory(lora).weights
+    assert on_cpu > host_memory_per_node(lora, device_is_host=True) // 8 - estimate_memory(lora).weights
     assert host_memory_per_rank(lora, device_is_host=True) == pytest.approx(on_cpu, abs=2)
+    # the page cache it reads: the whole frozen base (bf16), not this rank's eighth of it
+    assert host_mapped_per_rank(lora) == pytest.approx(count_params(lora.recipe, shape).base * 2, abs=2)
