@@ -364,7 +364,9 @@ def test_a_cpu_runs_zero3_host_line_counts_one_layer_gathered_not_the_live_windo
     lora = load(base, "peft.method=lora", *zero3, nproc=8)
     assert host_gathered_bytes(lora) == 0
     # a trained head (modules_to_save) is gathered, not read in place
-    assert host_gathered_bytes(load(base, "peft.method=lora", "peft.modules_to_save=[lm_head]", *zero3, nproc=8)) == head
+    assert (
+        host_gathered_bytes(load(base, "peft.method=lora", "peft.modules_to_save=[lm_head]", *zero3, nproc=8)) == head
+    )
 
     gpu_step = estimate_memory(lora).allocated  # counts 1e9 bf16 parameters gathered (8B > 1e9)
     cpu_step = gpu_step - 10**9 * 2  # nothing gathered beside the logits
