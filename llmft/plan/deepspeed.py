@@ -72,6 +72,19 @@ def host_live_window(recipe: Recipe, shape: ModelShape | None) -> int:
     return max(linear + 2 * h, bucket)
 
 
+def reduce_bucket_bytes(recipe: Recipe, shape: ModelShape | None) -> int:
+    """What DeepSpeed's gradient reduce buckets hold on each rank whatever the model's size
+    (``reduce_bucket_size`` elements each, ``zero_optimization``): ZeRO-3 one bucket in the
+    gradients' dtype; ZeRO-1 and 2 two (``overlap_comm`` double-buffers them), fp32 under ZeRO-1
+    (its accumulator), the gradients' dtype under ZeRO-2. None at ZeRO-0."""
+    stage = recipe.distributed.zero_stage
+    if stage == 0:
+        return 0
+    h = shape.hidden_size if shape is not None else FALLBACK_HIDDEN_SIZE
+    grad = DTYPE_BYTES[recipe.model.dtype]
+    return h * h * (grad if stage == 3 else 2 * (4 if stage == 1 else grad))
+
+
 def zero_optimization(recipe: Recipe, shape: ModelShape | None, *, device_is_host: bool = False) -> dict[str, Any]:
     """The ``zero_optimization`` block for stages 0-3, bucket sizes from the hidden size.
 

@@ -30,7 +30,7 @@ from typing import ClassVar
 from llmft.errors import Problem, UserError
 from llmft.job.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
 from llmft.plan.batch import divisors
-from llmft.plan.deepspeed import DTYPE_BYTES, ZERO3_MAX_LIVE_PARAMETERS
+from llmft.plan.deepspeed import DTYPE_BYTES, ZERO3_MAX_LIVE_PARAMETERS, reduce_bucket_bytes
 from llmft.plan.engines import engine_spec
 from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL, objective_of, reference_kind
@@ -189,7 +189,7 @@ class MemoryEstimate:
 
     weights: int  # the base model's weights resident on this GPU (this rank's shard)
     adapters: int  # LoRA / DoRA weights and modules_to_save copies (fp32)
-    gradients: int  # of the trainable parameters (+ DDP's bucket copies)
+    gradients: int  # of the trainable parameters (+ DDP's bucket copies, DeepSpeed's reduce buckets)
     optimizer: int  # optimizer state
     master_weights: int  # DeepSpeed's fp32 copy of 16-bit trainable weights
     transient_weights: int  # gathered layers (FSDP / ZeRO-3), autocast copies, dequantized 4-bit matrices
@@ -315,6 +315,8 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         "optimizer": _placed(states["optimizer"], layout.optimizer, layout.optimizer_on_gpu),
         "master_weights": _placed(states["master_weights"], layout.optimizer, layout.optimizer_on_gpu),
     }
+    if engine_spec(engine).zero_stages and layout.grads_on_gpu:
+        placed["gradients"] += reduce_bucket_bytes(recipe, shape)  # DeepSpeed's reduce buckets
     spec = objective_of(recipe)
     tokens = spec.rows(recipe) * tokens_per_rank(recipe, micro)  # a pair is two sequences
     placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])
