@@ -90,7 +90,8 @@ def zero_optimization(recipe: Recipe, shape: ModelShape | None, *, device_is_hos
 
     The sizes are what HF's ``auto`` would give: reduce bucket h*h, stage-3 prefetch
     0.9*h*h, and params smaller than 10*h kept whole on every rank. ``device_is_host``: a CPU
-    run's ZeRO-3 keeps about one decoder layer gathered (``host_live_window``), not HF's 1e9.
+    run's ZeRO-3 keeps about one decoder layer gathered (``host_live_window``), not HF's 1e9, and
+    prefetches nothing.
     """
     d = recipe.distributed
     stage = d.zero_stage
@@ -111,7 +112,9 @@ def zero_optimization(recipe: Recipe, shape: ModelShape | None, *, device_is_hos
     else:
         window = host_live_window(recipe, shape) if device_is_host else ZERO3_MAX_LIVE_PARAMETERS
         zero.update(
-            stage3_prefetch_bucket_size=int(0.9 * h * h),
+            # On a CPU run (gloo) a gather runs at once, overlapping nothing: a prefetch would only
+            # hold the next module's weights gathered sooner, as FSDP2's CPU units do not.
+            stage3_prefetch_bucket_size=0 if device_is_host else int(0.9 * h * h),
             stage3_param_persistence_threshold=10 * h,
             stage3_max_live_parameters=window,
             stage3_max_reuse_distance=window,
@@ -140,7 +143,7 @@ def precision(dtype: str) -> dict[str, Any]:
 def deepspeed_config(plan: RunPlan, *, device_is_host: bool = False) -> dict[str, Any]:
     """The complete DeepSpeed config of a resolved run (its batch solved for its world size).
     ``ds_config.json`` is the GPU run's; a CPU run (``device_is_host``) differs only in ZeRO-3's
-    live window (``host_live_window``)."""
+    live window (``host_live_window``) and prefetch (none)."""
     recipe, batch = plan.recipe, plan.batch  # BatchPlan asserts the equation holds
     shape = model_shape(recipe.model)
     max_norm = plan.max_grad_norm  # the same value the other engines clip with

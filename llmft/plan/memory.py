@@ -803,8 +803,8 @@ def _vocab_gathered(recipe: Recipe) -> bool:
 
 def host_gathered_bytes(plan: RunPlan) -> int:
     """The weights a CPU run's ZeRO-3 holds gathered at its peak (``plan.deepspeed.host_live_window``:
-    live window and reuse distance one decoder layer): the layer being computed and the next one
-    (prefetched up to the live window; 4-bit where the base is), and the LM head, which the reuse
+    live window and reuse distance one decoder layer, no prefetch): two layers (the one being
+    computed and the one before it while it is released; 4-bit where the base is), and the LM head, which the reuse
     distance keeps from its forward to its backward (in the compute dtype: never quantized). A
     frozen weight read in place (``_reads_in_place``) is kept whole, the file's pages: never gathered."""
     recipe = plan.recipe

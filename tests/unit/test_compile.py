@@ -493,7 +493,8 @@ def test_4bit_storage_other_than_the_compute_dtype_is_refused_where_sharded(base
 def test_a_cpu_run_keeps_one_zero3_layer_gathered_not_the_model(base, ds_parse):
     """On a CPU the gathered weights are host RAM: a CPU run's ZeRO-3 live window and reuse
     distance are one decoder layer as ZeRO-3 stores it (a 4-bit base's packed elements), never the
-    whole model; the written config (a GPU's) keeps HF's 1e9; DeepSpeed accepts both."""
+    whole model, and it prefetches nothing; the written config (a GPU's) keeps HF's 1e9 and its
+    prefetch bucket; DeepSpeed accepts both."""
     run = ds_recipe(base, 3, "none", "none", "fp32", 2, peft__method="lora")
     shape = model_shape(run.recipe.model)
     on_cpu = deepspeed_config(run, device_is_host=True)
@@ -506,8 +507,11 @@ def test_a_cpu_run_keeps_one_zero3_layer_gathered_not_the_model(base, ds_parse):
     }
     written = deepspeed_config(run)["zero_optimization"]
     assert written["stage3_max_live_parameters"] == written["stage3_max_reuse_distance"] == 10**9
-    assert {k: v for k, v in zero.items() if not k.startswith("stage3_max")} == {
-        k: v for k, v in written.items() if not k.startswith("stage3_max")
+    # and a CPU run prefetches nothing: on gloo a gather overlaps nothing, it only holds weights sooner
+    assert zero["stage3_prefetch_bucket_size"] == 0 < written["stage3_prefetch_bucket_size"]
+    cpu_only = ("stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size")
+    assert {k: v for k, v in zero.items() if k not in cpu_only} == {
+        k: v for k, v in written.items() if k not in cpu_only
     }
     ds_parse(on_cpu, 2)
 
