@@ -777,20 +777,19 @@ def _host_gathers(plan: RunPlan) -> tuple[float, float] | None:
     recipe, spec = plan.recipe, engine_spec(plan.engine)
     shape = _require_shape(recipe)
     params, a = count_params(recipe, shape), DTYPE_BYTES[recipe.model.dtype]
-    vocab = shape.vocab_size * shape.hidden_size * a
     if _host_fsdp_units(plan):
         shapes = linear_shapes(shape)
         quant = recipe.model.quantization
         per_linear = a if quant is None else quant.bits / 8
         attention = sum(i * o for n, (i, o) in shapes.items() if n not in MLP_LINEARS) * per_linear
         mlp = sum(i * o for n, (i, o) in shapes.items() if n in MLP_LINEARS) * per_linear
-        head = 2 * vocab if _vocab_gathered(recipe) else 0
+        head = 2 * shape.vocab_size * shape.hidden_size * a if _vocab_gathered(recipe) else 0
         return 2 * max(attention, mlp) + _matrix_transients(recipe, params, a), head
     if spec.param_gather == "live_window" and spec.shards_parameters(recipe):
         # A CPU run's ZeRO-3 keeps about one layer gathered (plan.deepspeed.host_live_window), not
         # the GPU's 1e9 parameters that estimate_memory counts.
-        head = vocab if _zero3_head_gathered(plan) else 0
-        return host_gathered_bytes(plan) - head + _matrix_transients(recipe, params, a), head
+        layers, head = _zero3_gathered(plan)
+        return layers + _matrix_transients(recipe, params, a), head
     return None
 
 
@@ -807,6 +806,11 @@ def host_gathered_bytes(plan: RunPlan) -> int:
     computed and the one before it while it is released; 4-bit where the base is), and the LM head, which the reuse
     distance keeps from its forward to its backward (in the compute dtype: never quantized). A
     frozen weight read in place (``_reads_in_place``) is kept whole, the file's pages: never gathered."""
+    return int(sum(_zero3_gathered(plan)))
+
+
+def _zero3_gathered(plan: RunPlan) -> tuple[float, float]:
+    """``host_gathered_bytes`` as (the two layers, the head)."""
     recipe = plan.recipe
     shape = _require_shape(recipe)
     params, a = count_params(recipe, shape), DTYPE_BYTES[recipe.model.dtype]
@@ -815,19 +819,8 @@ def host_gathered_bytes(plan: RunPlan) -> int:
     linear_bytes = quantized_bytes_per_param(q.bits, q.double_quant) if q is not None else 0 if in_place else a
     norms = 0 if in_place else (params.layer - shape.layer_linear_params) * a
     layer = shape.layer_linear_params * linear_bytes + norms
-    head = shape.vocab_size * shape.hidden_size * a if _zero3_head_gathered(plan) else 0
-    return int(2 * layer + head)
-
-
-def _zero3_head_gathered(plan: RunPlan) -> bool:
-    return not _reads_in_place(plan) or _vocab_gathered(plan.recipe)
-
-
-def _live_window_bytes(recipe: Recipe, engine: str) -> float:
-    """The gathered weights ``estimate`` counts for ZeRO-3's live window (the GPU's 1e9 parameters)."""
-    params, a = count_params(recipe, _require_shape(recipe)), DTYPE_BYTES[recipe.model.dtype]
-    weights = _states(recipe, engine, params, a)["weights"]
-    return _live_window(params, weights / max(params.base, 1) if recipe.model.quantization is not None else a)
+    gathered_head = not in_place or _vocab_gathered(recipe)
+    return 2 * layer, shape.vocab_size * shape.hidden_size * a if gathered_head else 0
 
 
 def _live_window(params: Params, gather: float) -> float:
