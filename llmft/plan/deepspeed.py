@@ -72,6 +72,13 @@ def host_live_window(recipe: Recipe, shape: ModelShape | None) -> int:
     return max(linear + 2 * h, bucket)
 
 
+def persistence_threshold(shape: ModelShape | None) -> int:
+    """``stage3_param_persistence_threshold``: ZeRO-3 keeps a parameter of at most this many
+    elements whole on every rank, beside its partition (norms, LoRA's small matrices), instead of
+    gathering it for each use."""
+    return 10 * (shape.hidden_size if shape is not None else FALLBACK_HIDDEN_SIZE)
+
+
 def reduce_bucket_bytes(recipe: Recipe, shape: ModelShape | None) -> int:
     """What DeepSpeed's gradient reduce buckets hold on each rank whatever the model's size
     (``reduce_bucket_size`` elements each, ``zero_optimization``): ZeRO-3 one bucket in the
@@ -115,7 +122,7 @@ def zero_optimization(recipe: Recipe, shape: ModelShape | None, *, device_is_hos
             # On a CPU run (gloo) a gather runs at once, overlapping nothing: a prefetch would only
             # hold the next module's weights gathered sooner, as FSDP2's CPU units do not.
             stage3_prefetch_bucket_size=0 if device_is_host else int(0.9 * h * h),
-            stage3_param_persistence_threshold=10 * h,
+            stage3_param_persistence_threshold=persistence_threshold(shape),
             stage3_max_live_parameters=window,
             stage3_max_reuse_distance=window,
             sub_group_size=1_000_000_000,

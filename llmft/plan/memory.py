@@ -30,7 +30,7 @@ from typing import ClassVar
 from llmft.errors import Problem, UserError
 from llmft.job.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
 from llmft.plan.batch import divisors
-from llmft.plan.deepspeed import DTYPE_BYTES, ZERO3_MAX_LIVE_PARAMETERS, reduce_bucket_bytes
+from llmft.plan.deepspeed import DTYPE_BYTES, ZERO3_MAX_LIVE_PARAMETERS, persistence_threshold, reduce_bucket_bytes
 from llmft.plan.engines import engine_spec
 from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL, objective_of, reference_kind
@@ -119,6 +119,23 @@ def count_params(recipe: Recipe, shape: ModelShape) -> Params:
         adapted_mlp_inputs=adapted_mlp_inputs,
         largest_linear=max(i * o for i, o in linears.values()),
     )
+
+
+def _persistent_adapters(recipe: Recipe, shape: ModelShape) -> int:
+    """The adapter parameters ZeRO-3 keeps whole on every rank (at most
+    ``plan.deepspeed.persistence_threshold``, 10 x hidden, elements each: at r 8 every A that
+    reads the hidden size and every B that writes it; at r 16 and up only the narrower ones; DoRA's
+    magnitudes)."""
+    p = recipe.peft
+    if p.method == "none":
+        return 0
+    limit = persistence_threshold(shape)
+    linears = linear_shapes(shape)
+    targets = _targets(p.target_modules)
+    tensors = [n for t in targets for n in (p.r * linears[t][0], p.r * linears[t][1])]
+    if p.method == "dora":
+        tensors += [linears[t][1] for t in targets]  # one magnitude per output feature
+    return shape.num_layers * sum(n for n in tensors if n <= limit)
 
 
 def loss_chunk_tokens(vocab_size: int) -> int:
@@ -317,6 +334,8 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
     }
     if engine_spec(engine).zero_stages and layout.grads_on_gpu:
         placed["gradients"] += reduce_bucket_bytes(recipe, shape)  # DeepSpeed's reduce buckets
+    if engine_spec(engine).param_gather == "live_window" and layout.weights > 1 and layout.weights_on_gpu:
+        placed["adapters"] += _persistent_adapters(recipe, shape) * 4  # whole, beside their partitions
     spec = objective_of(recipe)
     tokens = spec.rows(recipe) * tokens_per_rank(recipe, micro)  # a pair is two sequences
     placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])
@@ -374,7 +393,10 @@ def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, fl
     """Weights, gradients and optimizer state of the whole model, before sharding or offload.
 
     Trainable weights are fp32 (``upcast_trainable``), except under DeepSpeed, which keeps
-    them in the compute dtype beside an fp32 master copy.
+    them in the compute dtype beside an fp32 master copy. ZeRO 1-3 keep that copy in an fp32 run
+    too: stage 1-2 clone the partition whatever its dtype, and stage 3 shares it only when the
+    partition's ``torch.device`` equals the accelerator's device name, a string, which it never
+    does (deepspeed 0.19 ``_create_fp32_partitions``; found on CPU: bench/load_memory.py).
     """
     m, peft = recipe.model, recipe.peft.method != "none"
     spec = engine_spec(engine)
@@ -394,7 +416,7 @@ def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, fl
         "adapters": trainable * 4 if peft else 0,
         "gradients": gradients,
         "optimizer": trainable * _optimizer_bytes(recipe),
-        "master_weights": trainable * 4 if low and a < 4 else 0,
+        "master_weights": trainable * 4 if low and (a < 4 or recipe.distributed.zero_stage) else 0,
     }
 
 

@@ -73,6 +73,19 @@ def test_a_cpu_peft_runs_frozen_weights_are_the_weight_files_pages_kept_whole(pr
     assert report["full"]["frozen"] == report["reward_full"]["frozen"] == 0
 
 
+def test_the_planner_counts_what_zero3_keeps_beside_the_partitions(probe):
+    """DeepSpeed ZeRO-3 keeps an fp32 master copy of the trained partition even in an fp32 run
+    (it shares the partition only when a torch.device equals a device-name string), and keeps the
+    trained parameters under ``stage3_param_persistence_threshold`` whole on every rank. The
+    planner's ``master_weights`` and persistent adapters are those bytes, read from the engine."""
+    report = probe[1]
+    for variant in ("lora", "dora", "qlora"):
+        r = report[variant]
+        assert r["master_bytes"] > 0 and r["persistent_trained_bytes"] > 0, variant
+        assert r["planned_master_bytes"] == pytest.approx(r["master_bytes"], rel=0.02), variant
+        assert r["planned_persistent_bytes"] == r["persistent_trained_bytes"], variant
+
+
 def test_zero3_4bit_load_has_the_whole_builds_statistics(probe):
     r = probe[1]["qlora"]
     assert r["num_4bit"] == 14  # 7 linear layers in each of 2 decoder layers

@@ -66,7 +66,9 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     from llmft.data.tokenizer import load_tokenizer
     from llmft.engines.deepspeed import DeepSpeedEngineAdapter
     from llmft.model.build import prepare_model
+    from llmft.plan.memory import _persistent_adapters, estimate_memory
     from llmft.plan.resolve import load_plan
+    from llmft.plan.shape import model_shape
     from llmft.training.optim import build_optimizer
 
     plan = load_plan(recipe_path, [*ZERO3, *overrides], world_size=env.world_size)
@@ -132,6 +134,17 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     frozen = {n: p for n, p in params.items() if not p.requires_grad and id(p) not in packed}
     out["frozen"] = len(frozen)
     out["frozen_mapped"] = sorted(n for n, p in frozen.items() if in_weight_file(p.ds_tensor.data_ptr()))
+    # What DeepSpeed holds for the trained parameters beyond their partitions, beside the planner's terms.
+    zero = engine.model.optimizer
+    lp, master = zero.fp16_partitioned_groups_flat, zero.fp32_partitioned_groups_flat
+    out["master_bytes"] = sum(
+        m.numel() * m.element_size() for m, p in zip(master, lp, strict=True) if m.data_ptr() != p.data_ptr()
+    )
+    trained = [p for p in params.values() if p.requires_grad]
+    out["persistent_trained_bytes"] = sum(p.ds_numel * p.element_size() for p in trained if p.ds_persist)
+    est = estimate_memory(plan)
+    out["planned_master_bytes"] = est.master_weights
+    out["planned_persistent_bytes"] = _persistent_adapters(recipe, model_shape(recipe.model)) * 4
     return out
 
 
