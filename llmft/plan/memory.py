@@ -334,8 +334,9 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
     }
     if engine_spec(engine).zero_stages and layout.grads_on_gpu:
         placed["gradients"] += reduce_bucket_bytes(recipe, shape)  # DeepSpeed's reduce buckets
-    if engine_spec(engine).param_gather == "live_window" and layout.weights > 1 and layout.weights_on_gpu:
-        placed["adapters"] += _persistent_adapters(recipe, shape) * 4  # whole, beside their partitions
+    if engine_spec(engine).param_gather == "live_window" and layout.weights > 1:
+        # whole on the device beside their partitions, offload_param or not (partition_parameters.py)
+        placed["adapters"] += _persistent_adapters(recipe, shape) * 4
     spec = objective_of(recipe)
     tokens = spec.rows(recipe) * tokens_per_rank(recipe, micro)  # a pair is two sequences
     placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])

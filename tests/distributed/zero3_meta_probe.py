@@ -66,9 +66,8 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     from llmft.data.tokenizer import load_tokenizer
     from llmft.engines.deepspeed import DeepSpeedEngineAdapter
     from llmft.model.build import prepare_model
-    from llmft.plan.memory import _persistent_adapters, estimate_memory
+    from llmft.plan.memory import estimate_memory
     from llmft.plan.resolve import load_plan
-    from llmft.plan.shape import model_shape
     from llmft.training.optim import build_optimizer
 
     plan = load_plan(recipe_path, [*ZERO3, *overrides], world_size=env.world_size)
@@ -144,7 +143,8 @@ def _compare(recipe_path: str, overrides: list[str], env) -> dict:
     out["persistent_trained_bytes"] = sum(p.ds_numel * p.element_size() for p in trained if p.ds_persist)
     est = estimate_memory(plan)
     out["planned_master_bytes"] = est.master_weights
-    out["planned_persistent_bytes"] = _persistent_adapters(recipe, model_shape(recipe.model)) * 4
+    out["partition_bytes"] = sum(t.numel() * t.element_size() for t in lp)
+    out["planned_adapter_bytes"] = est.adapters  # on the device: partitions (unless offloaded), persistent whole
     return out
 
 
