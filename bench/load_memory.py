@@ -15,9 +15,12 @@ The same command on a tiny pretrained model (the same code path, a few MB of wei
 baseline: interpreter, torch, DeepSpeed, transformers and their buffers. Measured = the larger
 rank's peak anonymous memory over the whole command minus the baseline's; beside it the
 planner's host RAM per rank for this CPU run (``plan.memory.host_memory_per_rank``, the line
-``llmft plan`` prints). ``--phases`` adds the per-phase table of every rank, with each step's
-wall time (``step_time_s`` of metrics.jsonl) and the rank's CPU time over it (less sensitive to
-other jobs on the machine); ``--steps N`` runs N steps instead of two. The data cache is built
+``llmft plan`` prints). Also "by phase": the largest of each phase's peak less the baseline's peak
+in the same phase. The baseline's own peak is not its step's (rank 0 draws metrics.png at the
+end, and matplotlib stays), so "measured" takes off more than the step held; "by phase" does
+not. ``--phases`` adds the per-phase table of every rank, with each step's wall time
+(``step_time_s`` of metrics.jsonl) and the rank's CPU time over it (less sensitive to other jobs
+on the machine); ``--steps N`` runs N steps instead of two. The data cache is built
 once before the measured commands (``llmft prepare``), as a multi-node job is run.
 
 ``--against REV`` runs every command a second time with the llmft of git revision ``REV`` of
@@ -244,6 +247,15 @@ def _peak(ranks: list[list[dict]]) -> int:
     return max(max(p["peak_anon"] for p in phases) for phases in ranks)
 
 
+def _by_phase(big: list[list[dict]], tiny: list[list[dict]]) -> int:
+    """The largest peak in a phase less the tiny run's peak in the same phase, over ranks and phases."""
+    return max(
+        p["peak_anon"] - t["peak_anon"]
+        for phases, base in zip(big, tiny, strict=True)
+        for p, t in zip(phases, base, strict=False)
+    )
+
+
 def _lowest(runs: list[list[list[dict]]]) -> list[list[dict]]:
     return min(runs, key=_peak)
 
@@ -337,9 +349,11 @@ def main() -> None:
         host = None if name == EXPORT else _planned(_recipe(work, f"{slug}-big", work / "big", data), ranks, overrides)
         for code in codes:
             extra = _peak(traced[code, "big"]) - _peak(traced[code, "tiny"])
+            phased = _by_phase(traced[code, "big"], traced[code, "tiny"])
             step = statistics.median(seconds[code]) if seconds[code] else None
             rows.append(
                 [name, code, ranks, extra / MB, extra / b, goal]
+                + ([phased / MB] + ([f"{phased / host:.2f}"] if host and code == "now" else ["-"]))
                 + ([host / MB, extra / host] if host and code == "now" else ["-", "-"])
                 + [step if step is not None else "-"]
             )
@@ -354,6 +368,8 @@ def main() -> None:
         "peak anon - tiny MB",
         "x B",
         "goal x B",
+        "by phase MB",
+        "by phase / planner",
         "planner host MB",
         "measured / planner",
     ]
