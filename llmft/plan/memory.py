@@ -102,9 +102,7 @@ def count_params(recipe: Recipe, shape: ModelShape) -> Params:
     p = recipe.peft
     if p.method != "none":
         targets = _targets(p.target_modules)
-        adapters = n_layers * sum(p.r * (linears[t][0] + linears[t][1]) for t in targets)
-        if p.method == "dora":
-            adapters += n_layers * sum(linears[t][1] for t in targets)  # one magnitude per output feature
+        adapters = n_layers * sum(_adapter_tensors(recipe, shape))
         adapted_inputs = sum(linears[t][0] for t in targets)
         adapted_mlp_inputs = sum(linears[t][0] for t in targets if t in MLP_LINEARS)
         for name in p.modules_to_save or ():
@@ -121,21 +119,27 @@ def count_params(recipe: Recipe, shape: ModelShape) -> Params:
     )
 
 
+def _adapter_tensors(recipe: Recipe, shape: ModelShape) -> list[int]:
+    """The elements of each adapter tensor of one decoder layer: LoRA's A and B of every target
+    (+ DoRA's magnitudes, one per output feature); none without PEFT."""
+    p = recipe.peft
+    if p.method == "none":
+        return []
+    linears = linear_shapes(shape)
+    targets = _targets(p.target_modules)
+    tensors = [n for t in targets for n in (p.r * linears[t][0], p.r * linears[t][1])]
+    if p.method == "dora":
+        tensors += [linears[t][1] for t in targets]
+    return tensors
+
+
 def _persistent_adapters(recipe: Recipe, shape: ModelShape) -> int:
     """The adapter parameters ZeRO-3 keeps whole on every rank (at most
     ``plan.deepspeed.persistence_threshold``, 10 x hidden, elements each: at r 8 every A that
     reads the hidden size and every B that writes it; at r 16 and up only the narrower ones; DoRA's
     magnitudes)."""
-    p = recipe.peft
-    if p.method == "none":
-        return 0
     limit = persistence_threshold(shape)
-    linears = linear_shapes(shape)
-    targets = _targets(p.target_modules)
-    tensors = [n for t in targets for n in (p.r * linears[t][0], p.r * linears[t][1])]
-    if p.method == "dora":
-        tensors += [linears[t][1] for t in targets]  # one magnitude per output feature
-    return shape.num_layers * sum(n for n in tensors if n <= limit)
+    return shape.num_layers * sum(n for n in _adapter_tensors(recipe, shape) if n <= limit)
 
 
 def loss_chunk_tokens(vocab_size: int) -> int:
