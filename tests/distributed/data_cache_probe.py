@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from llmft.data import build_data
 from llmft.data.tokenizer import byte_tokenizer
-from llmft.job.dist import read_env
+from llmft.job.dist import leave_process, read_env
 from llmft.recipe import load_recipe
 
 env = read_env()
@@ -28,3 +28,4 @@ report = {
 }
 Path(sys.argv[2], f"rank-{env.rank}.json").write_text(json.dumps(report))
 dist.destroy_process_group()
+leave_process(0)  # without the interpreter's teardown (llmft.job.dist.leave_process says why)

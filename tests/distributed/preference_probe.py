@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shar
 
 from preference_batches import make_pairs, micro_batches, preference_step  # noqa: E402
 
-from llmft.job.dist import init_distributed, read_env, shutdown, timeout_s  # noqa: E402
+from llmft.job.dist import init_distributed, leave_process, read_env, timeout_s  # noqa: E402
 from llmft.plan.resolve import load_plan  # noqa: E402
 
 
@@ -44,7 +44,9 @@ def main(recipe: str, out: str, num_pairs: str, steps: str, variants: str, *over
         print(f"rank {env.rank}: {name} done", flush=True)
     if env.is_main:
         torch.save(results, out)
-    shutdown()
+    # Without the interpreter's teardown (llmft.job.dist.leave_process says why): the engines' gloo
+    # groups are still referenced here, so finalizing would destroy them with their worker threads.
+    leave_process(0)
 
 
 if __name__ == "__main__":

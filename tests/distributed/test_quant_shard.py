@@ -37,6 +37,7 @@ def _worker(rank: int, world: int, store: str, results) -> None:
     import bitsandbytes.functional as bnb_f
     import torch.distributed as dist
 
+    from llmft.job.dist import leave_process
     from llmft.model.quant_shard import quantize_part, values_per_element
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -68,6 +69,7 @@ def _worker(rank: int, world: int, store: str, results) -> None:
             out.append((layout, o, i, str(storage), end - start, same_bytes, same_state))
     results[rank] = out
     dist.destroy_process_group()
+    leave_process(0)  # without the interpreter's teardown (llmft.job.dist.leave_process says why)
 
 
 def test_each_rank_quantizes_only_its_part_and_matches_the_whole_weight(tmp_path):

@@ -105,4 +105,7 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    from llmft.job.dist import leave_process
+
     main(sys.argv[1])
+    leave_process(0)  # without the interpreter's teardown (llmft.job.dist.leave_process says why)
