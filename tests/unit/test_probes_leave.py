@@ -22,19 +22,19 @@ def _calls(tree: ast.AST) -> set[str]:
     return names
 
 
-def _rank_scripts() -> list[Path]:
+def _rank_scripts() -> dict[Path, set[str]]:
     """Probes (``*_probe.py``, run under torchrun) and test files whose functions join a group
-    themselves (a ``torch.multiprocessing.spawn`` worker)."""
-    out = []
+    themselves (a ``torch.multiprocessing.spawn`` worker) -> the names each one calls."""
+    out = {}
     for path in sorted((ROOT / "tests").rglob("*.py")):
         calls = _calls(ast.parse(path.read_text()))
         if path.name.endswith("_probe.py") or {"init_process_group", "init_distributed"} & calls:
-            out.append(path)
+            out[path] = calls
     return out
 
 
 def test_every_rank_script_leaves_through_leave_process():
     scripts = _rank_scripts()
     assert len(scripts) >= 10, [p.name for p in scripts]  # the probes and the spawn worker are found
-    missing = [str(p.relative_to(ROOT)) for p in scripts if "leave_process" not in _calls(ast.parse(p.read_text()))]
+    missing = [str(p.relative_to(ROOT)) for p, calls in scripts.items() if "leave_process" not in calls]
     assert not missing, "end these with llmft.job.dist.leave_process(code):\n" + "\n".join(missing)
