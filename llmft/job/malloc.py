@@ -4,7 +4,8 @@ glibc serves a large ``malloc`` from its own ``mmap`` only above a threshold, an
 *grows* to the size of every large block freed (up to 32 MiB on 64-bit). After a model load has
 freed a few weight-sized buffers, later tensors of up to that size come from the heap arenas,
 and a freed tensor in the middle of an arena stays in the resident set: the peak host RAM of
-loading and of a merged export grows by a fifth to a half (docs/benchmarks.md).
+loading and of a merged export grows by a fifth to a half (measured with bench/load_memory.py
+with and without ``MALLOC_MMAP_THRESHOLD_``).
 
 Two phases, two fixed thresholds:
 
@@ -18,8 +19,8 @@ Two phases, two fixed thresholds:
   from the arenas they are reused; as mappings every one of them is a fresh ``mmap`` whose pages
   fault in again (a held-out comparison read 0.54 of a plain loop with 64 KiB kept for the
   steps). FSDP2 and ZeRO-3 gather weights every step: they keep 64 KiB, as a weight released in
-  the middle of an arena would stay resident (measured: more host RAM per rank at the peak,
-  docs/benchmarks.md).
+  the middle of an arena would stay resident (measured: more host RAM per rank at the peak
+  with bench/load_memory.py).
 
 A ``MALLOC_MMAP_THRESHOLD_`` the user set in the environment wins: nothing is changed.
 """
