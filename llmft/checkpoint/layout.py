@@ -9,7 +9,7 @@
         latest                    a file holding the name of the newest complete step dir
         base_model/               model.config + PEFT: the random base, written once (export needs it)
         step-<N>/                 complete (COMPLETE marker) or absent; written as .tmp-step-<N>
-          COMPLETE                JSON {"step": N}, written last
+          COMPLETE                JSON {"step": N, "files": {path: [size, fingerprint]}}, written last
           trainer_state.json      TrainerState
           recipe.yaml             the recipe of the run that wrote it, as given (its intent)
           plan.yaml               the decisions taken for it: engine, world, batch (absent in older checkpoints)
@@ -20,12 +20,14 @@
           dcp/                    FSDP2: torch.distributed.checkpoint of model (+ optimizer)
           deepspeed/state/        DeepSpeed ZeRO 0-3: DeepSpeed's own files
           deepspeed_universal/    ZeRO 1-3 converted for another world size (made on demand)
+          objective/rank-<R>.pt   the objective's own state of each rank that kept one (weights_only)
 
 Each engine owns the format of its part (``engines/``); the names are here. Pure: no torch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -67,6 +69,7 @@ DS_TAG = "state"
 UNIVERSAL_DIR = "deepspeed_universal"
 
 STEP_RE = re.compile(r"^step-(\d+)$")
+RANK_FILE_RE = re.compile(r"^rank-(0|[1-9]\d*)\.pt$")  # rng/ and objective/: one file per rank
 
 
 def step_name(step: int) -> str:
@@ -84,6 +87,75 @@ def rng_file(step_dir: Path, rank: int) -> Path:
 
 def objective_file(step_dir: Path, rank: int) -> Path:
     return Path(step_dir) / OBJECTIVE_DIR / f"rank-{rank}.pt"
+
+
+def rank_of(path: Path) -> int | None:
+    """R of a ``rank-<R>.pt`` name, None for any other name (``rank-0.bak.pt``, ``rank-00.pt``)."""
+    m = RANK_FILE_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+# --- the manifest: what a step dir held when it was saved ---------------------------------------
+
+# Written after the save, on purpose, so not part of what was saved.
+NOT_IN_MANIFEST = (UNIVERSAL_DIR,)
+WHOLE_UP_TO = 1 << 20  # files up to this size are fingerprinted whole
+SAMPLE = 1 << 16  # larger ones: their first and last SAMPLE bytes and SAMPLES blocks between
+SAMPLES = 16
+
+
+def fingerprint(path: Path) -> str:
+    """sha256 of a file (up to ``WHOLE_UP_TO`` bytes) or of samples of it spread over its length: a
+    constant amount of reading per file, which tells a file from one of an earlier step or another
+    run (an optimizer step changes every block of the weights and the optimizer state)."""
+    size = Path(path).stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= WHOLE_UP_TO:
+            digest.update(f.read())
+        else:
+            for i in range(SAMPLES + 2):
+                f.seek(min(i * (size - SAMPLE) // (SAMPLES + 1), size - SAMPLE))
+                digest.update(f.read(SAMPLE))
+    return digest.hexdigest()[:32]
+
+
+def manifest(step_dir: Path) -> dict[str, list]:
+    """``{relative path: [size, fingerprint]}`` of every file of ``step_dir`` but its marker."""
+    step_dir = Path(step_dir)
+    out = {}
+    for folder, dirs, names in os.walk(step_dir):
+        dirs[:] = sorted(d for d in dirs if Path(folder) != step_dir or d not in NOT_IN_MANIFEST)
+        for name in sorted(names):
+            path = Path(folder) / name
+            rel = path.relative_to(step_dir).as_posix()
+            if rel != COMPLETE and not (Path(folder) == step_dir and name.startswith(f".{COMPLETE}")):
+                out[rel] = [path.stat().st_size, fingerprint(path)]
+    return out
+
+
+def read_manifest(step_dir: Path) -> dict[str, list] | None:
+    """The manifest in ``step_dir``'s marker; None for a checkpoint saved before there was one (or a
+    marker that does not hold one: ``verify.check_checkpoint`` judges the marker itself)."""
+    try:
+        files = json.loads((Path(step_dir) / COMPLETE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return files if isinstance(files, dict) else None
+
+
+def objective_files(step_dir: Path) -> list[Path]:
+    """The objective state files of ``step_dir`` in rank order: those its manifest lists, or, in a
+    checkpoint saved before the manifest, every ``objective/rank-<R>.pt`` (other names are never
+    read; ``verify.check_checkpoint`` refuses or names them)."""
+    step_dir = Path(step_dir)
+    listed = read_manifest(step_dir)
+    if listed is not None:
+        paths = [step_dir / rel for rel in listed if rel.startswith(f"{OBJECTIVE_DIR}/")]
+    else:
+        folder = step_dir / OBJECTIVE_DIR
+        paths = sorted(folder.iterdir()) if folder.is_dir() else []
+    return sorted((p for p in paths if p.parent.name == OBJECTIVE_DIR and rank_of(p) is not None), key=rank_of)
 
 
 # --- writing: a file or folder is whole or absent -----------------------------------------------

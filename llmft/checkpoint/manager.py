@@ -31,13 +31,14 @@ from llmft.checkpoint.layout import (
     CHECKPOINTS,
     COMPLETE,
     LATEST,
-    OBJECTIVE_DIR,
     STATE_FILE,
     TOKENIZER_DIR,
     TrainerState,
     atomic_write,
     fsync_dir,
+    manifest,
     objective_file,
+    objective_files,
     rng_file,
     step_dirs,
     step_name,
@@ -103,6 +104,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class SavedState(dict):
+    """One rank's objective state as loaded, with the file it came from (``path``), so that an
+    objective that finds it wrong names the file."""
+
+    def __init__(self, path: Path, state: dict[str, Any]) -> None:
+        super().__init__(state)
+        self.path = Path(path)
+
+
+def _state_mapping(path: Path, state: Any) -> dict[str, Any]:
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise UserError(
+            Problem(
+                str(path),
+                f"is damaged: holds a {type(state).__name__}, not an objective state (a mapping of named values)",
+                "Resume from an earlier checkpoint (checkpoint.resume=auto skips damaged ones), or restore the file.",
+            )
+        )
+    return state
 
 
 @dataclass
@@ -178,8 +200,9 @@ class CheckpointManager:
         return final
 
     def _commit(self, tmp: Path, final: Path, step: int) -> None:
-        """Rank 0: the marker, the rename to ``step-N``, ``latest``, pruning."""
-        atomic_write(tmp / COMPLETE, json.dumps({"step": step}))
+        """Rank 0: the marker (with the manifest of what every rank wrote), the rename to ``step-N``,
+        ``latest``, pruning."""
+        atomic_write(tmp / COMPLETE, json.dumps({"step": step, "files": manifest(tmp)}))
         if final.exists():  # re-running a step after resuming from an older checkpoint
             trash = self.root / f".trash-{step_name(step)}"
             _remove(trash)
@@ -236,11 +259,10 @@ class CheckpointManager:
                 continue
             shutil.rmtree(d, ignore_errors=True)
 
-    def load_objective_states(self, step_dir: Path) -> list[dict[str, Any]]:
+    def load_objective_states(self, step_dir: Path) -> list[SavedState]:
         """Every rank's objective state in ``step_dir`` (all of them: a resume on another world size
         takes what its ranks need), in rank order; empty when the objective saved none."""
-        paths = sorted(Path(step_dir, OBJECTIVE_DIR).glob("rank-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
-        return [torch_load(p) for p in paths]
+        return [SavedState(path, _state_mapping(path, torch_load(path))) for path in objective_files(step_dir)]
 
     def load_rng(self, step_dir: Path) -> dict[str, Any] | None:
         """This rank's RNG state in ``step_dir`` (None when that rank did not exist then)."""

@@ -84,14 +84,14 @@ def resume_point(plan: RunPlan) -> Path | None:
         latest_checkpoint(run_dir)  # logs a stale or invalid checkpoints/latest
         for _, step_dir in reversed(step_dirs(run_dir)):
             try:
-                check_checkpoint(step_dir)
+                check_checkpoint(step_dir, resume=True)
                 return step_dir
             except DamagedCheckpoint as e:
                 log.warning("not resuming from %s: %s; trying the checkpoint before it", step_dir.name, e)
         return None
     if resume != "never":
         step_dir = resolve_checkpoint(resume)
-        check_checkpoint(step_dir)  # asked for by name: a damaged one is an error, not a silent fallback
+        check_checkpoint(step_dir, resume=True)  # asked for by name: a damaged one is an error, not a silent fallback
         return step_dir
     existing = step_dirs(run_dir)
     if existing and not recipe.run.overwrite:
@@ -165,7 +165,55 @@ def check_resume_compatible(ckpt: Path, plan: RunPlan) -> None:
     for k, (a, b) in diffs.items():
         if not k.startswith(HOW_TO_RESUME):
             log.warning("resuming with a changed setting: %s %r -> %r", k, a, b)
-    _log_plan_changes(saved_plan(ckpt), plan, set(diffs))
+    saved = saved_plan(ckpt)
+    _check_generation_batch(ckpt, saved, plan)
+    _log_plan_changes(saved, plan, set(diffs))
+
+
+def _check_generation_batch(ckpt: Path, saved: SavedPlan, plan: RunPlan) -> None:
+    """A checkpoint inside a generation batch (an objective whose steps repeat one global batch:
+    GRPO's ``rl.iterations``) continues it only with the same batch: another global batch, repeat
+    count or group size G would deal other items to the next step than the ones its kept state
+    holds. On a generation boundary any of them may change."""
+    spec = plan.objective_spec
+    if spec.repeats is None or saved.batch is None:
+        return
+    recipe = saved_recipe(ckpt)
+
+    def saved_value(key: str | None, now: int) -> Any:
+        if key is None:
+            return now
+        section, _, name = key.partition(".")
+        value = (recipe.get(section) or {}).get(name, _default(section, name))
+        return value
+
+    repeats = saved_value(spec.repeats, spec.repeat_count(plan.recipe))
+    group = saved_value(spec.group, spec.group_size(plan.recipe))
+    if not isinstance(repeats, int) or repeats <= 1:
+        return
+    state = TrainerState.read(ckpt)
+    if state.samples % (saved.batch.global_batch_size * repeats) == 0:
+        return
+    then = (saved.batch.global_batch_size, repeats, group)
+    now = (plan.batch.global_batch_size, spec.repeat_count(plan.recipe), spec.group_size(plan.recipe))
+    if then == now:
+        return
+    keys = ("batch.global_batch_size", spec.repeats, spec.group or "G")
+    raise UserError(
+        Problem(
+            str(ckpt),
+            f"sits inside a generation batch (step {state.step}, {spec.repeats} {repeats}): its kept completions are "
+            f"a global batch of {then[0]} completions with {spec.repeats} {then[1]} and G {then[2]}; this recipe has "
+            f"{now[0]}, {now[1]} and {now[2]}",
+            "Resume it with "
+            + " ".join(f"{k}={v}" for k, v in zip(keys, then, strict=True) if spec.group or k != "G")
+            + f", or from a checkpoint on a generation boundary (a step that is a multiple of {spec.repeats}).",
+        )
+    )
+
+
+def _default(section: str, name: str) -> Any:
+    return getattr(getattr(Recipe(), section, None), name, None)
 
 
 def _added_since(key: str, saved: dict[str, Any], now: dict[str, Any], defaults: dict[str, Any]) -> bool:

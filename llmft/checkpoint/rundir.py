@@ -9,8 +9,13 @@
   tokenizing pool) would share it and keep the directory locked after the OOM killer's kill -9 of
   the trainer. So the lock's descriptor is closed in every child right after the fork
   (``os.register_at_fork``) and on exec (``O_CLOEXEC``): only the process that took it holds it.
-- ``check_ours``: a non-empty ``run.output_dir`` that is not an llmft run is refused, so a fresh
-  run never writes into (or deletes from) a folder of the user's.
+- ``check_ours``: a non-empty ``run.output_dir`` that is not an llmft run is refused, so a run
+  never writes into (or deletes from) a folder of the user's, unless ``run.overwrite=true`` says
+  to take it over. An llmft run is a folder with the run marker (``.llmft-run``), or, written by
+  an llmft older than the marker, one with a complete checkpoint (``checkpoints/step-N/`` whose
+  ``COMPLETE`` marker holds ``{"step": N}``), or a ``recipe.yaml`` that is a resolved recipe
+  as llmft writes it beside a ``metrics.jsonl`` whose rows are llmft's. Two files of those names
+  alone are not: a folder of the user's may hold them.
 - ``clear_for_fresh_start``: ``run.overwrite=true`` removes llmft's own entries only, each logged.
 """
 
@@ -25,6 +30,9 @@ import shutil
 import socket
 import sys
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from llmft.checkpoint.layout import BASE_DIR, CHECKPOINTS, COMPLETE, LATEST, STEP_RE
 from llmft.errors import Problem, UserError
@@ -37,6 +45,17 @@ RUN_MARKER = ".llmft-run"  # written at a run's first start: this directory is a
 METRICS_FILE = "metrics.jsonl"
 # What may already sit in a run directory before its first run: llmft compile's default output.
 BEFORE_FIRST_RUN = frozenset({LOCK_FILE, RUN_MARKER, "compiled"})
+# What llmft train replaces or adds to in a run directory (itself and its trackers): in a folder
+# without the marker, these names are the user's until they say otherwise. (The run's metrics.png
+# and llmft export's exported/ are refused where a file of the user's is in the way: metrics/plot.py,
+# export/export.py.)
+OWN_NAMES = (RECIPE_FILE, METRICS_FILE, CHECKPOINTS, "trackers.json", "tensorboard", "wandb")
+# How much of a marker-less folder's recipe.yaml and metrics.jsonl is read to tell whether llmft
+# wrote them: a resolved recipe is a few KiB, a metrics row a few hundred bytes.
+EVIDENCE_BYTES = 1 << 20
+EVIDENCE_ROWS = 64
+# The sections every recipe.yaml llmft writes has (the whole resolved recipe is dumped).
+_RECIPE_SECTIONS = ("run", "model", "data", "batch", "distributed", "optim", "train", "checkpoint")
 
 
 # Descriptors of the run locks this process holds: closed in a forked child (see the module doc).
@@ -131,32 +150,131 @@ def _alive(pid: object) -> bool:
 
 
 def is_llmft_run(run_dir: Path) -> bool:
-    """A directory llmft has run in: its marker, or (runs of older llmft versions) a checkpoints/
-    folder with llmft step dirs, or the resolved recipe beside metrics.jsonl."""
+    """A directory llmft has run in: its marker, or (runs of llmft versions older than the marker)
+    a complete checkpoint, or the resolved recipe llmft writes beside metrics rows llmft wrote."""
     run_dir = Path(run_dir)
     if (run_dir / RUN_MARKER).is_file():
         return True
-    root = run_dir / CHECKPOINTS
-    if root.is_dir() and any(STEP_RE.match(p.name) and (p / COMPLETE).is_file() for p in root.iterdir()):
-        return True
-    return (run_dir / RECIPE_FILE).is_file() and (run_dir / METRICS_FILE).is_file()
+    return bool(complete_checkpoints(run_dir)) or (
+        _is_resolved_recipe(run_dir / RECIPE_FILE) and _is_llmft_metrics(run_dir / METRICS_FILE)
+    )
 
 
-def check_ours(run_dir: Path) -> None:
-    """Refuse a non-empty directory that is not an llmft run: llmft would write into it."""
+def complete_checkpoints(run_dir: Path) -> list[str]:
+    """Names of ``checkpoints/step-N`` folders with llmft's ``COMPLETE`` marker, as every llmft
+    version wrote it: the JSON ``{"step": N}`` of its own folder."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir() or root.is_symlink():
+        return []
+    return sorted(p.name for p in root.iterdir() if _marked_complete(p))
+
+
+def _marked_complete(step_dir: Path) -> bool:
+    m = STEP_RE.match(step_dir.name)
+    if m is None or step_dir.is_symlink() or not step_dir.is_dir():
+        return False
+    text = _head(step_dir / COMPLETE)
+    try:
+        return text is not None and json.loads(text) == {"step": int(m.group(1))}
+    except (ValueError, RecursionError):
+        return False
+
+
+def _head(path: Path) -> str | None:
+    """The first ``EVIDENCE_BYTES`` of a regular file as text, or None (absent, a link, not UTF-8)."""
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read(EVIDENCE_BYTES).decode()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _is_resolved_recipe(path: Path) -> bool:
+    """``recipe.yaml`` as llmft writes it into a run: every section, decisions written in (the three
+    batch numbers, a concrete engine)."""
+    text = _head(path)
+    if text is None or len(text) >= EVIDENCE_BYTES:
+        return False
+    try:
+        data: Any = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        return False
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), dict) for k in _RECIPE_SECTIONS):
+        return False
+    batch, engine = data["batch"], data["distributed"].get("engine")
+    numbers = [batch.get(k) for k in ("global_batch_size", "micro_batch_size", "gradient_accumulation_steps")]
+    return (
+        all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in numbers)
+        and isinstance(engine, str)
+        and engine != "auto"
+        and isinstance(data["run"].get("output_dir"), str)
+    )
+
+
+def _is_llmft_metrics(path: Path) -> bool:
+    """``metrics.jsonl`` whose first rows are llmft's: JSON objects with an integer ``step`` and a
+    ``split`` of ``train`` (with ``loss`` and ``lr``) or ``eval``; a torn last line is allowed."""
+    text = _head(path)
+    if not text:
+        return False
+    lines = [line for line in text.splitlines()[:EVIDENCE_ROWS] if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except (ValueError, RecursionError):
+            if i == len(lines) - 1 and rows:  # a run killed mid-write, or the end of what was read
+                break
+            return False
+    train = 0
+    for row in rows:
+        if not isinstance(row, dict) or type(row.get("step")) is not int or row.get("split") not in ("train", "eval"):
+            return False
+        if row["split"] == "train":
+            if not {"loss", "lr"} <= row.keys():
+                return False
+            train += 1
+    return train > 0
+
+
+def check_ours(run_dir: Path, overwrite: bool = False) -> bool:
+    """Refuse a non-empty directory that is not an llmft run: llmft would write into it.
+
+    ``overwrite`` (``run.overwrite=true``): the user hands the folder to llmft; it is taken over
+    (logged), and True is returned: the caller starts fresh there, replacing llmft's names only."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir() or is_llmft_run(run_dir):
-        return
-    foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in BEFORE_FIRST_RUN)
-    if not foreign:
-        return
-    shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        return False
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name not in BEFORE_FIRST_RUN)
+    if not entries:
+        return False
+    shown = ", ".join(entries[:8]) + (f", ... ({len(entries)} entries)" if len(entries) > 8 else "")
+    taken = [n for n in OWN_NAMES if n in entries]
+    if overwrite:
+        log.warning(
+            "run.overwrite=true: taking over %s, which is not an llmft run (it holds %s); llmft writes its own "
+            "files there%s and leaves every other file as it is",
+            run_dir,
+            shown,
+            f", replacing or adding to your {', '.join(taken)}" if taken else "",
+        )
+        return True
+    what = (
+        f"llmft would replace or add to {', '.join(taken)} there"
+        if taken
+        else f"llmft would write {RECIPE_FILE}, {METRICS_FILE} and {CHECKPOINTS}/ among these files"
+    )
     raise UserError(
         Problem(
             "run.output_dir",
-            f"{run_dir} is not empty ({shown}) and is not an llmft run directory; llmft writes recipe.yaml, "
-            "metrics.jsonl and checkpoints/ there and will not mix them with files it did not write",
-            "Choose a new or empty run.output_dir (e.g. a subfolder of this one).",
+            f"{run_dir} is not empty ({shown}) and is not an llmft run directory (no {RUN_MARKER} marker, no "
+            f"complete checkpoint, no {RECIPE_FILE} and {METRICS_FILE} that llmft wrote); {what}",
+            "Choose a new or empty run.output_dir (e.g. a subfolder of this one). If this folder is yours to "
+            f"hand over, set run.overwrite=true: llmft then writes its own {RECIPE_FILE}, {METRICS_FILE} and "
+            f"{CHECKPOINTS}/ there (replacing those names) and leaves every other file as it is. If it is an "
+            f"llmft run whose marker was lost, `touch {run_dir / RUN_MARKER}` to continue it as it is.",
         )
     )
 

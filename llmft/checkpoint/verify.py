@@ -4,7 +4,10 @@ A checkpoint can be complete (``COMPLETE`` written last) and still be damaged af
 truncated by a full disk on a copy, a partial rsync, a bad block. ``check_checkpoint`` reads only headers,
 sizes and indexes, never the tensors:
 
-- ``COMPLETE`` holds ``{"step": N}`` (a JSON integer) for its own ``step-N``; ``recipe.yaml`` is
+- ``COMPLETE`` holds ``{"step": N}`` (a JSON integer) for its own ``step-N`` and the manifest of
+  the files the save wrote (``layout.manifest``): each is there with its size and fingerprint (a
+  file from an earlier step or another run is not), and no other file is (``deepspeed_universal/``,
+  made later on purpose, aside). Checkpoints saved before the manifest have none; ``recipe.yaml`` is
   a mapping of sections; ``plan.yaml`` (absent in older checkpoints) parses; the files a resume of the checkpoint's engine opens exist;
 - safetensors files: the JSON header parses, each tensor has a dtype, shape and offsets, and the
   data fits the file exactly; a model ``config.json`` builds its transformers config;
@@ -20,6 +23,11 @@ sizes and indexes, never the tensors:
   forever), and a step dir that is a link leading out of its ``checkpoints/``: the rule
   ``checkpoints/latest`` follows (a name inside ``checkpoints/``, never a path).
 
+For a resume (``resume=True``) the objective's own state is checked too (``check_objective_states``):
+its files are loaded with ``weights_only`` and the objective's runtime judges them
+(``check_saved_states``: GRPO's kept generation batch is the one the checkpoint's last step
+trained on, whole, once, and a checkpoint inside a generation batch has one).
+
 A damaged checkpoint raises ``DamagedCheckpoint`` naming the file; ``llmft train`` then resumes
 from the previous complete one (docs/checkpoints.md). A file that cannot be read (permission
 denied, an I/O error) is damaged for this purpose too: its error is named.
@@ -28,6 +36,7 @@ denied, an I/O error) is damaged for this purpose too: its error is named.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import struct
@@ -44,17 +53,27 @@ from llmft.checkpoint.layout import (
     DS_DIR,
     DS_TAG,
     MODEL_DIR,
+    NOT_IN_MANIFEST,
     OBJECTIVE_DIR,
     OPTIMIZER_FILE,
     RNG_DIR,
     STATE_FILE,
     STEP_RE,
     TrainerState,
+    fingerprint,
+    objective_files,
+    rank_of,
+    read_manifest,
+    saved_recipe,
 )
+from llmft.checkpoint.safe_load import torch_load
 from llmft.errors import Problem, UserError
 from llmft.plan.engines import ENGINE_NAMES, engine_spec, load
+from llmft.plan.objectives import DEFAULT_OBJECTIVE, registered
 from llmft.plan.resolve import PLAN_FILE
 from llmft.recipe.load import RECIPE_FILE
+
+log = logging.getLogger("llmft")
 
 
 class DamagedCheckpoint(UserError):
@@ -86,10 +105,11 @@ def _outside(path: Path, what: str) -> DamagedCheckpoint:
     )
 
 
-def check_checkpoint(step_dir: Path) -> None:
-    """Raise ``DamagedCheckpoint`` naming the first file of ``step_dir`` that is not whole."""
+def check_checkpoint(step_dir: Path, *, resume: bool = False) -> None:
+    """Raise ``DamagedCheckpoint`` naming the first file of ``step_dir`` that is not whole (``resume``:
+    or that a resume could not continue exactly from: the objective's state)."""
     step_dir = Path(step_dir)
-    check_confined(step_dir)
+    files = check_confined(step_dir)
     marked = _check_marker(step_dir)
     try:
         state = TrainerState.read(step_dir)
@@ -113,8 +133,77 @@ def check_checkpoint(step_dir: Path) -> None:
     _check_present(step_dir, state)
     try:
         _check_files(step_dir)
+        _check_manifest(step_dir, files)
     except OSError as e:  # permission denied, an I/O error: the file cannot be what a resume reads
         raise damaged(Path(e.filename or step_dir), f"cannot be read ({e.strerror or e})") from None
+    if resume:
+        check_objective_states(step_dir, state)
+
+
+def _check_manifest(step_dir: Path, files: list[Path]) -> None:
+    """Every file the save wrote is there as it was written, and nothing else is."""
+    listed = read_manifest(step_dir)
+    if listed is None:  # saved before the manifest: the other checks are all there is
+        return
+    for rel, (size, digest) in listed.items():
+        path = step_dir / rel
+        if not path.is_file():
+            raise damaged(path, "missing (the checkpoint was saved with it)")
+        now = path.stat().st_size
+        if now != size:
+            raise damaged(
+                path,
+                f"not the file the checkpoint was saved with ({now} bytes, {size} when saved: truncated, "
+                "replaced, or copied from another checkpoint)",
+            )
+        if fingerprint(path) != digest:
+            raise damaged(
+                path,
+                "not the file the checkpoint was saved with (its content differs: replaced, or copied from "
+                "another checkpoint)",
+            )
+    for path in files:
+        rel = path.relative_to(step_dir)
+        if rel.parts[0] in (COMPLETE, *NOT_IN_MANIFEST) or rel.as_posix() in listed:
+            continue
+        raise DamagedCheckpoint(
+            Problem(
+                str(path),
+                "is damaged: not part of the checkpoint as it was saved (a file its manifest in COMPLETE does not "
+                "list: a copy, or a file of another run)",
+                "Move it out of the checkpoint folder, or resume from an earlier checkpoint (checkpoint.resume=auto "
+                "skips this one).",
+            )
+        )
+
+
+def check_objective_states(step_dir: Path, state: TrainerState) -> None:
+    """The objective's own state (``objective/rank-<R>.pt``) is what a resume of ``step_dir``
+    continues from exactly: loaded with ``weights_only`` and judged by the objective's runtime
+    (``check_saved_states``; an objective without one keeps nothing a resume needs)."""
+    step_dir = Path(step_dir)
+    folder = step_dir / OBJECTIVE_DIR
+    if read_manifest(step_dir) is None and folder.is_dir():  # with a manifest, an extra file is damage
+        for path in sorted(folder.iterdir()):
+            if rank_of(path) is None:
+                log.warning("%s: ignored: not a rank-<R>.pt name, so never read as an objective state", path)
+    recipe = saved_recipe(step_dir)
+    name = (recipe.get("train") or {}).get("objective", DEFAULT_OBJECTIVE)
+    spec = registered(name) if isinstance(name, str) else None
+    check = getattr(load(spec.runtime), "check_saved_states", None) if spec and spec.runtime else None
+    if check is None:
+        return
+    states = []
+    try:
+        for path in objective_files(step_dir):
+            check_zip(path)
+            states.append((path, torch_load(path)))
+        global_batch = state.batch.global_batch_size if state.batch is not None else None
+        check(states, step_dir, state.step, state.samples, global_batch, recipe)
+    except DamagedCheckpoint:
+        raise
+    except UserError as e:  # the file's own words (refused, damaged), as damage: auto skips the checkpoint
+        raise DamagedCheckpoint(*e.problems, title=e.title) from None
 
 
 def check_confined(step_dir: Path) -> list[Path]:
@@ -226,12 +315,33 @@ def _check_marker(step_dir: Path) -> int:
     marker = step_dir / COMPLETE
     m = STEP_RE.match(step_dir.name)
     try:
-        step = json.loads(marker.read_text())["step"]
+        doc = json.loads(marker.read_text())
+        step = doc["step"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise damaged(marker, f"not the marker llmft writes ({type(e).__name__})") from None
     if m is None or type(step) is not int or step != int(m.group(1)):
         raise damaged(marker, f"says step {json.dumps(step)[:40]}, but the folder is {step_dir.name}")
+    if "files" in doc and not _is_manifest(doc["files"]):
+        raise damaged(marker, "its manifest (files) is not a mapping of relative paths to [size, fingerprint]")
     return step
+
+
+def _is_manifest(files: object) -> bool:
+    def entry(rel: object, value: object) -> bool:
+        parts = Path(rel).parts if isinstance(rel, str) else ()
+        return (
+            bool(parts)
+            and not Path(rel).is_absolute()
+            and ".." not in parts
+            and Path(rel).as_posix() == rel
+            and isinstance(value, list)
+            and len(value) == 2
+            and type(value[0]) is int
+            and value[0] >= 0
+            and isinstance(value[1], str)
+        )
+
+    return isinstance(files, dict) and all(entry(k, v) for k, v in files.items())
 
 
 def check_json(path: Path) -> None:
@@ -315,7 +425,8 @@ def check_zip(path: Path) -> None:
             for info in z.infolist():
                 if info.header_offset + info.compress_size > size:
                     raise zipfile.BadZipFile(f"{info.filename} runs past the end of the file")
-    except (OSError, zipfile.BadZipFile) as e:
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, OverflowError, struct.error) as e:
+        # ValueError: an entry name that is not UTF-8 (a flipped bit in the zip index), among others
         raise damaged(path, f"not a whole torch.save file ({e}); {size} bytes on disk") from None
 
 

@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import time
@@ -91,6 +92,9 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     }
     h.update(json.dumps(specials, sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
+
+
+KEY_RE = re.compile(r"[0-9a-f]{24}")  # what entry_key makes
 
 
 def entry_key(parts: dict[str, Any]) -> str:
@@ -243,6 +247,10 @@ def _remove_orphans(root: Path, key: str) -> None:
     cutoff = time.time() - ORPHAN_DAYS * 86400
     for work in root.glob(f"*{BUILD_SUFFIX}"):
         other = work.name[: -len(BUILD_SUFFIX)]
+        # Only the cache's own names (an entry key: 24 hex digits) and real folders: a folder of the
+        # user's in data.cache_dir that happens to end in .build is never removed.
+        if not KEY_RE.fullmatch(other) or work.is_symlink() or not work.is_dir():
+            continue
         if other == key or work.stat().st_mtime > cutoff:
             continue
         with open(root / f"{other}.lock", "a") as f:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from llmft import stop
 from llmft.data.encode import Encoder
 from llmft.data.pairs import PairEncoder, build_pair_rows, make_encoder
 from llmft.data.prompts import PromptEncoder, build_prompt_rows
@@ -222,6 +223,7 @@ def _eval_prompts(
     """(prompt ids, reference) of the eval records that have a prompt shorter than max_seq_len."""
     locate, out = _Locate(chunks), []
     for i in items.tolist():
+        stop.check()  # a prompt is one render of the chat template: a slow one must not hold a stop
         chunk, row = locate.record(i)
         raw = chunk.dataset[row]
         value = parse_line(raw["json"], raw["error"]) if chunk.lines else raw

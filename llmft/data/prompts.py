@@ -7,7 +7,9 @@
   string exactly as the prompt part of an SFT prompt/completion record, messages through the chat
   template with ``add_generation_prompt=True``. No token is a target. A prompt longer than the room
   the completion leaves (``data.max_seq_len - rollout.max_new_tokens`` tokens) is a malformed record
-  (``data.on_bad_record``). ``PromptEncoder``.
+  (``data.on_bad_record``); its text (the string, or the rendered conversation) is cut to the
+  character budget of that room before it is tokenized, so a 50 MB prompt costs what a prompt of
+  the room's tokens costs. ``PromptEncoder``.
 - rows: one unpacked row per prompt (``build_prompt_rows``), the whole parsed record (after field
   renaming) kept beside it as UTF-8 JSON in the ``TokenDataset``'s ``record`` column; an item
   carries it as ``item["record"]`` (a dict).
@@ -156,22 +158,28 @@ class PromptEncoder:
         return parse_prompt(value, fields)
 
     def encode_batch(self, prompts: list[PromptRecord]) -> list[PromptExample | BadRecord]:
+        """Each prompt's example, or why it is refused. A prompt's text is cut to the character budget
+        of ``room`` tokens before it is tokenized (``Encoder.prompt_ids_cut``): one longer than the
+        room is refused, as it would be whole, without tokenizing all of it."""
         out: list[PromptExample | BadRecord] = []
-        for p, ids in zip(prompts, self.encoder.prompt_ids_batch([p.prompt for p in prompts]), strict=True):
+        ids_list, cut = self.encoder.prompt_ids_cut([p.prompt for p in prompts], self.room)
+        for p, ids, was_cut in zip(prompts, ids_list, cut, strict=True):
             if isinstance(ids, BadRecord):
                 out.append(ids)
             elif len(ids) == 0:
                 out.append(BadRecord("'prompt' has no tokens"))
             elif len(ids) > self.room:
-                out.append(BadRecord(self.too_long(len(ids))))
+                out.append(BadRecord(self.too_long(len(ids), was_cut)))
             else:
                 out.append(PromptExample(ids, np.full(len(ids), IGNORE_INDEX, dtype=np.int32), p.record))
         return out
 
-    def too_long(self, n: int) -> str:
+    def too_long(self, n: int, cut: bool = False) -> str:
+        """Why a prompt of ``n`` tokens is refused (``cut``: ``n`` counts its first characters only)."""
         new = self.max_seq_len - self.room
+        size = f"more than the {self.room} tokens" if cut else f"{n} tokens, more than the {self.room}"
         return (
-            f"its prompt is {n} tokens, more than the {self.room} that leave room for the completion "
+            f"its prompt is {size} that leave room for the completion "
             f"(data.max_seq_len {self.max_seq_len} - rollout.max_new_tokens {new}); shorten the prompt, "
             "raise data.max_seq_len, or lower rollout.max_new_tokens"
         )

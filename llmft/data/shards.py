@@ -13,6 +13,14 @@ stop signals (a scheduler signals the whole process group; the builder alone dec
 is one log line); the builder polls ``llmft.stop`` while they work, and on a stop kills them
 (SIGKILL: their unfinished ``.part`` files are removed by the next build) and raises ``Stopped``
 within a fraction of a second.
+
+In one process (``data.num_proc`` 1, or data small enough for one shard) the builder checks
+``llmft.stop`` before each call of the tokenizer. A call takes up to ``BATCH`` records, but no more
+than about ``CALL_S`` seconds of them: the first call of a shard takes one record, and each next
+one as many as the last call's pace fits in ``CALL_S`` (at most twice as many). Fast records still
+go ``BATCH`` at a time after a few calls; a slow chat template (a second a record) is called one
+record at a time, so a stop waits for one record, not for 256. The rows do not depend on where the
+calls are cut (each record is encoded on its own).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import json
 import logging
 import multiprocessing
 import os
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -37,7 +46,8 @@ log = logging.getLogger("llmft.data")
 
 SHARD_MIN_RECORDS = 4096  # below this, a worker process costs more than it saves
 MAX_SHARDS = 256  # per chunk: a stop loses at most ~1/256 of the work per worker
-BATCH = 256  # records per tokenizer call
+BATCH = 256  # most records per tokenizer call
+CALL_S = 0.5  # a tokenizer call takes about this long at most (in one process: how long a stop may wait)
 Job = tuple[int, int, int]  # (chunk index, first record, end record)
 
 
@@ -169,9 +179,13 @@ def _write_shard(chunk: Chunk, tokenize: Tokenize, job: Job, path: Path, check: 
     part = path.with_name(path.name + ".part")
     try:
         with pa.OSFile(str(part), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            for a in range(job[1], job[2], BATCH):
+            a, size = job[1], 1
+            while a < job[2]:
                 check()
-                out = tokenize(chunk.dataset[a : min(job[2], a + BATCH)])
+                b, started = min(job[2], a + size), time.perf_counter()
+                out = tokenize(chunk.dataset[a:b])
+                size = next_call_size(b - a, time.perf_counter() - started)
+                a = b
                 ids, target = _lists(out["input_ids"], np.int32), _lists(out["target"], np.uint8)
                 arrays = [ids, target, pa.array(out["error"], pa.string())]
                 if tokenize.values:
@@ -183,6 +197,13 @@ def _write_shard(chunk: Chunk, tokenize: Tokenize, job: Job, path: Path, check: 
     finally:
         if part.exists():
             part.unlink()
+
+
+def next_call_size(records: int, seconds: float) -> int:
+    """Records for the next tokenizer call after one of ``records`` took ``seconds``: what fits in
+    ``CALL_S`` at that pace, at most twice ``records`` and ``BATCH``, at least one."""
+    fits = int(CALL_S * records / seconds) if seconds > 0 else BATCH
+    return max(1, min(BATCH, 2 * records, fits))
 
 
 def _lists(arrays: list[np.ndarray], dtype: type):

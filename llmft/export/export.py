@@ -24,6 +24,12 @@ and logs a warning saying so.
 
 Weights are written as safetensors. llmft reads safetensors and DCP only; a DeepSpeed
 checkpoint is read by DeepSpeed's own code, the one exception (see ``llmft.export.consolidate``).
+
+A stop request (SIGTERM, Ctrl-C, SIGUSR1/2; ``llmft.stop``) during ``export`` stops it between
+tensors (a streamed export), between weight files and between its other parts; the output,
+built in a temporary sibling, is removed with the consolidation scratch, the checkpoint is only
+read, and the command exits 75 (``llmft.stop.STOPPED_EXIT_CODE``). A single library call (a
+sharded checkpoint's consolidation, an in-memory merge's ``save_pretrained``) runs to its end first.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from llmft import stop
 from llmft.checkpoint.layout import (
     ADAPTER_CONFIG,
     BASE_DIR,
@@ -89,11 +96,26 @@ def export(
     Default ``out``: ``<run>/exported/step-N`` (``step-N-merged`` with ``merge_lora``).
     ``trust_remote_code`` comes from the command line only, never from the checkpoint (docs/design.md G7).
     """
-    step_dir = resolve_checkpoint(checkpoint)
-    check_checkpoint(step_dir)  # a truncated or corrupt file is named here, not met as a traceback mid-export
-    if out is None:
-        out = step_dir.parent.parent / EXPORTS / (step_dir.name + ("-merged" if merge_lora else ""))
-    return export_model_dir(step_dir, Path(out), merge_lora=merge_lora, trust_remote_code=trust_remote_code)
+    with stop.installed(("SIGUSR1", "SIGUSR2"), stop.EXPORTING):
+        step_dir = resolve_checkpoint(checkpoint)
+        check_checkpoint(step_dir)  # a truncated or corrupt file is named here, not met as a traceback mid-export
+        if out is None:
+            out = step_dir.parent.parent / EXPORTS / (step_dir.name + ("-merged" if merge_lora else ""))
+        try:
+            _check_stop()
+            done = export_model_dir(step_dir, Path(out), merge_lora=merge_lora, trust_remote_code=trust_remote_code)
+        except stop.Stopped:
+            log.warning("export stopped: %s was not written (its partial output is removed); %s is untouched",
+                        out, step_dir)  # fmt: skip
+            raise
+        if stop.requested():  # it came during the export's last moment: the export is whole
+            log.warning("%s came as the export finished: %s is complete", stop.requested(), done)
+        return done
+
+
+def _check_stop() -> None:
+    """``stop.check`` between the parts of an export (the partial output is removed as it ends)."""
+    stop.check(stop.EXPORTING)
 
 
 def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool, trust_remote_code: bool = False) -> Path:
@@ -118,12 +140,14 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool, trust_remot
             log.warning("%s holds a full fine-tune, not an adapter: nothing to merge, exporting the model", step_dir)
         with _staged(out) as tmp:
             write_full_streamed(step_dir, recipe, dtype, tmp)
+            _check_stop()  # the last check: what is left takes a moment, and then the export is whole
             _copy_tokenizer(step_dir, tmp)
             export_model_card(step_dir, tmp)
         return out
     # beside the output, not in /tmp: a consolidated model can be as large as the export
     with tempfile.TemporaryDirectory(prefix=".llmft-consolidated-", dir=out.parent) as scratch:
         model_dir = _checkpoint_model_dir(step_dir, Path(scratch), trust_remote_code)
+        _check_stop()
         is_adapter = (model_dir / ADAPTER_CONFIG).is_file()
         if merge_lora and not is_adapter:
             log.warning("%s holds a full fine-tune, not an adapter: nothing to merge, exporting the model", step_dir)
@@ -134,6 +158,7 @@ def export_model_dir(step_dir: Path, out: Path, *, merge_lora: bool, trust_remot
                 _write_merged(step_dir, model_dir, recipe, dtype, tmp)
             else:
                 _write_adapter(step_dir, model_dir, recipe, dtype, tmp, final=out)
+            _check_stop()  # the last check: what is left takes a moment, and then the export is whole
             _copy_tokenizer(step_dir, tmp)
             export_model_card(step_dir, tmp)  # README.md with the hub's front matter
     return out
@@ -218,6 +243,7 @@ def write_full_streamed(step_dir: Path, recipe: Recipe, dtype: torch.dtype, out:
         size += nbytes
     weight_map, total = {}, 0
     for i, group in enumerate(groups, 1):
+        _check_stop()
         file = "model.safetensors" if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         wanted = {n: torch.empty(shape, dtype=torch.float32 if d.is_floating_point else d) for n, shape, d in group}
         tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous() for n, t in read(wanted).items()}
@@ -362,10 +388,12 @@ def stream_model(model_dir: Path, out: Path, dtype: torch.dtype, deltas: LoraDel
         merged: dict[str, torch.Tensor] = {}
         with safe_open(str(model_dir / name), framework="pt") as f:
             for key in f.keys():
+                _check_stop()
                 merged[key] = deltas.apply(key, f.get_tensor(key), dtype) if deltas else f.get_tensor(key).to(dtype)
                 merged[key] = merged[key].contiguous()
                 weight_map[key] = name
                 total += merged[key].numel() * merged[key].element_size()
+        _check_stop()
         save_file(merged, str(out / name), metadata={"format": "pt"})
         del merged
     if deltas is not None and (deltas.factors or deltas.replaced):
@@ -435,9 +463,14 @@ def _saved_base(step_dir: Path) -> Path | None:
 def _write_base(step_dir: Path, recipe: Recipe, dtype: torch.dtype, out: Path) -> None:
     saved = _saved_base(step_dir)
     if saved is not None:
-        shutil.copytree(saved, out)
+        shutil.copytree(saved, out, copy_function=_copy_unless_stopped)
         return
     _save_for_inference(_load_base(step_dir, recipe, dtype), dtype, out)
+
+
+def _copy_unless_stopped(src: str, dst: str) -> None:
+    _check_stop()
+    shutil.copy2(src, dst)
 
 
 def _load_base(step_dir: Path, recipe: Recipe, dtype: torch.dtype) -> PreTrainedModel:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from llmft import stop
 from llmft.errors import Problem, UserError
 from llmft.job import watchdog
 
@@ -29,7 +30,13 @@ class DistEnv:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
-    launcher: str = "none"
+    launcher: str = "none"  # torchrun, deepspeed (its launcher), srun, env (WORLD_SIZE/RANK of another), none
+    local_known: bool = True  # False: the launcher did not say how many processes run per node
+
+    @property
+    def launched_per_node(self) -> int | None:
+        """Processes per node as the launcher said (None where it did not): ``plan.resolve``'s world."""
+        return self.local_world_size if self.local_known else None
 
     @property
     def is_main(self) -> bool:
@@ -59,26 +66,36 @@ def _tasks_per_node() -> int | None:
 
 
 def read_env() -> DistEnv:
-    """torchrun and the deepspeed launcher set RANK/WORLD_SIZE/LOCAL_RANK; srun sets SLURM_*."""
+    """The world the launcher started: torchrun and the deepspeed launcher set RANK/WORLD_SIZE/
+    LOCAL_RANK, and the processes per node as LOCAL_WORLD_SIZE (torchrun) or LOCAL_SIZE (the
+    deepspeed launcher); srun sets SLURM_* (SLURM_NTASKS_PER_NODE, or SLURM_TASKS_PER_NODE)."""
     if _int("WORLD_SIZE") is not None and _int("RANK") is not None:
         world = _int("WORLD_SIZE") or 1
-        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "env"
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            launcher, local = "torchrun", _int("LOCAL_WORLD_SIZE")
+        elif _int("LOCAL_SIZE") is not None:
+            launcher, local = "deepspeed", _int("LOCAL_SIZE")
+        else:
+            launcher, local = "env", _int("LOCAL_WORLD_SIZE")
         return DistEnv(
             rank=_int("RANK") or 0,
             world_size=world,
             local_rank=_int("LOCAL_RANK") or 0,
-            local_world_size=_int("LOCAL_WORLD_SIZE") or world,
+            local_world_size=local or world,
             launcher=launcher,
+            local_known=bool(local),
         )
     if _int("SLURM_NTASKS") and _int("SLURM_PROCID") is not None and "SLURM_STEP_ID" in os.environ:
         world = _int("SLURM_NTASKS") or 1
         if world > 1:
+            local = _int("SLURM_NTASKS_PER_NODE") or _tasks_per_node()
             env = DistEnv(
                 rank=_int("SLURM_PROCID") or 0,
                 world_size=world,
                 local_rank=_int("SLURM_LOCALID") or 0,
-                local_world_size=_int("SLURM_NTASKS_PER_NODE") or _tasks_per_node() or world,
+                local_world_size=local or world,
                 launcher="srun",
+                local_known=bool(local),
             )
             # torch.distributed's env:// rendezvous reads these names.
             os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(world), LOCAL_RANK=str(env.local_rank))
@@ -151,6 +168,25 @@ def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
     with watchdog.collective("all_gather"):
         dist.all_gather(out, rows.contiguous())
     return torch.cat(out)
+
+
+def any_rank_stopping(device: torch.device | None) -> bool:
+    """Whether any rank was asked to stop (``llmft.stop``): one all-reduce, which every rank must
+    reach; without a stop request installed (``llmft verify``, a library caller) no collective and False."""
+    request = stop.active()
+    if request is None:
+        return False
+    (votes,) = all_reduce_sum([1.0 if request.requested else 0.0], device)  # type: ignore[arg-type]
+    return votes > 0
+
+
+def cut_short(what: str, device: torch.device | None) -> None:
+    """Raise ``stop.Abandoned(what)`` on every rank when any rank was asked to stop (``any_rank_stopping``)."""
+    if any_rank_stopping(device):
+        request = stop.active()
+        assert request is not None
+        stop.said(request.action)
+        raise stop.Abandoned(what)
 
 
 def barrier() -> None:

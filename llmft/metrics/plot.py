@@ -11,6 +11,7 @@ import math
 import os
 from pathlib import Path
 
+from llmft.checkpoint.rundir import is_llmft_run
 from llmft.errors import Problem, UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -18,6 +19,32 @@ METRICS_FILE = "metrics.jsonl"
 _NOT_METRICS = {"split", "step", "loss", "tokens", "generated", "samples", "epoch", "time_s", "step_time_s"}
 
 Series = dict[int, float]  # step -> value
+# Every PNG llmft plot / llmft runs writes says so in its Software text chunk; an existing file
+# at the output path without it is the user's, and is never replaced.
+SOFTWARE = "llmft plot"
+
+
+def written_by_plot(path: Path, older: bool = False) -> bool:
+    """``older``: also a plain matplotlib PNG (llmft plot before it signed its files)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    signs = [SOFTWARE, *(["Matplotlib"] if older else [])]
+    return head.startswith(b"\x89PNG") and any(b"tEXtSoftware\x00" + s.encode() in head for s in signs)
+
+
+def check_out(path: Path, older: bool = False) -> None:
+    """Refuse to replace a file (or a link) at ``path`` that llmft plot did not write."""
+    if (path.exists() or path.is_symlink()) and (path.is_symlink() or not written_by_plot(path, older)):
+        raise UserError(
+            Problem(
+                str(path),
+                "exists and was not written by llmft plot; it would be replaced",
+                "Pass another --out, or move that file away.",
+            )
+        )
 
 
 def read_metrics(path: Path) -> dict[str, list[dict]]:
@@ -106,6 +133,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
             )
         )
     out_path = Path(out) if out is not None else run_dir / "metrics.png"
+    check_out(out_path, older=out is None and is_llmft_run(run_dir))  # a run's own, as an older llmft plotted it
     _draw(found, out_path, title=run_dir.name)
     return out_path
 
@@ -138,7 +166,7 @@ def _draw(panels: list[tuple[str, dict[str, Series]]], out: Path, title: str) ->
     fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=100, metadata={"Software": SOFTWARE})
     plt.close(fig)
 
 
@@ -212,5 +240,6 @@ def compare_runs(
     if not found:
         raise UserError(Problem(", ".join(map(str, dirs)), "hold no loss or lr values", "Train them first."))
     out_path = Path(out)
+    check_out(out_path)
     _draw(found, out_path, title=" vs ".join(names) if len(names) <= 3 else f"{len(names)} runs")
     return out_path, loss_differences(runs)

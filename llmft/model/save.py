@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from llmft.checkpoint.layout import MODEL_DIR, TOKENIZER_DIR
+from llmft.errors import Problem, UserError
 from llmft.model.adapters import base_key
 
 if TYPE_CHECKING:
@@ -121,17 +122,36 @@ def _config_dtype(config: PretrainedConfig) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
+STAGING_MARKER = ".llmft-staging"  # inside a folder ``staged`` is writing: llmft's own, removable
+
+
 @contextlib.contextmanager
 def staged(out: Path) -> Iterator[Path]:
-    """Build ``out`` in a temporary sibling and rename it into place: complete or absent."""
+    """Build ``out`` in a temporary sibling and rename it into place: complete or absent.
+
+    The sibling ``.tmp-<name>`` carries a marker file from its first moment, so a killed write's
+    leftover is recognised and removed, and a folder of the user's that happens to bear that
+    name is refused, never deleted."""
     tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.is_symlink() or tmp.exists():
+        if not (tmp.is_dir() and not tmp.is_symlink() and (tmp / STAGING_MARKER).is_file()):
+            raise UserError(
+                Problem(
+                    str(tmp),
+                    f"is in the way: llmft stages {out.name} there before renaming it into place, and this "
+                    "is not a folder llmft left (it has no staging marker)",
+                    "Move it away, or choose another --out.",
+                )
+            )
+        shutil.rmtree(tmp)  # a killed write's leftover: llmft's own
     tmp.mkdir(parents=True)
+    (tmp / STAGING_MARKER).touch()
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    (tmp / STAGING_MARKER).unlink()
     if out.is_dir():
         shutil.rmtree(out)
     os.replace(tmp, out)

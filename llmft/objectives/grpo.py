@@ -42,13 +42,16 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmft.checkpoint.layout import OBJECTIVE_DIR, STATE_FILE
 from llmft.data.encode import IGNORE_INDEX
+from llmft.errors import Problem, UserError
 from llmft.job import watchdog
 from llmft.job.dist import DistEnv, all_gather_rows, all_reduce_sum
 from llmft.model import loss as lm_loss
@@ -59,6 +62,7 @@ from llmft.objectives.rollout import Prompt, make_rollout
 from llmft.objectives.sequences import predicted_targets
 from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import ADAPTERS_DISABLED, NO_REFERENCE
+from llmft.recipe.schema import Recipe
 
 STD_EPS = 1e-4  # added to the std that scales advantages (TRL's value)
 
@@ -109,6 +113,102 @@ def _completion_tokens(batch: dict[str, Any]) -> list[torch.Tensor]:
 def _shifted(mask: torch.Tensor) -> torch.Tensor:
     """The tokens a mask of predicting positions predicts (one to the right)."""
     return torch.nn.functional.pad(mask[:-1], (1, 0), value=False)
+
+
+# --- the objective state in checkpoints ------------------------------------------------------------
+
+STATE_FORMAT = 1  # of the dict ``GRPOObjective.state_dict`` returns; checkpoints saved before it have no header
+STATE_HEADER = {"objective": "grpo", "format": STATE_FORMAT}
+STATE_KEYS = ("positions", "completions", "old_logps", "advantages", "stats")
+STATE_FIX = "Resume from an earlier checkpoint (checkpoint.resume=auto skips damaged ones), or restore the file."
+
+
+def _damaged(where: str | Path, what: str) -> UserError:
+    return UserError(Problem(str(where), f"is damaged: {what}", STATE_FIX))
+
+
+def _span(positions) -> str:
+    """``8..15`` for a run of positions, else the first few and how many."""
+    q = sorted(int(p) for p in positions)
+    if not q:
+        return "none"
+    if q == list(range(q[0], q[0] + len(q))):
+        return f"{q[0]}..{q[-1]}"
+    return ", ".join(map(str, q[:6])) + (f", ... ({len(q)} positions)" if len(q) > 6 else "")
+
+
+def kept_positions(samples: int, global_batch: int, iterations: int) -> range:
+    """The positions of the prompt items that the step ending at sample position ``samples`` trained
+    on (``llmft.data.sampler.RepeatedSteps``: each global batch taken ``iterations`` steps in a row)."""
+    block, offset = divmod(max(samples - global_batch, 0), global_batch * iterations)
+    first = block * global_batch + offset % global_batch
+    return range(first, first + global_batch)
+
+
+def _recipe_int(recipe: dict[str, Any], section: str, key: str, step_dir: Path) -> int:
+    value = (recipe.get(section) or {}).get(key, getattr(getattr(Recipe(), section), key))
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _damaged(Path(step_dir) / "recipe.yaml", f"{section}.{key} is {value!r}, not a whole number")
+    return value
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    try:
+        return int(model.get_input_embeddings().num_embeddings)
+    except (AttributeError, TypeError, NotImplementedError):
+        return None
+
+
+def _is_tensor(value: Any, dims: int, kinds: tuple[torch.dtype, ...]) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == dims and value.dtype in kinds
+
+
+def check_state(state: Any, where: str | Path, vocab: int | None = None) -> int:
+    """The number of completions in one rank's saved kept batch, after checking that it is one: the
+    header (``objective``, ``format``; none in older checkpoints), exactly ``STATE_KEYS``, and per
+    completion a position (distinct, >= 0), token ids (>= 0, < ``vocab`` when given), as many finite
+    old log-probs, and a finite advantage. A ``UserError`` naming ``where`` otherwise."""
+    if not isinstance(state, dict):
+        raise _damaged(where, f"holds a {type(state).__name__}, not a GRPO objective state")
+    names = sorted(str(k) for k in state)
+    if any(k in state for k in STATE_HEADER):
+        got = {k: state.get(k) for k in STATE_HEADER}
+        if got["objective"] != STATE_HEADER["objective"]:
+            raise _damaged(where, f"is the objective state of {str(got['objective'])[:40]!r}, not of grpo")
+        if got["format"] != STATE_FORMAT:
+            raise _damaged(
+                where,
+                f"is format {str(got['format'])[:20]} of the GRPO objective state; this llmft reads {STATE_FORMAT}",
+            )
+    if set(state) - set(STATE_HEADER) != set(STATE_KEYS):
+        shown = ", ".join(names)[:200]
+        raise _damaged(
+            where, f"not a GRPO objective state (its keys are {shown}; a GRPO state has {', '.join(STATE_KEYS)})"
+        )
+    positions, completions, old, adv, stats = (state[k] for k in STATE_KEYS)
+    if not _is_tensor(positions, 1, (torch.int64,)) or positions.numel() == 0:
+        raise _damaged(where, "its positions are not a non-empty 1-D int64 tensor")
+    n = positions.numel()
+    if int(positions.min()) < 0 or positions.unique().numel() != n:
+        raise _damaged(where, "its positions are not distinct positions >= 0")
+    if not (isinstance(completions, list) and isinstance(old, list) and len(completions) == len(old) == n):
+        raise _damaged(where, f"does not hold {n} completions and {n} lists of old log-probs for its {n} positions")
+    if not _is_tensor(adv, 1, (torch.float32, torch.float64)) or adv.numel() != n or not bool(adv.isfinite().all()):
+        raise _damaged(where, f"its advantages are not {n} finite numbers")
+    for j, (ids, logps) in enumerate(zip(completions, old, strict=True)):
+        if not _is_tensor(ids, 1, (torch.int64,)) or (ids.numel() and int(ids.min()) < 0):
+            raise _damaged(where, f"completion {j} is not a 1-D tensor of token ids")
+        if vocab is not None and ids.numel() and int(ids.max()) >= vocab:
+            raise _damaged(where, f"completion {j} holds token id {int(ids.max())}, beyond this model's {vocab}")
+        if not _is_tensor(logps, 1, (torch.float32, torch.float64)) or logps.numel() != ids.numel():
+            raise _damaged(where, f"the old log-probs of completion {j} are not {ids.numel()} numbers, one per token")
+        if not bool(logps.isfinite().all()):
+            raise _damaged(where, f"the old log-probs of completion {j} are not all finite")
+    if not isinstance(stats, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in stats.items()
+    ):
+        raise _damaged(where, "its stats are not a mapping of metric names to numbers")
+    return n
 
 
 class GRPOObjective(ObjectiveBase):
@@ -205,6 +305,7 @@ class GRPOObjective(ObjectiveBase):
                 old.append(batch["old_logps"][0][mine].clone())
             adv.append(batch["advantages"])
         return {
+            **STATE_HEADER,
             "positions": torch.tensor(positions, dtype=torch.long),
             "completions": completions,
             "old_logps": old,
@@ -213,23 +314,98 @@ class GRPOObjective(ObjectiveBase):
         }
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        """Every rank's kept batch (``llmft.checkpoint.manager.SavedState``: each names its file),
+        checked before anything of it is used: a wrong one is a ``UserError`` naming the file."""
         self._restored = {}
-        for state in states:
+        if self.rl.iterations <= 1:  # nothing is kept across steps
+            return
+        vocab = _vocab_size(self.policy)
+        where: dict[int, str] = {}
+        for i, state in enumerate(states):
+            path = str(getattr(state, "path", f"objective state {i} of the checkpoint"))
+            check_state(state, path, vocab)
             for j, q in enumerate(state["positions"].tolist()):
+                if q in where:
+                    raise _damaged(path, f"holds position {q} of the kept generation batch, which {where[q]} holds too")
+                where[q] = path
                 self._restored[q] = (
                     state["completions"][j].tolist(),
                     float(state["advantages"][j]),
-                    state["old_logps"][j],
+                    state["old_logps"][j].float(),
                 )
-            self._restored_stats = state["stats"]
+            self._restored_stats = {k: float(v) for k, v in state["stats"].items()}
 
     def _restored_rollout(self, positions: tuple[int, ...]):
-        if not self._restored or not all(q in self._restored for q in positions):
+        if not self._restored:
             return None
+        found = [q in self._restored for q in positions]
+        if not any(found):  # a checkpoint on a generation boundary: its kept batch is done with
+            self._restored = {}
+            return None
+        if not all(found):  # the checkpoint's check makes this unreachable; never train on half of it
+            raise _damaged(
+                "the checkpoint's objective/ state",
+                f"holds {sum(found)} of the {len(positions)} completions of this step (positions {_span(positions)})",
+            )
         saved = [self._restored[q] for q in positions]
         self._stats = {**self._restored_stats, "generation_s": 0.0}
         self._restored = {}
         return [c for c, _, _ in saved], torch.tensor([a for _, a, _ in saved]), [o for _, _, o in saved]
+
+    @classmethod
+    def check_saved_states(
+        cls,
+        states: list[tuple[Path, Any]],
+        step_dir: Path,
+        step: int,
+        samples: int,
+        global_batch: int | None,
+        recipe: dict[str, Any],
+    ) -> None:
+        """``llmft.checkpoint.verify``: the objective states of a checkpoint (``states``: each file and
+        what ``weights_only`` loaded from it) are the kept generation batch of its last step, whole,
+        once; a checkpoint inside a generation batch holds one. ``recipe``: its saved recipe."""
+        iterations = _recipe_int(recipe, "rl", "iterations", step_dir)
+        if iterations <= 1:
+            return  # nothing is kept (and nothing is read back: ``load_state_dict``)
+        if global_batch is None:
+            raise _damaged(
+                Path(step_dir) / STATE_FILE, "has no batch, so where its step sits in a generation batch cannot be told"
+            )
+        kept = kept_positions(samples, global_batch, iterations)
+        if not states:
+            if samples % (global_batch * iterations):
+                raise _damaged(
+                    Path(step_dir) / OBJECTIVE_DIR,
+                    f"holds no objective state, but step {step} sits inside a generation batch (rl.iterations "
+                    f"{iterations}): a resume there needs the completions and old log-probs it kept",
+                )
+            return
+        where: dict[int, Path] = {}
+        for path, state in states:
+            check_state(state, path)
+            positions = state["positions"].tolist()
+            for q in positions:
+                if q in where:
+                    raise _damaged(
+                        path,
+                        f"holds the kept generation batch of positions {_span(positions)}, which "
+                        f"{where[q].relative_to(step_dir)} holds too",
+                    )
+                if q not in kept:
+                    raise _damaged(
+                        path,
+                        f"holds the kept generation batch of positions {_span(positions)}, but "
+                        f"step {step} trained on positions {_span(kept)} (a file of another step or run)",
+                    )
+                where[q] = path
+        if len(where) != len(kept):
+            named = states[0][0] if len(states) == 1 else Path(step_dir) / OBJECTIVE_DIR
+            raise _damaged(
+                named,
+                f"holds the kept generation batch of positions {_span(sorted(where))}, but step "
+                f"{step} trained on positions {_span(kept)} (a rank's file is missing, or of another run)",
+            )
 
     def _advantages(self, prompts: list[Prompt], completions: list[list[int]], generation_s: float) -> torch.Tensor:
         """This rank's completions' advantages, from every rank's rewards (one all-gather)."""

@@ -12,7 +12,9 @@ one more class with the same method:
   untouched, and a resume regenerates the same samples without saving any generator state.
 - ``file``: ``rollout.file``, a JSONL of ``{"prompt": ..., "completions": [G strings]}`` looked up by
   the record's prompt exactly as the data holds it (text, or messages). Tests and runs that train
-  on samples generated elsewhere use it; the completions are the same whatever the split.
+  on samples generated elsewhere use it; the completions are the same whatever the split. Each
+  line is bounded as a data record is (``llmft.limits``), and a completion is cut to the character
+  budget of ``rollout.max_new_tokens`` before it is tokenized (``encode.cut_ids``: the same ids).
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llmft import stop
+from llmft.data.encode import cut_ids, text_budget
+from llmft.data.read import bounded_lines, not_utf8, parse_line, too_long
 from llmft.errors import Problem, UserError
 from llmft.job import watchdog
+from llmft.job.dist import cut_short
 
 if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
@@ -61,14 +66,14 @@ class FileRollout:
         cfg = recipe.rollout
         self.G, self.limit, self.tokenizer = cfg.num_generations, cfg.max_new_tokens, tokenizer
         self.table = read_rollout_file(cfg.file, self.G)
+        self.budget = text_budget(tokenizer, self.limit)  # characters of a completion the tokenizer sees
 
     def complete(self, prompts: list[Prompt], generation: int, dp_rank: int, greedy: bool = False) -> list[list[int]]:
-        out = []
-        eos = self.tokenizer.eos_token_id
+        texts = []
         for p in prompts:
             key = prompt_key(p.record["prompt"])
-            texts = self.table.get(key)
-            if texts is None:
+            texts_of = self.table.get(key)
+            if texts_of is None:
                 raise UserError(
                     Problem(
                         "rollout.file",
@@ -77,52 +82,87 @@ class FileRollout:
                         "rollout.backend=hf.",
                     )
                 )
-            ids = self.tokenizer(texts[p.position % self.G], add_special_tokens=False)["input_ids"]
-            out.append(list(ids)[: self.limit] + ([eos] if len(ids) < self.limit else []))
-        return out
+            texts.append(texts_of[p.position % self.G])
+        # Cut to the budget of max_new_tokens first: the first max_new_tokens ids are the whole
+        # completion's, and a 50 MB completion is never tokenized whole.
+        ids_list, _ = cut_ids(self._ids, texts, self.limit, self.budget)
+        eos = self.tokenizer.eos_token_id
+        return [list(ids)[: self.limit] + ([eos] if len(ids) < self.limit else []) for ids in ids_list]
+
+    def _ids(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def read_rollout_file(path: str | None, G: int) -> dict[str, list[str]]:
-    """``rollout.file`` as prompt key -> G completions; every line checked (file:line errors)."""
+    """``rollout.file`` as prompt key -> G completions; every line checked (file:line errors).
+
+    A line is UTF-8 JSON ``{"prompt": ..., "completions": [G strings]}`` of at most
+    ``RECORD_MAX_BYTES`` bytes and ``RECORD_MAX_DEPTH`` levels, as a data record (``llmft.limits``);
+    read a line at a time, a longer one is skipped without being held. Exactly G completions: with
+    more, which G would be trained on is a guess. A prompt given twice with other completions is
+    refused, naming both lines."""
     if not path:
         raise UserError(Problem("rollout.file", "is not set, but rollout.backend is file", "Name the JSONL file."))
     problems: list[Problem] = []
     table: dict[str, list[str]] = {}
+    first: dict[str, int] = {}  # prompt key -> the line that gave it
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        with open(path, "rb") as f:
+            for n, raw, size in bounded_lines(f):
+                problem = _rollout_line(f"{path}:{n}", raw, size, G, table, first, n)
+                if problem is not None:
+                    problems.append(problem)
+                if len(problems) >= 5:
+                    break
     except OSError as e:
         raise UserError(
             Problem("rollout.file", f"cannot read {path} ({type(e).__name__}: {e})", "Check the path.")
         ) from e
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(Problem(where, f"is not JSON ({e.msg})", "Write one JSON object per line."))
-            continue
-        completions = value.get("completions") if isinstance(value, dict) else None
-        if not isinstance(value, dict) or "prompt" not in value or not isinstance(completions, list):
-            problems.append(
-                Problem(where, "is not {prompt, completions}", 'Write {"prompt": ..., "completions": [...]}.')
-            )
-        elif len(completions) < G or not all(isinstance(c, str) for c in completions):
-            problems.append(
-                Problem(
-                    where,
-                    f"has {len(completions)} completions, not {G} strings",
-                    f"Give rollout.num_generations={G} strings.",
-                )
-            )
-        else:
-            table[prompt_key(value["prompt"])] = completions
-        if len(problems) >= 5:
-            break
     if problems:
         raise UserError(*problems, title=f"rollout.file {path} is not usable")
     return table
+
+
+def _rollout_line(
+    where: str, raw: bytes | None, size: int, G: int, table: dict[str, list[str]], first: dict[str, int], n: int
+) -> Problem | None:
+    """One line of ``rollout.file`` into ``table``, or the problem with it."""
+    shape = 'Write one JSON object per line: {"prompt": ..., "completions": [...]}.'
+    if raw is None:
+        return Problem(where, too_long(size, fix=""), "Shorten its completions: only the first rollout.max_new_tokens "
+                       "tokens of each are trained on.")  # fmt: skip
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Problem(where, not_utf8(e), "Save the file as UTF-8 (JSON text is UTF-8).")
+    if not line.strip():
+        return None
+    try:
+        value = parse_line(line, None)  # the bounds of a data record: nesting, size
+    except ValueError as e:
+        return Problem(where, str(e), shape)
+    completions = value.get("completions") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or "prompt" not in value or not isinstance(completions, list):
+        return Problem(where, "is not {prompt, completions}", 'Write {"prompt": ..., "completions": [...]}.')
+    count = len(completions)
+    if count > G:  # which G of them would be trained on is a guess
+        return Problem(
+            where,
+            f"has {count} completions, more than rollout.num_generations={G}",
+            f"Give exactly {G} completions per prompt (drop the extra ones), or set "
+            f"rollout.num_generations={count} if every line has {count}.",
+        )
+    if count < G or not all(isinstance(c, str) for c in completions):
+        return Problem(where, f"has {count} completions, not {G} strings", f"Give rollout.num_generations={G} strings.")
+    key = prompt_key(value["prompt"])
+    if key in table and table[key] != completions:
+        return Problem(
+            where,
+            f"gives the prompt of line {first[key]} again, with other completions",
+            "Give each prompt once (merge or drop one of the two lines).",
+        )
+    table[key], first[key] = completions, first.get(key, n)
+    return None
 
 
 class HFRollout:
@@ -140,17 +180,22 @@ class HFRollout:
     @torch.no_grad()
     def complete(self, prompts: list[Prompt], generation: int, dp_rank: int, greedy: bool = False) -> list[list[int]]:
         """Every rank calls this with the same number of prompts (the step's local batch, or an eval
-        shard padded to equal): sharded engines join each generate() call together."""
+        shard padded to equal): sharded engines join each generate() call together.
+
+        A stop request ends each generate() call at its next token (``_StopCriterion``); after each
+        call every rank votes (``llmft.job.dist.cut_short``), and if any rank was asked to stop all raise
+        ``stop.Abandoned`` together: cut completions are never trained on or scored."""
         size = self.cfg.batch_size or len(prompts)
         out: list[list[int]] = []
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), stop.during(stop.GENERATING):
             torch.manual_seed(generation_seed(self.seed, generation, dp_rank))
             for start in range(0, math.ceil(len(prompts) / size) * size, size):
                 watchdog.phase(
                     f"generating completions {start + 1}-{min(start + size, len(prompts))} of {len(prompts)}"
                 )
                 out += self._generate(prompts[start : start + size], greedy)
+                cut_short("generation", self.device)
         return out
 
     def _generate(self, prompts: list[Prompt], greedy: bool) -> list[list[int]]:
@@ -174,8 +219,24 @@ class HFRollout:
                 pad_token_id=pad,
                 eos_token_id=sorted(self.eos),
                 synced_gpus=self.synced,
+                stopping_criteria=stop_criteria(),
             )
         return [end_at_eos(row.tolist(), self.eos, self.cfg.max_new_tokens) for row in out[:, width:].cpu()]
+
+
+def stop_criteria() -> list:
+    """A ``generate()`` stopping criterion that ends every sequence once this process is asked to
+    stop (``llmft.stop``). With ``synced_gpus`` a rank whose sequences ended keeps joining the
+    forwards of ranks still generating, so a peer that got no signal finishes its own tokens and
+    no rank waits forever."""
+    from transformers import StoppingCriteria
+
+    class _StopCriterion(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            asked = stop.requested() is not None
+            return torch.full((input_ids.shape[0],), asked, dtype=torch.bool, device=input_ids.device)
+
+    return [_StopCriterion()]
 
 
 def generation_seed(seed: int, generation: int, dp_rank: int) -> int:

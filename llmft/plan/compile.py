@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from llmft.errors import Problem, UserError
 from llmft.plan import launch
 from llmft.plan.engines import ENGINES, load
 from llmft.plan.layout import RunPlan
@@ -26,6 +27,45 @@ ENGINE_FILES = (
     *(name for spec in ENGINES for name in spec.config_names),
     *(f"launch/{n}" for n in launch.DEEPSPEED_ONLY),
 )
+
+
+# How every text file llmft compile writes begins (its header), and the hostfile's first line: a
+# file of those names that begins otherwise is the user's, never replaced.
+WRITTEN_BY = "# Written by `llmft compile`"
+HOSTFILE_HEAD = "# DeepSpeed hostfile:"
+
+
+def written_by_compile(out: Path, name: str) -> bool:
+    """``out/name`` is a file an ``llmft compile`` wrote (``ds_config.json``, which JSON leaves
+    without a header, counts as compile's where the ``recipe.yaml`` beside it is)."""
+    path = out / name
+    if path.is_symlink() or not path.is_file():
+        return False
+    if name.endswith(".json"):
+        return written_by_compile(out, RECIPE_FILE)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode(errors="replace")
+    except OSError:
+        return False
+    # A launch script has its shebang (and slurm.sbatch its #SBATCH lines) before the header.
+    return any(line.startswith((WRITTEN_BY, HOSTFILE_HEAD)) for line in head.splitlines())
+
+
+def check_out(out: Path, names: list[str]) -> None:
+    """Refuse an ``--out`` that holds, under a name compile writes, a file compile did not write."""
+    theirs = sorted(
+        n for n in set(names) if ((out / n).exists() or (out / n).is_symlink()) and not written_by_compile(out, n)
+    )
+    if theirs:
+        raise UserError(
+            Problem(
+                str(out),
+                f"holds {', '.join(theirs)}, which llmft compile did not write (they do not start with its "
+                f"header `{WRITTEN_BY}`); compiling there would replace them",
+                "Choose another --out (a new or empty directory), or move those files away.",
+            )
+        )
 
 
 def _header(lines: list[str]) -> str:
@@ -97,13 +137,6 @@ def compile_recipe(plan: RunPlan, out: Path) -> str:
         **_engine_files(plan, head),
     }
 
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ENGINE_FILES:
-        (out / name).unlink(missing_ok=True)
-    written = []
-    for name, text in files.items():
-        (out / name).write_text(text)
-        written.append(out / name)
     layout = launch.Layout(
         nnodes=plan.world.nnodes,
         nproc_per_node=plan.world.nproc_per_node,
@@ -112,7 +145,16 @@ def compile_recipe(plan: RunPlan, out: Path) -> str:
         job_name=_job_name(recipe),
         header="\n".join([*head, f"Engine: {plan.engine}. Recipe: ../{RECIPE_FILE}."]),
     )
-    written += launch.write(out / "launch", launch.render(layout, plan.spec.launcher))
+    scripts = launch.render(layout, plan.spec.launcher)
+    check_out(out, [*files, *ENGINE_FILES, *(f"launch/{n}" for n in scripts)])
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ENGINE_FILES:
+        (out / name).unlink(missing_ok=True)
+    written = []
+    for name, text in files.items():
+        (out / name).write_text(text)
+        written.append(out / name)
+    written += launch.write(out / "launch", scripts)
 
     return "\n".join(
         [

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from llmft.errors import Problem, UserError
 from llmft.plan import memory
-from llmft.plan.batch import BatchPlan, divisors, resolve_for_world, sequences_from_tokens, solve_batch
+from llmft.plan.batch import BatchError, BatchPlan, divisors, resolve_for_world, sequences_from_tokens, solve_batch
 from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, load
 from llmft.plan.kernels import recipe_problems
 from llmft.plan.layout import RunPlan, World, data_parallel_size, parallel_layout, quant_storage_for
@@ -60,12 +60,20 @@ def load_plan(
     nproc_per_node: int | None = None,
     world_size: int | None = None,
     local_world_size: int | None = None,
+    launcher: str = "",
     measure_gpu: Callable[[], float | None] | None = None,
 ) -> RunPlan:
     """Read the recipe and resolve it: for the layout it names (compile, plan), or for the
     world a launcher started (train). Raises ``RecipeError`` listing every problem."""
     recipe, problems = load_unchecked(path, overrides, nnodes=nnodes, nproc_per_node=nproc_per_node)
-    return resolve(recipe, world_size, local_world_size=local_world_size, problems=problems, measure_gpu=measure_gpu)
+    return resolve(
+        recipe,
+        world_size,
+        local_world_size=local_world_size,
+        launcher=launcher,
+        problems=problems,
+        measure_gpu=measure_gpu,
+    )
 
 
 def resolve(
@@ -73,11 +81,20 @@ def resolve(
     world_size: int | None = None,
     *,
     local_world_size: int | None = None,
+    launcher: str = "",
     problems: list[Problem] | None = None,
     measure_gpu: Callable[[], float | None] | None = None,
 ) -> RunPlan:
     """Decide engine, batch and model build for ``recipe`` on ``world_size`` processes (default:
-    the layout it names; another size re-solves a batch compiled for that layout).
+    the layout it names).
+
+    ``world_size`` given (``llmft train``): the world the launcher started is the truth
+    (``launched_world``), whatever ``distributed.nnodes`` / ``nproc_per_node`` say; where the recipe
+    sets them otherwise, a note names both. Three batch numbers that hold for the launched world are
+    used as given; three that hold only for the recipe's layout (a compiled plan) are re-solved for
+    the launched world, the global batch kept; neither is an error naming both layouts.
+    ``local_world_size``: processes per node (None: the launcher does not say); ``launcher``: its
+    name, for the messages (``llmft.job.dist.DistEnv.launcher``).
 
     ``problems``: the recipe's own, found while loading it; reported together with these.
     ``measure_gpu``: the runtime's measurement of GPU memory in GiB (``llmft.job.gpu``), asked when
@@ -92,11 +109,11 @@ def resolve(
     if unknown:  # every check below reads the objective's record
         raise RecipeError(*problems, *unknown, title=f"the recipe has {len(problems) + 1} problem(s)")
     compiled = World.of(recipe)
-    same = world_size is None or world_size == compiled.size
-    world = compiled if same else World.running(world_size, local_world_size)
+    world = compiled if world_size is None else launched_world(compiled, world_size, local_world_size)
+    disagreement = layout_disagreement(recipe, world, launcher) if world_size is not None else []
+    notes: list[str] = [*disagreement]
     engine = choose_engine(recipe, world.size)
     spec = engine_spec(engine)
-    notes: list[str] = []
     if recipe.data.max_seq_len == "auto":
         try:
             recipe, note = _planned_seq_len(recipe, engine, world.size, measure_gpu)
@@ -113,8 +130,9 @@ def resolve(
         if note:
             notes.append(note)
     except UserError as e:
+        said = f" ({'; '.join(disagreement)})" if disagreement else ""  # the batch was set for the recipe's layout
         problems += [
-            Problem(where(pr.where) if pr.where.startswith("batch.") else pr.where, pr.what, pr.fix)
+            Problem(where(pr.where) if pr.where.startswith("batch.") else pr.where, pr.what + said, pr.fix)
             for pr in e.problems
         ]
     if batch is not None:
@@ -135,6 +153,41 @@ def resolve(
         reference=reference_kind(recipe),
         chunked_loss=memory.chunked_loss_on(recipe, batch.micro_batch_size),
     )
+
+
+# --- the launched world ------------------------------------------------------------------------
+
+# How messages name the launcher that started the processes (``llmft.job.dist.DistEnv.launcher``).
+LAUNCHERS = {"torchrun": "torchrun", "deepspeed": "the deepspeed launcher", "srun": "srun"}
+
+
+def launched_world(compiled: World, world_size: int, local_world_size: int | None) -> World:
+    """The world the launcher started. Where it does not say how its processes sit on nodes
+    (``local_world_size`` None) and the recipe's layout has the same size, that layout is kept."""
+    if local_world_size is None and world_size == compiled.size:
+        return compiled
+    return World.running(world_size, local_world_size)
+
+
+def layout_disagreement(recipe: Recipe, world: World, launcher: str) -> list[str]:
+    """What the recipe (or ``--nnodes`` / ``--nproc-per-node`` of the compile that wrote it) says
+    about the layout and the launch does not: one line per key the recipe sets otherwise."""
+    sources = getattr(recipe, "_provenance", None)
+    set_keys = getattr(sources, "where", {})
+    d = recipe.distributed
+    out = []
+    for key, said, started, unit in (
+        ("distributed.nproc_per_node", d.nproc_per_node, world.nproc_per_node, "processes per node"),
+        ("distributed.nnodes", d.nnodes, world.nnodes, "node(s)"),
+    ):
+        if said == started or key not in set_keys:
+            continue
+        if world.size == 1 and launcher in ("", "none"):
+            out.append(f"{key} is {said} in the recipe, but llmft train runs as one process (no launcher): using 1")
+        else:
+            who = LAUNCHERS.get(launcher, "the launcher")
+            out.append(f"{key} is {said} in the recipe, but {who} started {started} {unit}: using {started}")
+    return out
 
 
 def builds_whole(recipe: Recipe) -> bool:
@@ -180,7 +233,14 @@ def _solve(
         micro = _planned_micro(recipe, engine, g, dp, measure_gpu)
     values = (g, micro, b.gradient_accumulation_steps)
     if all(isinstance(v, int) for v in values) and compiled_dp != dp:
-        return resolve_for_world(solve_batch(*values, dp_size=compiled_dp), dp, sp)
+        try:  # three numbers that hold for the launched world: as given
+            return solve_batch(*values, dp_size=dp, sp=sp), None
+        except BatchError as launched_error:
+            try:  # ... or for the recipe's own layout (a compiled plan): re-solved for the launched world
+                planned = solve_batch(*values, dp_size=compiled_dp)
+            except BatchError:
+                raise launched_error from None  # for neither: the equation of the world that runs
+        return resolve_for_world(planned, dp, sp)
     return solve_batch(*values, dp_size=dp, sp=sp), None
 
 

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmft.errors import Problem, UserError
+from llmft.limits import RECIPE_MAX_BYTES, RECIPE_MAX_DEPTH
 from llmft.recipe.schema import Recipe, iter_fields
 from llmft.recipe.validate import check_combinations, check_values
 
@@ -113,17 +114,57 @@ def _decode(data: bytes, path: Path) -> str:
         ) from None
 
 
+def _too_deep(text: str, limit: int) -> yaml.Mark | None:
+    """Where YAML ``text`` first opens a mapping or list nested more than ``limit`` levels deep, or
+    None. The parser's events are counted (PyYAML's parser keeps a stack, its composer and OmegaConf
+    recurse): a RecursionError is never reached. Raises ``yaml.YAMLError`` for text that is not YAML."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > limit:
+                return event.start_mark
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+    return None
+
+
+_TOO_DEEP_FIX = (
+    "Recipe sections nest a few levels (section: key: value; model.config a HF config's few more): "
+    "remove the extra brackets or indentation"
+)
+
+
 def _read_yaml(path: Path, sources: _Sources) -> DictConfig:
     try:
-        text = _decode(path.read_bytes(), path)
+        with open(path, "rb") as f:
+            data = f.read(RECIPE_MAX_BYTES + 1)
     except OSError as e:
         raise RecipeError(
             Problem(str(path), f"cannot be read: {e.strerror or e}", "Check the file's permissions.")
         ) from None
+    if len(data) > RECIPE_MAX_BYTES:
+        raise RecipeError(
+            Problem(
+                str(path),
+                f"is larger than the {RECIPE_MAX_BYTES >> 20} MiB a recipe may be",
+                "Check that this is the recipe file; a recipe is a few KB of YAML.",
+            )
+        )
+    text = _decode(data, path)
     try:
-        # The node tree first (nothing is constructed): a document that is not a mapping is a
-        # message, not OmegaConf's assertion. OmegaConf then loads with a SafeLoader: a tag never
-        # constructs an object.
+        # Nesting first (events only, nothing recurses), then the node tree (nothing is
+        # constructed): a document that is not a mapping is a message, not OmegaConf's assertion.
+        # OmegaConf then loads with a SafeLoader: a tag never constructs an object.
+        mark = _too_deep(text, RECIPE_MAX_DEPTH)
+        if mark is not None:
+            raise RecipeError(
+                Problem(
+                    f"{path}:{mark.line + 1}:{mark.column + 1}",
+                    f"nests mappings and lists more than {RECIPE_MAX_DEPTH} levels deep",
+                    _TOO_DEEP_FIX + ".",
+                )
+            )
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         if root is not None and not isinstance(root, yaml.MappingNode):
             raise RecipeError(
@@ -161,6 +202,14 @@ def _parse_override(item: str) -> tuple[str, Any, Problem | None]:
             None,
             Problem(where, "is not UTF-8 text", "Type the override again, or set the value in the recipe."),
         )
+    levels = len(re.split(r"[.\[]", key))  # the key's parts are levels of the recipe, as in a file
+    try:
+        too_deep = _too_deep(item.partition("=")[2], RECIPE_MAX_DEPTH - levels) is not None
+    except yaml.YAMLError:
+        too_deep = False  # not YAML: said below
+    if too_deep:
+        what = f"nests mappings and lists more than {RECIPE_MAX_DEPTH} levels deep (its key counts {levels})"
+        return key, None, Problem(where, what, _TOO_DEEP_FIX + " from the value.")
     try:
         value = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
     except yaml.YAMLError as e:

@@ -42,7 +42,9 @@ class RunConfig:
     name: Optional[str] = doc(None, "A label for the run (shown in logs); defaults to the output dir name.")
     overwrite: bool = doc(
         False,
-        "Allow a fresh run (checkpoint.resume=never) to delete existing checkpoints in output_dir.",
+        "Allow a fresh run (checkpoint.resume=never) to delete an earlier run's checkpoints and metrics in "
+        "output_dir, and a run to take over an output_dir of other files that is not an llmft run; llmft's own "
+        "names only are removed or replaced, every other file is kept.",
     )
     trackers: List[str] = doc(
         ["tensorboard"],

@@ -1,7 +1,11 @@
 """Eval: the objective's loss over the eval set (SFT: token-mean loss and perplexity; preference:
 the pair-mean loss and the reward metrics), and exact-match accuracy of greedy generation on eval
 prompts. Every rank runs the same number of forward calls (sharded engines
-need all ranks in every collective), padding its share with no-target batches."""
+need all ranks in every collective), padding its share with no-target batches.
+
+A stop request cuts an eval short: generation ends at its next token, and after each batch (each
+generate() call) every rank votes (``llmft.job.dist.cut_short``); if any was asked to stop, all raise
+``stop.Abandoned`` and the eval writes no row (the loop checkpoints and stops)."""
 
 from __future__ import annotations
 
@@ -10,9 +14,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from llmft import stop
 from llmft.data import collate
 from llmft.data.sequence import sequence_slice
-from llmft.job.dist import DistEnv, all_reduce_sum
+from llmft.job.dist import DistEnv, all_reduce_sum, cut_short
+from llmft.objectives.rollout import stop_criteria
 from llmft.plan.layout import RunPlan
 
 if TYPE_CHECKING:
@@ -45,6 +51,10 @@ class Evaluator:
 
     @torch.no_grad()
     def run(self, step: int) -> dict[str, Any] | None:
+        with stop.during(stop.EVALUATING):
+            return self._run(step)
+
+    def _run(self, step: int) -> dict[str, Any] | None:
         row: dict[str, Any] = {"split": "eval", "step": step}
         if self.data.eval is not None and len(self.data.eval):
             cap = self.recipe.train.eval_max_batches
@@ -82,6 +92,7 @@ class Evaluator:
                 values = [float(loss), float(self.objective.count(batch))]
                 values += metric_sums.tolist() if metric_sums is not None else []
                 sums = [a + v for a, v in zip(sums, values, strict=True)]
+            cut_short("eval", self.env.device)
         loss_sum, count, *metric_totals = all_reduce_sum(sums, self.env.device)
         loss = loss_sum / max(count, 1.0)
         if self.per_token:
@@ -105,6 +116,7 @@ class Evaluator:
             for j, (text, (_, ref)) in enumerate(zip(texts, chunk, strict=True)):
                 if start + j < real and text.strip() == ref.strip():
                     correct += 1
+            cut_short("eval generation", self.env.device)
         correct_all, total = all_reduce_sum([float(correct), float(real)], self.env.device)
         return {"exact_match": correct_all / max(total, 1.0), "generated": int(total)}
 
@@ -129,5 +141,6 @@ class Evaluator:
                 pad_token_id=pad,
                 eos_token_id=tok.eos_token_id,
                 synced_gpus=self.synced_gpus,
+                stopping_criteria=stop_criteria(),
             )
         return tok.batch_decode(out[:, width:], skip_special_tokens=True)

@@ -5,6 +5,13 @@ for preference objectives) divided by the count of items in the WHOLE global bat
 the step before any backward and all-reduced once), so the summed gradients of any split
 (micro x accumulation x ranks) equal the gradient of one big batch. What an item is and what its
 loss is belong to the objective (``llmft.objectives``); the loop never branches on it.
+
+A stop request (``llmft.stop``) is voted on with the step's loss: every rank finishes that step,
+checkpoints and stops. One that arrives while a step's completions are generated or scored
+(online RL) abandons that step on every rank (``stop.Abandoned``, before any of it is applied):
+the loop checkpoints the state before it, with the random state the step began with, and stops.
+One that arrives during an eval cuts the eval short; one during a checkpoint lets it finish; after
+either, one more vote, and the run stops right there instead of after another step.
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from llmft import stop as stops
+from llmft.checkpoint.manager import rng_state, set_rng_state
 from llmft.data import batch_targets
 from llmft.errors import Problem, TrainingDiverged
 from llmft.job import watchdog
-from llmft.job.dist import DistEnv, all_reduce_sum
+from llmft.job.dist import DistEnv, all_reduce_sum, any_rank_stopping
 from llmft.plan.batch import BatchPlan
 from llmft.stop import StopRequest
 
@@ -37,6 +46,8 @@ class LoopState:
     samples: int = 0  # position in the global sample order (samples consumed by all ranks)
     tokens: int = 0  # target tokens trained on
     stopped: str | None = None  # what stopped the run early (a signal name), if anything
+    abandoned: str | None = None  # what a stop cut short in step ``step + 1`` (generation, scoring), if so
+    saved: int | None = None  # the step whose checkpoint exists (written by this run, or resumed from)
 
 
 @dataclass
@@ -78,13 +89,20 @@ def train_loop(
     device = env.device
     model = engine.model
     model.train()
+    state.saved = state.step if state.step > 0 else None  # resumed from its checkpoint
     while state.step < cfg.max_steps:
         t0 = time.perf_counter()
         step = state.step + 1
         watchdog.progress(step, "fetching and counting the micro-batches")  # a stall: llmft.job.watchdog
         # All micro-batches of the step are fetched first: their items (target tokens, pairs) must
         # be counted before the first backward (each micro loss is divided by the global count).
-        micro_batches = objective.prepare([next(batches) for _ in range(plan.gradient_accumulation_steps)])
+        rng = rng_state()  # as the step begins: what a checkpoint of the state before it holds
+        fetched = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
+        try:
+            micro_batches = objective.prepare(fetched)  # generation and scoring, for online RL
+        except stops.Abandoned as cut:
+            _abandon(state, cut.what, rng, hooks, stop)
+            break
         data_wait = time.perf_counter() - t0
         local_count = sum(objective.count(mb) for mb in micro_batches)
         local_targets = sum(batch_targets(mb) for mb in micro_batches)
@@ -148,16 +166,54 @@ def train_loop(
             hooks.log_train(row)
         hooks.progress(state, row)
 
-        stopping = stop_votes > 0
-        last = state.step == cfg.max_steps
-        if cfg.eval_every and state.step % cfg.eval_every == 0 and not last and not stopping:
-            with watchdog.idle("eval"):
-                hooks.evaluate(state.step)
-            model.train()
-        if stopping or last or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
-            with watchdog.idle("the checkpoint"):
-                hooks.checkpoint(state)
-        if stopping:
+        if _end_of_step(state, cfg, hooks, model, device, stopping=stop_votes > 0):
             state.stopped = stop.requested or "a signal on another rank"
             break
     return state
+
+
+def _end_of_step(state: LoopState, cfg: LoopConfig, hooks: LoopHooks, model, device, *, stopping: bool) -> bool:
+    """Eval and checkpoint after a step, as the config and the stop vote say; whether the run stops here."""
+    last = state.step == cfg.max_steps
+    evaluated = False
+    if cfg.eval_every and state.step % cfg.eval_every == 0 and not last and not stopping:
+        try:
+            with watchdog.idle("eval"):
+                hooks.evaluate(state.step)
+            evaluated = True
+        except stops.Abandoned:  # every rank: the eval row is left out, the step is kept
+            stopping = True
+        model.train()
+    if stopping or last or (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
+        _save(state, hooks)
+    # A stop that came during the eval or the save: one vote, and the run stops here, with this
+    # step's checkpoint, rather than after another step.
+    if not stopping and not last and (evaluated or state.saved == state.step) and any_rank_stopping(device):
+        stopping = True
+        if state.saved != state.step:
+            _save(state, hooks)
+    return stopping
+
+
+def _save(state: LoopState, hooks: LoopHooks) -> None:
+    with watchdog.idle("the checkpoint"), stops.during(stops.SAVING):
+        hooks.checkpoint(state)
+    state.saved = state.step
+
+
+def _abandon(state: LoopState, what: str, rng: dict[str, Any], hooks: LoopHooks, stop: StopRequest) -> None:
+    """A stop cut the ``what`` of step ``state.step + 1`` short on every rank: nothing of that step
+    was applied. The state before it is checkpointed (unless its checkpoint exists: the one resumed
+    from, or the last step's), with the random state as the step began, so that the resumed run
+    repeats the step exactly (generation is seeded by step, never by the random state)."""
+    state.stopped = stop.requested or "a signal on another rank"
+    state.abandoned = what
+    if state.saved != state.step and state.step > 0:
+        set_rng_state(rng)
+        _save(state, hooks)
+    after = f"step {state.step}'s checkpoint" if state.step > 0 else "the start (nothing was trained yet)"
+    log.warning(
+        "step %d abandoned: its %s was cut short by %s; none of it is applied, and the same command "
+        "resumes from %s and does step %d again with the same seeds",
+        state.step + 1, what, state.stopped, after, state.step + 1,
+    )  # fmt: skip

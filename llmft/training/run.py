@@ -134,12 +134,14 @@ class Run:
         error: UserError | None = None
         if self.env.is_main:
             try:
-                check_ours(self.run_dir)
+                overwrite = self.recipe.run.overwrite
+                taken_over = check_ours(self.run_dir, overwrite)  # True: a folder of the user's, handed over
                 self.lock = RunDirLock(self.run_dir).acquire()  # released when the process ends
                 mark(self.run_dir)
                 decision = resume_point(self.plan)
-                if decision is None and self.recipe.checkpoint.resume == "never" and self.recipe.run.overwrite:
-                    clear_for_fresh_start(self.run_dir)  # resume_point allowed it: llmft's own entries only
+                # resume_point allowed it (a folder taken over holds no checkpoint it could resume):
+                if overwrite and (taken_over or (decision is None and self.recipe.checkpoint.resume == "never")):
+                    clear_for_fresh_start(self.run_dir)  # llmft's own entries only, each logged
             except UserError as e:
                 error = e
                 decision = ("refused", e.problems, e.title, e.exit_code)
@@ -305,9 +307,10 @@ class Run:
         """Exit code: 0 when the run is done, ``STOPPED_EXIT_CODE`` after a stop request (requeue)."""
         if state.stopped:
             log.warning(
-                "stopped by %s after step %d; checkpoint written. Run the same command to resume.",
+                "stopped by %s after step %d; %s. Run the same command to resume.",
                 state.stopped,
                 state.step,
+                "checkpoint written" if state.step > 0 else "nothing was trained yet",  # a first step abandoned
             )
             self.metrics.close(stopped=True)
             return STOPPED_EXIT_CODE

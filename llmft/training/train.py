@@ -17,7 +17,7 @@ from llmft.metrics.trackers import check_available
 from llmft.model import kernels
 from llmft.plan.memory import check_fits
 from llmft.plan.resolve import load_plan
-from llmft.stop import StopRequest
+from llmft.stop import STOPPED_EXIT_CODE, Abandoned, StopRequest
 from llmft.training.run import Run, RunHooks
 
 log = logging.getLogger("llmft")
@@ -49,8 +49,9 @@ def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None)
     plan = load_plan(
         recipe_path,
         overrides,
-        world_size=env.world_size,
-        local_world_size=env.local_world_size,
+        world_size=env.world_size,  # the launched world is the truth (llmft.plan.resolve)
+        local_world_size=env.launched_per_node,
+        launcher=env.launcher,
         measure_gpu=gpu_memory_gb,
     )
     # A missing tracker extra or kernel fails here, before any data or model is loaded.
@@ -72,7 +73,17 @@ def train(recipe_path: str, overrides: list[str], hooks: RunHooks | None = None)
         run.restore(run.setup())
         state = run.fit()
         with watchdog.idle("finishing the run"):
-            code = run.finish(state)
+            try:
+                code = run.finish(state)
+            except Abandoned:  # every rank: a stop cut the final eval short; the last checkpoint is written
+                log.warning(
+                    "stopped by %s during the final eval, after step %d; checkpoint written. Run the same "
+                    "command to run the final eval.",
+                    stop.requested or "a signal on another rank",
+                    state.step,
+                )
+                run.metrics.close(stopped=True)
+                code = STOPPED_EXIT_CODE
             # Every rank leaves together: a rank that destroys its process group and exits (leave_process)
             # while another is still in the run's last collective would leave that one waiting.
             barrier()

@@ -244,3 +244,17 @@ def test_a_stopped_build_no_one_resumes_is_removed_after_a_week(tmp_path, data, 
         build_data(recipe(tmp_path, data), byte_tokenizer())
     assert not old.exists() and recent.exists()
     assert f"data cache: removing {old}, a stopped build not resumed for 7 days" in caplog.text
+
+
+def test_a_users_folder_ending_in_build_in_the_cache_dir_is_never_removed(tmp_path, data):
+    """Only the cache's own stopped builds (a 24-hex-digit key) are orphans: ``website.build`` of the
+    user's, a week old, survives a build byte for byte and gets no lock file beside it."""
+    root = tmp_path / "cache"
+    mine = root / f"website{BUILD_SUFFIX}"
+    mine.mkdir(parents=True)
+    (mine / "index.html").write_text("mine")
+    week_ago = time.time() - 7 * 86400 - 60
+    os.utime(mine, (week_ago, week_ago))
+    build_data(recipe(tmp_path, data), byte_tokenizer())
+    assert (mine / "index.html").read_text() == "mine"
+    assert not (root / "website.lock").exists()

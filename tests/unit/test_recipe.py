@@ -108,7 +108,10 @@ def test_compiled_plan_resolved_for_new_world(recipe_file, tmp_path):
     plan = load_plan(compiled, world_size=4)
     b = plan.batch
     assert (b.global_batch_size, b.micro_batch_size, b.gradient_accumulation_steps, b.dp_size) == (16, 2, 2, 4)
-    assert plan.notes == ("world size 4 differs from the compiled 2: re-solved to " + b.equation(),)
+    assert plan.notes == (
+        "distributed.nproc_per_node is 2 in the recipe, but the launcher started 4 processes per node: using 4",
+        "world size 4 differs from the compiled 2: re-solved to " + b.equation(),
+    )
 
 
 def test_micro_batch_auto_picks_the_largest_that_fits(recipe_file):
