@@ -71,6 +71,7 @@ from llmft.errors import Problem, UserError
 from llmft.plan.engines import ENGINE_NAMES, engine_spec, load
 from llmft.plan.objectives import DEFAULT_OBJECTIVE, registered
 from llmft.plan.resolve import PLAN_FILE
+from llmft.plan.shape import check_config_file
 from llmft.recipe.load import RECIPE_FILE
 
 log = logging.getLogger("llmft")
@@ -359,6 +360,10 @@ def check_model_config(path: Path) -> None:
     type transformers does not know, remote code, is left to the loader that is allowed to run it)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    try:  # bounded read and the sizes' arithmetic first (llmft.limits): nothing is built from absurd sizes
+        check_config_file(path)
+    except UserError as e:
+        raise damaged(path, "; ".join(p.what for p in e.problems)) from None
     config = json.loads(path.read_text())
     if not isinstance(config, dict):
         raise damaged(path, "not a JSON object")

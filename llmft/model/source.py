@@ -1,7 +1,8 @@
 """Where a model comes from: its Hugging Face config (from ``model.config`` fields, or read from
 ``model.name_or_path``), that name resolved to a local directory or a hub id, and the ``UserError``s of
 finding and loading it (a missing directory, an offline hub, remote code not trusted, an attention
-kernel that is not installed), each naming the recipe key.
+kernel that is not installed), each naming the recipe key. Every config is checked
+(``llmft.plan.shape.check_config``: its sizes bounded, named by field) before a model is built from it.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from transformers import AutoConfig
+from transformers.utils import CONFIG_NAME, cached_file
 
 from llmft.errors import OTHER, PACKAGE, Problem, UserError, cause_kind, cause_of, first_line, library_problem
+from llmft.plan.shape import check_config, check_config_file, weights_problems
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -25,6 +28,7 @@ def model_config(m: ModelConfig) -> PretrainedConfig:
     """The HF config: from ``model.config`` fields, or read from ``model.name_or_path``."""
     if m.config is not None:
         fields = dict(m.config)
+        check_config(fields, "model.config")  # before transformers builds (or allocates) anything of it
         try:
             return AutoConfig.for_model(**fields)
         except Exception as e:  # transformers raises ValueError, KeyError or hub's StrictDataclassError
@@ -36,8 +40,29 @@ def model_config(m: ModelConfig) -> PretrainedConfig:
                 )
             ) from None
     name = resolve_name(m.name_or_path)
-    with load_errors(m, name):
-        return AutoConfig.from_pretrained(name, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    with load_errors(m, name):  # a hub id's config.json: fetched (or found in the cache) as AutoConfig would
+        found = Path(name) / CONFIG_NAME if Path(name).is_dir() else cached_file(name, CONFIG_NAME, revision=m.revision)
+    path = Path(found) if found is not None else Path(name)
+    if found is not None:
+        check_config_file(path)  # before transformers builds (or allocates) anything of it
+    try:
+        config = AutoConfig.from_pretrained(name, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - what AutoConfig refuses in a config has no common base
+        error = load_error(m, name, e)
+        if error is None:  # transformers' own validation of the fields (StrictDataclassError, ...)
+            error = UserError(
+                Problem(
+                    str(path),
+                    f"transformers refuses this config ({cause_of(e)})",
+                    "Fix the field the message names (compare it with the model's published config.json).",
+                )
+            )
+        raise error from None
+    if found is not None:  # with the family's defaults filled in: sizes the file left out count too
+        problems = weights_problems(config.to_dict(), path)
+        if problems:
+            raise UserError(*problems)
+    return config
 
 
 @contextlib.contextmanager

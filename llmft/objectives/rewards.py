@@ -13,7 +13,9 @@ trains on is the weighted sum of its columns.
 - ``{model: DIR, weight}``: a sequence-classification model with one label (``train.objective:
   reward`` exports one), scoring prompt + completion + eos (as it saw pairs in training) with its
   own tokenizer (the policy's when DIR has none). Each rank holds a whole copy, in eval mode and without grad: a reward model
-  is small next to the policy and never trained here.
+  is small next to the policy and never trained here. A DIR whose score head is not trained (a causal LM's
+  directory, weights without ``score.weight``, more than one label) is refused, naming what is missing,
+  when the recipe is checked (before the policy is built) and again when it loads.
 
 The functions are imported when the objective is built, so an unknown ``module:name`` is refused
 before the first step, naming ``rewards[i].function``.
@@ -24,12 +26,16 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from llmft import stop
 from llmft.errors import Problem, UserError, library_problem
+from llmft.job.dist import cut_short
 from llmft.plan.rl import import_function, parse_rewards
+from llmft.plan.shape import REWARD_FIX, reward_model_problems, weights_problems
 
 # The arguments a reward function gets from llmft; a record field of one of these names is not passed
 # (a record's own ``completion``, e.g. an SFT file's answer: rename it with the source's ``fields``).
@@ -48,13 +54,41 @@ class RewardSpec:
 
 
 def load_reward_model(path: str, key: str, device: torch.device, tokenizer: Any, hub_kernels: bool) -> tuple[Any, Any]:
-    """A one-label sequence-classification model and its tokenizer (the policy's when DIR has none)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    """A one-label sequence-classification model and its tokenizer (the policy's when DIR has none).
 
+    Refused, naming ``path`` and what is missing, unless its score head is trained: a directory is read
+    first (``reward_model_problems``: config and safetensors headers, nothing allocated; the recipe
+    check read it too, before the policy was built), and any weight transformers reports it had to
+    initialise fresh (a hub model's score head, a .bin checkpoint's) refuses the loaded model."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    problems = reward_model_problems(path, key)
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, use_kernels=hub_kernels)
+        if not problems:  # the sizes the family's defaults fill in, against the weight files beside them
+            config = AutoConfig.from_pretrained(path)
+            local = Path(path).expanduser() / "config.json"
+            found = weights_problems(config.to_dict(), local) if local.is_file() else []
+            problems = [Problem(key, str(Problem(p.where, p.what)), p.fix) for p in found]
+        if problems:
+            raise UserError(*problems)
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, use_kernels=hub_kernels, output_loading_info=True
+        )
+    except UserError:
+        raise
     except Exception as e:
         raise UserError(library_problem(key, f"cannot load reward model {path!r}", e, name=path)) from e
+    fresh = sorted(info.get("missing_keys") or ())
+    if fresh:
+        raise UserError(
+            Problem(
+                key,
+                f"the weights of reward model {path!r} hold no {', '.join(fresh[:3])}"
+                f"{', ...' if len(fresh) > 3 else ''}: transformers initialised {'it' if len(fresh) == 1 else 'them'} "
+                "fresh, and GRPO would train on the scores of those random weights",
+                REWARD_FIX,
+            )
+        )
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception:
@@ -79,17 +113,27 @@ class Rewards:
             else:
                 model = load_reward_model(what, key, device, tokenizer, hub_kernels)
                 self.specs.append(RewardSpec(key, what.rstrip("/").rsplit("/", 1)[-1], weight, model=model))
+        self.device = device  # where the stop vote's all-reduce runs (``score``)
         self.weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float64)
         self.names = tuple(unique_names([s.name for s in self.specs]))
 
     def score(self, prompts: list[Any], completions: list[str], records: list[dict[str, Any]]) -> torch.Tensor:
-        """``[n, columns]``: each completion's reward by each entry (None -> NaN in the matrix, 0 in the sum)."""
+        """``[n, columns]``: each completion's reward by each entry (None -> NaN in the matrix, 0 in the sum).
+
+        Every rank calls it once per step (and per eval). A stop request ends the scoring before
+        the next call of a function or model; then every rank votes (``llmft.job.dist.cut_short``) and, if
+        any was asked to stop, all raise ``stop.Abandoned``: a step is never trained on part of its
+        rewards. A single call that blocks is not interrupted."""
         columns = []
-        for spec in self.specs:
-            if spec.function is not None:
-                columns.append(self._call(spec, prompts, completions, records))
-            else:
-                columns.append(self._model_scores(spec, prompts, completions))
+        with stop.during(stop.GENERATING):
+            for spec in self.specs:
+                if stop.requested() is not None:
+                    break
+                if spec.function is not None:
+                    columns.append(self._call(spec, prompts, completions, records))
+                else:
+                    columns.append(self._model_scores(spec, prompts, completions))
+            cut_short("scoring", self.device)
         return torch.stack(columns, dim=1) if columns else torch.zeros(len(completions), 0, dtype=torch.float64)
 
     def total(self, scores: torch.Tensor) -> torch.Tensor:
@@ -97,8 +141,10 @@ class Rewards:
         return (torch.nan_to_num(scores, nan=0.0) * self.weights).sum(dim=1)
 
     def _call(self, spec: RewardSpec, prompts: list[Any], completions: list[str], records: list[dict]) -> torch.Tensor:
-        out = torch.empty(len(completions), dtype=torch.float64)
+        out = torch.full((len(completions),), math.nan, dtype=torch.float64)
         for j, (prompt, completion, record) in enumerate(zip(prompts, completions, records, strict=True)):
+            if stop.requested() is not None:  # ``score`` votes next: the step is abandoned
+                break
             fields = {k: v for k, v in record.items() if k not in RESERVED}
             try:
                 value = spec.function(prompt=prompt, completion=completion, **fields)  # type: ignore[misc]

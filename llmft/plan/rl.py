@@ -1,9 +1,12 @@
-"""The recipe checks of online RL (``rollout.*``, ``rl.*``, ``rewards``): pure, no torch.
+"""Online RL's plan-side pieces (``rollout.*``, ``rl.*``, ``rewards``): pure, no torch.
 
-``rl_problems`` runs with the objective's checks (an objective whose record has a ``group``: G
-completions per prompt); ``group_problems`` once the batch is solved, because the batch equation
-counts completions and a step must hold whole groups: ``global_batch_size % G == 0``. A recipe that
-sets these keys for an objective that does not read them is refused (they would be ignored).
+GRPO's record (``plan/objectives.py``) names them and the generic code calls them through it:
+``rl_problems``, its recipe checks (``ObjectiveSpec.problems``); ``rl_lines``, what ``llmft
+compile``, ``llmft plan`` and the banner print under the batch line (``summary``); ``card_words``,
+its model-card words. A step holding whole groups of G completions is the record's ``group``,
+checked once the batch is solved (``objectives.group_problems``); a recipe that sets these keys
+for an objective that does not read them is refused there too (``objectives.unread_problems``).
+``parse_rewards`` and ``import_function`` read ``rewards`` for the runtime (``objectives/rewards.py``).
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ import math
 from typing import TYPE_CHECKING, Any, Callable
 
 from llmft.errors import Problem, UserError
-from llmft.plan.objectives import objectives, unread_keys
-from llmft.plan.shape import model_shape
+from llmft.plan.objectives import objective_of
+from llmft.plan.shape import model_shape, reward_model_problems
 
 if TYPE_CHECKING:
-    from llmft.plan.batch import BatchPlan
+    from llmft.plan.layout import RunPlan
     from llmft.plan.objectives import ObjectiveSpec
     from llmft.recipe.schema import Recipe
 
@@ -98,11 +101,9 @@ def import_function(what: str, key: str) -> Callable[..., Any]:
     return fn
 
 
-def rl_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
-    """What an online-RL recipe cannot do; for another objective, the RL keys it set (ignored otherwise)."""
-    if spec.group is None:
-        return _unread_keys(spec, recipe, where)
-    r, rl = recipe.rollout, recipe.rl
+def rl_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
+    """What an online-RL recipe cannot do."""
+    spec, r, rl = objective_of(recipe), recipe.rollout, recipe.rl
     problems: list[Problem] = []
 
     def bad(key: str, what: str, fix: str) -> None:
@@ -152,7 +153,9 @@ def rl_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]
         entries = []
         problems += [Problem(where(p.where), p.what, p.fix) for p in e.problems]
     for i, (kind, what, _) in enumerate(entries):  # every function that cannot be had, not the first only
-        if kind != "function":
+        if kind != "function":  # a reward model dir without a trained score head: before the policy loads
+            found = reward_model_problems(what, f"rewards[{i}].model")
+            problems += [Problem(where(p.where), p.what, p.fix) for p in found]
             continue
         try:
             import_function(what, f"rewards[{i}].function")
@@ -167,63 +170,11 @@ def rl_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]
     return problems
 
 
-def group_problems(spec: ObjectiveSpec, recipe: Recipe, batch: BatchPlan, where: Callable[[str], str]) -> list[Problem]:
-    """A step must hold whole groups: the global batch (completions) a multiple of G."""
-    if spec.group is None:
-        return []
-    G, g = spec.group_size(recipe), batch.global_batch_size
-    if G < 1 or g % G == 0:
-        return []
-    per_rank = batch.micro_batch_size * batch.dp_size
-    fitting = [k * per_rank for k in range(1, 4 * G + 1) if (k * per_rank) % G == 0][:3]
-    divisors = [d for d in range(2, g + 1) if g % d == 0][:6]
-    return [
-        Problem(
-            where(spec.group),
-            f"is {G}, but the global batch holds {g} completions ({batch.equation()}), not a whole number of "
-            f"groups of {G}",
-            f"Use a batch.global_batch_size that is a multiple of {G} ({', '.join(map(str, fitting))} fit "
-            f"micro {batch.micro_batch_size} x {batch.dp_size} rank(s)), or a G dividing {g} "
-            f"({', '.join(map(str, divisors))}).",
-        )
-    ]
-
-
-def _online(spec: ObjectiveSpec) -> bool:
-    """An objective that reads rollout.*, rl.* and rewards: G completions per prompt."""
-    return spec.group is not None
-
-
-def _online(spec: ObjectiveSpec) -> bool:
-    """An objective that reads rollout.*, rl.* and rewards: G completions per prompt."""
-    return spec.group is not None
-
-
-def _unread_keys(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
-    problems = [
-        p
-        for section in ("rollout", "rl")
-        for p in unread_keys(spec, recipe, where, section, "online RL's settings", _online)
-    ]
-    if recipe.rewards:
-        reader = " or ".join(s.name for s in objectives() if _online(s))
-        problems.append(
-            Problem(
-                where("rewards"),
-                f"is set, but train.objective={spec.name} does not read rewards",
-                f"Remove it, or set train.objective={reader}.",
-            )
-        )
-    return problems
-
-
-def rl_lines(spec: ObjectiveSpec, recipe: Recipe, batch: BatchPlan, reference: str) -> list[str]:
+def rl_lines(plan: RunPlan) -> list[str]:
     """What ``llmft compile``, ``llmft plan`` and the banner say of an online-RL run: how the batch
     counts (prompts x G completions), generation's KV cache per rank, and the reference."""
-    if spec.group is None:
-        return []
-    r, b = recipe, batch
-    G = spec.group_size(r)
+    r, b, reference = plan.recipe, plan.batch, plan.reference
+    G = plan.objective_spec.group_size(r)
     lines = [
         f"completions: {b.global_batch_size // G} prompts per step x G {G} = {b.global_batch_size} "
         f"= micro {b.micro_batch_size} x accumulation {b.gradient_accumulation_steps} x data-parallel {b.dp_size}"
@@ -244,3 +195,18 @@ def rl_lines(spec: ObjectiveSpec, recipe: Recipe, batch: BatchPlan, reference: s
     }.get(reference, reference)
     lines.append(f"reference: {reference}; rl.normalise {r.rl.normalise}, rl.iterations {r.rl.iterations}")
     return lines
+
+
+def card_words(spec: ObjectiveSpec, recipe: dict) -> str:
+    """The model card's words: the record's ``card``, then its rollout, loss and rewards."""
+    r, rl = recipe.get("rollout") or {}, recipe.get("rl") or {}
+    rewards = ", ".join(
+        f"{e.get('function') or e.get('model')} x {e.get('weight', 1.0)}" for e in recipe.get("rewards") or []
+    )
+    return (
+        f"{spec.card}; G {r.get('num_generations')}, max_new_tokens {r.get('max_new_tokens')}, temperature "
+        f"{r.get('temperature')}, beta {rl.get('beta')}, epsilon {rl.get('epsilon')}"
+        + (f"/{rl['epsilon_high']}" if rl.get("epsilon_high") is not None else "")
+        + f", normalise {rl.get('normalise')}, scale_rewards {rl.get('scale_rewards')}, iterations "
+        f"{rl.get('iterations')}; rewards: {rewards}"
+    )

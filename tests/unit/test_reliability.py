@@ -386,8 +386,16 @@ def test_waiting_for_another_cache_builder_is_bounded_and_says_what_it_waits_for
     ), waits
 
 
-@pytest.mark.parametrize("field, value", [("attention_bias", None), ("hidden_size", [])])
-def test_a_model_config_field_of_the_wrong_type_is_damage(tmp_path, field, value):
+@pytest.mark.parametrize(
+    "field, value, what",
+    [
+        ("attention_bias", None, "not a valid llama config ("),
+        ("hidden_size", [], "hidden_size is [], not a whole number"),
+        ("num_attention_heads", 0, "num_attention_heads is 0, below 1"),  # was a ZeroDivisionError in export
+        ("vocab_size", 10**15, "vocab_size is about 10**15, above the 16,777,216 llmft accepts"),
+    ],
+)
+def test_a_model_config_field_of_the_wrong_type_is_damage(tmp_path, field, value, what):
     """Found by the checkpoint harness: export met transformers' validation error as a traceback."""
     from helpers import TINY_LLAMA
     from transformers import AutoConfig
@@ -400,7 +408,7 @@ def test_a_model_config_field_of_the_wrong_type_is_damage(tmp_path, field, value
     path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
     with pytest.raises(DamagedCheckpoint) as e:
         check_model_config(path)
-    assert str(e.value).startswith(f"{path}: is damaged: not a valid llama config (")
+    assert str(e.value).startswith(f"{path}: is damaged: {what}")
 
 
 @pytest.mark.parametrize("config", [{}, {"model_type": 3}])
