@@ -31,14 +31,17 @@ conversation falls back to the prefix renders: the same masks, only slower.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 from jinja2.exceptions import TemplateError
 
 from llmft.data.records import BadRecord, Chat, Message, PromptCompletion, Record, Text, parse_record
 from llmft.errors import Problem, UserError
+from llmft.limits import CALL_CHARS, CUT_MARGIN
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -84,10 +87,11 @@ class Encoder:
         # Rows keep max_tokens tokens of a record: its text is cut to a budget of characters that
         # holds more tokens than that before the tokenizer sees it (``_cut``), so a 50 MB record
         # costs what a record of max_tokens tokens costs, not 50 M tokens in Python lists.
-        self.max_chars = None if max_tokens is None else (max_tokens + CUT_MARGIN) * max_token_chars(tokenizer)
+        self.max_chars = None if max_tokens is None else text_budget(tokenizer, max_tokens)
         self.max_tokens = max_tokens
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self._layouts: dict[tuple, _Layout | None] = {}
+        self._budgets: dict[int, int] = {}  # max_tokens -> text_budget (the vocabulary is read once)
         self.prefix_renders = 0  # conversations that needed the quadratic fallback (for tests and stats)
         # The Rust tokenizer, called without offsets, where that is what tokenizer(texts) runs;
         # checked against tokenizer(texts) on the first batch (``_ids_batch``).
@@ -173,23 +177,37 @@ class Encoder:
         tokenizer's own special tokens), a conversation rendered by the chat template with
         ``add_generation_prompt=True`` (the template writes bos); a ``BadRecord`` for a
         conversation the template rejects."""
+        return self.prompt_ids_cut(prompts, None)[0]
+
+    def prompt_ids_cut(
+        self, prompts: list[str | Chat], max_tokens: int | None
+    ) -> tuple[list[np.ndarray | BadRecord], list[bool]]:
+        """``prompt_ids_batch``, each prompt's text (the string, or the rendered conversation) cut to
+        ``text_budget(max_tokens)`` characters before it is tokenized (``cut_ids``): the first
+        ``max_tokens`` ids are exact, and a prompt cut gives more than ``max_tokens`` of them; with
+        whether each prompt was cut."""
         out: list[np.ndarray | BadRecord | None] = [None] * len(prompts)
+        cut = [False] * len(prompts)
+        if max_tokens is not None and max_tokens not in self._budgets:
+            self._budgets[max_tokens] = text_budget(self.tokenizer, max_tokens)
+        budget = self._budgets.get(max_tokens)
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-        for i, ids in zip(texts, self._ids_batch([prompts[i] for i in texts], special=True), strict=True):
-            out[i] = ids
         chats = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+        rendered = [(i, prompts[i], True) for i in texts]
         if chats:
             self._check_chat_support()
-            rendered = []
             for i in chats:
                 try:
-                    rendered.append((i, self._render(prompts[i], None, generation_prompt=True)))
+                    rendered.append((i, self._render(prompts[i], None, generation_prompt=True), False))
                 except BadRecord as e:
                     out[i] = e
-            ids = self._ids_batch([text for _, text in rendered], special=False)
-            for (i, _), prompt in zip(rendered, ids, strict=True):
-                out[i] = prompt
-        return out  # type: ignore[return-value]
+        for special in (True, False):  # strings with the tokenizer's special tokens; the template writes its own
+            group = [(i, text) for i, text, s in rendered if s == special]
+            tokenize = partial(self._ids_batch, special=special)
+            ids, cuts = cut_ids(tokenize, [t for _, t in group], max_tokens, budget)
+            for (i, _), prompt, was_cut in zip(group, ids, cuts, strict=True):
+                out[i], cut[i] = prompt, was_cut
+        return out, cut  # type: ignore[return-value]
 
     def _with_eos(self, ids: np.ndarray) -> np.ndarray:
         # Some tokenizers already append eos themselves (add_eos_token=True); never write it twice.
@@ -229,16 +247,22 @@ class Encoder:
     # --- chat ---------------------------------------------------------------
 
     def _encode_chats(self, chats: list[Chat]) -> list[Example | BadRecord]:
+        """Each conversation rendered whole, its text cut to ``max_chars`` (``cut_ids``'s rule: the first
+        ``max_tokens`` tokens are the whole text's), the assistant spans (character positions) masked on
+        the cut text; spans past the cut are dropped. A cut that gives no more than ``max_tokens`` tokens
+        (a merging normaliser) is tokenized whole instead."""
         self._check_chat_support()
         out: list[Example | BadRecord | None] = [None] * len(chats)
         fulls: dict[int, tuple[str, list[tuple[int, int]]]] = {}
+        limit = self.max_chars
         for k, chat in enumerate(chats):
             try:
                 full = self._render(chat, None, generation_prompt=False)
-                spans = [] if self.train_on == "all" else self.assistant_spans(chat, full)
-                if chat.targets_from:  # a preference pair: the shared prompt's assistant turns are context
-                    spans = spans[sum(m.role == "assistant" for m in chat.messages[: chat.targets_from]) :]
-                if self.train_on != "all" and not spans:
+                spans = self._target_spans(chat, full, limit)
+                # every assistant message has a span; those past the cut are dropped, not missing
+                if self.train_on != "all" and not any(
+                    m.role == "assistant" for m in chat.messages[chat.targets_from :]
+                ):
                     after = " after the shared prompt" if chat.targets_from else ""
                     raise BadRecord(
                         f"has no assistant message{after}, so nothing to train on (data.train_on=completion)"
@@ -249,36 +273,85 @@ class Encoder:
         order = list(fulls)
         if not order:
             return out  # type: ignore[return-value]
-        texts = [fulls[k][0] for k in order]
-        if self.train_on == "all":
-            for k, ids in zip(order, self._ids_batch(texts, special=False), strict=True):  # the template writes bos
-                out[k] = Example(ids, ids)
-            return out  # type: ignore[return-value]
-        for lo, hi in char_batches(texts, CALL_CHARS):  # offsets: a tuple per token, for one call at a time
-            enc = self.tokenizer(texts[lo:hi], add_special_tokens=False, return_offsets_mapping=True)
-            for k, ids, offsets in zip(order[lo:hi], enc["input_ids"], enc["offset_mapping"], strict=True):
-                ids = _int32(ids)
-                out[k] = Example(ids, _mask_labels(ids, offsets, fulls[k][1]))
-            del enc
+        examples = self._chat_examples([fulls[k] for k in order], limit)
+        again = [j for j, (k, ex) in enumerate(zip(order, examples, strict=True))
+                 if len(fulls[k][0]) > limit and len(ex.input_ids) <= self.max_tokens] if limit else []  # fmt: skip
+        if again:  # the cut text gave too few tokens to be exact: those conversations whole, with every span
+            whole = [(fulls[order[j]][0], self._target_spans(chats[order[j]], fulls[order[j]][0], None)) for j in again]
+            for j, ex in zip(again, self._chat_examples(whole, None), strict=True):
+                examples[j] = ex
+        for k, ex in zip(order, examples, strict=True):
+            out[k] = ex
         return out  # type: ignore[return-value]
 
-    def assistant_spans(self, chat: Chat, full: str) -> list[tuple[int, int]]:
-        """Character spans of the assistant turns in ``full`` (the rendered conversation)."""
+    def _target_spans(self, chat: Chat, full: str, limit: int | None) -> list[tuple[int, int]]:
+        """The spans whose tokens are targets (none for train_on=all), those starting before ``limit``."""
+        if self.train_on == "all":
+            return []
+        spans = self._spans_before(chat, full, limit)
+        if chat.targets_from:  # a preference pair: the shared prompt's assistant turns are context
+            spans = spans[sum(m.role == "assistant" for m in chat.messages[: chat.targets_from]) :]
+        return spans
+
+    def _chat_examples(self, fulls: list[tuple[str, list[tuple[int, int]]]], limit: int | None) -> list[Example]:
+        """(rendered text, assistant spans) -> examples, each text cut to ``limit`` characters first."""
+        texts = [full if limit is None else full[:limit] for full, _ in fulls]
+        if self.train_on == "all":  # the template writes bos
+            return [Example(ids, ids) for ids in self._ids_batch(texts, special=False)]
+        out: list[Example] = []
+        for lo, hi in char_batches(texts, CALL_CHARS):  # offsets: a tuple per token, for one call at a time
+            enc = self.tokenizer(texts[lo:hi], add_special_tokens=False, return_offsets_mapping=True)
+            for (_, spans), ids, offsets in zip(fulls[lo:hi], enc["input_ids"], enc["offset_mapping"], strict=True):
+                ids = _int32(ids)
+                out.append(Example(ids, _mask_labels(ids, offsets, spans)))  # spans past the cut hit no token
+            del enc
+        return out
+
+    def _spans_before(self, chat: Chat, full: str, limit: int | None) -> list[tuple[int, int]]:
+        """``assistant_spans`` of the spans that start before ``limit``, found from the fewest leading
+        messages whose render begins with ``full[:limit]``: the layout probe and the prefix renders
+        are quadratic in the turns, so a record of many short messages costs the turns within the
+        budget, not all of them. Each span is a prefix render's length, the same in a conversation's
+        leading messages as in the whole one."""
+        if limit is None or len(full) <= limit:
+            return self.assistant_spans(chat, full)
+        n, size = 0, 0
+        while n < len(chat.messages) and size <= limit:  # a message renders at least its content
+            size += len(chat.messages[n].content or "") + 1
+            n += 1
+        while n < len(chat.messages):
+            head = Chat(chat.messages[:n], targets_from=chat.targets_from)
+            try:
+                text = self._render(head, None, generation_prompt=False)
+            except BadRecord:
+                break
+            if len(text) >= limit and text[:limit] == full[:limit]:
+                return self.assistant_spans(head, text, limit)
+            n *= 2
+        return self.assistant_spans(chat, full, limit)
+
+    def assistant_spans(self, chat: Chat, full: str, limit: int | None = None) -> list[tuple[int, int]]:
+        """Character spans of the assistant turns in ``full`` (the rendered conversation); with ``limit``,
+        only those that start before it (the text is cut there)."""
         layout = self._layout_for(chat)
         if layout is not None:
             spans = _spans_from_layout(layout, chat, full)
             if spans is not None:
-                return spans
+                return spans if limit is None else [s for s in spans if s[0] < limit]
         self.prefix_renders += 1
-        return self._prefix_spans(chat, full)
+        return self._prefix_spans(chat, full, limit)
 
-    def _prefix_spans(self, chat: Chat, full: str) -> list[tuple[int, int]]:
-        """The definition: two prefix renders per assistant message (quadratic in turns)."""
+    def _prefix_spans(self, chat: Chat, full: str, limit: int | None = None) -> list[tuple[int, int]]:
+        """The definition: two prefix renders per assistant message (quadratic in turns). With ``limit``,
+        the renders stop at the first assistant message that starts at or past it: the text is cut
+        there, and every later span starts later still (each render is a prefix of the next)."""
         spans = []
         for i, message in enumerate(chat.messages):
             if message.role != "assistant":
                 continue
             before = self._render(chat, i, generation_prompt=True)
+            if limit is not None and len(before) >= limit and full.startswith(before):
+                break
             through = self._render(chat, i + 1, generation_prompt=False)
             if not (through.startswith(before) and full.startswith(through)):
                 raise BadRecord(
@@ -351,13 +424,6 @@ class Encoder:
             )
 
 
-CUT_MARGIN = 64  # tokens past max_tokens in a cut text: the word the cut splits lies beyond them
-# Characters of text per tokenizer call: the tokenizer returns a Python list (ids; and a tuple of
-# offsets for chat masking) per token, ~40-170 bytes a token, alive until the call's records are
-# arrays. 1M characters bounds that to ~0.2 GB, or to one record's where a record is longer.
-CALL_CHARS = 1 << 20
-
-
 def char_batches(texts: list[str], budget: int) -> list[tuple[int, int]]:
     """Consecutive ``(lo, hi)`` ranges of ``texts``, each of at most ``budget`` characters or one text."""
     out, lo, size = [], 0, 0
@@ -383,6 +449,52 @@ def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
     more than they cover). An added token is matched literally, so its length counts too."""
     vocab = tokenizer.get_vocab()
     return max([len(t) for t in vocab] + [len(str(t)) for t in tokenizer.get_added_vocab()] + [1])
+
+
+def text_budget(tokenizer: PreTrainedTokenizerBase, max_tokens: int) -> int:
+    """The characters a text is cut to before it is tokenized when only its first ``max_tokens``
+    tokens are kept: ``max_tokens + CUT_MARGIN`` tokens of the longest vocabulary entry each."""
+    return (max_tokens + CUT_MARGIN) * max_token_chars(tokenizer)
+
+
+def cut_ids(
+    tokenize: Callable[[list[str]], Sequence], texts: list[str], max_tokens: int | None, max_chars: int | None
+) -> tuple[list, list[bool]]:
+    """Each text's ids by ``tokenize`` (texts -> ids lists), each text cut to ``max_chars`` first
+    (``text_budget(max_tokens)``; None: whole), and whether it was cut.
+
+    A cut text holds more than ``max_tokens`` tokens, the first ``max_tokens`` those of the whole
+    text (``_cut``): what the tokenizer sees is bounded by the budget, not by the text. A cut text
+    that gives no more than ``max_tokens`` ids (a normaliser that merges characters) is tokenized
+    whole instead, so a cut text always gives more than ``max_tokens`` ids and the others are exact."""
+    if max_chars is None:
+        return list(tokenize(texts)) if texts else [], [False] * len(texts)
+    out = list(tokenize([t[:max_chars] for t in texts])) if texts else []
+    cut = [len(t) > max_chars for t in texts]
+    again = [i for i, c in enumerate(cut) if c and len(out[i]) <= max_tokens]
+    for i, ids in zip(again, tokenize([texts[i] for i in again]) if again else [], strict=True):
+        out[i], cut[i] = ids, False
+    return out, cut
+
+
+# A plain space after a character that is not whitespace: no token spans it (``left_cut``).
+_WORD_START = re.compile(r"\S ")
+
+
+def left_cut(text: str, start: int, span: int) -> int | None:
+    """Where to cut ``text`` on the left to keep its tail from about ``start``: the first position in
+    ``[start, start + span]`` holding a plain space after a character that is not whitespace, or None.
+
+    A cut there splits no word: regex pre-tokenizers (GPT-2's and Llama 3's byte-level ones) end every
+    piece before such a space and match the rest of the text from it alone, and SentencePiece begins a
+    piece at the space (its ``▁``), so the tokens of ``text[cut:]`` are the whole text's tokens
+    after the cut, up to those of its first word (a prefix space, a bos). The tail of a left cut is
+    exact where a right cut's head is (``_cut``). A text without such a space there (one long word) has
+    no safe cut: None, and the caller tokenizes it whole."""
+    if start <= 0:
+        return 0
+    found = _WORD_START.search(text, start - 1, start + span + 1)
+    return None if found is None else found.start() + 1
 
 
 def _cut(record: Record, max_chars: int) -> tuple[Record, bool]:

@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llmft.data.encode import IGNORE_INDEX, Encoder, Example
+from llmft.data.encode import IGNORE_INDEX, Encoder, Example, left_cut, max_token_chars, text_budget
 from llmft.data.pack import positions, ranges, take_ranges
 from llmft.data.prompts import PromptEncoder, is_prompts
 from llmft.data.records import (
     BadRecord,
     Chat,
+    Message,
     PromptCompletion,
     check_not_multimodal,
     did_you_mean,
@@ -43,6 +44,7 @@ from llmft.data.records import (
 from llmft.data.rows import prefix_counts
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
+from llmft.limits import CUT_MARGIN
 from llmft.plan.objectives import PAIRS, objective_spec
 
 if TYPE_CHECKING:
@@ -149,17 +151,63 @@ class PairExample(Example):
 
 
 class PairEncoder:
-    """Pairs to ``PairExample`` s: each side encoded by the SFT ``Encoder`` as the record it reads as."""
+    """Pairs to ``PairExample`` s: each side encoded by the SFT ``Encoder`` as the record it reads as.
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, train_on: str, objective: str) -> None:
+    With ``max_tokens`` (``data.max_seq_len``) a pair's texts are cut before the tokenizer sees them,
+    so that ``build_pair_rows`` gives the rows of the uncut pair (docs/preference.md, "Truncation"):
+
+    - ``train_on: all``: every token is a target, so no prompt is kept from the left; each sequence
+      keeps its first ``max_tokens`` tokens, and each side is cut as the SFT record it reads as.
+    - ``train_on: completion``: a pair too long keeps the prompt's *last* tokens (at most
+      ``max_tokens``) and each completion's first ones. A completion is cut to ``text_budget``
+      characters from the right; a prompt longer than that is cut from the left at ``left_cut``, so
+      that its kept tail holds more than ``max_tokens`` tokens, the whole prompt's last ones
+      (``_cut_strings``). A conversation is rendered (the messages from the first assistant message
+      after the shared prompt cut to the budget first), then the render is cut around where the
+      targets begin: on the left at the budget before it, on the right at the budget after it
+      (``_cut_chats``).
+
+    A cut pair is used where its tokens show that ``truncate_pair`` keeps the same tokens of it as of
+    the whole pair (``_same_rows``): a left-cut prompt of more than ``max_tokens`` tokens, each
+    right-cut sequence more than ``max_tokens`` tokens past the prompt. Otherwise (a prompt that is one
+    long word, a normaliser that merges characters) the pair is tokenized whole: exact, at the cost
+    (bounded by ``limits.RECORD_MAX_BYTES``) the cut avoids elsewhere.
+    """
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, train_on: str, objective: str, max_tokens: int | None = None
+    ) -> None:
         self.encoder = Encoder(tokenizer, train_on)
         self.objective = objective
+        self.max_tokens = max_tokens
+        self.max_chars = None if max_tokens is None else text_budget(tokenizer, max_tokens)
+        self.span = None if max_tokens is None else CUT_MARGIN // 2 * max_token_chars(tokenizer)
+        # train_on all, and eval prompts: the SFT cut (a sequence's first max_tokens tokens are exact)
+        self.cutter = self.encoder if max_tokens is None else Encoder(tokenizer, train_on, max_tokens)
+        self.whole = 0  # pairs too long whose cut could not be shown exact, so tokenized whole (tests, stats)
 
     def parse(self, value: Any, fields: dict[str, str] | None) -> Pair:
         return parse_pair(value, fields, self.objective)
 
     def encode_batch(self, pairs: list[Pair]) -> list[PairExample | BadRecord]:
-        sides = self.encoder.encode_batch([p.chosen for p in pairs] + [p.rejected for p in pairs])
+        if self.max_chars is None or self.encoder.train_on == "all":
+            return self._encode(pairs, self.cutter)
+        out: list[PairExample | BadRecord | None] = [None] * len(pairs)
+        strings = [i for i, p in enumerate(pairs) if isinstance(p.chosen, PromptCompletion)]
+        chats = [i for i, p in enumerate(pairs) if not isinstance(p.chosen, PromptCompletion)]
+        for group, cut in ((strings, self._cut_strings), (chats, self._cut_chats)):
+            for i, ex in zip(group, cut([pairs[i] for i in group]) if group else [], strict=True):
+                out[i] = ex
+        again = [i for i, ex in enumerate(out) if ex is None]
+        self.whole += len(again)
+        for i, ex in zip(again, self._encode([pairs[i] for i in again], self.encoder), strict=True):
+            out[i] = ex
+        return out  # type: ignore[return-value]
+
+    def _encode(self, pairs: list[Pair], encoder: Encoder) -> list[PairExample | BadRecord]:
+        if not pairs:
+            return []
+        sides = encoder.encode_batch([p.chosen for p in pairs] + [p.rejected for p in pairs])
         out: list[PairExample | BadRecord] = []
         for c, r in zip(sides[: len(pairs)], sides[len(pairs) :], strict=True):
             if isinstance(c, BadRecord) or isinstance(r, BadRecord):
@@ -167,13 +215,136 @@ class PairEncoder:
                 side = "chosen" if bad is c else "rejected"
                 out.append(BadRecord(f"{side}: {bad}"))
                 continue
-            ids, labels = np.concatenate([c.input_ids, r.input_ids]), np.concatenate([c.labels, r.labels])
-            out.append(PairExample(ids, labels, len(c.input_ids)))
+            out.append(_pair_example(c, r))
         return out
 
+    def _cut_strings(self, pairs: list[Pair]) -> list[PairExample | None]:
+        """Prompt/completion pairs with the prompt cut from the left and the completions from the right
+        to the budget; None for a pair whose cut is not shown exact (``_same_rows``) or has no safe
+        left cut (``left_cut``): that pair is tokenized whole."""
+        budget = self.max_chars
+        assert budget is not None and self.span is not None
+        cut: list[tuple[Pair, bool, bool, bool] | None] = []
+        for pair in pairs:
+            c, r = pair.chosen, pair.rejected
+            assert isinstance(c, PromptCompletion) and isinstance(r, PromptCompletion)
+            at = left_cut(c.prompt, len(c.prompt) - budget, self.span)
+            if at is None:
+                cut.append(None)
+                continue
+            prompt = c.prompt[at:] if at else c.prompt
+            sides = PromptCompletion(prompt, c.completion[:budget]), PromptCompletion(prompt, r.completion[:budget])
+            cut.append((Pair(*sides), at > 0, len(c.completion) > budget, len(r.completion) > budget))
+        kept = [x for x in cut if x is not None]
+        encoded = iter(self._encode([x[0] for x in kept], self.encoder))
+        out: list[PairExample | None] = []
+        for x in cut:
+            ex = None if x is None else next(encoded)
+            out.append(ex if isinstance(ex, PairExample) and self._same_rows(ex, *x[1:]) else None)
+        return out
+
+    def _cut_chats(self, pairs: list[Pair]) -> list[PairExample | None]:
+        """Conversation pairs: each side rendered, its render cut to the budget before and after where the
+        targets of either side begin (or the two renders first differ), the spans masked on the cut text.
+        None for a pair to tokenize whole (no safe left cut, a cut not shown exact, a template error or a
+        record without a target: the whole pair then gives its own ``BadRecord``)."""
+        enc, budget = self.encoder, self.max_chars
+        assert budget is not None and self.span is not None
+        enc._check_chat_support()
+        windows: list[tuple[str, list[tuple[int, int]]]] = []
+        cuts: list[tuple[int, bool, bool, bool] | None] = []
+        for pair in pairs:
+            try:
+                found = self._chat_windows(pair, budget, self.span)
+            except BadRecord:
+                found = None
+            if found is None:
+                cuts.append(None)
+                continue
+            (wc, wr), left, right_c, right_r = found
+            cuts.append((len(windows), left, right_c, right_r))
+            windows += [wc, wr]
+        examples = enc._chat_examples(windows, None) if windows else []
+        out: list[PairExample | None] = []
+        for x in cuts:
+            ex = None if x is None else _pair_example(examples[x[0]], examples[x[0] + 1])
+            out.append(ex if ex is not None and self._same_rows(ex, *x[1:]) else None)  # type: ignore[misc]
+        return out
+
+    def _chat_windows(self, pair: Pair, budget: int, span: int):
+        """((chosen text, spans), (rejected text, spans)) cut from the renders, whether the left was cut,
+        whether each side's right was; None where the pair is tokenized whole."""
+        enc = self.encoder
+        sides = []
+        for chat in (pair.chosen, pair.rejected):
+            assert isinstance(chat, Chat)
+            first = next((i for i in range(chat.targets_from, len(chat.messages))
+                          if chat.messages[i].role == "assistant"), None)  # fmt: skip
+            if first is None:
+                return None  # no target: the whole pair says so
+            long = any(m.content is not None and len(m.content) > budget for m in chat.messages[first:])
+            if long:  # each message from the first target on keeps its first budget characters
+                messages = chat.messages[:first] + tuple(
+                    Message(m.role, m.content[:budget], m.extras) if m.content is not None else m
+                    for m in chat.messages[first:]
+                )
+                chat = Chat(messages, targets_from=chat.targets_from)
+            sides.append((chat, enc._render(chat, None, generation_prompt=False), long))
+        (chat_c, full_c, long_c), (chat_r, full_r, long_r) = sides
+        begin = _common_prefix(full_c, full_r)
+        spans = [enc._target_spans(chat, full, begin + budget) for chat, full, _ in sides]
+        begin = min([begin] + [s[0][0] for s in spans if s])
+        at = left_cut(full_c, begin - budget, span)
+        if at is None:
+            return None
+        ends = [min(begin + budget, len(full)) for _, full, _ in sides]
+        texts = [(full[at:end], [(lo - at, hi - at) for lo, hi in s if lo < end])
+                 for (_, full, _), s, end in zip(sides, spans, ends, strict=True)]  # fmt: skip
+        return texts, at > 0, long_c or ends[0] < len(full_c), long_r or ends[1] < len(full_r)
+
+    def _same_rows(self, ex: PairExample, left: bool, right_c: bool, right_r: bool) -> bool:
+        """Whether ``build_pair_rows`` keeps of the cut pair ``ex`` the tokens it keeps of the whole pair.
+
+        The cut pair is the whole one less ``t`` tokens on the left (the prompt's head) and some on the
+        right. While the prompt keeps more than ``max_tokens`` tokens, ``truncate_pair`` cuts it to its
+        last ones and both ``over`` and the prompt lose ``t``: the cut moves by ``t``, the rows do not.
+        A sequence cut on the right with more than ``max_tokens`` tokens past the prompt makes the pair
+        too long either way and the prompt keep its floor (``max_tokens // 2``): the same rows."""
+        limit = self.max_tokens
+        assert limit is not None
+        if not (left or right_c or right_r):
+            return True  # nothing was cut: the whole pair
+        chosen, rejected = ex.input_ids[: ex.split], ex.input_ids[ex.split :]
+        mask = ex.labels != IGNORE_INDEX
+        n = min(len(chosen), len(rejected))
+        firsts = [n, *np.flatnonzero(chosen[:n] != rejected[:n])[:1]]
+        for side in (mask[: ex.split], mask[ex.split :]):
+            firsts += list(np.flatnonzero(side)[:1])
+        prompt = int(min(firsts))
+        if left and prompt <= limit:
+            return False
+        return all(not cut or len(seq) > prompt + limit for seq, cut in ((chosen, right_c), (rejected, right_r)))
+
     def eval_prompt(self, pair: Pair) -> tuple[np.ndarray, str] | None:
-        """(prompt ids, chosen completion) for generation eval, as for the SFT record prompt + chosen."""
-        return self.encoder.eval_prompt(pair.chosen)
+        """(prompt ids, chosen completion) for generation eval, as for the SFT record prompt + chosen
+        (cut to the budget first, as an SFT record's: a cut prompt is longer than any kept prompt)."""
+        return self.cutter.eval_prompt(pair.chosen)
+
+
+def _pair_example(chosen: Example, rejected: Example) -> PairExample:
+    ids = np.concatenate([chosen.input_ids, rejected.input_ids])
+    labels = np.concatenate([chosen.labels, rejected.labels])
+    return PairExample(ids, labels, len(chosen.input_ids))
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """How many characters ``a`` and ``b`` begin with alike (compared a block at a time)."""
+    n, at, step = min(len(a), len(b)), 0, 1 << 16
+    while at < n and a[at : at + step] == b[at : at + step]:
+        at += step
+    while at < n and a[at] == b[at]:
+        at += 1
+    return min(at, n)
 
 
 def make_encoder(
@@ -183,12 +354,13 @@ def make_encoder(
     max_tokens: int | None = None,
     room: int | None = None,
 ) -> Encoder | PairEncoder | PromptEncoder:
-    """The encoder for ``train.objective``'s records. SFT records are cut to ``max_tokens`` before
-    tokenizing (the per-record memory bound); pairs are not yet: their prompt is truncated from the
-    left (``truncate_pair``), which a cut of the text from the right would change (docs/preference.md).
-    Prompts (online RL) are never cut: one longer than ``room`` tokens is refused whole (``prompts.py``)."""
+    """The encoder for ``train.objective``'s records. SFT records and preference pairs are cut to
+    ``max_tokens`` before tokenizing (the per-record memory bound; a pair's prompt from the left, as
+    ``truncate_pair`` keeps its last tokens: ``PairEncoder``). Prompts (online RL) are cut to the budget
+    of ``room`` tokens: one longer than ``room`` tokens is refused as the whole one would be
+    (``prompts.py``)."""
     if is_preference(objective):
-        return PairEncoder(tokenizer, train_on, objective)
+        return PairEncoder(tokenizer, train_on, objective, max_tokens)
     if is_prompts(objective):
         assert room is not None and max_tokens is not None, "prompts need the room generation leaves"
         return PromptEncoder(tokenizer, room, max_tokens)

@@ -16,20 +16,28 @@ A source resolves (``resolve``) to one of
 Reading never judges a record's fields (that is ``records.py``). Every later
 complaint names ``file:line`` (JSONL), ``file: record i`` (0-based, other
 files) or ``id[split]: record i`` (hub).
+
+Bounds (``llmft.limits``): a JSONL line or a .json file's record of more than
+``RECORD_MAX_BYTES``, or nested more than ``RECORD_MAX_DEPTH`` levels, is one
+bad record (``data.on_bad_record``), never parsed whole or recursed into; a
+.json file larger than ``JSON_FILE_MAX_BYTES`` is refused (it is parsed whole).
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from llmft import stop
 from llmft.data.sources import Source
 from llmft.errors import Problem, UserError, library_problem, offline
+from llmft.limits import JSON_FILE_MAX_BYTES, RECORD_MAX_BYTES, RECORD_MAX_DEPTH
 
 if TYPE_CHECKING:
     import datasets
@@ -125,6 +133,7 @@ def read(resolved: Resolved, work_dir: Path) -> tuple[list[Chunk], str | None]:
     chunks: list[Chunk] = []
     group: list[Path] = []
     for file in [*resolved.files, None]:
+        stop.check()  # between files: a stop during a build that reads many files ends it here
         if group and (file is None or _group_of(file) != _group_of(group[0])):
             lines = _group_of(group[0]) == "lines"
             chunks.append(_read_lines(group, work_dir, len(chunks)) if lines else _read_tables(group, work_dir))
@@ -178,6 +187,7 @@ def _read_lines(files: list[Path], work_dir: Path, k: int) -> Chunk:
     schema = features.arrow_schema
     tables = []
     for i, path in enumerate(files):
+        stop.check()
         table = _jsonl_table(path, i, schema) if path.suffix == ".jsonl" else None
         if table is None:  # a .json file, or a line that is not UTF-8: record by record, to say which
             rows = list(_jsonl_rows(path) if path.suffix == ".jsonl" else json_rows(path))
@@ -196,7 +206,7 @@ def _read_lines(files: list[Path], work_dir: Path, k: int) -> Chunk:
 
 def _jsonl_table(path: Path, i: int, schema):
     """A JSONL file's non-blank lines as Arrow columns, split and checked without a Python loop over
-    lines (4x faster than ``_jsonl_rows``); None if a line is not UTF-8."""
+    lines (4x faster than ``_jsonl_rows``); None if a line is not UTF-8 or too long."""
     import pyarrow as pa  # heavy: only a cache build reads JSONL this way
     import pyarrow.compute as pc
 
@@ -204,6 +214,8 @@ def _jsonl_table(path: Path, i: int, schema):
     ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == ord("\n")) + 1
     if len(data) and (len(ends) == 0 or ends[-1] != len(data)):
         ends = np.append(ends, len(data))  # a last line without a newline
+    if len(ends) and int(np.diff(ends, prepend=0).max()) > RECORD_MAX_BYTES:
+        return None  # a line too long to be a record: said by ``_jsonl_rows``, line by line
     offsets = pa.py_buffer(np.concatenate([[0], ends]).astype(np.int64))
     lines = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(ends), [None, offsets, pa.py_buffer(data)])
     try:
@@ -226,21 +238,128 @@ def _jsonl_table(path: Path, i: int, schema):
     return pa.table(columns, schema=schema)
 
 
+STOP_CHECK_LINES = 4096  # lines between two looks at the stop request when a file is read line by line
+
+
 def _jsonl_rows(path: Path):
     # Bytes, decoded per line: one line of bad UTF-8 is one bad record, not a dead file.
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+        for lineno, raw, size in bounded_lines(f):
+            if lineno % STOP_CHECK_LINES == 0:
+                stop.check()  # a file read line by line (it holds a bad line): the stop is seen within seconds
+            if raw is None:
+                yield lineno, None, too_long(size)
+                continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield lineno, None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
+                yield lineno, None, not_utf8(e)
                 continue
             if line.strip():
                 yield lineno, line, None
 
 
+def bounded_lines(f, limit: int | None = None):
+    """``(line number, bytes, size)`` for each line of the binary file ``f``; bytes None for a line of
+    more than ``limit`` bytes (default ``RECORD_MAX_BYTES``), skipped a MiB at a time, never held whole.
+
+    A line is read a MiB at a time (a short line in one call), so a line past the limit costs at most
+    the limit and a MiB: one ``readline(limit + 1)`` would join its chunks into a second copy. After
+    each line ``f.tell()`` is where the next one starts (the stream's byte cursor)."""
+    limit = RECORD_MAX_BYTES if limit is None else limit
+    step = min(limit + 1, 1 << 20)
+    lineno = 0
+    while raw := f.readline(step):
+        lineno += 1
+        parts, size = [raw], len(raw)
+        while not raw.endswith(b"\n") and size <= limit:  # more of the line, while it may be a record
+            if not (raw := f.readline(step)):
+                break  # the last line, without a newline
+            parts.append(raw)
+            size += len(raw)
+        if size - raw.endswith(b"\n") <= limit:
+            yield lineno, parts[0] if len(parts) == 1 else b"".join(parts), size
+            continue
+        parts.clear()
+        while raw and not raw.endswith(b"\n"):
+            raw = f.readline(1 << 20)
+            size += len(raw)
+        yield lineno, None, size - raw.endswith(b"\n")  # the line's bytes, without its newline
+
+
+def not_utf8(e: UnicodeDecodeError) -> str:
+    """Why a line is not text, as every reader of data says it (``e.start``: the byte in the line)."""
+    return f"not valid UTF-8 ({e.reason} at byte {e.start})"
+
+
+def too_long(size: int, unit: str = "bytes", fix: str = "split it into several records") -> str:
+    what = f"is {size} {unit}, more than the {size_text(RECORD_MAX_BYTES)} one record may be (llmft.limits.RECORD_MAX_BYTES)"
+    return f"{what}; {fix}" if fix else what
+
+
+def size_text(n: int) -> str:
+    """A limit in bytes as a person reads it: ``4 GiB``, ``64 MiB`` or ``1000 bytes``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
+def too_deep(value: Any, limit: int = RECORD_MAX_DEPTH) -> bool:
+    """Whether JSON ``value`` nests objects and lists more than ``limit`` levels (a loop, not recursion)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, (dict, list)))
+    return False
+
+
+# JSON may escape half of a UTF-16 pair alone (``"\ud800"``): json.loads makes it a lone surrogate,
+# which no tokenizer takes (a TypeError deep in the Rust tokenizer). UTF-8 bytes cannot hold one, so
+# only a line with such an escape is searched.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+LONE_SURROGATE = (
+    "holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), which is no character; "
+    "fix or drop that escape"
+)
+
+
+def lone_surrogate(value: Any) -> bool:
+    """Whether a string of JSON ``value`` (or a key) holds a lone surrogate (a loop, not recursion)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+DEEP = f"nests objects and lists more than {RECORD_MAX_DEPTH} levels deep (llmft.limits.RECORD_MAX_DEPTH)"
+TOO_DEEP = f"{DEEP}; a record nests a few (messages[].content), flatten it"
+
+
 def json_rows(path: Path):
     try:
+        size = path.stat().st_size
+        if size > JSON_FILE_MAX_BYTES:
+            raise UserError(
+                Problem(
+                    str(path),
+                    f"is {size} bytes, more than the {size_text(JSON_FILE_MAX_BYTES)} a .json data file may be "
+                    "(it is parsed whole)",
+                    "Write one record per line to a .jsonl file (read line by line), e.g. "
+                    f"`jq -c '.[]' {path.name} > {path.stem}.jsonl`.",
+                )
+            )
         doc = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         hint = "; a file with one record per line should be named .jsonl" if e.msg == "Extra data" else ""
@@ -249,6 +368,9 @@ def json_rows(path: Path):
         ) from e
     except UnicodeDecodeError as e:
         raise UserError(Problem(str(path), f"not valid UTF-8 ({e.reason} at byte {e.start})", "Fix the file.")) from e
+    except RecursionError:
+        fix = "A record nests a few levels (messages[].content): flatten the file's records."
+        raise UserError(Problem(str(path), DEEP, fix)) from None
     if isinstance(doc, dict) and isinstance(doc.get("data"), list):
         doc = doc["data"]
     if not isinstance(doc, list):
@@ -260,17 +382,31 @@ def json_rows(path: Path):
             )
         )
     for i, value in enumerate(doc):
-        yield i, json.dumps(value), None
+        if too_deep(value):
+            yield i, None, TOO_DEEP
+            continue
+        text = json.dumps(value)
+        yield (i, text, None) if len(text) <= RECORD_MAX_BYTES else (i, None, too_long(len(text)))
 
 
 def parse_line(text: str | None, error: str | None) -> Any:
-    """The JSON value of one raw line; raises ``ValueError`` with the reason."""
+    """The JSON value of one raw line; raises ``ValueError`` with the reason (a line longer or nested
+    deeper than a record may be is one: ``llmft.limits``)."""
     if error is not None:
         raise ValueError(error)
+    if len(text) > RECORD_MAX_BYTES:  # characters: at least as many bytes (readers check bytes)
+        raise ValueError(too_long(len(text), "characters"))
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:  # json's C scanner, past ~1000 levels: unwound cleanly
+        raise ValueError(TOO_DEEP) from None
+    if too_deep(value):
+        raise ValueError(TOO_DEEP)
+    if _SURROGATE_ESCAPE.search(text) and lone_surrogate(value):
+        raise ValueError(LONE_SURROGATE)
+    return value
 
 
 # --- Parquet, CSV, save_to_disk, hub: datasets ------------------------------------------

@@ -33,7 +33,17 @@ import torch
 
 from llmft.data.pairs import PairDataset, PairEncoder, build_pair_rows, make_encoder
 from llmft.data.prompts import build_prompt_rows
-from llmft.data.read import LINE_EXTENSIONS, Resolved, json_rows, load_hub, load_saved, resolve
+from llmft.data.read import (
+    LINE_EXTENSIONS,
+    Resolved,
+    bounded_lines,
+    json_rows,
+    load_hub,
+    load_saved,
+    not_utf8,
+    resolve,
+    too_long,
+)
 from llmft.data.rows import SKIP_FIX, Tokenize, build_rows, raise_if_fatal
 from llmft.data.sampler import ShareWindows
 from llmft.data.sources import Source
@@ -335,20 +345,23 @@ class _LineReader(_Reader):
             self.pos = {"file": f + 1, "byte": 0, "line": 0}
 
     def _jsonl(self, path: Path, f: int):
-        byte, line = self.pos["byte"], self.pos["line"]
+        byte, line = self.pos["byte"], self.pos["line"]  # where the cursor's line ends, and its number
         with open(path, "rb") as fh:
             fh.seek(byte)
-            for raw in fh:
-                byte += len(raw)
-                line += 1
-                self.pos = {"file": f, "byte": byte, "line": line}
+            # A line longer than a record may be is skipped a MiB at a time, never held whole (llmft.limits).
+            for k, raw, size in bounded_lines(fh):
+                self.pos = {"file": f, "byte": fh.tell(), "line": line + k}
+                where = f"{path}:{line + k}"
+                if raw is None:
+                    yield None, too_long(size), where, True
+                    continue
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    yield None, f"not valid UTF-8 ({e.reason} at byte {e.start})", f"{path}:{line}", True
+                    yield None, not_utf8(e), where, True
                     continue
                 if text.strip():
-                    yield text, None, f"{path}:{line}", True
+                    yield text, None, where, True
 
 
 class _IterableReader(_Reader):

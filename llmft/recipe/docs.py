@@ -12,6 +12,7 @@ import typing
 from dataclasses import MISSING, Field, is_dataclass
 from typing import Any
 
+from llmft.limits import RECIPE_MAX_BYTES, RECIPE_MAX_DEPTH
 from llmft.recipe.schema import Recipe, default_of, iter_fields
 
 REGENERATE = "python -m llmft.recipe.docs > docs/recipe.md"
@@ -32,8 +33,11 @@ A recipe is UTF-8 YAML and only data: a YAML tag (`!!python/...`) never construc
 and of OmegaConf's interpolations only `${{section.key}}` references and `${{oc.env:VAR}}` (or
 `${{oc.env:VAR,default}}`) are evaluated; any other resolver is an error. Every number must be
 finite (no `.inf`, `.nan`, `1e400`) and every whole number fit 64 bits, in free-form values
-such as `model.config` too. Each error names the key, the file and line or the override, and
-the fix; `llmft` exits 2 without a traceback.
+such as `model.config` too. A recipe file may be at most {RECIPE_MAX_BYTES >> 20} MiB and nest
+mappings and lists at most {RECIPE_MAX_DEPTH} levels deep (`model: config: x:` is 3; in an override
+the key's parts count as levels); real recipes are a few KB and 2-6 levels, and a larger or deeper
+one is refused before it is parsed (`llmft/limits.py`). Each error names the key, the file and
+line or the override, and the fix; `llmft` exits 2 without a traceback.
 """
 
 

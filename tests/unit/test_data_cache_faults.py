@@ -258,3 +258,30 @@ def test_a_users_folder_ending_in_build_in_the_cache_dir_is_never_removed(tmp_pa
     build_data(recipe(tmp_path, data), byte_tokenizer())
     assert (mine / "index.html").read_text() == "mine"
     assert not (root / "website.lock").exists()
+
+
+def test_a_stop_while_the_source_files_are_read_ends_the_build_before_the_next_file(tmp_path, monkeypatch):
+    """A source of many files is read file by file; a stop that arrives while one is read ends the
+    build before the next one is opened (exit 75, nothing tokenized)."""
+    from llmft.data import read as read_module
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for k in range(3):
+        write_jsonl(folder / f"part-{k}.jsonl", [{"text": f"{k} {i}"} for i in range(50)])
+    seen, real = [], read_module._jsonl_table
+
+    def table(path, i, schema):
+        seen.append(path.name)
+        stop.requested = "SIGTERM"  # the signal arrives while this file is read
+        return real(path, i, schema)
+
+    monkeypatch.setattr(read_module, "_jsonl_table", table)
+    stop = StopRequest().install()
+    try:
+        with pytest.raises(Stopped):
+            build_data(recipe(tmp_path, str(folder), num_proc=1), byte_tokenizer())
+    finally:
+        stop.uninstall()
+    assert seen == ["part-0.jsonl"]
+    assert not list((tmp_path / "cache").glob("*/rows.arrow"))

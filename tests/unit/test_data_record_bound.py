@@ -154,3 +154,63 @@ def test_random_texts_around_the_cut_on_bpe():
         recs.append(parse_record({"text": text}, {}))
     for g, w in zip(cut.encode_batch(recs), whole.encode_batch(recs), strict=True):
         assert g.input_ids[:L].tolist() == w.input_ids[:L].tolist()
+
+
+def many_messages(rng: random.Random, turns: int, tools: bool = False) -> dict:
+    """A conversation of ``turns`` short exchanges (no message near the budget; together far past it),
+    with tool calls (the prefix-render path) when ``tools``."""
+    messages = [{"role": "system", "content": text_of(rng, 7)}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": text_of(rng, rng.randint(1, 30))})
+        if tools and t % 2:
+            call = {"type": "function", "function": {"name": "f", "arguments": {"x": t}}}
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            messages.append({"role": "tool", "content": text_of(rng, rng.randint(1, 20))})
+        messages.append({"role": "assistant", "content": text_of(rng, rng.randint(1, 40))})
+    return {"messages": messages}
+
+
+class Seen:
+    """The longest text given to the tokenizer (every call goes through ``encode.char_batches``)."""
+
+    def __init__(self, monkeypatch):
+        from llmft.data import encode
+
+        self.longest, real = 0, encode.char_batches
+
+        def spy(texts, budget):
+            self.longest = max([self.longest, *map(len, texts)])
+            return real(texts, budget)
+
+        monkeypatch.setattr(encode, "char_batches", spy)
+
+
+@pytest.mark.parametrize("tools", [False, True])
+@pytest.mark.parametrize("train_on", ["completion", "all"])
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+def test_a_conversation_of_many_short_messages_is_cut_after_rendering(name, train_on, tools, monkeypatch):
+    """The rendered conversation is cut to the budget before tokenizing (no message is long enough to be
+    cut alone); the first max_seq_len tokens and targets are the uncut render's. Tool calls take the
+    prefix renders, which stop at the first assistant message past the budget."""
+    tok = TOKENIZERS[name]()
+    cut, whole = Encoder(tok, train_on, L), Encoder(tok, train_on)
+    rng = random.Random(4)
+    recs = [parse_record(many_messages(rng, turns, tools), {}) for turns in (1, 3, 20, 120)]
+    recs.append(parse_record(records(cut.max_chars)[-2], {}))  # a long message too
+    want = whole.encode_batch(recs)
+    seen, renders = Seen(monkeypatch), []
+    real = Encoder._render
+    monkeypatch.setattr(Encoder, "_render", lambda self, *a, **k: renders.append(1) or real(self, *a, **k))
+    got = cut.encode_batch(recs)
+    for g, w, r in zip(got, want, recs, strict=True):
+        assert g.input_ids[:L].tolist() == w.input_ids[:L].tolist(), r
+        assert g.labels[:L].tolist() == w.labels[:L].tolist(), r
+        assert (len(g.input_ids) > L) == (len(w.input_ids) > L)
+    assert len(want[3].input_ids) > 4 * cut.max_chars  # 120 turns: far past the budget
+    assert seen.longest == cut.max_chars  # the tokenizer saw the budget, not the conversation
+    if train_on == "completion":  # the layout probe or the prefix renders: up to the budget, not every turn
+        assert cut.prefix_renders == whole.prefix_renders == (3 if tools else 0)  # those with tool calls
+        renders.clear()
+        assert cut.encode_batch([recs[3]])[0].input_ids.tolist() == got[3].input_ids.tolist()
+        assistant_turns = sum(m.role == "assistant" for m in recs[3].messages)  # 180 (tools), 120
+        assert len(renders) < 2 * 30 < 2 * assistant_turns, len(renders)  # uncut: 2 a turn, and 1
