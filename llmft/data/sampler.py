@@ -197,3 +197,11 @@ def largest_remainder(probabilities: list[float], total: int) -> list[int]:
     for k in by_remainder[: total - sum(counts)]:
         counts[k] += 1
     return counts
+
+
+def eval_shard(n: int, rank: int, world: int) -> tuple[range, int]:
+    """Which of ``n`` eval items ``rank`` of ``world`` evaluates: a contiguous block of ``per =
+    ceil(n / world)`` (the last ranks' shorter or empty), and ``per``, what every rank pads its
+    share to, so that all ranks make the same (collective) calls."""
+    per = -(-n // world)
+    return range(min(rank * per, n), min((rank + 1) * per, n)), per

@@ -26,12 +26,15 @@ slices here, and ``tests/distributed/sp_probe.py`` checks the slices equal the a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from llmft.data.encode import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from llmft.plan.layout import ParallelLayout
 
 # Per-token tensors besides input_ids / labels / position_ids that a slice keeps its part of
 # (a preference batch's sequence_index: -1 on padding).
@@ -85,6 +88,15 @@ def sequence_slice(batch: dict[str, Any], sp_rank: int, sp: int) -> dict[str, An
     skip = {"input_ids", "labels", "attention_mask", "position_ids", *_PER_TOKEN_PAD}
     out.update({k: v for k, v in batch.items() if k not in skip and k not in whole})
     return out
+
+
+def rank_slice(batch: dict[str, Any], layout: ParallelLayout, rank: int) -> dict[str, Any]:
+    """What global ``rank`` computes of its group's micro-batch: its slice under sequence
+    parallelism (``sequence_slice``), the batch itself without. Every caller (training, eval, the
+    reference pass) takes its batch through here."""
+    if layout.sp == 1:
+        return batch
+    return sequence_slice(batch, layout.sp_rank(rank), layout.sp)
 
 
 def count_slice_targets(batch: dict[str, Any]) -> int:

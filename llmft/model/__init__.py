@@ -3,6 +3,8 @@
 Import the module that owns a name; this package re-exports nothing. Modules, lowest first (each
 imports only those above it):
 
+- ``aux_loss``: auxiliary loss terms a component attaches to its module (a router's balancing
+  loss), which the training loop adds to each micro loss over a global count;
 - ``source``: where a model comes from: its HF config, the name resolved to a local dir or a hub
   id, and the ``UserError``s of finding and loading it;
 - ``precision``: the recipe's dtype names, the compute dtype, fp32 trainable weights;

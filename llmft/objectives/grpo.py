@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from llmft.checkpoint.layout import OBJECTIVE_DIR, STATE_FILE
 from llmft.data.encode import IGNORE_INDEX
+from llmft.data.sampler import eval_shard
 from llmft.errors import Problem, UserError
 from llmft.job import watchdog
 from llmft.job.dist import DistEnv, all_gather_rows, all_reduce_sum
@@ -500,9 +501,7 @@ class GRPOObjective(ObjectiveBase):
         first completion), scored by ``rewards``; means over every eval prompt of every rank."""
         assert self.rewards is not None
         n = len(dataset) if max_items is None else min(len(dataset), max_items)
-        world = self.layout.dp_size
-        per = math.ceil(n / world)
-        mine = list(range(self.dp_rank * per, min((self.dp_rank + 1) * per, n)))
+        mine, per = eval_shard(n, self.dp_rank, self.layout.dp_size)
         items = [dataset[i] for i in mine] or [dataset[0]]
         items += [items[0]] * (per - len(items))  # equal generate() calls on every rank
         prompts = [Prompt(torch.tensor(np.asarray(it["input_ids"]), dtype=torch.long), it["record"], 0) for it in items]

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 import llmft
 from llmft.data.pairs import PairDataset, collate_pairs
-from llmft.data.sequence import sequence_slice
+from llmft.data.sequence import rank_slice
 from llmft.job.dist import barrier, broadcast_object
 from llmft.objectives import Models, disable_dropout
 from llmft.objectives.sequences import SequenceSlices, model_sequence_logps
@@ -224,8 +224,7 @@ def _score(
     layout = plan.layout
     n, size = len(ds), plan.batch.micro_batch_size
     batches = [list(range(s, min(s + size, n))) for s in range(0, n, size)]
-    dp_rank, sp_rank = layout.dp_rank(env.rank), layout.sp_rank(env.rank)
-    mine = batches[dp_rank :: layout.dp_size]
+    mine = batches[layout.dp_rank(env.rank) :: layout.dp_size]
     rounds = -(-len(batches) // layout.dp_size)
     group = SequenceSlices(layout)
     model, scope = _reference_forward(plan, engine, named)
@@ -235,8 +234,7 @@ def _score(
         for r in range(rounds):
             idx = mine[r] if r < len(mine) else batches[0]  # every rank runs as many (collective) forwards
             batch = collate_pairs([ds.item(i, reference=False) for i in idx], pad_id)
-            if layout.sp > 1:
-                batch = sequence_slice(batch, sp_rank, layout.sp)
+            batch = rank_slice(batch, layout, env.rank)
             batch = {name: v.to(env.device) if isinstance(v, torch.Tensor) else v for name, v in batch.items()}
             sums, counts = model_sequence_logps(model, batch, 2 * len(idx))
             sums, counts = group.whole(sums), group.whole(counts)

@@ -2,14 +2,15 @@
 
 A backend answers ``complete(prompts)``: for each of this rank's items of the step (a prompt's ids,
 its record and its rollout position ``q``; completion ``q % G`` of its prompt) the completion's token
-ids, ending with eos unless ``rollout.max_new_tokens`` cut it. Two exist; a third (vLLM) would be
-one more class with the same method:
+ids, ending with eos unless ``rollout.max_new_tokens`` cut it. Two exist:
 
-- ``hf``: transformers ``generate()`` with its KV cache on the policy as the engine holds it. Where
-  parameters are sharded (FSDP2, ZeRO-3) every rank joins every forward (``synced_gpus``), so ranks
-  whose completions end at different lengths do not hang. Sampling is seeded from
-  (``run.seed``, the generation batch, the data-parallel rank) in a forked RNG: the training RNG is
-  untouched, and a resume regenerates the same samples without saving any generator state.
+- ``hf``: ``GeneratedRollout`` over ``llmft.model.generate.HFGenerator``, transformers ``generate()``
+  with its KV cache on the policy as the engine holds it. Where parameters are sharded (FSDP2,
+  ZeRO-3) every rank joins every forward (``synced_gpus``), so ranks whose completions end at
+  different lengths do not hang. Sampling is seeded from (``run.seed``, the generation batch, the
+  data-parallel rank) in a forked RNG: the training RNG is untouched, and a resume regenerates the
+  same samples without saving any generator state. Another generating backend (vLLM) is one more
+  ``Generator`` (``llmft.model.generate``) behind the same ``GeneratedRollout``.
 - ``file``: ``rollout.file``, a JSONL of ``{"prompt": ..., "completions": [G strings]}`` looked up by
   the record's prompt exactly as the data holds it (text, or messages). Tests and runs that train
   on samples generated elsewhere use it; the completions are the same whatever the split. Each
@@ -20,18 +21,15 @@ one more class with the same method:
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmft import stop
 from llmft.data.encode import cut_ids, text_budget
 from llmft.data.read import bounded_lines, not_utf8, parse_line, too_long
 from llmft.errors import Problem, UserError
-from llmft.job import watchdog
-from llmft.job.dist import cut_short
+from llmft.model.generate import Generation, Generator, HFGenerator
 
 if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
@@ -165,78 +163,31 @@ def _rollout_line(
     return None
 
 
-class HFRollout:
-    """``rollout.backend: hf``: sampling with transformers ``generate()`` on the policy."""
+class GeneratedRollout:
+    """``rollout.backend: hf`` (and any backend that generates): the step's prompts through a
+    ``Generator`` (``llmft.model.generate``), sampled with ``rollout.*``, seeded per generation batch
+    and data-parallel rank (``generation_seed``)."""
 
-    def __init__(
-        self, recipe: Recipe, tokenizer: Any, model: torch.nn.Module, device: torch.device, synced: bool, autocast
-    ) -> None:
-        cfg = recipe.rollout
-        self.cfg, self.tokenizer, self.model, self.device = cfg, tokenizer, model, device
-        self.synced, self.autocast, self.seed = synced, autocast, recipe.run.seed
-        eos = tokenizer.eos_token_id
-        self.eos = {eos} if isinstance(eos, int) else set(eos or ())
+    def __init__(self, recipe: Recipe, generator: Generator, eos: set[int]) -> None:
+        self.cfg, self.generator, self.eos, self.seed = recipe.rollout, generator, eos, recipe.run.seed
 
-    @torch.no_grad()
     def complete(self, prompts: list[Prompt], generation: int, dp_rank: int, greedy: bool = False) -> list[list[int]]:
         """Every rank calls this with the same number of prompts (the step's local batch, or an eval
-        shard padded to equal): sharded engines join each generate() call together.
-
-        A stop request ends each generate() call at its next token (``_StopCriterion``); after each
-        call every rank votes (``llmft.job.dist.cut_short``), and if any rank was asked to stop all raise
-        ``stop.Abandoned`` together: cut completions are never trained on or scored."""
-        size = self.cfg.batch_size or len(prompts)
-        out: list[list[int]] = []
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), stop.during(stop.GENERATING):
-            torch.manual_seed(generation_seed(self.seed, generation, dp_rank))
-            for start in range(0, math.ceil(len(prompts) / size) * size, size):
-                watchdog.phase(
-                    f"generating completions {start + 1}-{min(start + size, len(prompts))} of {len(prompts)}"
-                )
-                out += self._generate(prompts[start : start + size], greedy)
-                cut_short("generation", self.device)
-        return out
-
-    def _generate(self, prompts: list[Prompt], greedy: bool) -> list[list[int]]:
-        pad = self.tokenizer.pad_token_id
-        width = max(len(p.ids) for p in prompts)
-        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):  # left-padded
-            input_ids[row, width - len(p.ids) :] = p.ids
-            mask[row, width - len(p.ids) :] = 1
-        with self.autocast():
-            out = self.model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                max_new_tokens=self.cfg.max_new_tokens,
-                **(
-                    {"do_sample": False}
-                    if greedy
-                    else {"do_sample": True, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": 0}
-                ),
-                pad_token_id=pad,
-                eos_token_id=sorted(self.eos),
-                synced_gpus=self.synced,
-                stopping_criteria=stop_criteria(),
-            )
-        return [end_at_eos(row.tolist(), self.eos, self.cfg.max_new_tokens) for row in out[:, width:].cpu()]
-
-
-def stop_criteria() -> list:
-    """A ``generate()`` stopping criterion that ends every sequence once this process is asked to
-    stop (``llmft.stop``). With ``synced_gpus`` a rank whose sequences ended keeps joining the
-    forwards of ranks still generating, so a peer that got no signal finishes its own tokens and
-    no rank waits forever."""
-    from transformers import StoppingCriteria
-
-    class _StopCriterion(StoppingCriteria):
-        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-            asked = stop.requested() is not None
-            return torch.full((input_ids.shape[0],), asked, dtype=torch.bool, device=input_ids.device)
-
-    return [_StopCriterion()]
+        shard padded to equal): sharded engines join each generate() call together. A stop request
+        abandons the generation on every rank together (``llmft.model.generate``): cut completions
+        are never trained on or scored."""
+        cfg = self.cfg
+        how = Generation(
+            max_new_tokens=cfg.max_new_tokens,
+            greedy=greedy,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            seed=generation_seed(self.seed, generation, dp_rank),
+            batch_size=cfg.batch_size,
+            phases=True,
+        )
+        rows = self.generator.generate([p.ids for p in prompts], how)
+        return [end_at_eos(row, self.eos, cfg.max_new_tokens) for row in rows]
 
 
 def generation_seed(seed: int, generation: int, dp_rank: int) -> int:
@@ -245,6 +196,10 @@ def generation_seed(seed: int, generation: int, dp_rank: int) -> int:
 
 
 def make_rollout(recipe: Recipe, tokenizer: Any, model: torch.nn.Module, device: torch.device, synced: bool, autocast):
+    """The backend ``rollout.backend`` names; ``hf`` generates on ``model`` (``HFGenerator``)."""
     if recipe.rollout.backend == "file":
         return FileRollout(recipe, tokenizer)
-    return HFRollout(recipe, tokenizer, model, device, synced, autocast)
+    eos = tokenizer.eos_token_id
+    eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+    generator = HFGenerator(model, tokenizer.pad_token_id, sorted(eos_ids), device, synced, autocast)
+    return GeneratedRollout(recipe, generator, eos_ids)

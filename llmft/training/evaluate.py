@@ -3,6 +3,9 @@ the pair-mean loss and the reward metrics), and exact-match accuracy of greedy g
 prompts. Every rank runs the same number of forward calls (sharded engines
 need all ranks in every collective), padding its share with no-target batches.
 
+Which rank evaluates which items is ``llmft.data.sampler.eval_shard``; generation is
+``llmft.model.generate``'s, as a rollout's.
+
 A stop request cuts an eval short: generation ends at its next token, and after each batch (each
 generate() call) every rank votes (``llmft.job.dist.cut_short``); if any was asked to stop, all raise
 ``stop.Abandoned`` and the eval writes no row (the loop checkpoints and stops)."""
@@ -16,9 +19,10 @@ import torch
 
 from llmft import stop
 from llmft.data import collate
-from llmft.data.sequence import sequence_slice
+from llmft.data.sampler import eval_shard
+from llmft.data.sequence import rank_slice
 from llmft.job.dist import DistEnv, all_reduce_sum, cut_short
-from llmft.objectives.rollout import stop_criteria
+from llmft.model.generate import Generation, HFGenerator
 from llmft.plan.layout import RunPlan
 
 if TYPE_CHECKING:
@@ -26,11 +30,6 @@ if TYPE_CHECKING:
 
     from llmft.engines import Engine
     from llmft.objectives import Objective
-
-
-def _shard(n: int, rank: int, world: int) -> range:
-    per = math.ceil(n / world)
-    return range(min(rank * per, n), min((rank + 1) * per, n))
 
 
 class Evaluator:
@@ -73,8 +72,8 @@ class Evaluator:
         n = len(ds)
         if self.recipe.train.eval_max_batches is not None:
             n = min(n, self.recipe.train.eval_max_batches * self.micro * world)
-        mine = list(_shard(n, layout.dp_rank(self.env.rank), world))
-        num_batches = math.ceil(math.ceil(n / world) / self.micro)
+        mine, per = eval_shard(n, layout.dp_rank(self.env.rank), world)
+        num_batches = math.ceil(per / self.micro)
         model = self.engine.model
         model.eval()
         one = torch.tensor(1.0, device=self.env.device)  # the numerator itself: divided once, below
@@ -83,8 +82,7 @@ class Evaluator:
             idx = mine[b * self.micro : (b + 1) * self.micro]
             examples = [ds[i] for i in idx] or [ds[0]]  # a rank with no data left runs a dummy batch
             (batch,) = self.objective.prepare([self.collate(examples, self.tokenizer.pad_token_id)])
-            if layout.sp > 1:
-                batch = sequence_slice(batch, layout.sp_rank(self.env.rank), layout.sp)
+            batch = rank_slice(batch, layout, self.env.rank)
             batch = {k: v.to(self.env.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             with self.engine.autocast():
                 loss, metric_sums = self.objective.micro_loss(model, batch, one)
@@ -101,46 +99,29 @@ class Evaluator:
 
     def _exact_match(self) -> dict[str, float]:
         prompts = self.data.eval_prompts[: self.recipe.train.eval_generate_samples]
-        world, rank = self.env.world_size, self.env.rank
-        per = math.ceil(len(prompts) / world)
-        mine = prompts[rank * per : (rank + 1) * per]
+        mine, per = eval_shard(len(prompts), self.env.rank, self.env.world_size)
         real = len(mine)
-        mine = mine + [prompts[0]] * (per - real)  # equal work on every rank
-        model = self.engine.unwrap()
-        model.eval()
-        correct = 0
-        batch_size = max(self.micro, 8)
-        for start in range(0, per, batch_size):
-            chunk = mine[start : start + batch_size]
-            texts = self._generate([p for p, _ in chunk])
-            for j, (text, (_, ref)) in enumerate(zip(texts, chunk, strict=True)):
-                if start + j < real and text.strip() == ref.strip():
-                    correct += 1
-            cut_short("eval generation", self.env.device)
+        share = [prompts[i] for i in mine] + [prompts[0]] * (per - real)  # equal work on every rank
+        self.engine.unwrap().eval()
+        texts = self._generate([p for p, _ in share])
+        correct = sum(text.strip() == ref.strip() for text, (_, ref) in zip(texts[:real], share[:real], strict=True))
         correct_all, total = all_reduce_sum([float(correct), float(real)], self.env.device)
         return {"exact_match": correct_all / max(total, 1.0), "generated": int(total)}
 
     def _generate(self, prompt_ids: list[np.ndarray]) -> list[str]:
+        """Greedy completions of ``prompt_ids`` (the same number on every rank), as text."""
         tok = self.tokenizer
-        width = max(len(p) for p in prompt_ids)
-        pad = tok.pad_token_id
-        input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-        for row, p in enumerate(prompt_ids):  # left-padded, filled from the prompt arrays: no list per token
-            if len(p):
-                input_ids.numpy()[row, width - len(p) :] = p
-                mask[row, width - len(p) :] = 1
-        input_ids, mask = input_ids.to(self.env.device), mask.to(self.env.device)
-        model = self.engine.unwrap()
-        with self.engine.autocast():
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=mask,
-                max_new_tokens=self.recipe.train.eval_max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-                eos_token_id=tok.eos_token_id,
-                synced_gpus=self.synced_gpus,
-                stopping_criteria=stop_criteria(),
-            )
-        return tok.batch_decode(out[:, width:], skip_special_tokens=True)
+        generator = HFGenerator(
+            self.engine.unwrap(),
+            tok.pad_token_id,
+            tok.eos_token_id,
+            self.env.device,
+            self.synced_gpus,
+            self.engine.autocast,
+        )
+        how = Generation(
+            max_new_tokens=self.recipe.train.eval_max_new_tokens,
+            batch_size=max(self.micro, 8),
+            what="eval generation",
+        )
+        return tok.batch_decode(generator.generate(prompt_ids, how), skip_special_tokens=True)

@@ -5,6 +5,10 @@ for preference objectives) divided by the count of items in the WHOLE global bat
 the step before any backward and all-reduced once), so the summed gradients of any split
 (micro x accumulation x ranks) equal the gradient of one big batch. What an item is and what its
 loss is belong to the objective (``llmft.objectives``); the loop never branches on it.
+Terms a model component attaches inside the policy (``llmft.model.aux_loss``: a router's
+balancing loss) are added to each micro loss before its backward, each a sum over the micro-batch
+over a global count known before the first backward, and logged as ``aux/<name>``; with none
+attached the loop runs exactly as without them.
 
 A stop request (``llmft.stop``) is voted on with the step's loss: every rank finishes that step,
 checkpoints and stops. One that arrives while a step's completions are generated or scored
@@ -30,6 +34,7 @@ from llmft.data import batch_targets
 from llmft.errors import Problem, TrainingDiverged
 from llmft.job import watchdog
 from llmft.job.dist import DistEnv, all_reduce_sum, any_rank_stopping
+from llmft.model.aux_loss import AuxSlot
 from llmft.plan.batch import BatchPlan
 from llmft.stop import StopRequest
 
@@ -86,90 +91,143 @@ def train_loop(
     hooks: LoopHooks,
     stop: StopRequest,
 ) -> LoopState:
-    device = env.device
     model = engine.model
     model.train()
     state.saved = state.step if state.step > 0 else None  # resumed from its checkpoint
-    while state.step < cfg.max_steps:
-        t0 = time.perf_counter()
-        step = state.step + 1
-        watchdog.progress(step, "fetching and counting the micro-batches")  # a stall: llmft.job.watchdog
-        # All micro-batches of the step are fetched first: their items (target tokens, pairs) must
-        # be counted before the first backward (each micro loss is divided by the global count).
-        rng = rng_state()  # as the step begins: what a checkpoint of the state before it holds
-        fetched = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
-        try:
-            micro_batches = objective.prepare(fetched)  # generation and scoring, for online RL
-        except stops.Abandoned as cut:
-            _abandon(state, cut.what, rng, hooks, stop)
-            break
-        data_wait = time.perf_counter() - t0
-        local_count = sum(objective.count(mb) for mb in micro_batches)
-        local_targets = sum(batch_targets(mb) for mb in micro_batches)
-        global_count, global_targets = all_reduce_sum([float(local_count), float(local_targets)], device)
-        num_items = torch.tensor(max(global_count, 1.0), device=device)
-
-        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-        metric_sums = torch.zeros(len(objective.metric_names), device=device, dtype=torch.float64)
-        for k, mb in enumerate(micro_batches):
-            boundary = k == plan.gradient_accumulation_steps - 1
-            watchdog.progress(step, f"forward and backward of micro-batch {k + 1} of {len(micro_batches)}")
-            mb = _to_device(mb, device)
-            with engine.micro_step(boundary):
-                with engine.autocast():
-                    loss, sums = objective.micro_loss(model, mb, num_items)
-                engine.backward(loss)  # the engine undoes its own averaging over ranks
-            loss_sum += loss.detach().double()
-            if sums is not None:
-                metric_sums += sums.double()
-
-        # One all-reduce for the step's loss, the objective's metric sums and the stop flag:
-        # every rank sees the same decision.
-        stop_vote = 1.0 if stop.requested else 0.0
-        watchdog.progress(step, "the all-reduce of the loss and stop vote")
-        loss_global, stop_votes, *metrics_global = all_reduce_sum(
-            [float(loss_sum), stop_vote, *metric_sums.tolist()], device
-        )
-        if not math.isfinite(loss_global):
-            raise TrainingDiverged(
-                Problem(
-                    f"step {state.step + 1}",
-                    f"the loss is {loss_global} (not finite); no optimizer step was taken and the last "
-                    "checkpoint is untouched",
-                    "Lower optim.lr, enable optim.max_grad_norm, use bf16 instead of fp16, or check the data.",
-                )
-            )
-        watchdog.progress(step, "the optimizer step")
-        grad_norm = engine.step()  # clips to the plan's max_grad_norm
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        state.step += 1
-        state.samples += plan.global_batch_size
-        state.tokens += int(global_targets)
-        step_time = time.perf_counter() - t0
-
-        row = {
-            "split": "train",
-            "step": state.step,
-            "loss": loss_global,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens": int(global_targets),
-            "tokens_per_s": global_targets / step_time,
-            "step_time_s": step_time,
-            "data_wait_frac": data_wait / step_time,
-            "samples": state.samples,
-            **objective.metrics(metrics_global, global_count),
-        }
-        row.update(hooks.extra_metrics(row))
-        if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
-            hooks.log_train(row)
-        hooks.progress(state, row)
-
-        if _end_of_step(state, cfg, hooks, model, device, stopping=stop_votes > 0):
-            state.stopped = stop.requested or "a signal on another rank"
-            break
+    with AuxSlot(engine.unwrap()) as aux:  # the terms attached inside the policy (none: no hook)
+        while state.step < cfg.max_steps:
+            if _step(engine, objective, aux, scheduler, batches, plan, env, cfg, state, hooks, stop):
+                break
     return state
+
+
+def _step(
+    engine: Engine,
+    objective: Objective,
+    aux: AuxSlot,
+    scheduler,
+    batches: Iterator[dict[str, torch.Tensor]],
+    plan: BatchPlan,
+    env: DistEnv,
+    cfg: LoopConfig,
+    state: LoopState,
+    hooks: LoopHooks,
+    stop: StopRequest,
+) -> bool:
+    """One optimizer step; whether the run stops after it (or instead of it: abandoned)."""
+    device = env.device
+    t0 = time.perf_counter()
+    step = state.step + 1
+    watchdog.progress(step, "fetching and counting the micro-batches")  # a stall: llmft.job.watchdog
+    # All micro-batches of the step are fetched first: their items (target tokens, pairs) must
+    # be counted before the first backward (each micro loss is divided by the global count).
+    rng = rng_state()  # as the step begins: what a checkpoint of the state before it holds
+    fetched = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
+    try:
+        micro_batches = objective.prepare(fetched)  # generation and scoring, for online RL
+    except stops.Abandoned as cut:
+        _abandon(state, cut.what, rng, hooks, stop)
+        return True
+    data_wait = time.perf_counter() - t0
+    local_count = sum(objective.count(mb) for mb in micro_batches)
+    local_targets = sum(batch_targets(mb) for mb in micro_batches)
+    # The auxiliary terms' own statistics ride on the same all-reduce (none: the same list).
+    global_count, global_targets, *aux_stats = all_reduce_sum(
+        [float(local_count), float(local_targets), *aux.statistics(micro_batches)], device
+    )
+    num_items = torch.tensor(max(global_count, 1.0), device=device)
+    aux.begin_step(num_items, global_targets, aux_stats)
+
+    last = plan.gradient_accumulation_steps - 1  # the boundary: gradients are reduced there
+    loss_sum, metric_sums, aux_sums = _forward_backward(engine, objective, aux, micro_batches, num_items, step, last)
+
+    # One all-reduce for the step's loss, the objective's metric sums, the auxiliary terms and the
+    # stop flag: every rank sees the same decision.
+    stop_vote = 1.0 if stop.requested else 0.0
+    watchdog.progress(step, "the all-reduce of the loss and stop vote")
+    loss_global, stop_votes, *sums_global = all_reduce_sum(
+        [float(loss_sum), stop_vote, *metric_sums.tolist(), *aux_sums.tolist()], device
+    )
+    metrics_global, aux_global = sums_global[: len(metric_sums)], sums_global[len(metric_sums) :]
+    _check_finite(step, loss_global, aux.metrics(aux_global))
+    watchdog.progress(step, "the optimizer step")
+    grad_norm = engine.step()  # clips to the plan's max_grad_norm
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    state.step += 1
+    state.samples += plan.global_batch_size
+    state.tokens += int(global_targets)
+    step_time = time.perf_counter() - t0
+
+    row = {
+        "split": "train",
+        "step": state.step,
+        "loss": loss_global,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens": int(global_targets),
+        "tokens_per_s": global_targets / step_time,
+        "step_time_s": step_time,
+        "data_wait_frac": data_wait / step_time,
+        "samples": state.samples,
+        **objective.metrics(metrics_global, global_count),
+        **aux.metrics(aux_global),
+    }
+    row.update(hooks.extra_metrics(row))
+    if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
+        hooks.log_train(row)
+    hooks.progress(state, row)
+
+    if _end_of_step(state, cfg, hooks, engine.model, device, stopping=stop_votes > 0):
+        state.stopped = stop.requested or "a signal on another rank"
+        return True
+    return False
+
+
+def _forward_backward(
+    engine: Engine,
+    objective: Objective,
+    aux: AuxSlot,
+    micro_batches: list,
+    num_items: torch.Tensor,
+    step: int,
+    last: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward and backward of the step's micro-batches; this rank's sums of the objective's loss,
+    of its metrics and of the auxiliary terms (float64)."""
+    device = num_items.device
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    metric_sums = torch.zeros(len(objective.metric_names), device=device, dtype=torch.float64)
+    aux_sums = torch.zeros(len(aux.terms), device=device, dtype=torch.float64)
+    for k, mb in enumerate(micro_batches):
+        boundary = k == last
+        watchdog.progress(step, f"forward and backward of micro-batch {k + 1} of {len(micro_batches)}")
+        mb = _to_device(mb, device)
+        with engine.micro_step(boundary):
+            with engine.autocast(), aux.capture(mb) as terms:
+                loss, sums = objective.micro_loss(engine.model, mb, num_items)
+            engine.backward(terms.added_to(loss))  # the engine undoes its own averaging over ranks
+        loss_sum += loss.detach().double()
+        if sums is not None:
+            metric_sums += sums.double()
+        if terms.values:
+            aux_sums += terms.detached()
+    return loss_sum, metric_sums, aux_sums
+
+
+def _check_finite(step: int, loss: float, aux: dict[str, float]) -> None:
+    """The step's loss and auxiliary terms are finite, or the run stops before the optimizer step."""
+    bad = [f"{name} is {value}" for name, value in aux.items() if not math.isfinite(value)]
+    if math.isfinite(loss) and not bad:
+        return
+    what = ", ".join([f"the loss is {loss}" + (" (not finite)" if not math.isfinite(loss) else ""), *bad])
+    raise TrainingDiverged(
+        Problem(
+            f"step {step}",
+            f"{what}; no optimizer step was taken and the last checkpoint is untouched",
+            "Lower optim.lr, enable optim.max_grad_norm, use bf16 instead of fp16, or check the data.",
+        )
+    )
 
 
 def _end_of_step(state: LoopState, cfg: LoopConfig, hooks: LoopHooks, model, device, *, stopping: bool) -> bool:

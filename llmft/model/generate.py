@@ -1,0 +1,137 @@
+"""Generation: prompts' token ids in, completions' token ids out. The exact-match eval
+(``llmft.training.evaluate``) and online RL's rollouts (``llmft.objectives.rollout``) both call it.
+
+A backend is a ``Generator``, one method: ``generate(prompts, how)``. ``HFGenerator`` is
+transformers' ``generate()`` with its KV cache, on the model as the engine holds it. Another
+backend (vLLM) is one more class with the same method, and the rollout takes any of them. What
+every backend keeps (``HFGenerator`` shows how):
+
+- every rank calls ``generate`` with the same number of prompts, and where parameters are sharded
+  (FSDP2, ZeRO-3) every rank joins every forward (``synced``: transformers' ``synced_gpus``), so a
+  rank whose sequences ended keeps joining its peers' forwards and none waits forever;
+- a stop request (``llmft.stop``) ends every sequence at its next token (``stop_criteria``), and
+  after each ``generate()`` call of ``how.batch_size`` prompts every rank votes
+  (``llmft.job.dist.cut_short``): if any rank was asked to stop, all raise ``stop.Abandoned(how.what)``
+  together, and no cut completion is used;
+- with ``how.seed`` the draws come from a forked RNG seeded with it: the caller's RNG is untouched,
+  and the same seed draws the same completions (a resume regenerates them without saving any
+  generator state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from llmft import stop
+from llmft.job import watchdog
+from llmft.job.dist import cut_short
+
+
+@dataclass(frozen=True)
+class Generation:
+    """How one ``generate`` call draws its completions."""
+
+    max_new_tokens: int
+    greedy: bool = True  # False: sampled with temperature and top_p (no top-k)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None  # the draws' seed, in a forked RNG; None: no RNG of its own (greedy)
+    batch_size: int | None = None  # prompts per generate() call; None: all at once
+    what: str = "generation"  # what a stop cut short, in the stop's message ("its generation was cut short")
+    phases: bool = False  # name each generate() call to the stall watchdog (an objective's data stage)
+
+
+class Generator(Protocol):
+    """A generation backend."""
+
+    def generate(self, prompts: Sequence[Any], how: Generation) -> list[list[int]]:
+        """Each prompt's completion ids, in order. ``prompts`` are 1-D token ids (tensors or
+        arrays); a row may go on past its first eos (padding: ``rollout.end_at_eos`` cuts it).
+        Every rank calls it with as many prompts, and it keeps the module docstring's rules."""
+        ...
+
+
+class HFGenerator:
+    """transformers ``generate()`` on ``model``, left-padded, every rank in step."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_token_id: int,
+        eos_token_id: int | list[int] | None,
+        device: torch.device,
+        synced: bool,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        self.model, self.pad, self.eos, self.device = model, pad_token_id, eos_token_id, device
+        self.synced, self.autocast = synced, autocast
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Any], how: Generation) -> list[list[int]]:
+        size = how.batch_size or max(len(prompts), 1)
+        out: list[list[int]] = []
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=how.seed is not None), stop.during(stop.GENERATING):
+            if how.seed is not None:
+                torch.manual_seed(how.seed)
+            for start in range(0, len(prompts), size):
+                if how.phases:
+                    watchdog.phase(
+                        f"generating completions {start + 1}-{min(start + size, len(prompts))} of {len(prompts)}"
+                    )
+                out += self._call(prompts[start : start + size], how)
+                cut_short(how.what, self.device)
+        return out
+
+    def _call(self, prompts: Sequence[Any], how: Generation) -> list[list[int]]:
+        """One ``generate()`` call: the new tokens of each row (padded after a row's eos)."""
+        input_ids, mask = left_pad(prompts, self.pad)
+        if how.greedy:
+            draw: dict[str, Any] = {"do_sample": False}
+        else:
+            draw = {"do_sample": True, "temperature": how.temperature, "top_p": how.top_p, "top_k": 0}
+        with self.autocast():
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                max_new_tokens=how.max_new_tokens,
+                **draw,
+                pad_token_id=self.pad,
+                eos_token_id=self.eos,
+                synced_gpus=self.synced,
+                stopping_criteria=stop_criteria(),
+            )
+        return out[:, input_ids.shape[1] :].cpu().tolist()
+
+
+def left_pad(prompts: Sequence[Any], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, ``[B, longest]`` int64: each prompt at the right end of its
+    row (generation appends after the last column), filled from the prompt arrays, no list per token."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        if len(p):
+            input_ids.numpy()[row, width - len(p) :] = p
+            mask[row, width - len(p) :] = 1
+    return input_ids, mask
+
+
+def stop_criteria() -> list:
+    """A ``generate()`` stopping criterion that ends every sequence once this process is asked to
+    stop (``llmft.stop``). With ``synced_gpus`` a rank whose sequences ended keeps joining the
+    forwards of ranks still generating, so a peer that got no signal finishes its own tokens and
+    no rank waits forever."""
+    from transformers import StoppingCriteria
+
+    class _StopCriterion(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            asked = stop.requested() is not None
+            return torch.full((input_ids.shape[0],), asked, dtype=torch.bool, device=input_ids.device)
+
+    return [_StopCriterion()]
