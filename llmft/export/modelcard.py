@@ -22,7 +22,7 @@ from llmft import __version__
 from llmft.checkpoint.layout import STATE_FILE
 from llmft.errors import Problem, UserError
 from llmft.metrics.plot import read_metrics
-from llmft.plan.objectives import DEFAULT_OBJECTIVE, ObjectiveSpec, registered
+from llmft.plan.objectives import DEFAULT_OBJECTIVE, ObjectiveSpec, card_text, registered
 
 log = logging.getLogger("llmft")
 
@@ -153,29 +153,9 @@ def _spec(name: str) -> ObjectiveSpec:
 
 
 def _objective(recipe: dict) -> str:
-    """``train.objective`` in words (its record's ``card``), then the ``preference.*`` settings it reads."""
+    """``train.objective`` in words: its record's ``card``, then the settings it ran with (``card_words``)."""
     spec = _spec((recipe.get("train") or {}).get("objective", DEFAULT_OBJECTIVE))
-    if spec.group is not None:  # online RL: its rollout, loss and rewards
-        r, rl = recipe.get("rollout") or {}, recipe.get("rl") or {}
-        rewards = ", ".join(
-            f"{e.get('function') or e.get('model')} x {e.get('weight', 1.0)}" for e in recipe.get("rewards") or []
-        )
-        return (
-            f"{spec.card}; G {r.get('num_generations')}, max_new_tokens {r.get('max_new_tokens')}, temperature "
-            f"{r.get('temperature')}, beta {rl.get('beta')}, epsilon {rl.get('epsilon')}"
-            + (f"/{rl['epsilon_high']}" if rl.get("epsilon_high") is not None else "")
-            + f", normalise {rl.get('normalise')}, scale_rewards {rl.get('scale_rewards')}, iterations "
-            f"{rl.get('iterations')}; rewards: {rewards}"
-        )
-    if not spec.preference_keys:
-        return spec.card
-    p = recipe.get("preference") or {}
-    words = f"{spec.card}, loss_type {p.get('loss_type')}, beta {p.get('beta')}"
-    if p.get("label_smoothing"):
-        words += f", label_smoothing {p['label_smoothing']}"
-    if p.get("loss_type") == "simpo":
-        words += f", simpo_gamma {p.get('simpo_gamma')}"
-    return words
+    return card_text(spec, recipe)
 
 
 def render(f: dict[str, Any]) -> str:

@@ -17,8 +17,8 @@ from llmft.errors import Problem, UserError
 from llmft.plan import launch
 from llmft.plan.engines import ENGINES, load
 from llmft.plan.layout import RunPlan
+from llmft.plan.report import summary_lines
 from llmft.plan.resolve import PLAN_FILE, plan_summary
-from llmft.plan.rl import rl_lines
 from llmft.recipe.load import RECIPE_FILE, to_yaml
 
 # Artefacts that belong to one engine: removed when a recompile picks another, so a
@@ -159,7 +159,7 @@ def compile_recipe(plan: RunPlan, out: Path) -> str:
     return "\n".join(
         [
             f"batch: {plan.batch.equation()}",
-            *rl_lines(plan.objective_spec, plan.recipe, plan.batch, plan.reference),
+            *summary_lines(plan),
             _tokens_line(plan),
             _engine_line(plan),
             *(f"note: {n}" for n in plan.notes),

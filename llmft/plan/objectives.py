@@ -13,8 +13,17 @@ A record (``ObjectiveSpec``) says everything the rest of llmft needs to know abo
 - the head it trains (``head``), the frozen models it needs (``frozen``: ``reference``,
   ``reward_model``; the runtime asks the engine to build them, ``Engine.frozen_model``), the sums
   its micro loss returns (``metrics``), its words on the model card;
-- which code computes its loss (``runtime``, a dotted path imported only when a run builds it:
-  this module, like the rest of ``llmft.plan``, imports no torch).
+- what an item of its data is called (``unit``: ``sequences``, ``pairs``, ``completions``;
+  ``data_words``), in the banner, ``llmft verify`` and the messages;
+- the recipe sections it reads (``reads``): a key set in a section that some registered objective
+  reads, and the run's objective reads nothing of, is refused (``unread_problems``: it would be
+  silently ignored), naming the objectives that do read it;
+- which code computes its loss (``runtime``), checks a recipe for it (``problems``), prints its
+  lines under the batch line of ``llmft compile``, ``llmft plan`` and the banner (``summary``) and
+  writes its model-card words (``card_words``): dotted paths imported only when they are used, as
+  the engine record names its code (``llmft.plan.engines``). This module, like the rest of
+  ``llmft.plan``, imports no torch; an objective's plan-side pieces are pure too
+  (``plan/preference.py``: the DPO family's, ``plan/rl.py``: online RL's).
 
 The loop never branches on the objective's name: it asks the runtime object to prepare the step's
 micro-batches, for their count and for the micro loss numerator divided by the global count
@@ -33,13 +42,15 @@ the recipe: the plan carries the decision and the objective asks the engine for 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from typing import TYPE_CHECKING, Callable, Literal
 
 from llmft.errors import Problem, UserError
+from llmft.plan.engines import load
+from llmft.recipe.schema import Recipe
 
 if TYPE_CHECKING:
-    from llmft.recipe.schema import Recipe
+    from llmft.plan.batch import BatchPlan
 
 # The kinds of record the data layer reads (``ObjectiveSpec.record``).
 SEQUENCES = "sequences"  # SFT records: text, prompt/completion, messages; one row each (or packed)
@@ -83,14 +94,42 @@ class ObjectiveSpec:
     frozen: tuple[str, ...] = ()  # frozen models it may need (REFERENCE, REWARD_MODEL)
     metrics: tuple[str, ...] = ()  # the sums its micro loss returns, reported as global-batch means
     fields: tuple[str, ...] = ()  # numbers read from each record, batch[name] per token (docs/data.md)
-    preference_keys: bool = False  # reads preference.* (loss_type, beta, reference, ...)
     card: str = ""  # what it is, in the model card of an export
     tagged: bool = True  # the model card tags an export with its name (not the default objective's)
+    unit: str = "sequences"  # an item of its data, in messages (the global batch counts them)
+    data_words: str = "training {unit}"  # its data's items, in messages ({unit}; {G}: the group size)
+    # The recipe sections it reads ("preference"), or single keys of one it reads ("preference.reference"):
+    # a section it reads nothing of is refused when set (unread_problems), unless it ``tolerates`` it.
+    reads: tuple[str, ...] = ()
+    tolerates: tuple[str, ...] = ()  # sections it does not read, whose keys it leaves alone (ignored)
+    settings: str = ""  # what its sections are, in messages ("online RL's settings")
+    # Its code by dotted path ("module:attribute"), imported when used (pure: no torch):
+    problems: str | None = None  # (recipe, where) -> [Problem]: what this objective alone refuses
+    summary: str | None = None  # (plan) -> [str]: its lines under the batch line (compile, plan, banner)
+    card_words: str | None = None  # (spec, recipe as a dict) -> str: its model-card words (else ``card``)
 
     @property
     def pairs(self) -> bool:
         """An item is a preference pair (``batch.global_batch_size`` counts pairs)."""
         return self.record == PAIRS
+
+    def packed(self, recipe: Recipe) -> bool:
+        """Its items are packed rows (``data.packing`` packs sequences records; a pair stays a pair)."""
+        return bool(recipe.data.packing) and self.record == SEQUENCES
+
+    def items(self, recipe: Recipe) -> str:
+        """What one item of its training data is called: its ``unit``, or ``rows`` when packed."""
+        return "rows" if self.packed(recipe) else self.unit
+
+    def describe_items(self, recipe: Recipe) -> str:
+        """Its training data's items in a message (``data_words``): "preference pairs", "rows after packing"."""
+        if self.packed(recipe):
+            return "rows after packing"
+        return self.data_words.format(unit=self.unit, G=self.group_size(recipe))
+
+    def reads_from(self, section: str) -> bool:
+        """It reads ``section``, or a key of it."""
+        return any(read == section or read.startswith(section + ".") for read in self.reads)
 
     def group_size(self, recipe: Recipe) -> int:
         """G: consecutive positions of the global order that are one record's items (1 without ``group``)."""
@@ -128,6 +167,8 @@ DPO_METRICS = (
 GRPO_METRICS = ("kl", "clip_fraction", "entropy", "completion_tokens", "completions")
 
 DEFAULT_OBJECTIVE = "sft"  # train.objective's default (recipe/schema.py)
+# What the objectives over preference pairs share: the record, the count, the words.
+_PAIR_RECORD = dict(counts="pairs", record=PAIRS, rows_per_item=2, unit="pairs", data_words="preference pairs")
 _BUILT_IN: tuple[ObjectiveSpec, ...] = (
     ObjectiveSpec(
         name="sft",
@@ -136,29 +177,29 @@ _BUILT_IN: tuple[ObjectiveSpec, ...] = (
         counts="tokens",
         card="sft (next-token loss on the target tokens)",
         tagged=False,
+        tolerates=("preference",),  # preference.* is ignored by SFT, not refused
     ),
     ObjectiveSpec(
         name="dpo",
         title="DPO",
         runtime="llmft.objectives.preference:PreferenceObjective",
-        counts="pairs",
-        record=PAIRS,
-        rows_per_item=2,
         frozen=(REFERENCE,),
         metrics=DPO_METRICS,
-        preference_keys=True,
-        card="dpo",  # followed by its preference.* settings
+        card="dpo",  # followed by its preference.* settings (card_words)
+        reads=("preference",),
+        settings="the DPO family's settings",
+        problems="llmft.plan.preference:preference_problems",
+        card_words="llmft.plan.preference:card_words",
+        **_PAIR_RECORD,
     ),
     ObjectiveSpec(
         name="reward",
         title="reward model",
         runtime="llmft.objectives.reward:RewardObjective",
-        counts="pairs",
         head="score",
-        record=PAIRS,
-        rows_per_item=2,
         metrics=DPO_METRICS[:4],
         card="reward (a scalar score head, loss -log sigmoid(r_chosen - r_rejected) per pair)",
+        **_PAIR_RECORD,
     ),
     ObjectiveSpec(
         name="grpo",
@@ -171,6 +212,13 @@ _BUILT_IN: tuple[ObjectiveSpec, ...] = (
         frozen=(REFERENCE, REWARD_MODEL),
         metrics=GRPO_METRICS,
         card="grpo (online RL: G sampled completions per prompt, group-relative advantages, clipped surrogate)",
+        unit="completions",
+        data_words="{unit} (prompts x G {G})",
+        reads=("rollout", "rl", "rewards", "preference.reference"),  # its named reference model
+        settings="online RL's settings",
+        problems="llmft.plan.rl:rl_problems",
+        summary="llmft.plan.rl:rl_lines",
+        card_words="llmft.plan.rl:card_words",
     ),
 )
 
@@ -220,7 +268,7 @@ def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
                 f"Use one of the record kinds the data layer reads: {', '.join(RECORD_KINDS)}.",
             )
         )
-    problems += _field_problems(spec)
+    problems += _field_problems(spec) + _reads_problems(spec)
     if problems:
         raise UserError(*problems)
     _BY_NAME[spec.name] = spec
@@ -252,6 +300,29 @@ def _field_problems(spec: ObjectiveSpec) -> list[Problem]:
     return []
 
 
+def _reads_problems(spec: ObjectiveSpec) -> list[Problem]:
+    """What a record reads (``reads``, ``tolerates``) must be the recipe's sections or their keys."""
+    sections = {f.name: getattr(Recipe(), f.name) for f in fields(Recipe)}
+
+    def known(read: str) -> bool:
+        section, dot, key = read.partition(".")
+        if section not in sections:
+            return False
+        return not dot or (is_dataclass(sections[section]) and key in {f.name for f in fields(sections[section])})
+
+    bad = [read for read in (*spec.reads, *spec.tolerates) if not known(read)]
+    if not bad:
+        return []
+    return [
+        Problem(
+            "train.objective_module",
+            f"registers objective {spec.name!r} reading {', '.join(map(repr, bad))}, which the recipe has not",
+            f'Name sections of the recipe ({", ".join(sections)}) or keys of one ("rl.beta"); a section of '
+            "its own needs a dataclass in llmft/recipe/schema.py.",
+        )
+    ]
+
+
 def load_objective_module(recipe: Recipe) -> None:
     """Import ``train.objective_module`` (a user's module that registers its objective). Importing
     it runs its code: it is the user's own, named explicitly, like a reward function's ``module:name``."""
@@ -277,10 +348,11 @@ def registered(name: str) -> ObjectiveSpec | None:
 
 
 def objective_spec(name: str) -> ObjectiveSpec:
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise AssertionError(f"unknown objective {name!r}; known: {', '.join(_BY_NAME)}") from None
+    """The record of a registered objective (resolve refused any other name: ``unknown_objective``)."""
+    spec = registered(name)
+    if spec is None:
+        raise AssertionError(f"unknown objective {name!r}; known: {', '.join(_BY_NAME)}")
+    return spec
 
 
 def objective_of(recipe: Recipe) -> ObjectiveSpec:
@@ -313,9 +385,9 @@ def reference_kind(recipe: Recipe) -> str:
     p, spec = recipe.preference, objective_of(recipe)
     if REFERENCE not in spec.frozen:
         return NO_REFERENCE
-    if spec.preference_keys and p.loss_type in REFERENCE_FREE_LOSSES:
+    if "preference" in spec.reads and p.loss_type in REFERENCE_FREE_LOSSES:
         return NO_REFERENCE
-    if spec.group is not None and recipe.rl.beta == 0:  # online RL without the KL term
+    if "rl" in spec.reads and recipe.rl.beta == 0:  # online RL without the KL term
         return NO_REFERENCE
     if p.reference != "auto":
         return REFERENCE_MODEL
@@ -323,9 +395,10 @@ def reference_kind(recipe: Recipe) -> str:
 
 
 def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
-    """What this objective cannot do (yet) with this recipe; empty for SFT."""
+    """What this objective cannot do (yet) with this recipe, in the one order they are reported: not
+    built, its head, its record kind, its own checks (``ObjectiveSpec.problems``), then the keys of
+    sections it does not read."""
     spec = objective_of(recipe)
-    p = recipe.preference
     problems: list[Problem] = []
     if spec.runtime is None:
         problems.append(
@@ -338,24 +411,9 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
     problems += head_problems(spec, recipe, where)
     if spec.record == PROMPTS:
         problems += _prompt_problems(spec, recipe, where)
-    if not spec.pairs or not spec.preference_keys:  # head_problems named any preference.* key set
-        return problems
-    if p.label_smoothing and p.loss_type != "sigmoid":
-        problems.append(
-            Problem(
-                where("preference.label_smoothing"),
-                f"is {p.label_smoothing}, but only loss_type=sigmoid (conservative DPO) uses it; "
-                f"loss_type is {p.loss_type}",
-                "Set preference.label_smoothing=0, or preference.loss_type=sigmoid.",
-            )
-        )
-    if not 0.0 <= p.label_smoothing < 0.5:
-        problems.append(
-            Problem(where("preference.label_smoothing"), f"is {p.label_smoothing}", "Use a value in [0, 0.5).")
-        )
-    if p.precompute_reference:
-        problems += _precompute_problems(recipe, where)
-    return problems
+    if spec.problems:
+        problems += load(spec.problems)(recipe, where)
+    return problems + unread_problems(spec, recipe, where)
 
 
 def _prompt_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
@@ -383,79 +441,61 @@ def _prompt_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str],
     return problems
 
 
-def _precompute_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
-    """``preference.precompute_reference``: stored with the token cache entry, so cached pairs and
-    a loss that has a reference (docs/preference.md "Precomputed reference")."""
-    if reference_kind(recipe) == NO_REFERENCE:
-        what = (
-            f"loss_type={recipe.preference.loss_type} is reference-free"
-            if REFERENCE in objective_of(recipe).frozen
-            else f"train.objective={recipe.train.objective} has no reference model"
-        )
-        return [
-            Problem(
-                where("preference.precompute_reference"),
-                f"is true, but {what}: there are no reference log-probs to precompute",
-                "Set preference.precompute_reference=false.",
-            )
-        ]
-    if recipe.data.streaming:
-        return [
-            Problem(
-                where("preference.precompute_reference"),
-                "is true, but data.streaming is true: the reference log-probs are stored with the token cache "
-                "entry, and a stream has none (its pairs are tokenized as training reaches them)",
-                "Set data.streaming=false (the pairs go through the token cache; `llmft prepare` builds it "
-                "ahead), or preference.precompute_reference=false (the reference runs on the fly).",
-            )
-        ]
-    return []
-
-
 def head_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
     """What an objective that trains another head than the causal LM's (a reward model's score)
-    cannot do, and ``preference.*`` keys set for an objective that does not read them."""
-    problems: list[Problem] = []
-    if spec.head != "lm" and recipe.model.liger_kernels:  # Liger patches a causal LM's head and loss
-        problems.append(
-            Problem(
-                where("model.liger_kernels"),
-                f"is true, but train.objective={spec.name} trains a {spec.head} head, not the causal-LM head "
-                "Liger's fused loss replaces",
-                "Set model.liger_kernels=false.",
-            )
-        )
-    if spec.head != "lm" and recipe.train.eval_generate_samples:  # a score head generates no text
-        problems.append(
-            Problem(
-                where("train.eval_generate_samples"),
-                f"is {recipe.train.eval_generate_samples}, but train.objective={spec.name} trains a {spec.head} "
-                "head, which generates no text",
-                "Set train.eval_generate_samples=0 (the eval reports the pair loss and rewards/accuracy).",
-            )
-        )
-    if spec.pairs and not spec.preference_keys:  # a key the user set would be silently ignored
-        problems += unread_keys(spec, recipe, where, "preference", "the DPO family's settings", readers_of_preference)
+    cannot do."""
+    if spec.head == "lm":
+        return []
+    generate = recipe.train.eval_generate_samples
+    found = [
+        (  # Liger patches a causal LM's head and loss
+            recipe.model.liger_kernels,
+            "model.liger_kernels",
+            f"is true, but train.objective={spec.name} trains a {spec.head} head, not the causal-LM head "
+            "Liger's fused loss replaces",
+            "Set model.liger_kernels=false.",
+        ),
+        (  # a score head generates no text
+            generate,
+            "train.eval_generate_samples",
+            f"is {generate}, but train.objective={spec.name} trains a {spec.head} head, which generates no text",
+            "Set train.eval_generate_samples=0 (the eval reports the pair loss and rewards/accuracy).",
+        ),
+    ]
+    return [Problem(where(key), what, fix) for on, key, what, fix in found if on]
+
+
+def unread_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
+    """Each key set away from its default in a section that registered objectives read
+    (``ObjectiveSpec.reads``) and ``spec`` reads nothing of: it would be silently ignored."""
+    problems = []
+    sections = dict.fromkeys(read for s in objectives() for read in s.reads if "." not in read)
+    for section in sections:
+        if spec.reads_from(section) or section in spec.tolerates:
+            continue
+        readers = [s for s in objectives() if section in s.reads]
+        problems += _unread(spec, recipe, where, section, readers)
     return problems
 
 
-def readers_of_preference(spec: ObjectiveSpec) -> bool:
-    return spec.preference_keys
-
-
-def unread_keys(
-    spec: ObjectiveSpec,
-    recipe: Recipe,
-    where: Callable[[str], str],
-    section: str,
-    whose: str,
-    reads: Callable[[ObjectiveSpec], bool],
+def _unread(
+    spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str], section: str, readers: list[ObjectiveSpec]
 ) -> list[Problem]:
-    """Each key of the recipe's ``section`` set away from its default, for an objective that does
-    not read that section (it would be silently ignored); ``reads``: which records do."""
-    reader = " or ".join(s.name for s in objectives() if reads(s))
+    """``section``'s keys set for ``spec``, which does not read it; ``readers``: the objectives that do."""
+    reader = " or ".join(s.name for s in readers)
     mine = getattr(recipe, section)
+    if not is_dataclass(mine):  # a list (``rewards``): set or not
+        if not mine:
+            return []
+        return [
+            Problem(
+                where(section),
+                f"is set, but train.objective={spec.name} does not read {section}",
+                f"Remove it, or set train.objective={reader}.",
+            )
+        ]
     default = type(mine)()
+    whose = readers[0].settings or f"{readers[0].title}'s settings"
     problems = []
     for f in fields(mine):
         value = getattr(mine, f.name)
@@ -468,3 +508,32 @@ def unread_keys(
                 )
             )
     return problems
+
+
+def group_problems(spec: ObjectiveSpec, recipe: Recipe, batch: BatchPlan, where: Callable[[str], str]) -> list[Problem]:
+    """A step must hold whole groups (``ObjectiveSpec.group``): the global batch a multiple of G,
+    checked once the batch is solved."""
+    if spec.group is None:
+        return []
+    G, g = spec.group_size(recipe), batch.global_batch_size
+    if G < 1 or g % G == 0:
+        return []
+    per_rank = batch.micro_batch_size * batch.dp_size
+    fitting = [k * per_rank for k in range(1, 4 * G + 1) if (k * per_rank) % G == 0][:3]
+    divisors = [d for d in range(2, g + 1) if g % d == 0][:6]
+    return [
+        Problem(
+            where(spec.group),
+            f"is {G}, but the global batch holds {g} {spec.unit} ({batch.equation()}), not a whole number of "
+            f"groups of {G}",
+            f"Use a batch.global_batch_size that is a multiple of {G} ({', '.join(map(str, fitting))} fit "
+            f"micro {batch.micro_batch_size} x {batch.dp_size} rank(s)), or a G dividing {g} "
+            f"({', '.join(map(str, divisors))}).",
+        )
+    ]
+
+
+def card_text(spec: ObjectiveSpec, recipe: dict) -> str:
+    """The objective in a model card's words, from a checkpoint's recipe (plain data): its
+    ``card_words`` (its settings after its ``card``), or its ``card``."""
+    return load(spec.card_words)(spec, recipe) if spec.card_words else spec.card

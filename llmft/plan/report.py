@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from llmft.errors import UserError
+from llmft.plan.engines import load
 from llmft.plan.kernels import chosen_attention
 from llmft.plan.layout import RunPlan
 from llmft.plan.memory import (
@@ -19,7 +20,6 @@ from llmft.plan.memory import (
     sequence_parallel,
 )
 from llmft.plan.resolve import describe_engine, load_plan
-from llmft.plan.rl import rl_lines
 
 
 def plan_command(
@@ -37,8 +37,8 @@ def plan_command(
     head = [
         f"model {recipe.model.name_or_path or recipe.model.config.get('model_type')}: "
         f"{_describe(plan)}, engine {describe_engine(plan)}",
-        f"{plan.batch.equation()}, {est.seq_len} tokens per sequence" + _pairs(plan, est),
-        *rl_lines(plan.objective_spec, plan.recipe, plan.batch, plan.reference),
+        f"{plan.batch.equation()}, {est.seq_len} tokens per sequence" + _rows(plan, est),
+        *summary_lines(plan),
         kernels_line(plan),
         "",
         format_estimate(est),
@@ -58,13 +58,21 @@ def host_line(plan: RunPlan) -> str:
     return f"host RAM per rank (peak): {gpu / GIB:.2f} GiB with a GPU, {cpu / GIB:.2f} GiB on a CPU-only run{files}"
 
 
-def _pairs(plan: RunPlan, est: MemoryEstimate) -> str:
-    """How a preference run's batch counts: pairs of sequences, and where its reference comes from."""
+def summary_lines(plan: RunPlan) -> list[str]:
+    """The objective's lines under the batch line of ``llmft compile``, ``llmft plan`` and the
+    banner (``ObjectiveSpec.summary``; none for most)."""
+    spec = plan.objective_spec
+    return list(load(spec.summary)(plan)) if spec.summary else []
+
+
+def _rows(plan: RunPlan, est: MemoryEstimate) -> str:
+    """How a batch of items of several sequences each (preference pairs) counts, and where its
+    reference comes from."""
     if est.rows_per_item == 1:
         return ""
-    micro = plan.batch.micro_batch_size
+    micro, unit = plan.batch.micro_batch_size, plan.objective_spec.unit
     return (
-        f"; the batch counts pairs: a micro-batch of {micro} pairs runs {micro * est.rows_per_item} sequences; "
+        f"; the batch counts {unit}: a micro-batch of {micro} {unit} runs {micro * est.rows_per_item} sequences; "
         f"reference: {plan.reference}" + (" (precomputed)" if plan.recipe.preference.precompute_reference else "")
     )
 

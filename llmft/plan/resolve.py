@@ -30,13 +30,13 @@ from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, 
 from llmft.plan.kernels import recipe_problems
 from llmft.plan.layout import RunPlan, World, data_parallel_size, parallel_layout, quant_storage_for
 from llmft.plan.objectives import (
+    group_problems,
     load_objective_module,
     objective_of,
     objective_problems,
     reference_kind,
     unknown_objective,
 )
-from llmft.plan.rl import group_problems, rl_problems
 from llmft.plan.shape import model_shape
 from llmft.recipe.load import RecipeError, load_unchecked, provenance
 from llmft.recipe.schema import Recipe
@@ -310,7 +310,8 @@ def world_problems(r: Recipe, spec: EngineSpec, world_size: int, where: Callable
     3. the engine's own refusals (``EngineSpec.problems``);
     4. quantization on this engine and world (``_quantization_problems``);
     5. the speed switches, from the engine's record (``plan/kernels.py``);
-    6. the objective's (``plan/objectives.py``), and online RL's (``plan/rl.py``);
+    6. the objective's (``objective_problems``: its head, its record kind, the checks its record
+       names, the keys of sections it does not read);
     7. sequence parallelism (``sequence_parallel_problems``).
     """
     own = load(spec.problems)(r, where) if spec.problems else []
@@ -322,7 +323,6 @@ def world_problems(r: Recipe, spec: EngineSpec, world_size: int, where: Callable
         + _quantization_problems(r, spec, world_size, where)
         + kernels
         + objective_problems(r, where)
-        + rl_problems(objective_of(r), r, where)
         + sequence_parallel_problems(r, spec, world_size, where)
     )
 

@@ -21,9 +21,8 @@ from llmft.model import attention
 from llmft.model.structure import describe
 from llmft.plan.kernels import kernel_paths_line
 from llmft.plan.layout import RunPlan
-from llmft.plan.report import kernels_line
+from llmft.plan.report import kernels_line, summary_lines
 from llmft.plan.resolve import describe_engine
-from llmft.plan.rl import rl_lines
 from llmft.plan.shape import model_shape
 from llmft.training.loop import LoopState
 
@@ -33,22 +32,20 @@ VERSIONED = ("llmft", "torch", "transformers", "peft", "deepspeed", "bitsandbyte
 
 
 def banner(plan: RunPlan, env: DistEnv, steps: int, engine: Engine, data) -> str:
-    recipe, b = plan.recipe, plan.batch
+    recipe, b, spec = plan.recipe, plan.batch, plan.objective_spec
     seq = recipe.data.max_seq_len
-    pairs = plan.objective_spec.pairs  # a dataset item is a pair (two sequences), whatever the packing
-    rows = plan.objective_spec.rows(recipe)  # sequences one item becomes (the record's rows_per_item)
+    rows = spec.rows(recipe)  # sequences one item becomes (the record's rows_per_item): a pair is two
     per_item = rows * seq
     shape = (
-        f"{b.global_batch_size} {'pairs' if pairs else 'items'} x {rows} sequences x {seq}"
+        f"{b.global_batch_size} {spec.unit} x {rows} sequences x {seq}"
         if rows > 1
         else f"{b.global_batch_size} sequences x {seq}"
     )
-    grouped = plan.objective_spec.group is not None  # online RL: an item is a completion (prompts x G)
-    items = "pairs" if pairs else "completions" if grouped else "rows" if recipe.data.packing else "sequences"
+    items = spec.items(recipe)  # its unit (a pair, a completion), or a packed row
     lines = [
         f"batch: {b.equation()}",
-        *rl_lines(plan.objective_spec, plan.recipe, plan.batch, plan.reference),
-        f"tokens per optimizer step: {'' if recipe.data.packing and not pairs else 'up to '}{b.global_batch_size * per_item:,} "
+        *summary_lines(plan),
+        f"tokens per optimizer step: {'' if spec.packed(recipe) else 'up to '}{b.global_batch_size * per_item:,} "
         f"({shape})",
         f"engine: {describe_engine(plan)}, {env.world_size} process(es), device {env.device.type}, "
         f"dtype {recipe.model.dtype}",
@@ -57,7 +54,7 @@ def banner(plan: RunPlan, env: DistEnv, steps: int, engine: Engine, data) -> str
         f"data: {len(data.train):,} training {items}, "
         f"{steps} optimizer steps ({steps * b.global_batch_size / max(len(data.train), 1):.2f} epochs)"
         if data.num_rows is not None  # a stream's length is unknown
-        else f"data: streamed, {steps} optimizer steps ({steps * b.global_batch_size:,} {'pairs' if pairs else 'rows'})",
+        else f"data: streamed, {steps} optimizer steps ({steps * b.global_batch_size:,} {spec.unit if rows > 1 else 'rows'})",
     ]
     paths = kernel_paths_line(recipe.model)  # compile and Liger: which one runs each part of the model
     return "\n".join([*lines, paths] if paths else lines)

@@ -32,7 +32,7 @@ from llmft.checkpoint.resume import check_resume_compatible, intent_yaml, plan_y
 from llmft.checkpoint.rundir import RunDirLock, check_ours, clear_for_fresh_start, mark
 from llmft.data import MicroBatchSampler, build_data, make_loader
 from llmft.data.sampler import RepeatedSteps
-from llmft.data.sequence import sequence_slice
+from llmft.data.sequence import rank_slice
 from llmft.data.tokenizer import load_tokenizer
 from llmft.engines import Engine, build_engine
 from llmft.errors import Problem, UserError
@@ -216,11 +216,7 @@ class Run:
         """This rank's micro-batches: with sequence parallelism, its slice of its group's
         (every rank of a group draws the same ones: ``llmft.data.sequence``)."""
         batches = iter(self._loader(first_step=first_step, position=position))
-        layout = self.plan.layout
-        if layout.sp == 1:
-            return batches
-        sp_rank = layout.sp_rank(self.env.rank)
-        return (sequence_slice(mb, sp_rank, layout.sp) for mb in batches)
+        return (rank_slice(mb, self.plan.layout, self.env.rank) for mb in batches)
 
     def _loader(self, *, first_step: int, position: int):
         b, d = self.plan.batch, self.recipe.data
@@ -359,17 +355,7 @@ def check_enough_data(num_samples: int, plan: RunPlan) -> None:
     if num_samples >= g:
         return
     spec = plan.objective_spec
-    pairs, grouped = spec.pairs, spec.group is not None
-    what = (
-        "preference pairs"
-        if pairs
-        else f"completions (prompts x G {spec.group_size(plan.recipe)})"
-        if grouped
-        else "rows after packing"
-        if plan.recipe.data.packing
-        else "training sequences"
-    )
-    unit = "pairs" if pairs else "completions" if grouped else "sequences"
+    what, unit = spec.describe_items(plan.recipe), spec.unit  # "preference pairs", "rows after packing"
     raise UserError(
         Problem(
             "batch.global_batch_size",

@@ -216,9 +216,8 @@ def _objective(plan: RunPlan, model: torch.nn.Module, tokenizer: Any, device: to
 
 
 def _items(plan: RunPlan) -> str:
-    """What one item of the batch is, in messages."""
-    spec = plan.objective_spec
-    return "pairs" if spec.pairs else "completions" if spec.group is not None else "sequences"
+    """What one item of the batch is, in messages (its record's ``unit``)."""
+    return plan.objective_spec.unit
 
 
 def _first_step(dataset, order, plan: BatchPlan, pad_id: int):

@@ -46,8 +46,9 @@ def _plan(tmp_path, *overrides: str, world_size: int = 1):
 
 @pytest.mark.parametrize("spec", OBJECTIVES, ids=lambda s: s.name)
 def test_every_built_record_names_importable_code(spec):
-    if spec.runtime is not None:
-        assert callable(load(spec.runtime))
+    for path in (spec.runtime, spec.problems, spec.summary, spec.card_words):
+        if path is not None:
+            assert callable(load(path)), path
 
 
 def test_the_recipe_takes_the_registry_names_and_refuses_others(tmp_path):
@@ -101,6 +102,7 @@ REGISTRY = "llmft/plan/objectives.py"
 ALLOWED = {
     ("llmft/recipe/schema.py", DEFAULT_OBJECTIVE),
     ("llmft/objectives/grpo.py", "reward"),  # the metric (a completion's reward), as TRL names it
+    ("llmft/objectives/grpo.py", "grpo"),  # its own checkpoint state's header, in its own module
 }
 
 
@@ -237,3 +239,154 @@ def test_the_banner_counts_what_the_objective_reads(tmp_path, overrides, expecte
     text = banner(plan, DistEnv(), 10, engine, data)
     for part in expected:
         assert part in text
+
+
+# --- an objective from outside llmft says what it reads, and the generic code asks it -------------------
+
+
+def _documents_problems(recipe, where):
+    """The outside objective's own check (its record's ``problems``)."""
+    from llmft.errors import Problem
+
+    if recipe.rl.beta > 1:
+        return [Problem(where("rl.beta"), f"is {recipe.rl.beta}, more than documents allow", "Use 1 or less.")]
+    return []
+
+
+def _documents_summary(plan):
+    return [f"documents: {plan.batch.global_batch_size} per step, rl.beta {plan.recipe.rl.beta}"]
+
+
+def _documents_card(spec, recipe):
+    return f"{spec.card}; beta {(recipe.get('rl') or {}).get('beta')}"
+
+
+@pytest.fixture
+def documents(monkeypatch):
+    """An objective registered from outside the package (this module): a unit word of its own, a
+    section it reads (``rl``), its own check, summary lines and card words. The registry is restored after."""
+    import llmft.plan.objectives as registry
+
+    monkeypatch.setattr(registry, "_BY_NAME", dict(registry._BY_NAME))
+    return registry.register_objective(
+        registry.ObjectiveSpec(
+            name="documents",
+            title="whole documents",
+            runtime="llmft.objectives.sft:SFTObjective",
+            counts="tokens",
+            card="documents (whole-document loss)",
+            unit="documents",
+            data_words="whole {unit}",
+            reads=("rl",),
+            settings="the documents' settings",
+            problems=f"{__name__}:_documents_problems",
+            summary=f"{__name__}:_documents_summary",
+            card_words=f"{__name__}:_documents_card",
+        )
+    )
+
+
+def test_an_outside_objective_is_described_by_its_record_everywhere(tmp_path, documents, capsys):
+    """The banner, ``llmft plan``, ``llmft compile``, the data check, ``llmft verify``'s wording and
+    the model card print what the record names: none of them knows the objective."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from llmft.errors import UserError
+    from llmft.export.modelcard import _objective
+    from llmft.job.dist import DistEnv
+    from llmft.plan.compile import compile_recipe
+    from llmft.plan.report import plan_command
+    from llmft.training.report import banner
+    from llmft.training.run import check_enough_data
+    from llmft.training.verify import _big_batch_grads, _items
+
+    overrides = ["train.objective=documents", "rl.beta=0.5"]  # it reads rl.*: not refused
+    plan = _plan(tmp_path, *overrides)
+    mine = "documents: 8 per step, rl.beta 0.5"
+    engine = SimpleNamespace(unwrap=lambda: torch.nn.Linear(2, 2))
+    text = banner(plan, DistEnv(), 10, engine, SimpleNamespace(train=range(100), num_rows=100))
+    assert text.splitlines()[:2] == ["batch: micro 2 x accumulation 4 x data-parallel 1 = global 8", mine]
+    assert "data: 100 training documents, 10 optimizer steps (0.80 epochs)" in text
+    packed = _plan(tmp_path, *overrides, "data.packing=true")
+    assert "data: 100 training rows," in banner(
+        packed, DistEnv(), 10, engine, SimpleNamespace(train=range(100), num_rows=100)
+    )
+    listing = plan_command(str(tmp_path / "recipe.yaml"), overrides).splitlines()
+    assert listing[1:3] == ["micro 2 x accumulation 4 x data-parallel 1 = global 8, 64 tokens per sequence", mine]
+    assert compile_recipe(plan, tmp_path / "out").splitlines()[:2] == [
+        "batch: micro 2 x accumulation 4 x data-parallel 1 = global 8",
+        mine,
+    ]
+    with pytest.raises(UserError) as e:
+        check_enough_data(3, plan)
+    assert (
+        "batch.global_batch_size: is 8, but the data has only 3 whole documents: one optimizer step would take "
+        "some of them twice. Use a global batch of at most 3 documents, or more data."
+    ) in str(e.value)
+
+    def out_of_memory(batch):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(UserError) as e:
+        _big_batch_grads(torch.nn.Linear(2, 2), {}, out_of_memory, plan.batch, _items(plan))
+    assert "--samples: the big batch of 8 documents does not fit in cpu memory" in str(e.value)
+    recipe = {"train": {"objective": "documents"}, "rl": {"beta": 0.5}}
+    assert _objective(recipe) == "documents (whole-document loss); beta 0.5"
+
+
+def test_an_outside_objective_checks_the_recipe_and_reads_its_sections(tmp_path, documents):
+    """Its own check runs at resolve; a section it does not read is refused with the generic wording;
+    a section it reads is one it names to users of other objectives."""
+    assert _problems(tmp_path, "train.objective=documents", "rl.beta=2", "preference.beta=0.5") == [
+        "override 'rl.beta=2': rl.beta: is 2.0, more than documents allow | Use 1 or less.",
+        "override 'preference.beta=0.5': preference.beta: is 0.5, but train.objective=documents does not read "
+        "preference.* (the DPO family's settings) | Remove it (default 0.1), or set train.objective=dpo.",
+    ]
+    assert _problems(tmp_path, "rl.beta=0.5") == [
+        "override 'rl.beta=0.5': rl.beta: is 0.5, but train.objective=sft does not read rl.* (online RL's "
+        "settings) | Remove it (default 0.0), or set train.objective=grpo or documents."
+    ]
+
+
+def test_a_record_reads_only_what_the_recipe_has(documents):
+    """A section of its own is the schema's (recipe/schema.py): a record naming one the recipe has not,
+    or a key its section has not, is refused when it registers."""
+    import dataclasses
+
+    from llmft.errors import UserError
+    from llmft.plan.objectives import register_objective
+
+    with pytest.raises(UserError) as e:
+        register_objective(dataclasses.replace(documents, name="corpus", reads=("corpus", "rl.beta", "rl.gamma")))
+    assert (
+        "train.objective_module: registers objective 'corpus' reading 'corpus', 'rl.gamma', which the recipe has "
+        "not. Name sections of the recipe (run, model, peft, data, batch, optim, train, checkpoint, preference, "
+        'rollout, rl, rewards, distributed) or keys of one ("rl.beta"); a section of its own needs a dataclass in '
+        "llmft/recipe/schema.py."
+    ) in str(e.value)
+
+
+def test_no_generic_module_calls_one_objectives_code():
+    """The banner, the reports, verify, the card and the resolver ask the record: they import nothing
+    of one objective's own modules (its plan side or its runtime)."""
+    import ast
+
+    own = ("llmft.plan.rl", "llmft.plan.preference", "llmft.objectives.")
+    generic = [
+        "llmft/training/run.py",
+        "llmft/training/report.py",
+        "llmft/training/verify.py",
+        "llmft/export/modelcard.py",
+        "llmft/plan/resolve.py",
+        "llmft/plan/compile.py",
+        "llmft/plan/report.py",
+    ]
+    found = []
+    for path in generic:
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(own):
+                if node.module not in ("llmft.objectives", "llmft.objectives.sequences"):  # the Protocol, shared sums
+                    found.append(f"{path}:{node.lineno}: from {node.module} import ...")
+    assert not found, "ask the objective's record (llmft.plan.objectives) instead:\n" + "\n".join(found)
