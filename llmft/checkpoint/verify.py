@@ -361,7 +361,7 @@ def check_model_config(path: Path) -> None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:  # bounded read and the sizes' arithmetic first (llmft.limits): nothing is built from absurd sizes
-        check_config_file(path)
+        check_config_file(path, against_weights=False)  # model/ of an adapter run holds the adapter only
     except UserError as e:
         raise damaged(path, "; ".join(p.what for p in e.problems)) from None
     config = json.loads(path.read_text())

@@ -321,23 +321,25 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def check_config_file(path: Path) -> None:
+def check_config_file(path: Path, *, against_weights: bool = True) -> None:
     """Refuse, naming the file and the field, a config.json that cannot be a model's (``read_config``,
     ``check_config``); one that is not JSON is left for ``AutoConfig`` to name as damaged. For every
-    model directory llmft builds a model from (``llmft.model.source``), and any other reader of one."""
+    model directory llmft builds a model from (``llmft.model.source``), and any other reader of one.
+    ``against_weights``: also compare it with the weight files beside it (``weights_problems``); not
+    for a checkpoint's ``model/``, which holds an adapter's weights only beside the base's config."""
     cfg = read_config(path)
     if cfg is not None:
-        check_config(cfg, path)
+        check_config(cfg, path, against_weights=against_weights)
 
 
-def check_config(cfg: dict[str, Any], source: str | Path) -> None:
+def check_config(cfg: dict[str, Any], source: str | Path, *, against_weights: bool = True) -> None:
     """Refuse, naming each field, a config whose sizes cannot be a model's (``config_problems``)."""
-    problems = config_problems(cfg, source)
+    problems = config_problems(cfg, source, against_weights=against_weights)
     if problems:
         raise UserError(*problems)
 
 
-def config_problems(cfg: dict[str, Any], source: str | Path) -> list[Problem]:
+def config_problems(cfg: dict[str, Any], source: str | Path, *, against_weights: bool = True) -> list[Problem]:
     """What makes ``cfg`` no model llmft can build, found from its arithmetic alone: each size field a
     whole number within ``llmft.limits`` (``MODEL_SIZE_MAX``, ``MODEL_POSITIONS_MAX``), the key/value
     heads dividing the heads and the heads the hidden size (unless ``head_dim`` is given), and the
@@ -357,7 +359,7 @@ def config_problems(cfg: dict[str, Any], source: str | Path) -> list[Problem]:
             problems += _level_problems(cfg[nested], f"{nested}.", problem)
         elif cfg.get(nested) is not None:
             problems.append(problem(nested, f"is {_shown(cfg[nested])}, not an object of config fields", _CONFIG_FIX))
-    if in_file and not problems:
+    if in_file and against_weights and not problems:
         problems += weights_problems(cfg, Path(source))
     return problems
 
