@@ -60,3 +60,18 @@ def grpo_recipe(tmp: Path, **sections) -> Path:
 def rewards_importable() -> dict[str, str]:
     """The environment of a subprocess that imports the reward functions (tests/grpo_rewards.py)."""
     return {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+
+
+def reward_model_dir(out: Path) -> Path:
+    """A tiny one-label sequence classifier saved as ``train.objective: reward``'s export is (fp32)."""
+    import torch
+    from helpers import TINY_LLAMA
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from llmft.data.tokenizer import byte_tokenizer
+
+    torch.manual_seed(3)
+    tok = byte_tokenizer()
+    config = AutoConfig.for_model(**{**TINY_LLAMA, "num_labels": 1, "pad_token_id": tok.pad_token_id})
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(out)
+    return out

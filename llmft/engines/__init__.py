@@ -60,6 +60,10 @@ class Engine(Protocol):
         objective's record says it needs (``ObjectiveSpec.frozen``); "the policy with its adapters
         off" needs no model: ``unwrap().disable_adapter()``."""
 
+    def place_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model its caller built whole (a reward model), held as the policy's weights are:
+        whole on this rank's device (single, DDP), sharded like the policy (FSDP2, ZeRO-3)."""
+
     def autocast(self) -> ContextManager: ...
 
     def save(self, directory: Path, *, save_optimizer: bool) -> None:

@@ -62,6 +62,12 @@ class LocalEngine:
     def unwrap(self) -> torch.nn.Module:
         return self.model
 
+    def place_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model its caller built whole (a reward model: ``objectives.rewards``), held as
+        the engine holds the policy's weights: whole on this rank's device here (single, DDP);
+        sharded by FSDP2 and ZeRO-3 (their own ``place_frozen``)."""
+        return freeze(model.to(self.device))
+
 
 # --- frozen models (Engine.frozen_model) ----------------------------------------------------------
 
@@ -84,6 +90,9 @@ class OneProcessModels:
 
     def frozen_model(self, plan: RunPlan | None = None) -> torch.nn.Module:
         return unsharded_frozen_model(plan, self.tokenizer, self.device, self.model)
+
+    def place_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        return freeze(model.to(self.device))
 
 
 def unsharded_frozen_model(

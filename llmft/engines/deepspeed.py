@@ -135,9 +135,15 @@ class DeepSpeedEngineAdapter:
         over the ranks and gathers them layer by layer in its forward, as for the policy; below
         stage 3 the weights are whole on every rank, as the policy's are (nothing else is kept for
         a model without gradients). TRL prepares its DeepSpeed reference model the same way."""
+        return self.place_frozen(self._build(plan or self.plan, self.tokenizer))
+
+    def place_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model (``frozen_model``'s, or one its caller built whole: a reward model,
+        ``objectives.rewards``) under the policy's ZeRO stage, without an optimizer: ZeRO-3
+        partitions it over the ranks; below stage 3 it is whole on every rank."""
         import deepspeed
 
-        model = freeze(self._build(plan or self.plan, self.tokenizer))
+        model = freeze(model)
         config = copy.deepcopy(self.config)
         for key in ("optimizer", "scheduler"):
             config.pop(key, None)

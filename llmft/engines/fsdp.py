@@ -64,6 +64,33 @@ class FSDPEngine(LocalEngine):
         initial weights): every rank holds only its shards, and a forward gathers them layer by layer."""
         return freeze(self._build_sharded(plan or self.plan, self.tokenizer))
 
+    def place_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model its caller built whole on the CPU (a reward model: ``objectives.rewards``),
+        sharded as the policy is (each decoder layer and the root a unit, the policy's mixed
+        precision and offload): every rank keeps only its shards, gathered layer by layer in a forward
+        that every rank runs together."""
+        kwargs = self._shard_kwargs()
+        reshard, layer_classes = self.sharding.reshard_after_forward, decoder_layer_classes(model)
+        for module in model.modules():
+            if isinstance(module, layer_classes):
+                fully_shard(module, reshard_after_forward=reshard, **kwargs)
+        fully_shard(model, reshard_after_forward=False, **kwargs)
+        if not self.sharding.cpu_offload:
+            model.to(self.device)
+        return freeze(model)
+
+    def _shard_kwargs(self) -> dict[str, Any]:
+        """``fully_shard``'s mesh, mixed precision and offload, the same for every model of the run."""
+        precision = self.sharding.mixed_precision
+        mp = MixedPrecisionPolicy(
+            param_dtype=None if self.dtype == torch.float32 else DTYPES[precision.param_dtype],
+            reduce_dtype=DTYPES[precision.reduce_dtype],
+        )
+        # Pinned host memory speeds up the copies to an accelerator; without one there is none to pin.
+        pin = self.device.type != "cpu"
+        offload = CPUOffloadPolicy(pin_memory=pin) if self.sharding.cpu_offload else OffloadPolicy()
+        return dict(mesh=self.mesh, mp_policy=mp, offload_policy=offload)
+
     def _build_sharded(self, plan: RunPlan, tokenizer: Any) -> torch.nn.Module:
         """The plan's model, ``fully_shard``-ed per decoder layer and at the root, its shards placed."""
 
@@ -74,15 +101,7 @@ class FSDPEngine(LocalEngine):
         else:
             # Every rank builds the same (seeded) model on CPU, then keeps only its shards.
             model = prepare_model(plan, tokenizer, torch.device("cpu"))
-        precision = sharding.mixed_precision
-        mp = MixedPrecisionPolicy(
-            param_dtype=None if self.dtype == torch.float32 else DTYPES[precision.param_dtype],
-            reduce_dtype=DTYPES[precision.reduce_dtype],
-        )
-        # Pinned host memory speeds up the copies to an accelerator; without one there is none to pin.
-        pin = self.device.type != "cpu"
-        offload = CPUOffloadPolicy(pin_memory=pin) if sharding.cpu_offload else OffloadPolicy()
-        kwargs = dict(mesh=self.mesh, mp_policy=mp, offload_policy=offload)
+        kwargs = self._shard_kwargs()
         if plan.sequence_parallel > 1:
             ulysses.install(model, sequence_group(plan.layout.mesh))
         layer_classes = decoder_layer_classes(model)

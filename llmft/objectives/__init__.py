@@ -50,6 +50,9 @@ class Models(Protocol):
     def frozen_model(self, plan: RunPlan | None = None) -> torch.nn.Module:
         """A frozen model built and sharded like the policy (``Engine.frozen_model``)."""
 
+    def place_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model built by its caller, held as the policy's weights are (``Engine.place_frozen``)."""
+
 
 @dataclass
 class ObjectiveSetup:

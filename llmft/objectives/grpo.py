@@ -245,7 +245,11 @@ class GRPOObjective(ObjectiveBase):
         device = context.env.device
         self.rollout = make_rollout(self.plan.recipe, self.tokenizer, self.policy, device, self.synced, self.autocast)
         self.rewards = Rewards(
-            list(self.plan.recipe.rewards), device, self.tokenizer, self.plan.recipe.model.hub_kernels
+            list(self.plan.recipe.rewards),
+            device,
+            self.tokenizer,
+            self.plan.recipe.model.hub_kernels,
+            place=self.models.place_frozen,  # the engine's frozen-model door
         )
         self.metric_names = self.plan.objective_spec.metrics
 

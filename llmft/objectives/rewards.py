@@ -12,8 +12,9 @@ trains on is the weighted sum of its columns.
   lost (the last checkpoint stands).
 - ``{model: DIR, weight}``: a sequence-classification model with one label (``train.objective:
   reward`` exports one), scoring prompt + completion + eos (as it saw pairs in training) with its
-  own tokenizer (the policy's when DIR has none). Each rank holds a whole copy, in eval mode and without grad: a reward model
-  is small next to the policy and never trained here. A DIR whose score head is not trained (a causal LM's
+  own tokenizer (the policy's when DIR has none). In eval mode and without grad, never trained here;
+  held as the engine holds the policy's weights (``place``: ``Engine.place_frozen``): sharded like it
+  under FSDP2 and ZeRO-3, a whole copy on each rank otherwise. A DIR whose score head is not trained (a causal LM's
   directory, weights without ``score.weight``, more than one label) is refused, naming what is missing,
   when the recipe is checked (before the policy is built) and again when it loads.
 
@@ -40,6 +41,8 @@ from llmft.plan.shape import REWARD_FIX, reward_model_problems, weights_problems
 # The arguments a reward function gets from llmft; a record field of one of these names is not passed
 # (a record's own ``completion``, e.g. an SFT file's answer: rename it with the source's ``fields``).
 RESERVED = ("prompt", "completion")
+# How a frozen model built whole is held (``Engine.place_frozen``): on the device, or sharded.
+Place = Callable[[torch.nn.Module], torch.nn.Module]
 
 
 @dataclass
@@ -53,8 +56,11 @@ class RewardSpec:
     model: Any = None  # (model, tokenizer)
 
 
-def load_reward_model(path: str, key: str, device: torch.device, tokenizer: Any, hub_kernels: bool) -> tuple[Any, Any]:
-    """A one-label sequence-classification model and its tokenizer (the policy's when DIR has none).
+def load_reward_model(
+    path: str, key: str, device: torch.device, tokenizer: Any, hub_kernels: bool, place: Place | None = None
+) -> tuple[Any, Any]:
+    """A one-label sequence-classification model and its tokenizer (the policy's when DIR has none),
+    frozen, on ``device``, or as ``place`` puts it (the engine's ``place_frozen``: sharded like the policy).
 
     Refused, naming ``path`` and what is missing, unless its score head is trained: a directory is read
     first (``reward_model_problems``: config and safetensors headers, nothing allocated; the recipe
@@ -96,6 +102,8 @@ def load_reward_model(path: str, key: str, device: torch.device, tokenizer: Any,
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.config.pad_token_id = tok.pad_token_id
+    if place is not None:
+        return place(model), tok
     model.to(device).eval().requires_grad_(False)
     return model, tok
 
@@ -103,7 +111,14 @@ def load_reward_model(path: str, key: str, device: torch.device, tokenizer: Any,
 class Rewards:
     """Every reward of the recipe, scoring completions into a ``[n, columns]`` float64 tensor."""
 
-    def __init__(self, entries: list[Any], device: torch.device, tokenizer: Any, hub_kernels: bool = False) -> None:
+    def __init__(
+        self,
+        entries: list[Any],
+        device: torch.device,
+        tokenizer: Any,
+        hub_kernels: bool = False,
+        place: Place | None = None,
+    ) -> None:
         self.specs: list[RewardSpec] = []
         for i, (kind, what, weight) in enumerate(parse_rewards(entries)):
             key = f"rewards[{i}].{kind}"
@@ -111,7 +126,7 @@ class Rewards:
                 fn = import_function(what, key)
                 self.specs.append(RewardSpec(key, what.partition(":")[2], weight, function=fn))
             else:
-                model = load_reward_model(what, key, device, tokenizer, hub_kernels)
+                model = load_reward_model(what, key, device, tokenizer, hub_kernels, place)
                 self.specs.append(RewardSpec(key, what.rstrip("/").rsplit("/", 1)[-1], weight, model=model))
         self.device = device  # where the stop vote's all-reduce runs (``score``)
         self.weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float64)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import ClassVar
 
 from llmft.errors import Problem, UserError
@@ -33,8 +34,16 @@ from llmft.plan.batch import divisors
 from llmft.plan.deepspeed import DTYPE_BYTES, ZERO3_MAX_LIVE_PARAMETERS, persistence_threshold, reduce_bucket_bytes
 from llmft.plan.engines import engine_spec
 from llmft.plan.layout import RunPlan
-from llmft.plan.objectives import FROZEN_COPY, NO_REFERENCE, REFERENCE_MODEL, objective_of, reference_kind
-from llmft.plan.shape import ModelShape, linear_shapes, model_shape
+from llmft.plan.objectives import (
+    FROZEN_COPY,
+    NO_REFERENCE,
+    REFERENCE_MODEL,
+    REWARD_MODEL,
+    ObjectiveSpec,
+    objective_of,
+    reference_kind,
+)
+from llmft.plan.shape import ModelShape, linear_shapes, model_shape, reward_model_shape, safetensors_bytes
 from llmft.recipe.schema import Recipe
 
 GIB = 2**30
@@ -224,6 +233,8 @@ class MemoryEstimate:
     engine: str
     notes: tuple[str, ...] = field(default=())
     rows_per_item: int = 1  # sequences per item of the micro-batch: 2 for preference pairs
+    reward_models: int = 0  # online RL: the reward models' weights (``reward_model_sizes``), placed like the policy's
+    generation: int = 0  # online RL: generation's KV cache beyond the step's own working set (``generation_kv``)
 
     COMPONENTS: ClassVar[tuple[str, ...]] = (
         "weights",
@@ -235,8 +246,13 @@ class MemoryEstimate:
         "activations",
         "logits",
         "reference",
+        "reward_models",
+        "generation",
         "overhead",
     )
+    # Rows of the table shown only where they hold something (an SFT table stays as it was); the
+    # reference row is a preference run's always.
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("reference", "reward_models", "generation")
 
     @property
     def total(self) -> int:
@@ -358,9 +374,26 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
     )
     reference_weights = _placed(_frozen_copy(recipe, engine, params, a), layout.weights, layout.weights_on_gpu)
     placed["reference"] = _reference(recipe, shape, params, tokens, a, placed, reference_weights)
+    rewards = reward_model_sizes(recipe, spec)
+    # Held as the policy's weights are (``Engine.place_frozen``): sharded under FSDP2 / ZeRO-3, offloaded with them.
+    placed["reward_models"] = _placed(sum(n for _, n, _ in rewards), layout.weights, layout.weights_on_gpu)
+    kv = generation_kv(recipe, spec, shape, micro * accumulation)
+    # Generation runs before the step's forward and its cache is freed when it returns: the peak is
+    # the larger of the two working sets (the step's: activations, logits, the reference's forward).
+    step_working_set = placed["activations"] + placed["logits"] + placed["reference"] - reference_weights
+    placed["generation"] = max(kv.nbytes - step_working_set, 0) if kv is not None else 0
     placed["overhead"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * sum(placed.values())
 
     notes = []
+    if kv is not None:
+        notes.append(
+            f"generation's KV cache: {kv.nbytes / GIB:.2f} GiB ({kv.describe()}); it is freed before the step's "
+            f"forward, so the generation row counts only what it holds beyond the step's activations, logits "
+            f"and reference forward ({max(kv.nbytes - step_working_set, 0) / GIB:.2f} GiB)"
+        )
+    held = f"sharded over {layout.weights} ranks like the policy" if layout.weights > 1 else "whole on every GPU"
+    for path, nbytes, source in rewards:
+        notes.append(f"reward model {path}: {nbytes / GIB:.2f} GiB ({source}), {held}")
     if unsharded_accumulation(recipe, engine, accumulation) and layout.gradients > 1:
         saved = placed["gradients"] * (1 - 1 / layout.gradients)
         notes.append(
@@ -450,6 +483,84 @@ def _reference(
     layer = activation_bytes_per_token_layer(shape, a, params.adapted_inputs, eager_seq) * tokens
     forward = placed["logits"] + layer
     return weights + max(forward - placed["activations"] - placed["logits"], 0.0)
+
+
+@dataclass(frozen=True)
+class GenerationKV:
+    """The KV cache of one generate() call on a rank (transformers' cache: a key and a value of
+    ``kv_heads x head_dim`` per token, layer and row, in the compute dtype)."""
+
+    rows: int  # completions generated together (``rollout.batch_size``, at most the rank's local batch)
+    tokens: int  # per row: the prompt room plus rollout.max_new_tokens, i.e. data.max_seq_len
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.tokens * self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def describe(self) -> str:
+        return (
+            f"{self.rows} completions x {self.tokens} tokens x {self.layers} layers x 2 x {self.kv_heads} kv heads "
+            f"x {self.head_dim} x {self.dtype_bytes} bytes"
+        )
+
+
+def generation_kv(recipe: Recipe, spec: ObjectiveSpec, shape: ModelShape, local: int) -> GenerationKV | None:
+    """The KV cache of an objective that generates with the policy (it reads ``rollout``, whose backend
+    is ``hf``) for ``local`` completions per rank and step; None for every other run.
+
+    Every rank generates its ``local`` completions (each prompt repeated once per completion, rows
+    of the step's order) in generate() calls of ``rollout.batch_size`` rows (all at once when
+    unset), left-padded to the longest prompt: at most ``data.max_seq_len - rollout.max_new_tokens``
+    tokens of prompt, then ``rollout.max_new_tokens`` new ones, ``data.max_seq_len`` per row in all.
+    Not counted: the prefill's one-layer working set and the last token's logits (small beside
+    the cache at a long context)."""
+    if not spec.reads_from("rollout") or recipe.rollout.backend != "hf":
+        return None
+    rows = min(recipe.rollout.batch_size or local, local)
+    a = DTYPE_BYTES[recipe.model.dtype]
+    return GenerationKV(rows, recipe.data.max_seq_len, shape.num_layers, shape.num_kv_heads, shape.head_dim, a)
+
+
+def reward_model_sizes(recipe: Recipe, spec: ObjectiveSpec) -> list[tuple[str, int, str]]:
+    """``(path, bytes, where the number comes from)`` of each reward model ``rewards`` names, for an
+    objective whose record lists ``REWARD_MODEL`` among its frozen models; [] for every other run.
+
+    ``objectives/rewards.py`` loads each in the dtype its weights are stored in (the engine then holds
+    it as it holds the policy's weights, ``Engine.place_frozen``; ``estimate`` places the bytes):
+    the bytes of its safetensors files; without them (a hub id, a .bin checkpoint) its config's
+    parameters as a sequence classifier (no LM head, a one-row score head) in ``model.dtype``; 0
+    where neither can be read (a note says so)."""
+    if REWARD_MODEL not in spec.frozen:
+        return []
+    from llmft.plan.rl import parse_rewards
+
+    try:
+        entries = parse_rewards(list(recipe.rewards or ()))
+    except UserError:
+        return []  # refused by the recipe check, with the entry named
+    out = []
+    for kind, path, _ in entries:
+        if kind != "model":
+            continue
+        try:
+            nbytes = safetensors_bytes(Path(path).expanduser())
+        except (OSError, ValueError):
+            nbytes = None  # a damaged file: the recipe check names it
+        if nbytes is not None:
+            out.append((path, nbytes, "its safetensors"))
+            continue
+        shape = reward_model_shape(path)
+        if shape is None:
+            out.append((path, 0, "size unknown: no safetensors or config.json here, not counted"))
+            continue
+        h = shape.hidden_size
+        params = shape.num_params - shape.embedding_params + shape.vocab_size * h + h
+        out.append((path, params * DTYPE_BYTES[recipe.model.dtype], f"its config: {params:,} parameters"))
+    return out
 
 
 def _placed(nbytes: float, shards: int, on_gpu: bool) -> float:
@@ -930,8 +1041,8 @@ def _largest(est: MemoryEstimate) -> str:
 
 
 def format_estimate(est: MemoryEstimate) -> str:
-    # The reference row is a preference run's (pairs); an SFT table stays as it was.
-    shown = [(n, b) for n, b in est.components() if n != "reference" or est.rows_per_item > 1]
+    always = ("reference",) if est.rows_per_item > 1 else ()
+    shown = [(n, b) for n, b in est.components() if n not in est.OPTIONAL or n in always or b > 0]
     rows = [(name.replace("_", " "), b) for name, b in shown]
     width = max(len(n) for n, _ in rows) + 2
     lines = [f"{'component':<{width}}{'GiB':>8}"]

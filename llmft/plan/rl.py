@@ -180,13 +180,14 @@ def rl_lines(plan: RunPlan) -> list[str]:
         f"= micro {b.micro_batch_size} x accumulation {b.gradient_accumulation_steps} x data-parallel {b.dp_size}"
     ]
     shape = model_shape(r.model)
-    if r.rollout.backend == "hf" and shape is not None and isinstance(r.data.max_seq_len, int):
-        together = r.rollout.batch_size or b.local_batch_size
-        width = 2 if r.model.dtype in ("bf16", "fp16") else 4
-        kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * r.data.max_seq_len * together * width
+    from llmft.plan.memory import generation_kv  # the cache the planner counts
+
+    known = shape is not None and isinstance(r.data.max_seq_len, int)
+    kv = generation_kv(r, plan.objective_spec, shape, b.local_batch_size) if known else None
+    if kv is not None:  # rollout.backend hf
         lines.append(
-            f"generation ({r.rollout.backend}): KV cache up to {kv / 2**30:.2f} GiB per rank ({together} completions "
-            f"x {r.data.max_seq_len} tokens), {r.rollout.max_new_tokens} new tokens each"
+            f"generation ({r.rollout.backend}): KV cache up to {kv.nbytes / 2**30:.2f} GiB per rank ({kv.rows} "
+            f"completions x {kv.tokens} tokens), {r.rollout.max_new_tokens} new tokens each"
         )
     reference = {
         "none": "none (rl.beta 0)",

@@ -657,3 +657,45 @@ def _header_shapes(path: Path) -> dict[str, list[int] | None]:
         for k, v in header.items()
         if k != "__metadata__"
     }
+
+
+def safetensors_bytes(d: Path) -> int | None:
+    """The bytes of the tensors in ``d``'s safetensors weights (each file's size less its header: what
+    loading them in their stored dtype allocates); None when ``d`` has none. ValueError: damaged."""
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            data = read_config(index)
+        except UserError as e:
+            raise ValueError(str(e)) from None
+        weight_map = data.get("weight_map") if data is not None else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: has no weight_map")
+        files = [d / Path(name).name for name in {v for v in weight_map.values() if isinstance(v, str)}]
+    else:
+        files = [d / "model.safetensors"]
+    files = [f for f in files if f.is_file()]
+    if not files:
+        return None
+    total = 0
+    for path in files:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+        if size < 8 or not 2 <= length <= min(_SAFETENSORS_HEADER_MAX, size - 8):
+            raise ValueError(f"{path}: is damaged (its header length {length} does not fit the file's {size} bytes)")
+        total += size - 8 - length
+    return total
+
+
+def reward_model_shape(path: str) -> ModelShape | None:
+    """The shape of the reward model ``path`` names, from its config.json (a local directory, or the
+    Hugging Face cache); None when neither has one, or it is not a shape llmft reads."""
+    d = Path(path).expanduser()
+    try:
+        local = d / "config.json"
+        config = local if local.is_file() else _hub_cache_config(path)
+        cfg = read_config(config) if config is not None else None
+        return ModelShape.from_config(cfg) if cfg is not None else None
+    except (OSError, UserError, ValueError, KeyError, TypeError):
+        return None

@@ -13,7 +13,7 @@ docs/design.md G1 (accumulation is the big batch, on every engine); docs/rl.md.
 from __future__ import annotations
 
 import pytest
-from grpo_runs import grpo_recipe, rewards_importable
+from grpo_runs import REWARDS, grpo_recipe, reward_model_dir, rewards_importable
 from helpers import TWO_RANK_ENGINES, engine_cases, max_rel_diff, metrics, torchrun, train_inproc
 
 from llmft.export.consolidate import load_checkpoint_model, trainable_state
@@ -86,3 +86,26 @@ def test_two_ranks_resume_on_one_inside_a_generation_batch(tmp_path, one_process
     assert sorted(p.name for p in (run / "run/checkpoints/step-3/objective").iterdir()) == ["rank-0.pt", "rank-1.pt"]
     assert train_inproc(recipe, *over, "train.max_steps=4", "batch.micro_batch_size=4") == 0
     assert max_rel_diff(_weights(run), _weights(whole)) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
+def test_a_reward_model_sharded_like_the_policy_scores_as_one_process(tmp_path, engine):
+    """A reward model goes through the engine's frozen-model door (``Engine.place_frozen``): sharded
+    like the policy under FSDP2 / ZeRO-3, it gives one process's scores and weights."""
+    rm = reward_model_dir(tmp_path / "rm")
+    rewards = [*REWARDS, {"model": str(rm), "weight": 2.0}]
+    over = ["peft.method=lora", "peft.r=4", "rl.beta=0.05"]
+    one = tmp_path / "one"
+    one.mkdir()
+    assert train_inproc(grpo_recipe(one, rewards=rewards), *over) == 0
+    two = tmp_path / "two"
+    two.mkdir()
+    recipe = grpo_recipe(two, rewards=rewards)
+    proc = torchrun(["train", str(recipe), *over, *ENGINES[engine]], env=rewards_importable(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    column = f"rewards/{rm.name}"
+    expected = [r[column] for r in metrics(one / "run") if column in r]
+    got = [r[column] for r in metrics(two / "run") if column in r]
+    assert expected and got == pytest.approx(expected, rel=1e-5)
+    assert max_rel_diff(_weights(two), _weights(one)) <= 1e-5
