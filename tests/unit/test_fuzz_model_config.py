@@ -403,8 +403,8 @@ def test_the_harness_sees_a_refusal_and_an_acceptance(tiny_dir, reward_dir):
     good = ("dir", dict(TINY_LLAMA), {})
     _check_config(tiny_dir, good, "plan")
     with pytest.raises(AssertionError):  # a run accepting hidden_size 10**12 fails the property
-        with mock.patch("llmft.plan.shape.config_problems", lambda cfg, source: []):
-            with mock.patch("llmft.model.source.check_config", lambda cfg, source: None):
+        with mock.patch("llmft.plan.shape.config_problems", lambda cfg, source, **kw: []):
+            with mock.patch("llmft.model.source.check_config", lambda cfg, source, **kw: None):
                 _check_config(tiny_dir, ("dir", {**TINY_LLAMA, "hidden_size": 10**12}, {"hidden_size": 10**12}), "plan")
     _check_reward_dir(reward_dir, ("none",))
     _check_reward_dir(reward_dir, ("no-head",))

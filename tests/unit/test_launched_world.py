@@ -5,7 +5,7 @@ srun, a bare WORLD_SIZE/RANK) and resolves the plan for it: three batch numbers 
 the launched world are used as given, three that hold only for the recipe's layout (a compiled
 plan) are re-solved, neither is an error naming both. Where `distributed.nproc_per_node` or
 `distributed.nnodes` in the recipe disagree with the launch, a note names both. Each launcher's
-environment is faked here; tests/distributed/test_launched_world.py launches torchrun for real.
+environment is faked here; tests/distributed/test_launched_world_ranks.py launches torchrun for real.
 """
 
 from __future__ import annotations
