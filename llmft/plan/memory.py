@@ -43,6 +43,7 @@ from llmft.plan.objectives import (
     objective_of,
     reference_kind,
 )
+from llmft.plan.rl import generation_kv, parse_rewards
 from llmft.plan.shape import ModelShape, linear_shapes, model_shape, reward_model_shape, safetensors_bytes
 from llmft.recipe.schema import Recipe
 
@@ -485,46 +486,6 @@ def _reference(
     return weights + max(forward - placed["activations"] - placed["logits"], 0.0)
 
 
-@dataclass(frozen=True)
-class GenerationKV:
-    """The KV cache of one generate() call on a rank (transformers' cache: a key and a value of
-    ``kv_heads x head_dim`` per token, layer and row, in the compute dtype)."""
-
-    rows: int  # completions generated together (``rollout.batch_size``, at most the rank's local batch)
-    tokens: int  # per row: the prompt room plus rollout.max_new_tokens, i.e. data.max_seq_len
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.tokens * self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
-
-    def describe(self) -> str:
-        return (
-            f"{self.rows} completions x {self.tokens} tokens x {self.layers} layers x 2 x {self.kv_heads} kv heads "
-            f"x {self.head_dim} x {self.dtype_bytes} bytes"
-        )
-
-
-def generation_kv(recipe: Recipe, spec: ObjectiveSpec, shape: ModelShape, local: int) -> GenerationKV | None:
-    """The KV cache of an objective that generates with the policy (it reads ``rollout``, whose backend
-    is ``hf``) for ``local`` completions per rank and step; None for every other run.
-
-    Every rank generates its ``local`` completions (each prompt repeated once per completion, rows
-    of the step's order) in generate() calls of ``rollout.batch_size`` rows (all at once when
-    unset), left-padded to the longest prompt: at most ``data.max_seq_len - rollout.max_new_tokens``
-    tokens of prompt, then ``rollout.max_new_tokens`` new ones, ``data.max_seq_len`` per row in all.
-    Not counted: the prefill's one-layer working set and the last token's logits (small beside
-    the cache at a long context)."""
-    if not spec.reads_from("rollout") or recipe.rollout.backend != "hf":
-        return None
-    rows = min(recipe.rollout.batch_size or local, local)
-    a = DTYPE_BYTES[recipe.model.dtype]
-    return GenerationKV(rows, recipe.data.max_seq_len, shape.num_layers, shape.num_kv_heads, shape.head_dim, a)
-
-
 def reward_model_sizes(recipe: Recipe, spec: ObjectiveSpec) -> list[tuple[str, int, str]]:
     """``(path, bytes, where the number comes from)`` of each reward model ``rewards`` names, for an
     objective whose record lists ``REWARD_MODEL`` among its frozen models; [] for every other run.
@@ -536,8 +497,6 @@ def reward_model_sizes(recipe: Recipe, spec: ObjectiveSpec) -> list[tuple[str, i
     where neither can be read (a note says so)."""
     if REWARD_MODEL not in spec.frozen:
         return []
-    from llmft.plan.rl import parse_rewards
-
     try:
         entries = parse_rewards(list(recipe.rewards or ()))
     except UserError:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import importlib
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from llmft.errors import Problem, UserError
+from llmft.plan.deepspeed import DTYPE_BYTES
 from llmft.plan.objectives import objective_of
-from llmft.plan.shape import model_shape, reward_model_problems
+from llmft.plan.shape import ModelShape, model_shape, reward_model_problems
 
 if TYPE_CHECKING:
     from llmft.plan.layout import RunPlan
@@ -180,8 +182,6 @@ def rl_lines(plan: RunPlan) -> list[str]:
         f"= micro {b.micro_batch_size} x accumulation {b.gradient_accumulation_steps} x data-parallel {b.dp_size}"
     ]
     shape = model_shape(r.model)
-    from llmft.plan.memory import generation_kv  # the cache the planner counts
-
     known = shape is not None and isinstance(r.data.max_seq_len, int)
     kv = generation_kv(r, plan.objective_spec, shape, b.local_batch_size) if known else None
     if kv is not None:  # rollout.backend hf
@@ -211,3 +211,43 @@ def card_words(spec: ObjectiveSpec, recipe: dict) -> str:
         + f", normalise {rl.get('normalise')}, scale_rewards {rl.get('scale_rewards')}, iterations "
         f"{rl.get('iterations')}; rewards: {rewards}"
     )
+
+
+@dataclass(frozen=True)
+class GenerationKV:
+    """The KV cache of one generate() call on a rank (transformers' cache: a key and a value of
+    ``kv_heads x head_dim`` per token, layer and row, in the compute dtype)."""
+
+    rows: int  # completions generated together (``rollout.batch_size``, at most the rank's local batch)
+    tokens: int  # per row: the prompt room plus rollout.max_new_tokens, i.e. data.max_seq_len
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.tokens * self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def describe(self) -> str:
+        return (
+            f"{self.rows} completions x {self.tokens} tokens x {self.layers} layers x 2 x {self.kv_heads} kv heads "
+            f"x {self.head_dim} x {self.dtype_bytes} bytes"
+        )
+
+
+def generation_kv(recipe: Recipe, spec: ObjectiveSpec, shape: ModelShape, local: int) -> GenerationKV | None:
+    """The KV cache of an objective that generates with the policy (it reads ``rollout``, whose backend
+    is ``hf``) for ``local`` completions per rank and step; None for every other run.
+
+    Every rank generates its ``local`` completions (each prompt repeated once per completion, rows
+    of the step's order) in generate() calls of ``rollout.batch_size`` rows (all at once when
+    unset), left-padded to the longest prompt: at most ``data.max_seq_len - rollout.max_new_tokens``
+    tokens of prompt, then ``rollout.max_new_tokens`` new ones, ``data.max_seq_len`` per row in all.
+    Not counted: the prefill's one-layer working set and the last token's logits (small beside
+    the cache at a long context)."""
+    if not spec.reads_from("rollout") or recipe.rollout.backend != "hf":
+        return None
+    rows = min(recipe.rollout.batch_size or local, local)
+    a = DTYPE_BYTES[recipe.model.dtype]
+    return GenerationKV(rows, recipe.data.max_seq_len, shape.num_layers, shape.num_kv_heads, shape.head_dim, a)
