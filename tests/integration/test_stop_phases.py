@@ -405,7 +405,7 @@ def test_sigterm_during_a_checkpoint_save_finishes_it_and_exits_75_without_anoth
 
 # --- export ----------------------------------------------------------------------------------
 
-# ``llmft`` whose safetensors reads take 0.3 s a tensor (a tiny model exported as slowly as a large
+# ``llmft`` whose safetensors reads take 2 s a tensor (a tiny model exported as slowly as a large
 # one), writing a marker at each: the signal comes while the export streams the weights.
 SLOW_READ = """
 import os, sys, time
@@ -430,7 +430,7 @@ class Slow:
 
     def get_tensor(self, key):
         Path(os.environ["STOP_TEST_MARKER"]).write_text(key)
-        time.sleep(0.3)
+        time.sleep(2.0)
         return self.file.get_tensor(key)
 
 safetensors.safe_open = Slow
@@ -461,7 +461,7 @@ def test_sigterm_during_export_removes_the_partial_output_and_exits_75(tmp_path)
         env=_env(STOP_TEST_MARKER=str(marker)),
     )  # fmt: skip
     _wait_for(proc, marker.exists, "the weights being streamed")
-    err, took = _stop(proc, bound=5)  # one tensor's read, where the whole export takes 20 x 0.3 s
+    err, took = _stop(proc, bound=15)  # one tensor's read (2 s), where the whole export takes 20 x 2 s
     assert proc.returncode == 75, err[-3000:]
     lines = [line for line in err.splitlines() if "SIGTERM" in line or "export stopped" in line]
     assert lines == [
