@@ -6,10 +6,14 @@ it refuses with a message naming the file:line or key and the limit, so that no 
 traceback, an exabyte allocation or an unbounded tokenizer call. Each constant says what it
 bounds and why its value is safe for real data; docs/reliability.md lists what each case gets.
 
-This module imports nothing: the compiler (plan/) and the data layer read it alike.
+This module imports no other llmft module and nothing outside the standard library: the compiler
+(plan/) and the data layer read it alike. Besides the bounds, it holds the one check they share
+(``nests_deeper``: the depth of a parsed JSON value, without recursion).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 # --- nesting and text (recipe files, JSONL records, rollout.file) ---------------------------------
 
@@ -76,3 +80,15 @@ MODEL_PARAMS_MAX = 10**13
 PARAMS_PER_WEIGHT_BYTE_MAX = 16
 
 # --- checkpoints (objective/ state files) ---------------------------------------------------------
+
+
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether the parsed JSON ``value`` nests objects and lists more than ``limit`` levels (a loop,
+    not recursion: the value may be as deep as its parser allowed)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, (dict, list)))
+    return False

@@ -37,7 +37,7 @@ import numpy as np
 from llmft import stop
 from llmft.data.sources import Source
 from llmft.errors import Problem, UserError, library_problem, offline
-from llmft.limits import JSON_FILE_MAX_BYTES, RECORD_MAX_BYTES, RECORD_MAX_DEPTH
+from llmft.limits import JSON_FILE_MAX_BYTES, RECORD_MAX_BYTES, RECORD_MAX_DEPTH, nests_deeper
 
 if TYPE_CHECKING:
     import datasets
@@ -305,15 +305,9 @@ def size_text(n: int) -> str:
     return f"{n} bytes"
 
 
-def too_deep(value: Any, limit: int = RECORD_MAX_DEPTH) -> bool:
-    """Whether JSON ``value`` nests objects and lists more than ``limit`` levels (a loop, not recursion)."""
-    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:
-        v, depth = stack.pop()
-        if depth > limit:
-            return True
-        stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, (dict, list)))
-    return False
+def too_deep(value: Any) -> bool:
+    """Whether a record nests objects and lists more than ``RECORD_MAX_DEPTH`` levels."""
+    return nests_deeper(value, RECORD_MAX_DEPTH)
 
 
 # JSON may escape half of a UTF-16 pair alone (``"\ud800"``): json.loads makes it a lone surrogate,

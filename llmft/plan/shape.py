@@ -248,7 +248,7 @@ def read_config(path: Path) -> dict[str, Any] | None:
         cfg = _TOO_DEEP
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
-    if cfg is _TOO_DEEP or _depth(cfg) > limits.CONFIG_MAX_DEPTH:
+    if cfg is _TOO_DEEP or limits.nests_deeper(cfg, limits.CONFIG_MAX_DEPTH):
         field = _deep_field(data.decode("utf-8", "replace"))
         field = field if field is None or len(field) <= 60 else field[:57] + "..."
         raise UserError(
@@ -307,18 +307,6 @@ def _deep_field(text: str) -> str | None:
         elif c == ":" and depth == 1:
             field = last
     return None
-
-
-def _depth(value: Any) -> int:
-    """Levels of objects and lists in a parsed JSON value (iterative: no recursion of its own)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        v, d = todo.pop()
-        if isinstance(v, (dict, list)):
-            deepest = max(deepest, d)
-            if d <= limits.CONFIG_MAX_DEPTH:
-                todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return deepest
 
 
 def check_config_file(path: Path, *, against_weights: bool = True) -> None:
@@ -620,15 +608,8 @@ def _head_problems(d: Path, key: str) -> list[Problem]:
 def _safetensors_shapes(d: Path) -> dict[str, list[int] | None] | None:
     """Each tensor of ``d``'s safetensors weights and its shape (None where only the index names it),
     read from the index or the single file's header; None when ``d`` has neither. ValueError: damaged."""
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            data = read_config(index)
-        except UserError as e:
-            raise ValueError(str(e)) from None
-        weight_map = data.get("weight_map") if data is not None else None
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: has no weight_map")
+    weight_map = _weight_map(d)
+    if weight_map is not None:
         shapes: dict[str, list[int] | None] = dict.fromkeys(weight_map)
         for name in {v for k, v in weight_map.items() if isinstance(v, str) and k.endswith("score.weight")}:
             file = d / Path(name).name
@@ -641,11 +622,8 @@ def _safetensors_shapes(d: Path) -> dict[str, list[int] | None] | None:
 
 def _header_shapes(path: Path) -> dict[str, list[int] | None]:
     """The tensors a safetensors file's header lists (8 bytes of length, then that much JSON)."""
-    size = path.stat().st_size
     with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        if size < 8 or not 2 <= length <= min(_SAFETENSORS_HEADER_MAX, size - 8):
-            raise ValueError(f"{path}: is damaged (its header length {length} does not fit the file's {size} bytes)")
+        length = _header_length(path, f)
         try:
             header = json.loads(f.read(length))
         except (ValueError, RecursionError) as e:
@@ -662,15 +640,8 @@ def _header_shapes(path: Path) -> dict[str, list[int] | None]:
 def safetensors_bytes(d: Path) -> int | None:
     """The bytes of the tensors in ``d``'s safetensors weights (each file's size less its header: what
     loading them in their stored dtype allocates); None when ``d`` has none. ValueError: damaged."""
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            data = read_config(index)
-        except UserError as e:
-            raise ValueError(str(e)) from None
-        weight_map = data.get("weight_map") if data is not None else None
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: has no weight_map")
+    weight_map = _weight_map(d)
+    if weight_map is not None:
         files = [d / Path(name).name for name in {v for v in weight_map.values() if isinstance(v, str)}]
     else:
         files = [d / "model.safetensors"]
@@ -679,13 +650,35 @@ def safetensors_bytes(d: Path) -> int | None:
         return None
     total = 0
     for path in files:
-        size = path.stat().st_size
         with open(path, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-        if size < 8 or not 2 <= length <= min(_SAFETENSORS_HEADER_MAX, size - 8):
-            raise ValueError(f"{path}: is damaged (its header length {length} does not fit the file's {size} bytes)")
-        total += size - 8 - length
+            total += path.stat().st_size - 8 - _header_length(path, f)
     return total
+
+
+def _weight_map(d: Path) -> dict[str, Any] | None:
+    """The tensor -> file map of ``d``'s ``model.safetensors.index.json``; None when ``d`` has no
+    index (a single file, or none). ValueError: the index is damaged."""
+    index = d / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        data = read_config(index)
+    except UserError as e:
+        raise ValueError(str(e)) from None
+    weight_map = data.get("weight_map") if data is not None else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: has no weight_map")
+    return weight_map
+
+
+def _header_length(path: Path, f: Any) -> int:
+    """The header length a safetensors file ``f`` (opened at its start) begins with, checked to fit
+    the file. ValueError: it does not."""
+    size = path.stat().st_size
+    length = int.from_bytes(f.read(8), "little")
+    if size < 8 or not 2 <= length <= min(_SAFETENSORS_HEADER_MAX, size - 8):
+        raise ValueError(f"{path}: is damaged (its header length {length} does not fit the file's {size} bytes)")
+    return length
 
 
 def reward_model_shape(path: str) -> ModelShape | None:
