@@ -9,9 +9,10 @@ Reading and building (the first process that needs a cache entry):
 - ``rows``: what the cache and the stream share: the tokenizing worker, fatal errors, truncate + pack
 - ``pack``: several examples per row, attention kept apart by position ids
 - ``shards``: tokenizing a source in shards of records, in worker processes, resumable after a stop
-- ``pairs``: preference pairs (``train.objective: dpo/reward``): records, truncation, rows, collation
-- ``prompts``: prompt records (``train.objective: grpo``): records, the room for generation, rows that keep
-  their record, G completions per prompt (``PromptGroups``), collation
+- ``kinds``: the record-kind registry (``RecordKind``: ``sequences``, ``pairs``, ``prompts``) and one
+  module per kind (``kinds/sequences``, ``kinds/pairs``, ``kinds/prompts``): parse, encode, rows, cache
+  format, grouping (G completions per prompt), collation
+- ``arrays``: ``Example``, ``IGNORE_INDEX`` and the range arithmetic the others share
 - ``entry``: building one cache entry (tokenize, hold out, rows, eval prompts, write)
 - ``cache``: the tokenized-data cache: keys, the build lock, checksums, entries
 - ``build``: ``build_data``, from recipe keys to the run's ``DataBundle``
@@ -28,17 +29,23 @@ What a rank reads:
   sequence slice of a micro-batch (``distributed.sequence_parallel``); ``workers``: its stop-safe workers
 """
 
-from llmft.data.build import build_data
-from llmft.data.bundle import DataBundle
-from llmft.data.loader import batch_targets, collate, count_targets, make_loader
-from llmft.data.sampler import MicroBatchSampler
+import importlib
 
-__all__ = [
-    "DataBundle",
-    "MicroBatchSampler",
-    "build_data",
-    "collate",
-    "batch_targets",
-    "count_targets",
-    "make_loader",
-]
+# Names are imported when first used (PEP 562), so that ``llmft.data.kinds`` (pure, read by the
+# planner) is importable without torch or the build.
+_EXPORTS = {
+    "DataBundle": "llmft.data.bundle",
+    "MicroBatchSampler": "llmft.data.sampler",
+    "build_data": "llmft.data.build",
+    "collate": "llmft.data.loader",
+    "batch_targets": "llmft.data.loader",
+    "count_targets": "llmft.data.loader",
+    "make_loader": "llmft.data.loader",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'llmft.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import llmft
 from llmft import stop
-from llmft.data import pairs
 from llmft.data.bundle import DataBundle
 from llmft.data.cache import CACHE_FORMAT, default_cache_dir, get_or_build, read_meta, size_of, tokenizer_fingerprint
 from llmft.data.entry import build_entry, read_prompts
+from llmft.data.kinds import KindCode, kind_code
 from llmft.data.mixture import ConcatDataset, MixedDataset, probabilities
-from llmft.data.prompts import PROMPTS_FORMAT, is_prompts, prompt_room
 from llmft.data.read import Chunk, read, resolve
 from llmft.data.sampler import source_seed
 from llmft.data.sources import Source, parse_sources
@@ -32,7 +31,8 @@ from llmft.data.stream import MixedStream, StreamDataset, open_stream
 from llmft.data.tokenizer import use_chat_template
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
-from llmft.plan.objectives import DEFAULT_OBJECTIVE, PROMPTS, objective_spec
+from llmft.plan.kinds import RecordKind, kind_spec
+from llmft.plan.objectives import DEFAULT_OBJECTIVE, ObjectiveSpec, objective_spec
 
 if TYPE_CHECKING:
     import numpy as np
@@ -65,17 +65,17 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
     use_chat_template(tokenizer, cfg.chat_template)
     quiet = env is not None and not env.is_main
     spec = objective_spec(recipe.train.objective)
-    room = prompt_room(recipe) if spec.record == PROMPTS else None
-    common = _common_parts(cfg, tokenizer, recipe.train.objective, room)
+    kind = kind_spec(spec.record)
+    common = _common_parts(cfg, tokenizer, spec, kind_code(kind).room(recipe))
     holdout = cfg.eval_fraction if cfg.eval is None else 0.0
-    train_sources = parse_sources(cfg.train, "data.train", weights=True, open_fields=spec.record == PROMPTS)
+    train_sources = parse_sources(cfg.train, "data.train", weights=True, open_fields=kind.open_fields)
     if cfg.streaming:
-        return _grouped(_build_stream(recipe, tokenizer, train_sources, common, quiet), recipe)
-    train = [_source(s, cfg, tokenizer, common, holdout, recipe.run.seed, quiet) for s in train_sources]
+        return _grouped(_build_stream(recipe, spec, tokenizer, train_sources, common, quiet), recipe, spec)
+    train = [_source(s, cfg, tokenizer, spec, common, holdout, recipe.run.seed, quiet) for s in train_sources]
     evals = []
     if cfg.eval is not None:
-        evals = [_source(s, cfg, tokenizer, common, 0.0, recipe.run.seed, quiet, eval_role=True)
-                 for s in parse_sources(cfg.eval, "data.eval", weights=False, open_fields=spec.record == PROMPTS)]  # fmt: skip
+        evals = [_source(s, cfg, tokenizer, spec, common, 0.0, recipe.run.seed, quiet, eval_role=True)
+                 for s in parse_sources(cfg.eval, "data.eval", weights=False, open_fields=kind.open_fields)]  # fmt: skip
 
     parts = [t.rows for t in train]
     shares = None
@@ -87,17 +87,17 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
     else:
         weights = [s.weight for s in train_sources]
         train_ds = MixedDataset(parts, weights, recipe.run.seed, [s.key for s in train_sources])
-    stats = _sum_stats([t.meta["stats"] for t in train], cfg)
+    stats = _sum_stats([t.meta["stats"] for t in train], cfg, kind)
     if len(train) > 1:
         stats["mixture_rows"] = len(train_ds)
 
     eval_ds, prompts, eval_stats = None, [], None
     if evals:
         eval_parts, prompts = [e.rows for e in evals], [p for e in evals for p in e.prompts]
-        eval_stats = _sum_stats([e.meta["stats"] for e in evals], cfg)
+        eval_stats = _sum_stats([e.meta["stats"] for e in evals], cfg, kind)
     elif holdout > 0:
         eval_parts, prompts = [t.held for t in train], [p for t in train for p in t.prompts]
-        eval_stats = _sum_stats([t.meta["held_stats"] for t in train], cfg)
+        eval_stats = _sum_stats([t.meta["held_stats"] for t in train], cfg, kind)
     if eval_stats is not None:
         eval_ds = eval_parts[0] if len(eval_parts) == 1 else ConcatDataset(eval_parts)
         eval_stats["prompts"] = len(prompts)
@@ -106,24 +106,32 @@ def build_data(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, env: DistEnv 
         {"source": s.describe(), "key": s.key, **_entry_info(d)} for s, d in zip(train_sources, train, strict=True)
     ]
     if evals:
-        eval_keys = parse_sources(cfg.eval, "data.eval", weights=False, open_fields=spec.record == PROMPTS)
+        eval_keys = parse_sources(cfg.eval, "data.eval", weights=False, open_fields=kind.open_fields)
         entries += [
             {"source": s.describe(), "key": s.key, **_entry_info(d)} for s, d in zip(eval_keys, evals, strict=True)
         ]
-    return _grouped(DataBundle(train_ds, eval_ds, prompts, stats, entries, probabilities=shares), recipe)
+    bundle = DataBundle(train_ds, eval_ds, prompts, stats, entries, probabilities=shares)
+    return _grouped(bundle, recipe, spec)
 
 
-def _grouped(bundle: DataBundle, recipe: Recipe) -> DataBundle:
-    """An objective with G items per record (``ObjectiveSpec.group``: GRPO's G completions per prompt)
-    takes each record G times in a row (``DataBundle.group_by``)."""
-    spec = objective_spec(recipe.train.objective)
+def _grouped(bundle: DataBundle, recipe: Recipe, spec: ObjectiveSpec) -> DataBundle:
+    """The bundle of ``spec``'s record kind; an objective with G items per record (``ObjectiveSpec.group``:
+    GRPO's G completions per prompt) takes each record G times in a row (``DataBundle.group_by``, the
+    kind's ``grouped`` wrapping)."""
+    bundle.kind = spec.record
     if spec.group is not None:
-        bundle.group_by(spec.group_size(recipe), recipe.run.seed, recipe.data.shuffle)
+        wrap = kind_code(spec.record).grouped  # type: ignore[attr-defined]
+        bundle.group_by(spec.group_size(recipe), recipe.run.seed, recipe.data.shuffle, wrap)
     return bundle
 
 
 def _build_stream(
-    recipe: Recipe, tokenizer: PreTrainedTokenizerBase, sources: list[Source], common: dict, quiet: bool
+    recipe: Recipe,
+    spec: ObjectiveSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    sources: list[Source],
+    common: dict,
+    quiet: bool,
 ) -> DataBundle:
     """``data.streaming``: the train source as a ``StreamDataset`` (several: a ``MixedStream``); eval data is cached."""
     cfg = recipe.data
@@ -157,23 +165,24 @@ def _build_stream(
     seed = recipe.run.seed
     if len(sources) == 1:
         train: StreamDataset | MixedStream = open_stream(
-            sources[0], cfg, tokenizer, seed, recipe.train.objective, common.get("max_prompt_len")
+            sources[0], cfg, tokenizer, seed, spec, common.get("max_prompt_len")
         )
     else:  # each source with its own seed, as ProbabilityOrder seeds the sources of a cached mixture
         streams = [
-            open_stream(s, cfg, tokenizer, source_seed(seed, k), recipe.train.objective, common.get("max_prompt_len"))
+            open_stream(s, cfg, tokenizer, source_seed(seed, k), spec, common.get("max_prompt_len"))
             for k, s in enumerate(sources)
         ]
         train = MixedStream(streams, probabilities(sources), seed)
     eval_ds, prompts, stats, entries = None, [], {"streaming": True}, []
     if cfg.eval is not None:
-        eval_sources = parse_sources(
-            cfg.eval, "data.eval", weights=False, open_fields=objective_spec(recipe.train.objective).record == PROMPTS
-        )
-        evals = [_source(s, cfg, tokenizer, common, 0.0, recipe.run.seed, quiet, eval_role=True) for s in eval_sources]
+        kind = kind_spec(spec.record)
+        eval_sources = parse_sources(cfg.eval, "data.eval", weights=False, open_fields=kind.open_fields)
+        evals = [
+            _source(s, cfg, tokenizer, spec, common, 0.0, recipe.run.seed, quiet, eval_role=True) for s in eval_sources
+        ]
         parts, prompts = [e.rows for e in evals], [p for e in evals for p in e.prompts]
         eval_ds = parts[0] if len(parts) == 1 else ConcatDataset(parts)
-        stats["eval"] = {**_sum_stats([e.meta["stats"] for e in evals], cfg), "prompts": len(prompts)}
+        stats["eval"] = {**_sum_stats([e.meta["stats"] for e in evals], cfg, kind), "prompts": len(prompts)}
         entries = [
             {"source": s.describe(), "key": s.key, **_entry_info(d)} for s, d in zip(eval_sources, evals, strict=True)
         ]
@@ -191,8 +200,12 @@ def _entry_info(d: _SourceData) -> dict:
 
 
 def _common_parts(
-    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: str = DEFAULT_OBJECTIVE, room: int | None = None
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, objective: ObjectiveSpec | None = None, room: int | None = None
 ) -> dict[str, Any]:
+    """What every cache key of this run's data holds; ``objective``'s record kind (default: SFT's)
+    names its own format, and ``room`` (``KindCode.room``) the most tokens a record may have."""
+    objective = objective or objective_spec(DEFAULT_OBJECTIVE)
+    kind = kind_spec(objective.record)
     parts = {
         "llmft": llmft.__version__,
         "format": CACHE_FORMAT,
@@ -202,16 +215,15 @@ def _common_parts(
         "packing": cfg.packing,
         "on_bad_record": cfg.on_bad_record,
     }
-    if pairs.is_preference(objective):
-        # A pair entry has its own format and names its objective, so it is never read as SFT rows
-        # (nor an SFT entry as pairs); SFT keys stay as they were. Its rows do not depend on
-        # data.packing (padding-free is how pairs are collated), so both layouts share one entry.
-        parts.update(format=pairs.CACHE_FORMAT, objective=objective, packing=None)
-    if is_prompts(objective):
-        # A prompt entry has its own format, so it is never read as SFT rows; its rows are the
-        # prompts that fit the room generation leaves (``room``), one per row, never packed.
-        parts.update(format=PROMPTS_FORMAT, objective=objective, packing=None, max_prompt_len=room)
-    fields = objective_spec(objective).fields
+    if kind.cache_format is not None:
+        # An entry of another kind has its own format and names its objective, so it is never read as
+        # SFT rows (nor an SFT entry as another kind's); SFT keys stay as they were.
+        parts.update(format=kind.cache_format, objective=objective.name)
+    if not kind.packs:  # its rows do not depend on data.packing (pairs: padding-free is a collation)
+        parts["packing"] = None
+    if room is not None:  # prompts: the ones that fit the room generation leaves, one per row
+        parts["max_prompt_len"] = room
+    fields = objective.fields
     if fields:  # an entry holds the record fields it was built with (keys without fields stay as they were)
         parts["fields"] = list(fields)
     return parts
@@ -225,6 +237,7 @@ def _source(
     src: Source,
     cfg: DataConfig,
     tokenizer: PreTrainedTokenizerBase,
+    objective: ObjectiveSpec,
     common: dict[str, Any],
     holdout: float,
     seed: int,
@@ -232,7 +245,7 @@ def _source(
     eval_role: bool = False,
 ) -> _SourceData:
     resolved = resolve(src)
-    objective = common.get("objective", DEFAULT_OBJECTIVE)
+    code = kind_code(objective.record)
     work = Path(tempfile.mkdtemp(prefix="llmft-read-"))
     try:
         chunks: list[Chunk] | None = None
@@ -271,13 +284,13 @@ def _source(
     meta.update(entry=str(entry), built=built, bytes=size_of(entry))
     if not quiet:
         _log_source(src.key, meta, built)
-    held = _open_rows(entry / "held.arrow", objective, cfg) if (entry / "held.arrow").exists() else None
-    return _SourceData(_open_rows(entry / "rows.arrow", objective, cfg), held, read_prompts(entry), meta)
+    held = _open_rows(entry / "held.arrow", code, cfg) if (entry / "held.arrow").exists() else None
+    return _SourceData(_open_rows(entry / "rows.arrow", code, cfg), held, read_prompts(entry), meta)
 
 
-def _open_rows(path: Path, objective: str, cfg: DataConfig) -> TokenDataset | pairs.PairDataset:
-    rows = TokenDataset.open(path)
-    return pairs.PairDataset(rows, cfg.packing, path) if pairs.is_preference(objective) else rows
+def _open_rows(path: Path, code: KindCode, cfg: DataConfig) -> Any:
+    """A mapped entry's rows as the items of its kind (``KindCode.open``: pairs as a ``PairDataset``)."""
+    return code.open(TokenDataset.open(path), cfg, path)
 
 
 def _log_source(key: str, meta: dict, built: bool) -> None:
@@ -318,13 +331,9 @@ def _warn_shortened(key: str, total: int, truncated: int, dropped: int, max_seq_
         log.warning("%s: dropped %d of %d records with no target token left after truncation", key, dropped, total)
 
 
-def _sum_stats(all_stats: list[dict], cfg: DataConfig) -> dict:
+def _sum_stats(all_stats: list[dict], cfg: DataConfig, kind: RecordKind) -> dict:
     keys = ("records", "truncated", "dropped_no_targets", "examples", "tokens", "target_tokens", "rows")
     out = {k: sum(s[k] for s in all_stats) for k in keys}
-    if "pairs" in all_stats[0]:
-        out.update(pairs=out["rows"], sequences=2 * out["rows"])
-    elif cfg.packing:
-        out["packed_rows"] = out["rows"]
-        out["packing_efficiency"] = out["tokens"] / max(1, out["rows"] * cfg.max_seq_len)
+    kind_code(kind).totals(out, cfg)
     out["skipped"] = sum(s.get("skipped", 0) for s in all_stats)
     return out

@@ -2,23 +2,24 @@
 
 An objective that takes each record G times in a row (``ObjectiveSpec.group``: GRPO's G completions
 per prompt) has its train data grouped once, by ``build_data`` (``group_by``): ``train`` is then a
-``prompts.PromptGroups`` indexed by position, whose own order is the identity (``order`` returns it),
+``kinds.prompts.PromptGroups`` (the record kind's ``grouped``) indexed by position, whose own order is the identity (``order`` returns it),
 and ``num_rows``, ``epoch`` and the stream cursor count positions (prompts x G)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from llmft.data.mixture import MixedDataset
-from llmft.data.prompts import Positions, PromptGroups
-from llmft.data.sampler import GlobalOrder, ProbabilityOrder
-from llmft.data.stream import MixedStream, StreamDataset, StreamOrder
-from llmft.data.tokens import TokenDataset
+from llmft.data.sampler import GlobalOrder, Positions, ProbabilityOrder
 from llmft.errors import Problem, UserError
+from llmft.plan.kinds import SEQUENCES
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from llmft.data.mixture import MixedDataset
+    from llmft.data.stream import MixedStream, StreamDataset
+    from llmft.data.tokens import TokenDataset
 
 
 @dataclass
@@ -30,7 +31,7 @@ class DataBundle:
     (``TrainerState.data``) so that a resume does not re-read the stream before it.
     """
 
-    train: TokenDataset | MixedDataset | StreamDataset | MixedStream | PromptGroups
+    train: TokenDataset | MixedDataset | StreamDataset | MixedStream | Any  # Any: grouped (``group_by``)
     eval: TokenDataset | MixedDataset | None
     eval_prompts: list[tuple[np.ndarray, str]]  # (prompt ids incl. chat template, reference completion)
     stats: dict = field(default_factory=dict)  # train counts at the top level, eval counts under "eval"
@@ -38,19 +39,22 @@ class DataBundle:
     streaming: bool = False
     probabilities: list[float] | None = None  # data.mixture=probability: the sources' shares of ``train``
     group: int = 1  # G: consecutive positions that are one record's items (``group_by``)
+    kind: str = SEQUENCES  # the record kind of its items (``kinds.RecordKind``): how they are collated
+    grouped: bool = False  # ``train`` is ``records`` grouped by ``group_by``
 
-    def group_by(self, group: int, seed: int, shuffle: bool) -> None:
+    def group_by(self, group: int, seed: int, shuffle: bool, wrap: Callable[..., Any]) -> None:
         """Make position p of the global order item ``p % G`` of the record at position ``p // G`` of
-        the record order (seeded with ``seed``, shuffled or not); items then carry ``position``."""
-        assert not isinstance(self.train, PromptGroups), "the train data is grouped already"
-        self.train = PromptGroups(self.train, self.order(seed, shuffle), group, seed, shuffle)
-        self.group = group
+        the record order (seeded with ``seed``, shuffled or not) by the record kind's ``wrap``
+        (``kinds.prompts.grouped``); items then carry ``position``."""
+        assert not self.grouped, "the train data is grouped already"
+        self.train = wrap(self.train, self.order(seed, shuffle), group, seed, shuffle)
+        self.group, self.grouped = group, True
         self.stats["group"] = group
 
     @property
     def records(self):
         """The train data by record: ``train`` itself, or what ``group_by`` grouped."""
-        return self.train.prompts if isinstance(self.train, PromptGroups) else self.train
+        return self.train.records if self.grouped else self.train
 
     @property
     def num_rows(self) -> int | None:
@@ -60,11 +64,11 @@ class DataBundle:
 
     def order(self, seed: int, shuffle: bool):
         """Position -> index into ``train``."""
-        if isinstance(self.train, PromptGroups):  # it orders its records itself, as group_by seeded it
+        if self.grouped:  # it orders its records itself, as group_by seeded it
             assert (seed, shuffle) == (self.train.seed, self.train.shuffle), "grouped with another seed or shuffle"
             return Positions()
         if self.streaming:
-            return StreamOrder()
+            return Positions()  # a stream's order is the stream (it shuffles inside blocks)
         if self.probabilities is not None:
             return ProbabilityOrder([len(p) for p in self.train.parts], self.probabilities, seed, shuffle)
         return GlobalOrder(len(self.train), seed, shuffle)
@@ -81,7 +85,7 @@ class DataBundle:
         cursor = state.get("stream")
         if not self.streaming or cursor is None:
             return
-        sources = len(self.records.streams) if isinstance(self.records, MixedStream) else 1
+        sources = len(getattr(self.records, "streams", ())) or 1  # a MixedStream's streams, else one
         saved = len(cursor) if isinstance(cursor, list) else 1
         if saved != sources:
             raise UserError(

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 from jinja2.exceptions import TemplateError
 
+from llmft.data.arrays import IGNORE_INDEX, Example
 from llmft.data.records import BadRecord, Chat, Message, PromptCompletion, Record, Text, parse_record
 from llmft.errors import Problem, UserError
 from llmft.limits import CALL_CHARS, CUT_MARGIN
@@ -46,28 +47,8 @@ from llmft.limits import CALL_CHARS, CUT_MARGIN
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-IGNORE_INDEX = -100
 # Private-use code points: no template emits them, and trim/strip filters leave them alone.
 _OPEN, _CLOSE = "\U000f0000", "\U000f0001"
-
-
-@dataclass
-class Example:
-    """One record's tokens as int32 arrays (lists given are converted): no Python object per token."""
-
-    input_ids: np.ndarray
-    labels: np.ndarray  # where every token is a target: the ``input_ids`` array itself (not a copy)
-
-    def __post_init__(self) -> None:
-        every = self.labels is self.input_ids
-        self.input_ids = np.asarray(self.input_ids, dtype=np.int32)
-        self.labels = self.input_ids if every else np.asarray(self.labels, dtype=np.int32)
-
-    def target_mask(self) -> np.ndarray:
-        """The one-byte target mask the cache stores (1 where ``labels`` is the token)."""
-        if self.labels is self.input_ids:  # every token a target
-            return np.ones(len(self.input_ids), dtype=np.uint8)
-        return (self.labels != IGNORE_INDEX).astype(np.uint8)
 
 
 @dataclass(frozen=True)

@@ -18,16 +18,15 @@ import numpy as np
 import torch
 
 from llmft import stop
-from llmft.data.encode import Encoder
-from llmft.data.pairs import PairEncoder, build_pair_rows, make_encoder
-from llmft.data.prompts import PromptEncoder, build_prompt_rows
+from llmft.data.kinds import kind_code
 from llmft.data.read import Chunk, parse_line
-from llmft.data.rows import SKIP_FIX, Tokenize, build_rows, raise_if_fatal
+from llmft.data.rows import SKIP_FIX, Tokenize, raise_if_fatal
 from llmft.data.shards import tokenize_shards
 from llmft.data.sources import Source
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
-from llmft.plan.objectives import DEFAULT_OBJECTIVE
+from llmft.plan.kinds import kind_spec
+from llmft.plan.objectives import DEFAULT_OBJECTIVE, ObjectiveSpec, objective_spec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -51,16 +50,17 @@ def build_entry(
     eval_role: bool,
     tmp: Path,
     shards: Path,
-    objective: str = DEFAULT_OBJECTIVE,
+    objective: ObjectiveSpec | None = None,
     fields: tuple[str, ...] = (),
     room: int | None = None,
 ) -> dict[str, Any]:
     """Write ``src``'s entry into ``tmp``, tokenizing into (or reusing the finished shards in) ``shards``;
-    ``fields`` are the record fields (``ObjectiveSpec.fields``) stored with each record; ``room`` is the
-    most tokens a prompt may have (prompt records: ``prompts.prompt_room``)."""
-    encoder = make_encoder(tokenizer, train_on, objective, cfg.max_seq_len, room)
-    pairs = isinstance(encoder, PairEncoder)  # one item per pair: chosen and rejected as rows 2i, 2i + 1
-    kind = "pairs" if pairs else "prompts" if isinstance(encoder, PromptEncoder) else "sequences"
+    ``objective``'s record kind (default: SFT's) parses, encodes and makes the rows; ``fields`` are the
+    record fields (``ObjectiveSpec.fields``) stored with each record; ``room`` is the most tokens a
+    record may have besides ``data.max_seq_len`` (``KindCode.room``: a prompt's)."""
+    objective = objective or objective_spec(DEFAULT_OBJECTIVE)
+    kind, code = kind_spec(objective.record), kind_code(objective.record)
+    encoder = code.encoder(tokenizer, train_on, objective, cfg.max_seq_len, room)
     chunks = [c for c in chunks if len(c.dataset)]
     procs = _num_proc(cfg)
     tokenizers = [Tokenize(encoder, c.lines, src.fields, fields) for c in chunks]
@@ -68,7 +68,7 @@ def build_entry(
     bad, errors = _errors(tokenized)
     ids, target, offsets = _flat(tokenized)
     values = _values(tokenized, fields)
-    records = _records(tokenized) if kind == "prompts" else None
+    records = _records(tokenized) if kind.keeps_records else None
     for e in errors:
         raise_if_fatal(e)
     locate = _Locate(chunks)
@@ -86,20 +86,19 @@ def build_entry(
     if holdout > 0:
         items, held_items = _holdout(items, holdout, seed, src.key)
     meta: dict[str, Any] = {"skipped": f"{locate(int(bad[0]))}: {errors[0]}" if len(bad) else None}
-    rows, meta["stats"] = _rows(
-        kind, ids, target, offsets, items, cfg, tokenizer.pad_token_id, src.key, values, records
-    )
+    pad = tokenizer.pad_token_id
+    rows, meta["stats"] = code.rows(ids, target, offsets, items, cfg, pad, src.key, values, records, False)
     meta["stats"]["skipped"] = len(bad)
     rows.write(tmp / "rows.arrow")
     prompt_items = items if eval_role else held_items
     if held_items is not None:
-        held, meta["held_stats"] = _rows(
-            kind, ids, target, offsets, held_items, cfg, tokenizer.pad_token_id, src.key, values, records
+        held, meta["held_stats"] = code.rows(
+            ids, target, offsets, held_items, cfg, pad, src.key, values, records, False
         )
         meta["held_stats"]["skipped"] = 0
         held.write(tmp / "held.arrow")
-    # Exact-match eval prompts are an SFT thing: prompt records have no reference completion.
-    some = prompt_items is not None and kind != "prompts"
+    # Exact-match eval prompts need a reference completion (prompt records have none).
+    some = prompt_items is not None and kind.eval_prompts
     prompts = _eval_prompts(chunks, prompt_items, encoder, src, cfg) if some else []
     write_prompts(tmp, prompts)
     return meta
@@ -120,16 +119,6 @@ def read_prompts(entry: Path) -> list[tuple[np.ndarray, str]]:
     rows, refs = TokenDataset.open(entry / "prompts.arrow"), json.loads((entry / "prompts.json").read_text())
     assert len(rows) == len(refs), f"{entry}: {len(rows)} prompts, {len(refs)} references"
     return [(rows[i]["input_ids"], ref) for i, ref in enumerate(refs)]
-
-
-def _rows(
-    kind: str, ids, target, offsets, items, cfg: DataConfig, pad_id: int, key: str, values, records
-) -> tuple[Any, dict]:
-    if kind == "pairs":
-        return build_pair_rows(ids, target, offsets, items, cfg, key)
-    if kind == "prompts":
-        return build_prompt_rows(ids, offsets, items, records)
-    return build_rows(ids, target, offsets, items, cfg, pad_id, key, values)
 
 
 def _records(tokenized: list) -> tuple[np.ndarray, np.ndarray]:
@@ -217,9 +206,7 @@ def _holdout(items: np.ndarray, fraction: float, seed: int, key: str) -> tuple[n
     return items[~held], items[held]
 
 
-def _eval_prompts(
-    chunks: list[Chunk], items: np.ndarray, encoder: Encoder | PairEncoder, src: Source, cfg: DataConfig
-) -> list:
+def _eval_prompts(chunks: list[Chunk], items: np.ndarray, encoder: Any, src: Source, cfg: DataConfig) -> list:
     """(prompt ids, reference) of the eval records that have a prompt shorter than max_seq_len."""
     locate, out = _Locate(chunks), []
     for i in items.tolist():

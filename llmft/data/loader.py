@@ -7,60 +7,20 @@ from typing import Any
 
 import torch
 
-from llmft.data.encode import IGNORE_INDEX
-from llmft.data.pairs import collate_pairs
-from llmft.data.prompts import collate_prompts
+from llmft.data.arrays import IGNORE_INDEX
+from llmft.data.kinds import kind_code, kind_of_item
 from llmft.data.sampler import MicroBatchSampler
 from llmft.data.sequence import count_slice_targets
 from llmft.data.workers import StopSafeDataLoader, ignore_stop_signals
+from llmft.plan.kinds import RecordKind
 
 
-def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
-    """Right-pad a list of dataset rows into a batch.
-
-    Unpacked rows get an ``attention_mask``. Packed rows get ``position_ids``
-    and deliberately no ``attention_mask``: transformers builds the
-    block-diagonal mask from the restarting positions only when the 2D mask
-    is absent (see ``llmft.data.pack``). Pads are marked by position, never by
-    ``input_ids == pad_id``, so a pad id equal to eos is harmless.
-
-    Rows are arrays (``TokenDataset`` items; lists work too) copied into the batch's int64 tensors
-    through numpy views of them: no Python object per token, whatever the row's length.
-
-    Record fields (``ObjectiveSpec.fields``, an item's ``fields``) become one float32 tensor each,
-    ``batch[name]`` of the batch's shape: each token its record's number, 0 on padding.
-
-    Preference pairs (items of a ``pairs.PairDataset``) go to ``pairs.collate_pairs``, prompts (items
-    that carry their ``record``) to ``prompts.collate_prompts``.
-    """
-    if "chosen" in examples[0]:
-        return collate_pairs(examples, pad_id)
-    if "record" in examples[0]:
-        return collate_prompts(examples, pad_id)
-    packed = examples[0]["position_ids"] is not None
-    assert all((e["position_ids"] is not None) == packed for e in examples), "mixed packed and unpacked rows"
-    width = max(len(e["input_ids"]) for e in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
-    extra = torch.zeros((len(examples), width), dtype=torch.long)  # attention_mask or position_ids
-    ids_np, labels_np, extra_np = input_ids.numpy(), labels.numpy(), extra.numpy()  # views: writes land in the tensors
-    for row, e in enumerate(examples):
-        n = len(e["input_ids"])
-        ids_np[row, :n] = e["input_ids"]
-        labels_np[row, :n] = e["labels"]
-        if packed:
-            extra_np[row, :n] = e["position_ids"]
-            extra[row, n:] = torch.arange(width - n)  # a padded tail is its own (ignored) sequence
-        else:
-            extra[row, :n] = 1
-    key = "position_ids" if packed else "attention_mask"
-    batch = {"input_ids": input_ids, "labels": labels, key: extra}
-    for name in examples[0].get("fields", ()):
-        values = torch.zeros((len(examples), width), dtype=torch.float32)
-        for row, e in enumerate(examples):
-            values.numpy()[row, : len(e["input_ids"])] = e["fields"][name]
-        batch[name] = values
-    return batch
+def collate(examples: list[dict[str, Any]], pad_id: int, kind: RecordKind | str | None = None) -> dict[str, Any]:
+    """A micro-batch of dataset items, by their record kind's ``collate`` (``kinds.KindCode``):
+    ``kind``, or the kind that owns the items (``kinds.kind_of_item``). SFT rows are right-padded
+    (``kinds.sequences.collate``), preference pairs interleaved (``kinds.pairs.collate_pairs``),
+    prompts keep their records (``kinds.prompts.collate_prompts``)."""
+    return kind_code(kind or kind_of_item(examples[0])).collate(examples, pad_id)
 
 
 def count_targets(labels: torch.Tensor) -> int:
@@ -74,7 +34,12 @@ def batch_targets(batch: dict[str, Any]) -> int:
 
 
 def make_loader(
-    dataset: Any, sampler: MicroBatchSampler, pad_id: int, num_workers: int, prefetch_factor: int
+    dataset: Any,
+    sampler: MicroBatchSampler,
+    pad_id: int,
+    num_workers: int,
+    prefetch_factor: int,
+    kind: RecordKind | str | None = None,
 ) -> torch.utils.data.DataLoader:
     """A DataLoader over ``sampler``'s micro-batches; workers stay alive across the (endless) iteration
     and leave the stop signals to the training process (``llmft.data.workers``)."""
@@ -82,7 +47,7 @@ def make_loader(
     return StopSafeDataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=functools.partial(collate, pad_id=pad_id),
+        collate_fn=functools.partial(collate, pad_id=pad_id, kind=kind),
         num_workers=num_workers,
         prefetch_factor=prefetch_factor if workers else None,
         persistent_workers=workers,

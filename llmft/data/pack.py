@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmft.data.encode import IGNORE_INDEX, Example
+from llmft.data.arrays import IGNORE_INDEX, Example, positions, ranges, token_blocks
 
 
 def plan_rows(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -60,44 +60,6 @@ def plan_rows(lengths: list[int], capacity: int) -> list[list[int]]:
                 buckets[space] = [row]
                 bisect.insort(spaces, space)
     return rows
-
-
-def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])``, vectorised."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    first = np.cumsum(lengths) - lengths  # where each range begins in the output
-    return np.arange(total, dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - first, lengths)
-
-
-def token_blocks(lengths: np.ndarray, block_tokens: int) -> list[tuple[int, int]]:
-    """Consecutive ``(lo, hi)`` ranges of items whose ``lengths`` sum to at most ~2 x ``block_tokens``
-    (or one longer item): blocks by tokens, not by a count of items sized for the longest one, so a
-    1M-token record among short ones does not cut the rest into blocks of a few records."""
-    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
-    if len(ends) == 0:
-        return []
-    cuts = np.searchsorted(ends, np.arange(block_tokens, int(ends[-1]), block_tokens), side="right")
-    bounds = np.unique(np.concatenate([[0], np.minimum(cuts, len(ends)), [len(ends)]]))
-    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
-
-
-def take_ranges(
-    arrays: tuple[np.ndarray, ...], starts: np.ndarray, lengths: np.ndarray, block_tokens: int = 1 << 22
-) -> tuple[np.ndarray, ...]:
-    """``a[ranges(starts, lengths)]`` for each array, gathered about ``block_tokens`` at a time: the
-    8-byte index of each token exists for one block only."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    outs = tuple(np.empty(int(ends[-1]) if len(ends) else 0, dtype=a.dtype) for a in arrays)
-    for lo, hi in token_blocks(lengths, block_tokens):
-        take = ranges(starts[lo:hi], lengths[lo:hi])
-        at = int(ends[lo] - lengths[lo])
-        for out, a in zip(outs, arrays, strict=True):
-            out[at : at + len(take)] = a[take]
-    return outs
 
 
 @dataclass
@@ -158,20 +120,6 @@ def pack_arrays(
     items = np.full(len(segments), -1, dtype=np.int64)
     items[member_segs] = members
     return PackedRows(ids, tgt, segments, seg_offsets, items)
-
-
-def positions(segments: np.ndarray) -> np.ndarray:
-    """Position ids (int64) that restart at 0 for every segment, built in place: one 8-byte array
-    of the row's length, nothing else per token (a 1M-token row: 8 MB, no temporaries)."""
-    lengths = np.asarray(segments, dtype=np.int64)
-    lengths = lengths[lengths > 0]
-    out = np.ones(int(lengths.sum()), dtype=np.int64)
-    if len(out) == 0:
-        return out
-    out[0] = 0
-    starts = np.cumsum(lengths[:-1])
-    out[starts] = 1 - lengths[:-1]  # the step back to 0 at each new segment
-    return np.cumsum(out, out=out)
 
 
 def pack(examples: list[Example], max_seq_len: int, pad_id: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:

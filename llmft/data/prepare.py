@@ -12,9 +12,11 @@ import sys
 import time
 
 from llmft.data.build import build_data, cache_root
-from llmft.data.prompts import is_prompts
+from llmft.data.kinds import kind_code
 from llmft.data.tokenizer import load_tokenizer
 from llmft.errors import Problem, UserError
+from llmft.plan.kinds import kind_spec
+from llmft.plan.objectives import objective_of
 from llmft.plan.resolve import load_plan
 from llmft.recipe import load_recipe
 from llmft.stop import StopRequest
@@ -44,23 +46,13 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
     finally:
         stop.uninstall()
     lines = [f"data cache: {cache_root(recipe.data)} ({time.time() - started:.1f} s)"]
-    prompts = is_prompts(recipe.train.objective)  # online RL: rows are prompts, without targets
+    kind = kind_spec(objective_of(recipe).record)  # what an entry's rows are: its own words
     for e in data.entries:
         s = e["stats"]
         how = "built" if e["built"] else "already there"
         lines.append(f"{e['key']}: {e['source']}")
         lines.append(f"  entry {e['entry']} ({how}, {_size(e['bytes'])})")
-        if "pairs" in s:  # preference pairs: an item is a pair (chosen and rejected)
-            made = f"{s['pairs']:,} pairs ({s['sequences']:,} sequences)"
-        elif prompts:
-            made = f"{s['rows']:,} prompts"
-        else:
-            made = f"{s['examples']:,} examples"
-        detail = f"  {s['records']:,} records -> {made}, {s['tokens']:,} tokens"
-        if not prompts:
-            detail += f" ({s['target_tokens']:,} targets)"
-        if "pairs" not in s and not prompts:
-            detail += f", {s['rows']:,} rows"
+        detail = "  " + kind_code(kind).describe(s)
         if "packing_efficiency" in s:
             detail += f", packing efficiency {s['packing_efficiency']:.1%}"
         lines.append(detail)
@@ -68,8 +60,7 @@ def prepare(recipe_path: str, overrides: list[str]) -> str:
         if notes:
             lines.append("  " + ", ".join(notes))
     st = data.stats
-    unit = "pairs" if "pairs" in st else "prompts" if prompts else "rows"
-    total = f"train: {st['rows']:,} {unit} of max_seq_len {recipe.data.max_seq_len}, {st['tokens']:,} tokens"
+    total = f"train: {st['rows']:,} {kind.unit} of max_seq_len {recipe.data.max_seq_len}, {st['tokens']:,} tokens"
     if "group" in st:
         total += f", {st['group']} completions per prompt"
     if "mixture_rows" in st:

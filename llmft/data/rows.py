@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from llmft.data.pack import pack_arrays, take_ranges
+from llmft.data.arrays import take_ranges
+from llmft.data.pack import pack_arrays
 from llmft.data.read import parse_line
 from llmft.data.records import BadRecord, kind_of
 from llmft.data.tokens import TokenDataset

@@ -205,3 +205,15 @@ def eval_shard(n: int, rank: int, world: int) -> tuple[range, int]:
     share to, so that all ranks make the same (collective) calls."""
     per = -(-n // world)
     return range(min(rank * per, n), min((rank + 1) * per, n)), per
+
+
+class Positions:
+    """The identity order: position p is item p. Grouped data (``kinds.prompts.PromptGroups``) and a
+    stream order their items themselves."""
+
+    shuffle = False
+
+    def index(self, position: int) -> int:
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        return position

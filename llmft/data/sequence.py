@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from llmft.data.encode import IGNORE_INDEX
+from llmft.data.arrays import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from llmft.plan.layout import ParallelLayout

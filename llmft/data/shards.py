@@ -34,13 +34,16 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from llmft import stop
 from llmft.data.read import Chunk
-from llmft.data.rows import Tokenize
 from llmft.data.workers import ignore_stop_signals, stop_signals_blocked
+
+if TYPE_CHECKING:
+    from llmft.data.rows import Tokenize
 
 log = logging.getLogger("llmft.data")
 

@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 import torch
 
-from llmft.data.pairs import PairDataset, PairEncoder, build_pair_rows, make_encoder
-from llmft.data.prompts import build_prompt_rows
+from llmft.data.kinds import kind_code
 from llmft.data.read import (
     LINE_EXTENSIONS,
     Resolved,
@@ -44,12 +43,13 @@ from llmft.data.read import (
     resolve,
     too_long,
 )
-from llmft.data.rows import SKIP_FIX, Tokenize, build_rows, raise_if_fatal
-from llmft.data.sampler import ShareWindows
+from llmft.data.rows import SKIP_FIX, Tokenize, raise_if_fatal
+from llmft.data.sampler import Positions, ShareWindows
 from llmft.data.sources import Source
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
-from llmft.plan.objectives import DEFAULT_OBJECTIVE, objective_spec
+from llmft.plan.kinds import kind_spec
+from llmft.plan.objectives import DEFAULT_OBJECTIVE, ObjectiveSpec, objective_spec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -61,15 +61,7 @@ log = logging.getLogger("llmft.data")
 START = {"pass": 0, "block": 0, "row": 0, "source": None}
 
 
-class StreamOrder:
-    """The order of a stream is the stream: position p is row p (shuffling happens inside blocks)."""
-
-    shuffle = False
-
-    def index(self, position: int) -> int:
-        if position < 0:
-            raise ValueError(f"position must be >= 0, got {position}")
-        return position
+StreamOrder = Positions  # a stream's order is the stream: position p is row p (shuffling happens inside blocks)
 
 
 class StreamDataset:
@@ -193,7 +185,8 @@ class MixedStream:
 
 
 class _Blocks:
-    """Raw records of one block -> rows, by the cache's own tokenizer, truncation and packing."""
+    """Raw records of one block -> rows, by the cache's own tokenizer, truncation and packing (the
+    objective's record kind's code: ``kinds.KindCode``)."""
 
     def __init__(
         self,
@@ -201,25 +194,21 @@ class _Blocks:
         cfg: DataConfig,
         tokenizer: PreTrainedTokenizerBase,
         train_on: str,
-        objective: str,
+        objective: ObjectiveSpec,
         room: int | None = None,
     ) -> None:
         self.key, self.cfg, self.pad_id = src.key, cfg, tokenizer.pad_token_id
-        names = objective_spec(objective).fields  # the record fields it reads
-        encoder = make_encoder(tokenizer, train_on, objective, cfg.max_seq_len, room)
-        self.lines = Tokenize(encoder, True, src.fields, names)
-        self.tables = Tokenize(
-            make_encoder(tokenizer, train_on, objective, cfg.max_seq_len, room), False, src.fields, names
+        self.kind, self.code = kind_spec(objective.record), kind_code(objective.record)
+        names = objective.fields  # the record fields it reads
+        self.lines = Tokenize(
+            self.code.encoder(tokenizer, train_on, objective, cfg.max_seq_len, room), True, src.fields, names
         )
-        self.pairs = isinstance(self.lines.encoder, PairEncoder)
-        self.prompts = self.lines.records  # prompt rows keep their records
+        self.tables = Tokenize(
+            self.code.encoder(tokenizer, train_on, objective, cfg.max_seq_len, room), False, src.fields, names
+        )
 
-    def rows(self, records: list[tuple[Any, str | None, str, bool]]) -> tuple[TokenDataset | PairDataset, dict]:
-        empty = TokenDataset.from_arrays(*_empty_arrays())
-        if self.pairs:
-            empty = PairDataset(empty, self.cfg.packing)
-        if self.prompts:
-            empty = TokenDataset.from_arrays(*_empty_arrays(), records=(np.zeros(1, np.int64), np.zeros(0, np.uint8)))
+    def rows(self, records: list[tuple[Any, str | None, str, bool]]) -> tuple[Any, dict]:
+        empty = self.code.empty(self.cfg)
         if not records:
             return empty, {"skipped": 0}
         errors: list[str | None] = []
@@ -248,33 +237,16 @@ class _Blocks:
         flat_target = np.concatenate(target).astype(np.uint8) if target else np.zeros(0, np.uint8)
         if len(items) == 0:
             return empty, {"skipped": skipped}
-        if self.prompts:  # every prompt that was not refused fits: one row each
+        kept_records = None
+        if self.kind.keeps_records:
             rec_offsets = np.concatenate([[0], np.cumsum([len(r) for r in kept])]).astype(np.int64)
-            rec_bytes = np.concatenate(kept).astype(np.uint8) if kept else np.zeros(0, np.uint8)
-            rows, _ = build_prompt_rows(flat_ids, offsets, items, (rec_offsets, rec_bytes))
-            return rows, {"skipped": skipped}
-        if self.pairs:  # a block whose pairs all lose their targets is an empty block, not an error
-            rows, _ = build_pair_rows(flat_ids, flat_target, offsets, items, self.cfg, self.key, allow_empty=True)
-            return rows, {"skipped": skipped}
-        if not _any_target(flat_target, offsets, items, self.cfg.max_seq_len):
-            return empty, {"skipped": skipped}
+            kept_records = (rec_offsets, np.concatenate(kept).astype(np.uint8) if kept else np.zeros(0, np.uint8))
         names = self.lines.values
         values = {name: np.array([v[k] for v in numbers], np.float64) for k, name in enumerate(names)}
-        rows, _ = build_rows(flat_ids, flat_target, offsets, items, self.cfg, self.pad_id, self.key, values)
-        return rows, {"skipped": skipped}
-
-
-def _empty_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The ids, target mask and offsets of no rows."""
-    return np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64)
-
-
-def _any_target(target: np.ndarray, offsets: np.ndarray, items: np.ndarray, max_len: int) -> bool:
-    for i in items.tolist():
-        lo = int(offsets[i])
-        if target[lo + 1 : lo + min(max_len, int(offsets[i + 1]) - lo)].any():
-            return True
-    return False
+        rows, _ = self.code.rows(
+            flat_ids, flat_target, offsets, items, self.cfg, self.pad_id, self.key, values, kept_records, True
+        )
+        return (empty if rows is None else rows), {"skipped": skipped}
 
 
 def _runs(records: list) -> Iterator[tuple[bool, list]]:
@@ -414,11 +386,12 @@ def open_stream(
     cfg: DataConfig,
     tokenizer: PreTrainedTokenizerBase,
     seed: int,
-    objective: str = DEFAULT_OBJECTIVE,
+    objective: ObjectiveSpec | None = None,
     room: int | None = None,
 ) -> StreamDataset:
     """One source as a stream whose block permutations are seeded with ``seed``; ``objective``'s records
-    (prompt records: at most ``room`` tokens each, ``prompts.prompt_room``)."""
+    (default: SFT's; prompt records: at most ``room`` tokens each, ``kinds.prompts.prompt_room``)."""
+    objective = objective or objective_spec(DEFAULT_OBJECTIVE)
     resolved = resolve(src)
     if resolved.kind == "files":
         kinds = {p.suffix in LINE_EXTENSIONS for p in resolved.files}

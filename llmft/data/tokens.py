@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from llmft.data.encode import IGNORE_INDEX
-from llmft.data.pack import positions
+from llmft.data.arrays import IGNORE_INDEX, positions
 from llmft.errors import Problem, UserError
 
 FIELD_PREFIX = "field:"  # the Arrow column of a record field (``ObjectiveSpec.fields``)

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from llmft.checkpoint.layout import OBJECTIVE_DIR, STATE_FILE
-from llmft.data.encode import IGNORE_INDEX
+from llmft.data.arrays import IGNORE_INDEX
 from llmft.data.sampler import eval_shard
 from llmft.errors import Problem, UserError
 from llmft.job import watchdog

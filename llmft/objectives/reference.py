@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 import llmft
-from llmft.data.pairs import PairDataset, collate_pairs
+from llmft.data.kinds.pairs import PairDataset, collate_pairs
 from llmft.data.sequence import rank_slice
 from llmft.job.dist import barrier, broadcast_object
 from llmft.objectives import Models, disable_dropout

@@ -41,22 +41,20 @@ the recipe: the plan carries the decision and the objective asks the engine for 
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, fields, is_dataclass
 from typing import TYPE_CHECKING, Callable, Literal
 
 from llmft.errors import Problem, UserError
 from llmft.plan.engines import load
+from llmft.plan.kinds import PAIRS, PROMPTS, SEQUENCES, kind_names, kind_spec
 from llmft.recipe.schema import Recipe
+from llmft.recipe.sections import builtin_sections, import_module, registered_sections
 
 if TYPE_CHECKING:
     from llmft.plan.batch import BatchPlan
 
-# The kinds of record the data layer reads (``ObjectiveSpec.record``).
-SEQUENCES = "sequences"  # SFT records: text, prompt/completion, messages; one row each (or packed)
-PAIRS = "pairs"  # preference pairs: prompt, chosen, rejected; an item is two rows
-PROMPTS = "prompts"  # prompts to complete (online RL): a prompt (text or messages) and any other fields
-RECORD_KINDS = (SEQUENCES, PAIRS, PROMPTS)
+# The kinds of record the data layer reads (``ObjectiveSpec.record``): the registry in
+# ``llmft.plan.kinds`` (SEQUENCES, PAIRS, PROMPTS and any a user module registers).
 # The frozen models an objective may ask for (``ObjectiveSpec.frozen``).
 REFERENCE = "reference"  # the policy's initial function: adapters off, a frozen copy, or a named model
 REWARD_MODEL = "reward_model"  # a scoring model (for generation-based objectives)
@@ -83,7 +81,7 @@ class ObjectiveSpec:
     runtime: str | None  # the Objective class (torch side); None: not built yet (refused at resolve)
     counts: Literal["tokens", "pairs", "completions"]  # what the micro loss is normalised by (global batch)
     head: Literal["lm", "score"] = "lm"  # the causal-LM head, or a scalar score head
-    record: str = SEQUENCES  # the kind of record it reads (RECORD_KINDS)
+    record: str = SEQUENCES  # the kind of record it reads (a ``llmft.plan.kinds`` record's name)
     rows_per_item: int | str = 1  # rows an item becomes: 1, 2 (a pair), or a recipe key holding G
     # A recipe key holding G: G consecutive positions of the global order are one record's G items
     # (online RL: a prompt's G completions); None: a position is a record.
@@ -114,8 +112,9 @@ class ObjectiveSpec:
         return self.record == PAIRS
 
     def packed(self, recipe: Recipe) -> bool:
-        """Its items are packed rows (``data.packing`` packs sequences records; a pair stays a pair)."""
-        return bool(recipe.data.packing) and self.record == SEQUENCES
+        """Its items are packed rows (``data.packing`` packs a kind that packs, ``RecordKind.packs``:
+        sequences; a pair stays a pair)."""
+        return bool(recipe.data.packing) and kind_spec(self.record).packs
 
     def items(self, recipe: Recipe) -> str:
         """What one item of its training data is called: its ``unit``, or ``rows`` when packed."""
@@ -260,14 +259,16 @@ def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
                 "Give the new objective a name of its own.",
             )
         )
-    if spec.record not in RECORD_KINDS:
+    if spec.record not in kind_names():
         problems.append(
             Problem(
                 "train.objective_module",
                 f"registers objective {spec.name!r} reading {spec.record!r} records",
-                f"Use one of the record kinds the data layer reads: {', '.join(RECORD_KINDS)}.",
+                f"Use one of the record kinds the data layer reads: {', '.join(kind_names())}, or register "
+                "the kind first (llmft.plan.kinds.register_kind).",
             )
         )
+        raise UserError(*problems)
     problems += _field_problems(spec) + _reads_problems(spec)
     if problems:
         raise UserError(*problems)
@@ -279,13 +280,14 @@ def _field_problems(spec: ObjectiveSpec) -> list[Problem]:
     """A record field must be a name of its own in the micro-batch, read from one row per record."""
     if not spec.fields:
         return []
-    if spec.record != SEQUENCES:
+    if not kind_spec(spec.record).record_fields:
+        carry = [k for k in kind_names() if kind_spec(k).record_fields]
         return [
             Problem(
                 "train.objective_module",
                 f"registers objective {spec.name!r} reading fields {', '.join(spec.fields)} from {spec.record!r} "
-                "records; record fields are read from sequences records only",
-                f"Declare fields only on an objective with record={SEQUENCES!r}.",
+                f"records; record fields are read from {' or '.join(carry)} records only",
+                f"Declare fields only on an objective with record={carry[0]!r}.",
             )
         ]
     bad = [f for f in spec.fields if not f.isidentifier() or f in BATCH_KEYS or spec.fields.count(f) > 1]
@@ -301,8 +303,10 @@ def _field_problems(spec: ObjectiveSpec) -> list[Problem]:
 
 
 def _reads_problems(spec: ObjectiveSpec) -> list[Problem]:
-    """What a record reads (``reads``, ``tolerates``) must be the recipe's sections or their keys."""
+    """What a record reads (``reads``, ``tolerates``) must be the recipe's sections or their keys: the
+    schema's, or one a module registered (``llmft.recipe.sections.register_section``) before."""
     sections = {f.name: getattr(Recipe(), f.name) for f in fields(Recipe)}
+    sections.update({name: s.schema() for name, s in registered_sections().items()})
 
     def known(read: str) -> bool:
         section, dot, key = read.partition(".")
@@ -317,8 +321,8 @@ def _reads_problems(spec: ObjectiveSpec) -> list[Problem]:
         Problem(
             "train.objective_module",
             f"registers objective {spec.name!r} reading {', '.join(map(repr, bad))}, which the recipe has not",
-            f'Name sections of the recipe ({", ".join(sections)}) or keys of one ("rl.beta"); a section of '
-            "its own needs a dataclass in llmft/recipe/schema.py.",
+            f'Name sections of the recipe ({", ".join(builtin_sections())}) or keys of one ("rl.beta"); a '
+            "section of its own is registered first, with llmft.recipe.sections.register_section.",
         )
     ]
 
@@ -326,20 +330,8 @@ def _reads_problems(spec: ObjectiveSpec) -> list[Problem]:
 def load_objective_module(recipe: Recipe) -> None:
     """Import ``train.objective_module`` (a user's module that registers its objective). Importing
     it runs its code: it is the user's own, named explicitly, like a reward function's ``module:name``."""
-    name = recipe.train.objective_module
-    if not name:
-        return
-    try:
-        importlib.import_module(name)
-    except Exception as e:
-        raise UserError(
-            Problem(
-                "train.objective_module",
-                f"cannot import {name!r}: {type(e).__name__}: {e}",
-                "Name a module importable from this environment (on PYTHONPATH, or installed) that calls "
-                "llmft.plan.objectives.register_objective.",
-            )
-        ) from e
+    if recipe.train.objective_module:  # loading the recipe imported it where it adds a section
+        import_module(recipe.train.objective_module, "train.objective_module")
 
 
 def registered(name: str) -> ObjectiveSpec | None:
@@ -409,14 +401,15 @@ def objective_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Prob
             )
         )
     problems += head_problems(spec, recipe, where)
-    if spec.record == PROMPTS:
-        problems += _prompt_problems(spec, recipe, where)
+    kind = kind_spec(spec.record)
+    if kind.problems:
+        problems += load(kind.problems)(spec, recipe, where)
     if spec.problems:
         problems += load(spec.problems)(recipe, where)
     return problems + unread_problems(spec, recipe, where)
 
 
-def _prompt_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
+def prompt_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
     """Prompt records (online RL): one prompt per row, and room for the completion after it."""
     problems: list[Problem] = []
     if recipe.data.packing:
@@ -471,8 +464,8 @@ def unread_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], 
     problems = []
     sections = dict.fromkeys(read for s in objectives() for read in s.reads if "." not in read)
     for section in sections:
-        if spec.reads_from(section) or section in spec.tolerates:
-            continue
+        if spec.reads_from(section) or section in spec.tolerates or not hasattr(recipe, section):
+            continue  # a registered section this recipe has not: its module is not the recipe's
         readers = [s for s in objectives() if section in s.reads]
         problems += _unread(spec, recipe, where, section, readers)
     return problems

@@ -2,7 +2,9 @@
 
     python -m llmft.recipe.docs > docs/recipe.md
 
-A test fails when the committed file differs from what this renders.
+A test fails when the committed file differs from what this renders. ``python -m llmft.recipe.docs
+MODULE`` renders it with the sections a user's module registers (``llmft.recipe.sections``) after
+the schema's.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import typing
 from dataclasses import MISSING, Field, is_dataclass
 from typing import Any
 
+from llmft.errors import UserError
 from llmft.limits import RECIPE_MAX_BYTES, RECIPE_MAX_DEPTH
 from llmft.recipe.schema import Recipe, default_of, iter_fields
+from llmft.recipe.sections import import_module, recipe_class
 
 REGENERATE = "python -m llmft.recipe.docs > docs/recipe.md"
 
@@ -28,6 +32,9 @@ error that suggests the closest valid key. Override any key on the command line 
 OmegaConf dot-list syntax, e.g. `llmft train recipe.yaml optim.lr=1e-4 model.quantization.bits=4`.
 Of the three batch keys, any one may be `auto`: it is solved from the other two and the
 data-parallel size (see [batch.md](batch.md)). Complete, tested recipes live in `configs/`.
+The module a recipe names in `train.objective_module` may add a section of its own
+(`llmft.recipe.sections.register_section`, [design.md](design.md) "Adding an objective"): its
+keys are checked like these, and `python -m llmft.recipe.docs MODULE` lists them after these.
 
 A recipe is UTF-8 YAML and only data: a YAML tag (`!!python/...`) never constructs anything,
 and of OmegaConf's interpolations only `${{section.key}}` references and `${{oc.env:VAR}}` (or
@@ -41,12 +48,12 @@ line or the override, and the fix; `llmft` exits 2 without a traceback.
 """
 
 
-def render_recipe_docs() -> str:
-    """The whole of docs/recipe.md."""
+def render_recipe_docs(schema: type = Recipe) -> str:
+    """The whole of docs/recipe.md: ``schema``'s sections (``recipe_class``: with a module's own)."""
     parts = [INTRO.rstrip()]
-    owner: dict[str, type] = {"": Recipe}  # dotted prefix -> the dataclass holding its fields
+    owner: dict[str, type] = {"": schema}  # dotted prefix -> the dataclass holding its fields
     section: list[str] = []
-    for key, f, sub in iter_fields():
+    for key, f, sub in iter_fields(schema):
         parent = key.rpartition(".")[0]
         if sub is not None:
             owner[key] = sub
@@ -117,4 +124,10 @@ def _meaning(f: Field) -> str:
 
 
 if __name__ == "__main__":
-    sys.stdout.write(render_recipe_docs())
+    module = sys.argv[1] if len(sys.argv) > 1 else None
+    if module:
+        try:
+            import_module(module, "python -m llmft.recipe.docs MODULE")
+        except UserError as e:
+            sys.exit(str(e))
+    sys.stdout.write(render_recipe_docs(recipe_class(module)))

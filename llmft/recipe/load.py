@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from llmft.errors import Problem, UserError
 from llmft.limits import RECIPE_MAX_BYTES, RECIPE_MAX_DEPTH
 from llmft.recipe.schema import Recipe, iter_fields
+from llmft.recipe.sections import MODULE_KEY, builtin_sections, import_module, recipe_class
 from llmft.recipe.validate import check_combinations, check_values
 
 FREE_FORM = {"model.config"}  # values that are arbitrary mappings, not schema sections
@@ -265,17 +266,19 @@ def _check_resolvers(data: Any, sources: _Sources, prefix: str = "") -> list[Pro
 
 
 @functools.cache
-def _schema_keys() -> dict[str, Any]:
-    return {key: sub for key, _, sub in iter_fields()}
+def _schema_keys(schema: type = Recipe) -> dict[str, Any]:
+    return {key: sub for key, _, sub in iter_fields(schema)}
 
 
-def _check_keys(data: Any, sources: _Sources, prefix: str = "", cls: type = Recipe) -> list[Problem]:
-    """Unknown keys, with the closest valid key suggested."""
+def _check_keys(
+    data: Any, sources: _Sources, schema: type = Recipe, prefix: str = "", cls: type | None = None
+) -> list[Problem]:
+    """Unknown keys of ``schema`` (a recipe class), with the closest valid key suggested."""
     problems: list[Problem] = []
     if not isinstance(data, dict):
         return problems
-    names = {f.name: f for f in fields(cls)}
-    all_keys = list(_schema_keys())
+    names = {f.name: f for f in fields(cls or schema)}
+    all_keys = list(_schema_keys(schema))
     for k, v in data.items():
         key = f"{prefix}{k}"
         if k not in names:
@@ -291,24 +294,25 @@ def _check_keys(data: Any, sources: _Sources, prefix: str = "", cls: type = Reci
             continue
         if key in FREE_FORM:
             continue
-        sub = _schema_keys().get(key)
+        sub = _schema_keys(schema).get(key)
         if sub is not None and isinstance(v, dict):
-            problems.extend(_check_keys(v, sources, key + ".", sub))
+            problems.extend(_check_keys(v, sources, schema, key + ".", sub))
         elif sub is not None and v is not None and not isinstance(v, dict):
             problems.append(Problem(sources.of(key), f"must be a mapping (a section), got {v!r}"))
     return problems
 
 
-def _check_types(base: DictConfig, data: dict, sources: _Sources, prefix: str = "") -> list[Problem]:
+def _check_types(schema: type, base: DictConfig, data: dict, sources: _Sources, prefix: str = "") -> list[Problem]:
     """Merge leaf by leaf so every type error is reported, each with its key."""
     problems: list[Problem] = []
+    keys = _schema_keys(schema)
     for k, v in data.items():
         key = f"{prefix}{k}"
-        if key not in _schema_keys():
+        if key not in keys:
             continue  # reported by _check_keys
-        sub = _schema_keys().get(key)
+        sub = keys.get(key)
         if key not in FREE_FORM and sub is not None and isinstance(v, dict):
-            problems.extend(_check_types(base, v, sources, key + "."))
+            problems.extend(_check_types(schema, base, v, sources, key + "."))
             continue
         try:
             OmegaConf.merge(base, OmegaConf.from_dotlist([]), _nest(key, v))
@@ -318,6 +322,29 @@ def _check_types(base: DictConfig, data: dict, sources: _Sources, prefix: str = 
                 Problem(sources.of(key), f"wrong type: {msg}", "Use a value of the type shown in docs/recipe.md.")
             )
     return problems
+
+
+def _recipe_class(file_cfg: DictConfig, over_cfg: DictConfig, sources: _Sources) -> tuple[type[Recipe], list[Problem]]:
+    """The recipe class with the sections of the module ``train.objective_module`` names, imported
+    here from the layers as given: its sections must be known before keys and types are checked. A
+    module that fails to import is reported here only when the recipe has sections the schema lacks
+    (else ``llmft.plan.resolve`` reports it, with the objective it was to register)."""
+    raws = [OmegaConf.to_container(layer, resolve=False) for layer in (file_cfg, over_cfg)]
+    if any(_check_resolvers(raw, _Sources()) for raw in raws):
+        return Recipe, []  # ${...} is evaluated only once no resolver but oc.env is in the recipe
+    try:
+        module = OmegaConf.select(OmegaConf.merge(file_cfg, over_cfg), MODULE_KEY, default=None)
+    except _MERGE_ERRORS:  # the layers' shapes or an unset variable: reported below
+        return Recipe, []
+    if not isinstance(module, str) or not module:
+        return Recipe, []
+    try:
+        import_module(module, MODULE_KEY)
+    except UserError as e:
+        if not {k for raw in raws for k in raw} - set(builtin_sections()):
+            return Recipe, []
+        return Recipe, [Problem(sources.of(p.where), p.what, p.fix) for p in e.problems]
+    return recipe_class(module), []
 
 
 def _nest(key: str, value: Any) -> dict:
@@ -356,16 +383,18 @@ def load_unchecked(
     """The recipe and the problems of its values (keys and types must be right: those raise here),
     so that a caller can add the problems it finds itself and report them all at once."""
     file_sources, over_sources, sources = _Sources(), _Sources(), _Sources()
-    schema = OmegaConf.structured(Recipe)
     file_cfg = _read_yaml(resolve_recipe_path(path), file_sources) if path is not None else OmegaConf.create({})
     over_cfg, problems = _parse_overrides(list(overrides), over_sources)
     sources.where = {**file_sources.where, **over_sources.where}
 
+    recipe_cls, module_problems = _recipe_class(file_cfg, over_cfg, sources)
+    problems.extend(module_problems)
+    schema = OmegaConf.structured(recipe_cls)
     for layer, layer_sources in ((file_cfg, file_sources), (over_cfg, over_sources)):
         raw = OmegaConf.to_container(layer, resolve=False)
         problems.extend(_check_resolvers(raw, layer_sources))
-        problems.extend(_check_keys(raw, layer_sources))
-        problems.extend(_check_types(schema, raw, layer_sources))
+        problems.extend(_check_keys(raw, layer_sources, recipe_cls))
+        problems.extend(_check_types(recipe_cls, schema, raw, layer_sources))
     if problems:
         raise RecipeError(*problems, title=f"recipe {path} has {len(problems)} problem(s)" if path else "")
 

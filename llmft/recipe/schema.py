@@ -277,9 +277,10 @@ class TrainConfig:
     objective_module: Optional[str] = doc(
         None,
         "A Python module (dotted name, importable on every rank: installed or on PYTHONPATH) that registers "
-        "train.objective with llmft.plan.objectives.register_objective; imported before the recipe is "
-        "resolved. It is code you name, run like a reward function's module:name (docs/design.md, "
-        '"Adding an objective"); null: the built-in objectives only.',
+        "train.objective with llmft.plan.objectives.register_objective, and any recipe section of its own "
+        "(llmft.recipe.sections.register_section); imported when the recipe is loaded. It is code you name, "
+        'run like a reward function\'s module:name (docs/design.md, "Adding an objective"); null: the built-in '
+        "objectives only.",
     )
 
 

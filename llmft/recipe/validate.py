@@ -28,7 +28,7 @@ def _get(recipe: Any, key: str) -> Any:
 
 def _choices(recipe: Recipe, where) -> list[Problem]:
     problems = []
-    for key, f, _ in iter_fields():
+    for key, f, _ in iter_fields(type(recipe)):  # with the sections of train.objective_module (recipe.sections)
         choices = f.metadata.get("choices")
         if choices is None:
             continue
@@ -57,7 +57,7 @@ def _numbers(r: Recipe, where) -> list[Problem]:
     schema entry says otherwise (``allow_nonfinite``). Free-form values (``model.config``, the
     mappings of ``data.train``) are searched too, and a free-form key is named in full."""
     problems = []
-    for key, f, sub in iter_fields():
+    for key, f, sub in iter_fields(type(r)):
         if sub is not None or f.metadata.get("allow_nonfinite"):
             continue
         value = _get(r, key)

@@ -95,67 +95,74 @@ def train_loop(
     model.train()
     state.saved = state.step if state.step > 0 else None  # resumed from its checkpoint
     with AuxSlot(engine.unwrap()) as aux:  # the terms attached inside the policy (none: no hook)
+        run = _Run(engine, objective, aux, scheduler, batches, plan, env, cfg, hooks, stop)
         while state.step < cfg.max_steps:
-            if _step(engine, objective, aux, scheduler, batches, plan, env, cfg, state, hooks, stop):
+            if _step(run, state):
                 break
     return state
 
 
-def _step(
-    engine: Engine,
-    objective: Objective,
-    aux: AuxSlot,
-    scheduler,
-    batches: Iterator[dict[str, torch.Tensor]],
-    plan: BatchPlan,
-    env: DistEnv,
-    cfg: LoopConfig,
-    state: LoopState,
-    hooks: LoopHooks,
-    stop: StopRequest,
-) -> bool:
+@dataclass(frozen=True)
+class _Run:
+    """What every step of one ``train_loop`` works with (its state apart: ``LoopState``)."""
+
+    engine: Engine
+    objective: Objective
+    aux: AuxSlot
+    scheduler: Any
+    batches: Iterator[dict[str, torch.Tensor]]
+    plan: BatchPlan
+    env: DistEnv
+    cfg: LoopConfig
+    hooks: LoopHooks
+    stop: StopRequest
+
+
+def _step(run: _Run, state: LoopState) -> bool:
     """One optimizer step; whether the run stops after it (or instead of it: abandoned)."""
-    device = env.device
+    device = run.env.device
     t0 = time.perf_counter()
     step = state.step + 1
     watchdog.progress(step, "fetching and counting the micro-batches")  # a stall: llmft.job.watchdog
     # All micro-batches of the step are fetched first: their items (target tokens, pairs) must
     # be counted before the first backward (each micro loss is divided by the global count).
     rng = rng_state()  # as the step begins: what a checkpoint of the state before it holds
-    fetched = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
+    fetched = [next(run.batches) for _ in range(run.plan.gradient_accumulation_steps)]
     try:
-        micro_batches = objective.prepare(fetched)  # generation and scoring, for online RL
+        micro_batches = run.objective.prepare(fetched)  # generation and scoring, for online RL
     except stops.Abandoned as cut:
-        _abandon(state, cut.what, rng, hooks, stop)
+        _abandon(state, cut.what, rng, run.hooks, run.stop)
         return True
     data_wait = time.perf_counter() - t0
-    local_count = sum(objective.count(mb) for mb in micro_batches)
+    local_count = sum(run.objective.count(mb) for mb in micro_batches)
     local_targets = sum(batch_targets(mb) for mb in micro_batches)
     # The auxiliary terms' own statistics ride on the same all-reduce (none: the same list).
     global_count, global_targets, *aux_stats = all_reduce_sum(
-        [float(local_count), float(local_targets), *aux.statistics(micro_batches)], device
+        [float(local_count), float(local_targets), *run.aux.statistics(micro_batches)], device
     )
     num_items = torch.tensor(max(global_count, 1.0), device=device)
-    aux.begin_step(num_items, global_targets, aux_stats)
+    run.aux.begin_step(num_items, global_targets, aux_stats)
 
-    last = plan.gradient_accumulation_steps - 1  # the boundary: gradients are reduced there
-    loss_sum, metric_sums, aux_sums = _forward_backward(engine, objective, aux, micro_batches, num_items, step, last)
+    last = run.plan.gradient_accumulation_steps - 1  # the boundary: gradients are reduced there
+    loss_sum, metric_sums, aux_sums = _forward_backward(
+        run.engine, run.objective, run.aux, micro_batches, num_items, step, last
+    )
 
     # One all-reduce for the step's loss, the objective's metric sums, the auxiliary terms and the
     # stop flag: every rank sees the same decision.
-    stop_vote = 1.0 if stop.requested else 0.0
+    stop_vote = 1.0 if run.stop.requested else 0.0
     watchdog.progress(step, "the all-reduce of the loss and stop vote")
     loss_global, stop_votes, *sums_global = all_reduce_sum(
         [float(loss_sum), stop_vote, *metric_sums.tolist(), *aux_sums.tolist()], device
     )
     metrics_global, aux_global = sums_global[: len(metric_sums)], sums_global[len(metric_sums) :]
-    _check_finite(step, loss_global, aux.metrics(aux_global))
+    _check_finite(step, loss_global, run.aux.metrics(aux_global))
     watchdog.progress(step, "the optimizer step")
-    grad_norm = engine.step()  # clips to the plan's max_grad_norm
-    lr = scheduler.get_last_lr()[0]
-    scheduler.step()
+    grad_norm = run.engine.step()  # clips to the plan's max_grad_norm
+    lr = run.scheduler.get_last_lr()[0]
+    run.scheduler.step()
     state.step += 1
-    state.samples += plan.global_batch_size
+    state.samples += run.plan.global_batch_size
     state.tokens += int(global_targets)
     step_time = time.perf_counter() - t0
 
@@ -170,16 +177,16 @@ def _step(
         "step_time_s": step_time,
         "data_wait_frac": data_wait / step_time,
         "samples": state.samples,
-        **objective.metrics(metrics_global, global_count),
-        **aux.metrics(aux_global),
+        **run.objective.metrics(metrics_global, global_count),
+        **run.aux.metrics(aux_global),
     }
-    row.update(hooks.extra_metrics(row))
-    if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
-        hooks.log_train(row)
-    hooks.progress(state, row)
+    row.update(run.hooks.extra_metrics(row))
+    if state.step % run.cfg.log_every == 0 or state.step == run.cfg.max_steps:
+        run.hooks.log_train(row)
+    run.hooks.progress(state, row)
 
-    if _end_of_step(state, cfg, hooks, engine.model, device, stopping=stop_votes > 0):
-        state.stopped = stop.requested or "a signal on another rank"
+    if _end_of_step(state, run.cfg, run.hooks, run.engine.model, device, stopping=stop_votes > 0):
+        state.stopped = run.stop.requested or "a signal on another rank"
         return True
     return False
 

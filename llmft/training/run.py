@@ -228,7 +228,9 @@ class Run:
         sampler = MicroBatchSampler(order, b, self.plan.layout.dp_rank(self.env.rank), start_position=position)
         sampler = self.hooks.wrap_sampler(sampler, first_step, self.env)
         workers = 0 if self.data.streaming else d.num_workers  # the stream's cursor lives here
-        return make_loader(self.data.train, sampler, self.tokenizer.pad_token_id, workers, d.prefetch_factor)
+        return make_loader(
+            self.data.train, sampler, self.tokenizer.pad_token_id, workers, d.prefetch_factor, kind=self.data.kind
+        )
 
     # --- fit ------------------------------------------------------------------------------------
 

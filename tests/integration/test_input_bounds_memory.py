@@ -44,7 +44,7 @@ _PEAK = textwrap.dedent(
         (ids,) = rollout.complete([Prompt(None, {"prompt": "p"}, 0)], 0, 0)
         result = len(ids)
     else:
-        from llmft.data.prompts import PromptEncoder, PromptRecord
+        from llmft.data.kinds.prompts import PromptEncoder, PromptRecord
         from llmft.data.records import parse_chat
         text = open(path).read()
         prompt = text if kind == "prompt" else parse_chat([{"role": "user", "content": text}])

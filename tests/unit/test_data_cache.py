@@ -71,7 +71,7 @@ def test_changed_file_tokenizer_or_llmft_version_rebuilds(tmp_path, data, monkey
 
 
 def test_a_crashed_build_leaves_no_entry_and_the_next_one_builds(tmp_path, data, monkeypatch):
-    import llmft.data.entry as entry
+    import llmft.data.kinds.sequences as entry
 
     def boom(*a, **k):
         raise RuntimeError("killed")
@@ -304,7 +304,7 @@ def test_prefix_counts_equal_the_running_count_across_blocks():
 
 
 def test_take_ranges_gathers_a_block_at_a_time_as_one_index():
-    from llmft.data.pack import ranges, take_ranges
+    from llmft.data.arrays import ranges, take_ranges
 
     rng = np.random.default_rng(2)
     for trial in range(100):

@@ -6,6 +6,7 @@ import is put off on purpose, with a comment that says why."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,3 +199,19 @@ def test_no_import_cycle_inside_data_counting_function_level_imports():
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+
+
+def test_data_is_at_most_six_import_levels_deep():
+    """The longest chain of imports among llmft.data's modules (functions too; not TYPE_CHECKING) has
+    at most six modules: a record kind is a module of its own (``kinds/``), not a level of the build."""
+    graph = _data_graph()
+
+    @functools.cache
+    def depth(module: str) -> int:
+        return 1 + max((depth(d) for d in graph[module]), default=0)
+
+    deepest = max(graph, key=depth)
+    chain = [deepest]
+    while graph[chain[-1]]:
+        chain.append(max(graph[chain[-1]], key=depth))
+    assert depth(deepest) <= 6, " -> ".join(chain)

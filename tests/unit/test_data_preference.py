@@ -12,7 +12,7 @@ from helpers import default_recipe, tiny_llama_model, write_jsonl
 from llmft.data import build_data, collate
 from llmft.data.cache import CACHE_FORMAT
 from llmft.data.encode import IGNORE_INDEX, Encoder
-from llmft.data.pairs import parse_pair, truncate_pair
+from llmft.data.kinds.pairs import parse_pair, truncate_pair
 from llmft.data.records import BadRecord, Chat, PromptCompletion, parse_chat, parse_record
 from llmft.data.tokenizer import byte_tokenizer
 from llmft.errors import UserError
@@ -165,7 +165,7 @@ def test_long_pairs_are_truncated_and_counted(tmp_path, tok):
 
 
 def test_pair_with_no_target_left_is_dropped_and_counted(tmp_path, tok):
-    from llmft.data.pairs import REJECTED_START, build_pair_rows
+    from llmft.data.kinds.pairs import REJECTED_START, build_pair_rows
 
     # pair 0: rejected's only target is past max_seq_len 3 once the prompt (1 token) keeps its floor
     # (e.g. a chat completion that opens with a long non-target turn); pair 1 fits
@@ -190,7 +190,7 @@ def test_pair_with_no_target_left_is_dropped_and_counted(tmp_path, tok):
 
 
 def test_vectorised_pair_rows_are_truncate_pair_on_every_pair():
-    from llmft.data.pairs import REJECTED_START, build_pair_rows
+    from llmft.data.kinds.pairs import REJECTED_START, build_pair_rows
 
     rng = np.random.default_rng(0)
     ids, target, offsets, want = [], [], [0], []

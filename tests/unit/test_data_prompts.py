@@ -13,7 +13,7 @@ from helpers import default_recipe, write_jsonl
 
 from llmft.data import MicroBatchSampler, build_data, collate, count_targets
 from llmft.data.encode import IGNORE_INDEX, Encoder
-from llmft.data.prompts import PromptGroups
+from llmft.data.kinds.prompts import PromptGroups
 from llmft.data.records import PromptCompletion
 from llmft.data.tokenizer import byte_tokenizer
 from llmft.data.tokens import TokenDataset

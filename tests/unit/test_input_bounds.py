@@ -237,7 +237,7 @@ def test_a_cut_prompt_is_kept_or_refused_as_the_whole_one(name):
     """String and chat prompts around the budget of the room and far past it: the ids of a kept
     prompt are the whole prompt's, and a prompt is refused exactly when the whole one is too long."""
     from llmft.data.encode import Encoder, text_budget
-    from llmft.data.prompts import PromptEncoder, PromptRecord
+    from llmft.data.kinds.prompts import PromptEncoder, PromptRecord
     from llmft.data.records import parse_chat
 
     tok, room = TOKENIZERS[name](), 24

@@ -351,8 +351,8 @@ def test_an_outside_objective_checks_the_recipe_and_reads_its_sections(tmp_path,
 
 
 def test_a_record_reads_only_what_the_recipe_has(documents):
-    """A section of its own is the schema's (recipe/schema.py): a record naming one the recipe has not,
-    or a key its section has not, is refused when it registers."""
+    """What a record reads is the schema's (recipe/schema.py) or a registered section (recipe/sections.py):
+    a record naming a section the recipe has not, or a key its section has not, is refused when it registers."""
     import dataclasses
 
     from llmft.errors import UserError
@@ -363,8 +363,8 @@ def test_a_record_reads_only_what_the_recipe_has(documents):
     assert (
         "train.objective_module: registers objective 'corpus' reading 'corpus', 'rl.gamma', which the recipe has "
         "not. Name sections of the recipe (run, model, peft, data, batch, optim, train, checkpoint, preference, "
-        'rollout, rl, rewards, distributed) or keys of one ("rl.beta"); a section of its own needs a dataclass in '
-        "llmft/recipe/schema.py."
+        'rollout, rl, rewards, distributed) or keys of one ("rl.beta"); a section of its own is registered first, '
+        "with llmft.recipe.sections.register_section."
     ) in str(e.value)
 
 

@@ -17,8 +17,10 @@ from test_data_record_bound import TOKENIZERS, Seen, text_of
 
 from llmft.data import build_data
 from llmft.data.encode import text_budget
-from llmft.data.pairs import PairEncoder, build_pair_rows, make_encoder, parse_pair
+from llmft.data.kinds import make_encoder
+from llmft.data.kinds.pairs import PairEncoder, build_pair_rows, parse_pair
 from llmft.data.tokenizer import byte_tokenizer
+from llmft.plan.objectives import objective_spec
 from llmft.recipe.schema import Recipe
 
 L = 32  # max_seq_len
@@ -95,7 +97,9 @@ def chat_pairs(budget: int, span: int, seed: int) -> list[dict]:
 
 def encoders(name: str, train_on: str) -> tuple[PairEncoder, PairEncoder]:
     tok = TOKENIZERS[name]()
-    return make_encoder(tok, train_on, "dpo", L), PairEncoder(tok, train_on, "dpo")  # the build's, and uncut
+    return make_encoder(tok, train_on, objective_spec("dpo"), L), PairEncoder(
+        tok, train_on, "dpo"
+    )  # the build's, and uncut
 
 
 @pytest.mark.parametrize("kind", ["strings", "chats"])
@@ -172,7 +176,7 @@ def test_a_50_mb_text_in_a_pair_costs_bounded_memory(kind, where):
     a short pair's. What remains is the text itself and, for a conversation's prompt, its renderings
     (chosen's and rejected's, one at a time while rendered: ~3x the text)."""
     tok = byte_tokenizer()
-    enc = make_encoder(tok, "completion", "dpo", L)
+    enc = make_encoder(tok, "completion", objective_spec("dpo"), L)
     text = ("lorem ipsum " * (HUGE // 12 + 1))[:HUGE]
     record = {"prompt": "p", "chosen": "c", "rejected": "r"}
     record[where] = text

@@ -1,4 +1,4 @@
-"""Preference pairs (the objectives whose ``ObjectiveSpec.record`` is ``pairs``: ``dpo``, ``reward``): records, tokens, cache rows, micro-batches.
+"""Preference pairs (the ``pairs`` kind: ``train.objective: dpo``, ``reward``): records, tokens, cache rows, micro-batches.
 
 A pair goes through the SFT pipeline with one item per pair:
 
@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llmft.data.encode import IGNORE_INDEX, Encoder, Example, left_cut, max_token_chars, text_budget
-from llmft.data.pack import positions, ranges, take_ranges
-from llmft.data.prompts import PromptEncoder, is_prompts
+from llmft.data.arrays import IGNORE_INDEX, Example, positions, ranges, take_ranges
+from llmft.data.encode import Encoder, left_cut, max_token_chars, text_budget
 from llmft.data.records import (
     BadRecord,
     Chat,
@@ -45,7 +44,6 @@ from llmft.data.rows import prefix_counts
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
 from llmft.limits import CUT_MARGIN
-from llmft.plan.objectives import PAIRS, objective_spec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,14 +51,8 @@ if TYPE_CHECKING:
     from llmft.recipe.schema import DataConfig
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
-CACHE_FORMAT = "pairs-2"  # the cache format of a pair entry (SFT entries keep cache.CACHE_FORMAT)
 REJECTED_START = 2  # bit of the target byte on the first token of rejected, in a Tokenize row
 _SFT_KINDS = (("messages", "messages"), ("completion", "prompt/completion"), ("text", "text"))
-
-
-def is_preference(objective: str) -> bool:
-    """Whether ``objective``'s records are preference pairs (its record: ``ObjectiveSpec.record``)."""
-    return objective_spec(objective).record == PAIRS
 
 
 # --- records ----------------------------------------------------------------
@@ -347,26 +339,6 @@ def _common_prefix(a: str, b: str) -> int:
     return min(at, n)
 
 
-def make_encoder(
-    tokenizer: PreTrainedTokenizerBase,
-    train_on: str,
-    objective: str,
-    max_tokens: int | None = None,
-    room: int | None = None,
-) -> Encoder | PairEncoder | PromptEncoder:
-    """The encoder for ``train.objective``'s records. SFT records and preference pairs are cut to
-    ``max_tokens`` before tokenizing (the per-record memory bound; a pair's prompt from the left, as
-    ``truncate_pair`` keeps its last tokens: ``PairEncoder``). Prompts (online RL) are cut to the budget
-    of ``room`` tokens: one longer than ``room`` tokens is refused as the whole one would be
-    (``prompts.py``)."""
-    if is_preference(objective):
-        return PairEncoder(tokenizer, train_on, objective, max_tokens)
-    if is_prompts(objective):
-        assert room is not None and max_tokens is not None, "prompts need the room generation leaves"
-        return PromptEncoder(tokenizer, room, max_tokens)
-    return Encoder(tokenizer, train_on, max_tokens)
-
-
 # --- cache rows -------------------------------------------------------------
 
 
@@ -565,3 +537,53 @@ def collate_pairs(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]
             [float(x) for e in examples for x in e["reference_logps"]], dtype=torch.float32
         )
     return batch
+
+
+# --- the kind's code (kinds.KindCode) ------------------------------------------
+
+
+def encoder(
+    tokenizer: PreTrainedTokenizerBase, train_on: str, objective: Any, max_tokens: int | None, room: int | None
+) -> PairEncoder:
+    """Pairs are cut to ``max_tokens`` before tokenizing, the prompt from the left as ``truncate_pair``
+    keeps its last tokens (``PairEncoder``)."""
+    return PairEncoder(tokenizer, train_on, objective.name, max_tokens)
+
+
+def room(recipe: Any) -> None:
+    return None
+
+
+def rows(
+    ids: np.ndarray, target: np.ndarray, offsets: np.ndarray, items: np.ndarray, cfg: DataConfig, pad_id: int,
+    key: str, values: dict | None, records: tuple | None, block: bool = False,
+) -> tuple[PairDataset, dict]:  # fmt: skip
+    """``build_pair_rows``; a stream block whose pairs all lose their targets is an empty block."""
+    return build_pair_rows(ids, target, offsets, items, cfg, key, allow_empty=block)
+
+
+def empty(cfg: DataConfig) -> PairDataset:
+    no_rows = TokenDataset.from_arrays(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64))
+    return PairDataset(no_rows, cfg.packing)
+
+
+def open(rows: TokenDataset, cfg: DataConfig, path: Path | None = None) -> PairDataset:  # noqa: A001
+    return PairDataset(rows, cfg.packing, path)
+
+
+def owns(item: dict[str, Any]) -> bool:
+    return "chosen" in item
+
+
+def totals(stats: dict, cfg: DataConfig) -> None:
+    stats.update(pairs=stats["rows"], sequences=2 * stats["rows"])
+
+
+def describe(s: dict) -> str:
+    return (
+        f"{s['records']:,} records -> {s['pairs']:,} pairs ({s['sequences']:,} sequences), {s['tokens']:,} tokens "
+        f"({s['target_tokens']:,} targets)"
+    )
+
+
+collate = collate_pairs

@@ -28,33 +28,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llmft.data.encode import IGNORE_INDEX, Encoder, Example
-from llmft.data.pack import take_ranges
-from llmft.data.records import (
-    BadRecord,
-    Chat,
-    check_not_multimodal,
-    did_you_mean,
-    kind_of,
-    parse_chat,
-    renamed,
-)
+from llmft.data.arrays import IGNORE_INDEX, Example, take_ranges
+from llmft.data.encode import Encoder
+from llmft.data.records import BadRecord, Chat, check_not_multimodal, did_you_mean, kind_of, parse_chat, renamed
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
-from llmft.plan.objectives import PROMPTS, objective_spec
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from transformers import PreTrainedTokenizerBase
 
-    from llmft.recipe.schema import Recipe
+    from llmft.recipe.schema import DataConfig, Recipe
 
-PROMPTS_FORMAT = "prompts-1"  # the cache format of a prompt entry (SFT entries keep cache.CACHE_FORMAT)
 PROMPT_FIELDS = ("prompt",)
-
-
-def is_prompts(objective: str) -> bool:
-    """Whether ``objective``'s records are prompts to complete (its record: ``ObjectiveSpec.record``)."""
-    return objective_spec(objective).record == PROMPTS
 
 
 def prompt_room(recipe: Recipe) -> int:
@@ -225,23 +212,12 @@ def build_prompt_rows(
 # --- G completions per prompt -----------------------------------------------
 
 
-class Positions:
-    """The order of grouped prompts: position p is item p (``PromptGroups`` orders the prompts itself)."""
-
-    shuffle = False
-
-    def index(self, position: int) -> int:
-        if position < 0:
-            raise ValueError(f"position must be >= 0, got {position}")
-        return position
-
-
 class PromptGroups:
     """Prompts seen as G completions each: position p is completion ``p % G`` of the prompt at
     position ``p // G`` of ``order`` (the prompt-level order: ``GlobalOrder``, ``ProbabilityOrder``
     or a stream's own).
 
-    Indexed by position (its order is ``Positions``, the identity), so ``MicroBatchSampler`` deals
+    Indexed by position (its order is ``sampler.Positions``, the identity), so ``MicroBatchSampler`` deals
     completions to ranks and micro-steps and a resume from any position is exact. An item is its
     prompt's item plus ``position``: p. ``len`` counts completions (prompts x G), so an epoch shows
     every prompt G times; a stream has no length, and its epoch and cursor are its prompts'.
@@ -253,6 +229,11 @@ class PromptGroups:
         self.prompts, self.order, self.group = prompts, order, group
         self.seed, self.shuffle = seed, shuffle  # what ``order`` was built with
         self.packed = False
+
+    @property
+    def records(self) -> Any:
+        """The data by prompt (what was grouped)."""
+        return self.prompts
 
     def __len__(self) -> int:
         return len(self.prompts) * self.group
@@ -300,3 +281,58 @@ def collate_prompts(examples: list[dict[str, Any]], pad_id: int) -> dict[str, An
     if "position" in examples[0]:
         batch["positions"] = torch.tensor([e["position"] for e in examples], dtype=torch.long)
     return batch
+
+
+# --- the kind's code (kinds.KindCode) ------------------------------------------
+
+
+def encoder(
+    tokenizer: PreTrainedTokenizerBase, train_on: str, objective: Any, max_tokens: int | None, room: int | None
+) -> PromptEncoder:
+    """Prompts are cut to the budget of ``room`` tokens: one longer than ``room`` tokens is refused as
+    the whole one would be."""
+    assert room is not None and max_tokens is not None, "prompts need the room generation leaves"
+    return PromptEncoder(tokenizer, room, max_tokens)
+
+
+room = prompt_room
+
+
+def rows(
+    ids: np.ndarray, target: np.ndarray, offsets: np.ndarray, items: np.ndarray, cfg: DataConfig, pad_id: int,
+    key: str, values: dict | None, records: tuple | None, block: bool = False,
+) -> tuple[TokenDataset, dict]:  # fmt: skip
+    """``build_prompt_rows``: every prompt that was not refused fits, one row each."""
+    assert records is not None, "prompt rows keep their records"
+    return build_prompt_rows(ids, offsets, items, records)
+
+
+def empty(cfg: DataConfig) -> TokenDataset:
+    no_records = (np.zeros(1, np.int64), np.zeros(0, np.uint8))
+    return TokenDataset.from_arrays(
+        np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64), records=no_records
+    )
+
+
+def open(rows: TokenDataset, cfg: DataConfig, path: Path | None = None) -> TokenDataset:  # noqa: A001
+    return rows
+
+
+def owns(item: dict[str, Any]) -> bool:
+    return "record" in item
+
+
+def totals(stats: dict, cfg: DataConfig) -> None:
+    return None
+
+
+def describe(s: dict) -> str:
+    return f"{s['records']:,} records -> {s['rows']:,} prompts, {s['tokens']:,} tokens"
+
+
+def grouped(records: Any, order: Any, group: int, seed: int, shuffle: bool) -> PromptGroups:
+    """Training data as G completions per prompt (``ObjectiveSpec.group``)."""
+    return PromptGroups(records, order, group, seed, shuffle)
+
+
+collate = collate_prompts
