@@ -59,3 +59,35 @@ def test_a_registered_kind_is_prepared_verified_and_streamed(tmp_path, capsys):
     streamed = ["data.streaming=true", "data.eval_fraction=0", "run.output_dir=" + str(tmp_path / "stream")]
     assert train_inproc(recipe, *PLUGIN, *SGD, "batch.micro_batch_size=4", *streamed) == 0
     assert len(metrics(tmp_path / "stream")) == 2
+
+
+def test_a_kind_is_refused_under_a_taken_name_or_without_a_cache_format():
+    import pytest
+
+    from llmft.errors import UserError
+    from llmft.plan.kinds import RecordKind, register_kind
+
+    with pytest.raises(UserError) as e:
+        register_kind(RecordKind("pairs", "my pairs", "my_pairs", cache_format="mine-1"))
+    assert str(e.value) == (
+        "train.objective_module: registers record kind 'pairs', which is registered already "
+        "(llmft.data.kinds.pairs). Give the new kind a name of its own."
+    )
+    with pytest.raises(UserError) as e:
+        register_kind(RecordKind("tables", "tables", "my_tables"))
+    assert "registers record kind 'tables' without a cache_format" in str(e.value)
+
+
+def test_an_objective_reading_an_unregistered_kind_is_refused():
+    import pytest
+
+    from llmft.errors import UserError
+    from llmft.plan.objectives import ObjectiveSpec, register_objective
+
+    with pytest.raises(UserError) as e:
+        register_objective(ObjectiveSpec(name="x", title="x", runtime=None, counts="tokens", record="tables"))
+    assert (
+        "train.objective_module: registers objective 'x' reading 'tables' records. Use one of the record kinds "
+        "the data layer reads: sequences, pairs, prompts"
+    ) in str(e.value)
+    assert "or register the kind first (llmft.plan.kinds.register_kind)." in str(e.value)
