@@ -25,8 +25,8 @@ from helpers import data_recipe
 
 from llmft.data import build_data, collate
 from llmft.data.encode import IGNORE_INDEX
-from llmft.data.pack import positions
 from llmft.data.kinds.pairs import collate_pairs
+from llmft.data.pack import positions
 from llmft.model.kernels import varlen_kwargs
 
 WORDS = [a + b + c for a in "abcdefgh" for b in "abcdefgh" for c in "abcdefgh"]  # ids 4 .. 515
