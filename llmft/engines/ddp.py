@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llmft.engines import OptimizerFactory
 from llmft.engines.base import LocalEngine, load_plain, save_plain, unsharded_frozen_model
-from llmft.job.dist import DistEnv, barrier, sequence_group
+from llmft.job.dist import DistEnv, barrier, sequence_group, world_mesh
 from llmft.model import ulysses
 from llmft.model.build import prepare_model
 from llmft.plan.layout import RunPlan
@@ -27,6 +27,7 @@ class DDPEngine(LocalEngine):
             inner,
             device_ids=[env.local_rank] if self.device.type == "cuda" else None,
             find_unused_parameters=False,
+            process_group=world_mesh(self.device.type).get_group(),  # the default group: every rank
         )
         self.optimizer = make_optimizer(inner)
 

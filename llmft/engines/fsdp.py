@@ -38,7 +38,7 @@ from torch.distributed.fsdp import (
 from llmft.checkpoint.layout import DCP_DIR
 from llmft.engines import OptimizerFactory, safe_dcp
 from llmft.engines.base import LocalEngine, freeze, trainable_names
-from llmft.job.dist import DistEnv, device_mesh, sequence_group
+from llmft.job.dist import DistEnv, param_mesh, sequence_group
 from llmft.model import ulysses
 from llmft.model.build import prepare_model
 from llmft.model.meta import ParamSlots, SafetensorsWeights, build_on_meta, materialize
@@ -54,7 +54,7 @@ class FSDPEngine(LocalEngine):
         # The reduce-scatter averages over all data-parallel ranks (shard x replicate): backward undoes it.
         sharding = fsdp_plan(plan)
         self.sync_every_micro_step = plan.recipe.distributed.fsdp_grad_sync == "micro_step"
-        self.mesh = device_mesh(self.device.type, plan.layout.param_mesh)  # the layout's, named
+        self.mesh = param_mesh(self.device.type, plan.layout)  # the layout's, a view of the world mesh
         self.sharding = sharding
         self.model = self._build_sharded(plan, tokenizer)
         self.optimizer = make_optimizer(self.model)

@@ -1,7 +1,8 @@
 """Where this process sits in the job: ranks from torchrun, the deepspeed launcher or srun.
 
 Also the few collectives the loop needs, written so they cost nothing in a
-single process.
+single process, and the run's one world mesh, of which every group an engine or a
+collective uses is a view (``world_mesh``, ``mesh_view``).
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llmft import stop
 from llmft.errors import Problem, UserError
 from llmft.job import watchdog
+
+if TYPE_CHECKING:
+    from llmft.plan.layout import ParallelLayout
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -218,6 +222,8 @@ def is_comm_failure(e: BaseException) -> bool:
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _WORLD_MESHES.clear()  # their groups are gone: a later process group builds its own
+    _VIEWS.clear()
 
 
 def leave_process(code: int) -> NoReturn:
@@ -241,22 +247,44 @@ def leave_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def device_mesh(device_type: str, dims: tuple[tuple[str, int], ...]):
-    """The ``DeviceMesh`` of named dimensions the plan's layout gives (``ParallelLayout.param_mesh``)."""
-    return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))
+_WORLD_MESHES: dict[str, Any] = {}  # device type -> the world mesh, one per process
+_VIEWS: dict[tuple[str, tuple[tuple[str, int], ...]], Any] = {}  # its views, built once (groups are collective)
 
 
-_RUN_MESHES: dict[tuple[str, tuple[tuple[str, int], ...]], Any] = {}  # built once per process (groups are collective)
+def world_mesh(device_type: str):
+    """Every rank of the run as one dimension, ``world``. Its group is the default process group,
+    which the loop's collectives (``all_reduce_sum``, ``barrier``) and DDP use; every other group
+    of the run is a dimension of one of its views (``mesh_view``), not a second mesh."""
+    if device_type not in _WORLD_MESHES:
+        _WORLD_MESHES[device_type] = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("world",))
+    return _WORLD_MESHES[device_type]
+
+
+def mesh_view(device_type: str, dims: tuple[tuple[str, int], ...]):
+    """The world mesh seen as the named dimensions ``dims`` (outermost first; their product is the
+    world), as torchtitan builds its meshes from one world mesh; each view is built once per process."""
+    key = (device_type, dims)
+    if key not in _VIEWS:
+        world = world_mesh(device_type)
+        sizes, names = tuple(n for _, n in dims), tuple(name for name, _ in dims)
+        if hasattr(world, "_unflatten"):
+            _VIEWS[key] = world._unflatten(0, sizes, names)
+        else:  # torch < 2.9: the same ranks, laid out alike, as a mesh of their own
+            _VIEWS[key] = DeviceMesh(device_type, world.mesh.reshape(sizes), mesh_dim_names=names)
+    return _VIEWS[key]
 
 
 def run_mesh(device_type: str, dims: tuple[tuple[str, int], ...]):
     """The run's processes as the layout names them (``ParallelLayout.mesh``: replicate, shard, sp),
-    one ``DeviceMesh`` per process: the groups of a dimension (``mesh["sp"]``: a sequence group) come
+    a view of the world mesh: the groups of a dimension (``mesh["sp"]``: a sequence group) come
     from it, not from a library's own bookkeeping."""
-    key = (device_type, dims)
-    if key not in _RUN_MESHES:
-        _RUN_MESHES[key] = device_mesh(device_type, dims)
-    return _RUN_MESHES[key]
+    return mesh_view(device_type, dims)
+
+
+def param_mesh(device_type: str, layout: ParallelLayout):
+    """FSDP2's mesh (``ParallelLayout.param_mesh``: ``shard``, or HSDP's ``replicate`` x ``shard``):
+    those dimensions of the world mesh seen as ``layout.param_view``."""
+    return mesh_view(device_type, layout.param_view)[tuple(name for name, _ in layout.param_mesh)]
 
 
 def sequence_group(dims: tuple[tuple[str, int], ...]):

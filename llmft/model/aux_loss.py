@@ -28,7 +28,8 @@ gradients of any split (micro x accumulation x ranks) equal one big batch's. Eac
 A term reads the model's output, not its parameters (under FSDP2 and ZeRO-3 they are sharded
 outside the module's own forward). Its value, the step's sum over every micro-batch and rank, is
 logged as ``aux/<name>`` beside ``loss``, which stays the objective's alone; what the optimizer
-minimises is ``loss`` plus every ``aux/<name>``.
+minimises is ``loss`` plus every ``aux/<name>``. A term may log metrics of its own beside it, from the step's
+all-reduced statistics (``metrics``: a router's expert load).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class AuxLoss(Protocol):
         """This micro-batch's term from the policy's ``output``: a sum over ``batch`` divided by a
         global count (``counts``), a scalar with its graph."""
 
+    def metrics(self, statistics: torch.Tensor) -> dict[str, float]:
+        """Metrics of its own from the step's all-reduced ``statistics`` (logged beside ``aux/<name>``)."""
+
 
 class AuxLossBase:
     """The defaults of an ``AuxLoss``: no extra forward arguments, no statistics of its own (a term
@@ -74,6 +78,9 @@ class AuxLossBase:
 
     def statistics(self, micro_batches: list[dict[str, Any]]) -> Sequence[float]:
         return ()
+
+    def metrics(self, statistics: torch.Tensor) -> dict[str, float]:
+        return {}
 
 
 _ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, list[AuxLoss]] = weakref.WeakKeyDictionary()
@@ -149,8 +156,12 @@ class AuxSlot:
         assert captured.values, "no forward of the policy with gradients ran for the micro-batch's loss"
 
     def metrics(self, sums: list[float]) -> dict[str, float]:
-        """``aux/<name>``: each term's value over the global batch (its all-reduced sum over micro-batches)."""
-        return dict(zip(self.names, sums, strict=True))
+        """``aux/<name>``: each term's value over the global batch (its all-reduced sum over micro-batches),
+        and each term's own metrics of the step's statistics."""
+        out = dict(zip(self.names, sums, strict=True))
+        for term, counts in zip(self.terms, self._counts, strict=True):
+            out.update(term.metrics(counts.statistics))
+        return out
 
     def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self._capture is None or not torch.is_grad_enabled() or not self._kwargs:

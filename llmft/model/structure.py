@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 
-def _logical_numel(p: torch.Tensor) -> int:
+def logical_numel(p: torch.Tensor) -> int:
     """Elements the parameter stands for, not the elements of its storage."""
     if hasattr(p, "ds_numel"):  # ZeRO-3 partitioned: the local tensor is empty
         return int(p.ds_numel)
@@ -25,13 +25,13 @@ def param_counts(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameters; 4-bit weights count their logical elements."""
     trainable = total = 0
     for p in model.parameters():
-        n = _logical_numel(p)
+        n = logical_numel(p)
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total
 
 
-def _human(n: int) -> str:
+def human_count(n: int) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
@@ -42,7 +42,7 @@ def describe(model: torch.nn.Module) -> str:
     """One line, e.g. ``trainable 1.2M / 8.0B (0.02%)``."""
     trainable, total = param_counts(model)
     share = 100.0 * trainable / total if total else 0.0
-    return f"trainable {_human(trainable)} / {_human(total)} ({share:.2f}%)"
+    return f"trainable {human_count(trainable)} / {human_count(total)} ({share:.2f}%)"
 
 
 def decoder_layer_classes(model: torch.nn.Module) -> tuple[type, ...]:

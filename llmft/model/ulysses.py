@@ -17,8 +17,9 @@ What llmft adds around it (``install``):
   varlen boundaries (``model.kernels.varlen_kwargs``) of flash attention and ``varlen_sdpa``
   (``llmft.model.attention``) are recomputed for the whole row instead of the slice.
 
-The groups are the layout's: the ``sp`` dimension of the run's mesh (``llmft.job.dist.run_mesh``;
-ranks ``[g*N, (g+1)*N)`` share sequence group ``g``, the same split as ``ParallelLayout.dp_rank``).
+The groups are the layout's: the ``sp`` dimension of the run's mesh (``llmft.job.dist.run_mesh``, a
+view of the one world mesh; ranks ``[g*N, (g+1)*N)`` share sequence group ``g``, the same split as
+``ParallelLayout.dp_rank``).
 DeepSpeed's engine also wants its own bookkeeping of them (``deepspeed_mpu``, the ``mpu`` that
 ``deepspeed.initialize`` takes), checked to hold the same ranks.
 """

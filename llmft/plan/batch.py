@@ -1,4 +1,5 @@
-"""The batch equation: ``global = micro x accumulation x dp``, where ``dp = world / sequence_parallel``.
+"""The batch equation: ``global = micro x accumulation x dp``, where ``dp = world / the split dimensions``
+(``sequence_parallel``: ranks that share each sequence; ``llmft.plan.dims``).
 
 Pure integer arithmetic, no torch. Any one unknown is solved from the other two
 and ``dp_size``; nothing is ever rounded. When no whole solution exists the
@@ -13,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llmft.errors import Problem, UserError
+from llmft.plan import dims
 
 KEYS = ("global_batch_size", "micro_batch_size", "gradient_accumulation_steps")
 MAX_INT = 2**63 - 1  # as llmft.recipe.validate: a batch number beyond it is refused
@@ -24,10 +26,17 @@ class BatchPlan:
     micro_batch_size: int
     gradient_accumulation_steps: int
     dp_size: int
-    sp: int = 1  # ranks that share each sequence (distributed.sequence_parallel): world = dp_size x sp
+    # The split dimensions over 1 (``ParallelLayout.splits``: ranks that share each data-parallel
+    # rank's sequences), as files name them: ``(("sequence_parallel", 2),)``. world = dp_size x their product.
+    splits: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         assert self.micro_batch_size * self.gradient_accumulation_steps * self.dp_size == self.global_batch_size
+
+    @property
+    def sp(self) -> int:
+        """Ranks that share each sequence (``distributed.sequence_parallel``)."""
+        return dict(self.splits).get("sequence_parallel", 1)
 
     @property
     def local_batch_size(self) -> int:
@@ -36,22 +45,24 @@ class BatchPlan:
 
     def equation(self) -> str:
         dp = f"data-parallel {self.dp_size}"
-        if self.sp > 1:
-            dp += f" (world {self.dp_size * self.sp} / sequence-parallel {self.sp})"
+        if self.splits:
+            world = self.dp_size * math.prod(n for _, n in self.splits)
+            titles = " / ".join(f"{dims.title(key)} {n}" for key, n in self.splits)
+            dp += f" (world {world} / {titles})"
         return (
             f"micro {self.micro_batch_size} x accumulation {self.gradient_accumulation_steps} "
             f"x {dp} = global {self.global_batch_size}"
         )
 
     def to_dict(self) -> dict[str, int]:
-        """The four numbers, as every file llmft writes holds them (``plan.yaml``,
-        ``trainer_state.json``, trackers)."""
+        """The four numbers (and the split dimensions over 1), as every file llmft writes holds them
+        (``plan.yaml``, ``trainer_state.json``, trackers)."""
         return {
             "global_batch_size": self.global_batch_size,
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "dp_size": self.dp_size,
-            **({"sequence_parallel": self.sp} if self.sp > 1 else {}),
+            **dict(self.splits),
         }
 
     @classmethod
@@ -62,7 +73,8 @@ class BatchPlan:
         g, m, a, dp = (int(data[k]) for k in (*KEYS, "dp_size"))
         if m * a * dp != g:
             raise ValueError(f"micro {m} x accumulation {a} x data-parallel {dp} is not global {g}")
-        return cls(g, m, a, dp, int(data.get("sequence_parallel", 1)))
+        sizes = ((d.plan_key, int(data.get(d.plan_key, 1))) for d in dims.splits())
+        return cls(g, m, a, dp, tuple((key, n) for key, n in sizes if n > 1))
 
 
 class BatchError(UserError):
@@ -182,11 +194,11 @@ def solve_batch(
     micro_batch_size: int | str | None = None,
     gradient_accumulation_steps: int | str | None = None,
     dp_size: int = 1,
-    sp: int = 1,
+    splits: tuple[tuple[str, int], ...] = (),
 ) -> BatchPlan:
-    """Solve ``global = micro x accumulation x dp`` for the one unknown (None or "auto"); ``sp``
-    (ranks per sequence) is carried into the plan, the equation counts sequence groups."""
-    return replace(_solve(global_batch_size, micro_batch_size, gradient_accumulation_steps, dp_size), sp=sp)
+    """Solve ``global = micro x accumulation x dp`` for the one unknown (None or "auto"); ``splits``
+    (``ParallelLayout.splits``) are carried into the plan, the equation counts data-parallel ranks."""
+    return replace(_solve(global_batch_size, micro_batch_size, gradient_accumulation_steps, dp_size), splits=splits)
 
 
 def _solve(
@@ -276,7 +288,9 @@ def sequences_from_tokens(global_batch_tokens: int, max_seq_len: int) -> int:
     return global_batch_tokens // max_seq_len
 
 
-def resolve_for_world(plan: BatchPlan, dp_size: int, sp: int = 1) -> tuple[BatchPlan, str | None]:
+def resolve_for_world(
+    plan: BatchPlan, dp_size: int, splits: tuple[tuple[str, int], ...] = ()
+) -> tuple[BatchPlan, str | None]:
     """Re-check a compiled plan against the real world size.
 
     Keeps the global batch and the micro-batch and re-solves accumulation. If that is
@@ -284,14 +298,14 @@ def resolve_for_world(plan: BatchPlan, dp_size: int, sp: int = 1) -> tuple[Batch
     Returns the plan and a note for the log when anything changed.
     """
     if dp_size == plan.dp_size:
-        return replace(plan, sp=sp), None
+        return replace(plan, splits=splits), None
     g, m = plan.global_batch_size, plan.micro_batch_size
     if g % (m * dp_size) == 0:
-        new = BatchPlan(g, m, g // (m * dp_size), dp_size, sp)
+        new = BatchPlan(g, m, g // (m * dp_size), dp_size, splits)
     elif g % dp_size == 0:
         local = g // dp_size
         micro = max(d for d in divisors(local) if d <= m)
-        new = BatchPlan(g, micro, local // micro, dp_size, sp)
+        new = BatchPlan(g, micro, local // micro, dp_size, splits)
     else:
         raise BatchError(
             Problem(

@@ -7,10 +7,14 @@ other module reads them. Pure: no torch, and nothing here imports the planners (
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, replace
+from typing import Callable
 
-from llmft.plan.batch import BatchPlan
-from llmft.plan.engines import EngineSpec, engine_spec, one_process_engine
+from llmft.errors import Problem
+from llmft.plan.batch import BatchPlan, divisors
+from llmft.plan.dims import DIMENSIONS, REPLICATE, Dimension, splits
+from llmft.plan.engines import EngineSpec, engine_spec, load, one_process_engine
 from llmft.plan.objectives import DEFAULT_OBJECTIVE, ObjectiveSpec, objective_spec
 from llmft.recipe.load import unresolve_env
 from llmft.recipe.schema import Recipe
@@ -39,44 +43,76 @@ class World:
         return cls(world_size // local, local)
 
 
-def data_parallel_size(world_size: int, sp: int) -> int:
-    """Data-parallel ranks of ``world_size`` processes in sequence groups of ``sp``: each group is
-    one (the one place this is computed; ``ParallelLayout.dp_size`` is its result)."""
-    return max(world_size // sp, 1)
-
-
 @dataclass(frozen=True)
 class ParallelLayout:
-    """How the run's processes divide the work; the runtime reads it instead of asking the engine.
+    """How the run's processes divide the work: the size of every parallel dimension
+    (``llmft.plan.dims``), decided once by the resolver. The runtime, the batch equation and the
+    memory planner read it instead of the recipe or the engine's name.
 
-    A parallel dimension is a field here, sized by the resolver, not a check of the engine's name
-    wherever it matters. Ranks ``[g*sp, (g+1)*sp)`` form sequence group ``g`` (its data-parallel
-    rank): they share each sequence, each holding a slice of its tokens."""
+    Ranks are row-major over ``mesh``, the data dimensions outermost and the split ones innermost:
+    ranks ``[g*S, (g+1)*S)`` (S the product of the split dimensions, ``sp`` alone today) share the
+    sequences of data-parallel rank ``g``, each holding a slice of their tokens."""
 
-    dp_size: int  # data-parallel ranks (sequence groups): each sees its own part of the batch
+    dims: tuple[tuple[Dimension, int], ...]  # every registered dimension and its size, in registry order
     shards_params: bool  # parameters are partitioned over the ranks (FSDP2, ZeRO-3): every rank joins every forward
-    dp_replicate: int = 1  # HSDP: replica groups; parameters are sharded within a group of world / dp_replicate
-    sp: int = 1  # distributed.sequence_parallel: ranks that share one sequence
+
+    def size(self, name: str) -> int:
+        return next((n for d, n in self.dims if d.name == name), 1)
+
+    def _product(self, role: str) -> int:
+        return math.prod(n for d, n in self.dims if d.role == role)
 
     @property
-    def dp_shard(self) -> int:
-        """Ranks that share one copy of the (sharded) parameters. With sequence parallelism the
-        parameters are sharded over every rank of a replica, sequence ranks included: they all
-        compute gradients of the same parameters (docs/long-context.md)."""
-        return self.world_size // self.dp_replicate if self.shards_params else 1
+    def dp_size(self) -> int:
+        """Data-parallel ranks (``replicate`` x ``shard``): each sees its own part of the batch."""
+        return self._product("data")
 
     @property
     def world_size(self) -> int:
-        """Processes in the layout: data-parallel ranks x sequence-parallel ranks."""
-        return self.dp_size * self.sp
+        """Processes in the layout: data-parallel ranks x the split dimensions."""
+        return self.dp_size * self._product("split")
 
-    def dp_rank(self, rank: int) -> int:
-        """The data-parallel rank (sequence group) of global ``rank``: the sampler's rank."""
-        return rank // self.sp
+    def data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel ranks of ``world_size`` processes with these split dimensions (a compiled
+        plan's world, re-solved for the launched one)."""
+        return max(world_size // self._product("split"), 1)
 
-    def sp_rank(self, rank: int) -> int:
-        """Which slice of its group's sequences global ``rank`` holds."""
-        return rank % self.sp
+    @property
+    def dp_replicate(self) -> int:
+        """HSDP replica groups; parameters are sharded within a group of world / dp_replicate."""
+        return self.size("replicate")
+
+    @property
+    def sp(self) -> int:
+        """``distributed.sequence_parallel``: ranks that share one sequence."""
+        return self.size("sp")
+
+    @property
+    def splits(self) -> tuple[tuple[str, int], ...]:
+        """The split dimensions over 1, as the batch plan names them: ``(("sequence_parallel", 2),)``."""
+        return tuple((d.plan_key, n) for d, n in self.dims if d.role == "split" and n > 1)
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that hold the same parameters within a replica, whether or not the engine shards
+        them: the dimensions with ``params="sharded"`` (``shard``, its borrowers, ``sp``: sequence
+        ranks compute gradients of the same parameters, docs/long-context.md)."""
+        return math.prod(n for d, n in self.dims if d.params == "sharded" and d.role != "borrow")
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks that share one copy of the (sharded) parameters; 1 where the engine does not shard them."""
+        return self.shard_group if self.shards_params else 1
+
+    def _mesh_dims(self) -> list[tuple[Dimension, int]]:
+        """``mesh`` with the records: each data dimension followed by those borrowed from it (which
+        take its innermost ranks), then the split dimensions."""
+        out = []
+        for d, n in self.dims:
+            if d.role == "data":
+                borrowed = [(b, k) for b, k in self.dims if b.role == "borrow" and b.of == d.name]
+                out += [(d, n // math.prod(k for _, k in borrowed)), *borrowed]
+        return out + [(d, n) for d, n in self.dims if d.role == "split"]
 
     @property
     def mesh(self) -> tuple[tuple[str, int], ...]:
@@ -84,15 +120,49 @@ class ParallelLayout:
         ``replicate`` (HSDP replica groups), ``shard`` (the data-parallel ranks of a replica: they
         share one copy of sharded parameters, or hold plain replicas), ``sp`` (the ranks of a
         sequence group, innermost: consecutive ranks, ``dp_rank`` / ``sp_rank``). Their product is
-        the world; ``param_mesh`` is the mesh FSDP2 shards parameters on."""
-        replicate = self.dp_replicate if self.shards_params else 1
-        return (("replicate", replicate), ("shard", self.dp_size // replicate), ("sp", self.sp))
+        the world; ``llmft.job.dist.run_mesh`` builds it as a view of the world mesh."""
+        return tuple((d.name, n) for d, n in self._mesh_dims())
+
+    def coordinate(self, rank: int, name: str) -> int:
+        """Global ``rank``'s index along dimension ``name`` (0 where the layout has no such dimension)."""
+        inner = 1
+        for dim, n in reversed(self.mesh):
+            if dim == name:
+                return rank // inner % n
+            inner *= n
+        return 0
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank (sequence group) of global ``rank``: the sampler's rank."""
+        return rank // self._product("split")
+
+    def sp_rank(self, rank: int) -> int:
+        """Which slice of its group's sequences global ``rank`` holds."""
+        return self.coordinate(rank, "sp")
+
+    @property
+    def param_view(self) -> tuple[tuple[str, int], ...]:
+        """The world as FSDP2 sees it, outermost first: ``replicate``, then ``shard`` (the dimensions
+        whose ranks share parameters, neighbours in ``mesh``, merged: ``shard`` and ``sp``), then
+        each dimension that owns its parameters. ``param_mesh`` names the part FSDP2 shards on;
+        ``llmft.job.dist.param_mesh`` builds it as a view of the world mesh."""
+        records = {d.name: d for d, _ in self.dims}
+        out: list[tuple[str, int]] = []
+        for d, n in self._mesh_dims():
+            params = records[d.of].params if d.role == "borrow" else d.params
+            name = {"replicated": "replicate", "sharded": "shard"}.get(params, d.name)
+            if out and out[-1][0] == name:
+                out[-1] = (name, out[-1][1] * n)
+            else:
+                out.append((name, n))
+        assert len({name for name, _ in out}) == len(out), f"the sharded dimensions are not neighbours: {out}"
+        return tuple(out)
 
     @property
     def param_mesh(self) -> tuple[tuple[str, int], ...]:
         """The mesh parameters are sharded on (FSDP2), named: ``replicate`` (HSDP replica groups; left
         out when 1) x ``shard`` (``dp_shard``: ``mesh``'s ``shard`` and ``sp`` together, as sequence
-        ranks compute gradients of the same parameters). ``llmft.job.dist.device_mesh`` builds it."""
+        ranks compute gradients of the same parameters)."""
         shard = (("shard", self.dp_shard),)
         return (("replicate", self.dp_replicate), *shard) if self.dp_replicate > 1 else shard
 
@@ -182,7 +252,7 @@ class RunPlan:
         return replace(
             self,
             engine=one.name,
-            layout=parallel_layout(self.recipe, one, self.dp_size),
+            layout=layout_of(self.recipe, one, self.dp_size),
             quant_storage=quant_storage_for(self.recipe, one),
         )
 
@@ -208,16 +278,82 @@ class RunPlan:
         return r
 
 
-def parallel_layout(recipe: Recipe, spec: EngineSpec, dp_size: int) -> ParallelLayout:
-    """How ``spec`` lays the run out over ``dp_size`` data-parallel ranks (each a group of
-    ``distributed.sequence_parallel`` ranks where the engine runs sequence parallelism)."""
-    shards = spec.shards_parameters(recipe)
-    return ParallelLayout(
-        dp_size=dp_size,
-        shards_params=shards,
-        dp_replicate=recipe.distributed.hsdp_replicate if shards else 1,
-        sp=recipe.distributed.sequence_parallel if spec.sequence_parallel else 1,
-    )
+def parallel_layout(
+    recipe: Recipe, spec: EngineSpec, world_size: int, where: Callable[[str], str] = str
+) -> tuple[ParallelLayout, list[Problem]]:
+    """Every registered dimension sized once for ``recipe`` on engine ``spec`` over ``world_size``
+    processes (the resolver's), and what is wrong with them: each dimension's own checks
+    (``Dimension.problems``), then the combinations that cannot be laid out (split dimensions whose
+    product does not divide the world, replica groups that do not divide the data-parallel ranks the
+    split dimensions leave, a borrowed dimension that does not divide its host), each naming the keys
+    involved. A dimension with a problem is sized 1: the batch is solved, and reported, without it."""
+    problems: list[Problem] = []
+    sizes = {}
+    for d in DIMENSIONS:
+        own = load(d.problems)(recipe, spec, world_size, where) if d.problems else []
+        problems += own
+        sizes[d.name] = 1 if own or d.key is None else d.sized(recipe, spec)
+    said: list[str] = []  # the split dimensions over 1 so far, as "key n"
+    per_rank = 1  # ranks that share one data-parallel rank's sequences
+    for d in splits():
+        n = sizes[d.name]
+        if world_size % (per_rank * n) == 0:
+            per_rank *= n
+            said += [f"{d.key} {n}"] if n > 1 else []
+            continue
+        valid = f"one of {_either(divisors(world_size // per_rank))}"
+        what, fix = f"{n} does not divide the world size {world_size}", f"Choose {valid}."
+        if said:
+            ranks = f"{n} x {' x '.join(said)} = {per_rank * n} ranks per data-parallel rank"
+            what = f"{ranks} do not divide the world size {world_size}"
+            fix = f"Choose {valid} with {' and '.join(said)}, or make those smaller."
+        problems.append(Problem(where(d.key), what, fix))
+        sizes[d.name] = 1
+    dp = max(world_size // per_rank, 1)
+    replicate = sizes["replicate"]
+    if dp % replicate:
+        if world_size % replicate == 0:  # one that does not divide the world: resolve's engine checks say so
+            problems.append(
+                Problem(
+                    where(REPLICATE.key),
+                    f"{replicate} does not divide the data-parallel size {dp} "
+                    f"(world {world_size} / {' x '.join(said)})",
+                    f"Choose a divisor of {dp}, or fewer ranks per data-parallel rank.",
+                )
+            )
+        sizes["replicate"] = 1
+    sizes["shard"] = dp // sizes["replicate"]
+    for d in DIMENSIONS:
+        if d.role == "borrow" and sizes[d.of] % sizes[d.name]:
+            problems.append(
+                Problem(
+                    where(d.key),
+                    f"{sizes[d.name]} does not divide the {sizes[d.of]} ranks of the {d.of} dimension "
+                    "it is carved from",
+                    f"Choose one of {_either(divisors(sizes[d.of]))}.",
+                )
+            )
+            sizes[d.name] = 1
+    return _layout(sizes, spec.shards_parameters(recipe)), problems
+
+
+def _either(values: list[int]) -> str:
+    """``1, 2 or 4``."""
+    words = [str(v) for v in values]
+    return " or ".join([", ".join(words[:-1]), words[-1]]) if len(words) > 1 else words[0]
+
+
+def layout_of(recipe: Recipe, spec: EngineSpec, dp_size: int) -> ParallelLayout:
+    """``dp_size`` data-parallel ranks, every other dimension as ``recipe`` asks on ``spec``,
+    unchecked: the layout of a recipe that has no resolved plan (the memory planner asked by a
+    library caller or a benchmark; a run emulated on one process)."""
+    sizes = {d.name: d.sized(recipe, spec) for d in DIMENSIONS if d.key is not None}
+    sizes["shard"] = max(dp_size // sizes["replicate"], 1)
+    return _layout(sizes, spec.shards_parameters(recipe))
+
+
+def _layout(sizes: dict[str, int], shards_params: bool) -> ParallelLayout:
+    return ParallelLayout(dims=tuple((d, sizes[d.name]) for d in DIMENSIONS), shards_params=shards_params)
 
 
 def quant_storage_for(recipe: Recipe, spec: EngineSpec) -> str | None:

@@ -11,7 +11,7 @@ estimate mirrors how llmft's engines hold a model (see ``engines/``):
   optimizer state (the ZeRO paper's 2 + 2 + 12 bytes per parameter for bf16 + Adam).
 - QLoRA: the unquantized weights (embedding, head, norms) are frozen and stay in
   ``model.dtype`` on every engine (no fp32 copies of frozen weights: ``model.quant``).
-- Long sequences (``activation_bytes``): ``distributed.sequence_parallel`` divides a sequence's
+- Long sequences (``activation_bytes``): sequence parallelism (the layout's ``sp``) divides a sequence's
   tokens over ranks, ``model.activation_offload`` moves the checkpointed layer inputs to host
   memory, ``model.tiled_mlp`` keeps one tile's MLP activations, the chunked loss one chunk's
   logits; ``longest_sequence`` is the longest ``max_seq_len`` that fits.
@@ -32,8 +32,9 @@ from llmft.errors import Problem, UserError
 from llmft.job.malloc import MMAP_THRESHOLD, STEP_MMAP_THRESHOLD
 from llmft.plan.batch import divisors
 from llmft.plan.deepspeed import DTYPE_BYTES, ZERO3_MAX_LIVE_PARAMETERS, persistence_threshold, reduce_bucket_bytes
+from llmft.plan.dims import SEQUENCE
 from llmft.plan.engines import engine_spec
-from llmft.plan.layout import RunPlan
+from llmft.plan.layout import ParallelLayout, RunPlan, layout_of
 from llmft.plan.objectives import (
     FROZEN_COPY,
     NO_REFERENCE,
@@ -300,14 +301,22 @@ class _Layout:
     grads_on_gpu: bool = True
 
 
-def _layout(recipe: Recipe, engine: str, dp_size: int) -> _Layout:
+def _as_layout(recipe: Recipe, engine: str, parallel: ParallelLayout | int) -> ParallelLayout:
+    """The run's parallel layout; given a number of data-parallel ranks instead (a caller without a
+    resolved plan), those ranks with every other dimension as the recipe asks (``layout_of``)."""
+    if isinstance(parallel, ParallelLayout):
+        return parallel
+    return layout_of(recipe, engine_spec(engine), parallel)
+
+
+def _layout(recipe: Recipe, engine: str, parallel: ParallelLayout) -> _Layout:
     d = recipe.distributed
     spec = engine_spec(engine)
     sharding = spec.sharding_for(d.zero_stage)
     # The ranks of a sequence-parallel group hold the same weights, so ZeRO (ALST partitions over
     # the whole world) and FSDP2 (a data-shard x sequence mesh) shard over them too; HSDP shards
     # within a replica group.
-    group = max(dp_size * sequence_parallel(recipe) // d.hsdp_replicate, 1)
+    group = parallel.shard_group
     params_on_gpu = d.offload_params == "none" or not spec.param_offload
     optimizer_on_gpu = d.offload_optimizer == "none" or not spec.optimizer_offload
     return _Layout(
@@ -324,11 +333,14 @@ def _layout(recipe: Recipe, engine: str, dp_size: int) -> _Layout:
 def estimate_memory(plan: RunPlan, micro_batch_size: int | None = None) -> MemoryEstimate:
     """Peak bytes per GPU of a resolved run (``micro_batch_size`` overrides the plan's)."""
     micro = micro_batch_size if micro_batch_size is not None else plan.batch.micro_batch_size
-    return estimate(plan.recipe, plan.engine, plan.dp_size, micro, plan.batch.gradient_accumulation_steps)
+    return estimate(plan.recipe, plan.engine, plan.layout, micro, plan.batch.gradient_accumulation_steps)
 
 
-def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation: int) -> MemoryEstimate:
-    """Peak bytes per GPU for ``recipe`` on ``engine`` with ``dp_size`` data-parallel ranks."""
+def estimate(
+    recipe: Recipe, engine: str, parallel: ParallelLayout | int, micro: int, accumulation: int
+) -> MemoryEstimate:
+    """Peak bytes per GPU for ``recipe`` on ``engine`` laid out as ``parallel`` (the plan's
+    ``ParallelLayout``, or a number of data-parallel ranks: ``_as_layout``)."""
     if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
         raise UserError(
             Problem("batch.micro_batch_size", f"{micro!r} is not a number to estimate memory for", "Give a number.")
@@ -336,9 +348,10 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
     shape = _require_shape(recipe)
     params = count_params(recipe, shape)
     a = DTYPE_BYTES[recipe.model.dtype]
+    parallel = _as_layout(recipe, engine, parallel)
 
     states = _states(recipe, engine, params, a)
-    layout = _layout(recipe, engine, dp_size)
+    layout = _layout(recipe, engine, parallel)
     placed = {
         "weights": _placed(states["weights"], layout.weights, layout.weights_on_gpu),
         "adapters": _placed(states["adapters"], layout.weights, layout.weights_on_gpu),
@@ -359,7 +372,7 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         # whole on the device beside their partitions, offload_param or not (partition_parameters.py)
         placed["adapters"] += _persistent_adapters(recipe, shape) * 4
     spec = objective_of(recipe)
-    tokens = spec.rows(recipe) * tokens_per_rank(recipe, micro)  # a pair is two sequences
+    tokens = spec.rows(recipe) * tokens_per_rank(recipe, micro, parallel.sp)  # a pair is two sequences
     placed["transient_weights"] = _transient_weights(recipe, engine, shape, params, a, states["weights"])
     # Forward holds the head's output in the compute dtype, its fp32 copy for the loss and the fp32
     # log-softmax cross-entropy keeps (a + 8 bytes per logit); backward the saved log-softmax, its
@@ -371,7 +384,7 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
     logit_rows = min(tokens, loss_chunk_tokens(shape.vocab_size)) if chunked else tokens
     placed["logits"] = logit_rows * shape.vocab_size * max(a + 8, LOSS_BACKWARD_BYTES)
     placed["activations"] = _activations(
-        recipe, shape, params, tokens, a, placed["logits"], residual_bytes(recipe, engine, a)
+        recipe, shape, params, tokens, a, placed["logits"], residual_bytes(recipe, engine, a), parallel.sp
     )
     reference_weights = _placed(_frozen_copy(recipe, engine, params, a), layout.weights, layout.weights_on_gpu)
     placed["reference"] = _reference(recipe, shape, params, tokens, a, placed, reference_weights)
@@ -401,7 +414,7 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
             f"distributed.fsdp_grad_sync=micro_step would keep gradients sharded while accumulating and save "
             f"{saved / GIB:.1f} GiB, for a reduce-scatter every micro-step"
         )
-    mask = packed_mask_bytes(recipe, tokens)
+    mask = packed_mask_bytes(recipe, tokens, parallel.sp)
     if mask >= MASK_NOTE_BYTES:
         notes.append(
             f"sdpa keeps packed rows apart with a T x T mask per row ({mask / GIB:.2f} GiB, in activations); "
@@ -415,7 +428,7 @@ def estimate(recipe: Recipe, engine: str, dp_size: int, micro: int, accumulation
         **{k: int(round(v)) for k, v in placed.items()},
         micro_batch_size=micro,
         seq_len=recipe.data.max_seq_len,
-        dp_size=dp_size,
+        dp_size=parallel.dp_size,
         engine=engine,
         notes=tuple(notes),
         rows_per_item=spec.rows(recipe),
@@ -603,18 +616,26 @@ def mlp_tile_tokens(tokens: int, seq_len: int, hidden_size: int) -> int:
 
 
 def sequence_parallel(recipe: Recipe) -> int:
-    """``distributed.sequence_parallel`` (ranks sharing one sequence), 1 where the key is absent."""
-    return int(getattr(recipe.distributed, "sequence_parallel", 1) or 1)
+    """Ranks sharing one sequence as the recipe asks (1 where it does not), for a caller without a
+    resolved plan; a plan's is ``plan.layout.sp``."""
+    return SEQUENCE.asked(recipe)
 
 
-def tokens_per_rank(recipe: Recipe, micro: int) -> int:
-    """Tokens of one micro-batch held by one rank: each of ``sequence_parallel`` ranks holds a slice
-    of every sequence (the last slice may be shorter; the longest one is counted)."""
-    return micro * -(-recipe.data.max_seq_len // sequence_parallel(recipe))
+def tokens_per_rank(recipe: Recipe, micro: int, sp: int | None = None) -> int:
+    """Tokens of one micro-batch held by one rank: each of ``sp`` ranks (the layout's; None: as the
+    recipe asks) holds a slice of every sequence (the last slice may be shorter; the longest one is counted)."""
+    return micro * -(-recipe.data.max_seq_len // (sp or sequence_parallel(recipe)))
 
 
 def _activations(
-    recipe: Recipe, shape: ModelShape, params: Params, tokens: int, a: int, logits: float, r: int | None = None
+    recipe: Recipe,
+    shape: ModelShape,
+    params: Params,
+    tokens: int,
+    a: int,
+    logits: float,
+    r: int | None = None,
+    sp: int = 1,
 ) -> float:
     """Saved activations for ``tokens`` tokens on this rank, with or without gradient checkpointing.
 
@@ -624,7 +645,8 @@ def _activations(
     ``model.tiled_mlp``: the MLP's own activations exist for one tile of the sequence, not all of it.
     ``model.activation_offload``: the layer inputs checkpointing keeps (the embedding output is the
     first) are in host memory; only the one being recomputed is back on the device.
-    ``r``: bytes per value of the residual stream (``residual_bytes``; ``a`` when not given)."""
+    ``r``: bytes per value of the residual stream (``residual_bytes``; ``a`` when not given); ``sp``:
+    ranks sharing each sequence (the tiled MLP cuts this rank's slice)."""
     m = recipe.model
     r = a if r is None else r
     seq = recipe.data.max_seq_len
@@ -633,12 +655,12 @@ def _activations(
     whole = activation_bytes_per_token_layer(shape, a, params.adapted_inputs, eager_seq, r)
     mlp = mlp_activation_bytes_per_token(shape, a, params.adapted_mlp_inputs)
     # Tiled, a layer saves no MLP intermediates: backward recomputes them for one tile of one layer.
-    tile = mlp_tile_tokens(tokens, -(-seq // sequence_parallel(recipe)), h) if m.tiled_mlp else 0
+    tile = mlp_tile_tokens(tokens, -(-seq // sp), h) if m.tiled_mlp else 0
     saved = whole - mlp if m.tiled_mlp else whole
     per_layer = saved * tokens + mlp * tile
     # Embedding output and final norm, outside the layers.
     outside = (r + 4 + 2 * r) * h * tokens
-    outside += packed_mask_bytes(recipe, tokens)
+    outside += packed_mask_bytes(recipe, tokens, sp)
     if not m.gradient_checkpointing:
         return shape.num_layers * saved * tokens + mlp * tile + outside
     layer_input = r * h * tokens
@@ -653,29 +675,33 @@ def _activations(
 MASK_NOTE_BYTES = 64 * 2**20  # sdpa's packed-row mask from which the plan suggests auto (8K-token rows)
 
 
-def packed_mask_bytes(recipe: Recipe, tokens: int) -> int:
+def packed_mask_bytes(recipe: Recipe, tokens: int, sp: int | None = None) -> int:
     """The attention mask of packed rows: sdpa gets a ``rows x 1 x T x T`` boolean block-diagonal mask
     (transformers builds it once per forward, and every layer's attention keeps it for backward;
     under sequence parallelism ``llmft.model.ulysses`` builds it for the whole rows, one per layer,
     counted once: checkpointing frees the others). Flash attention, varlen_sdpa (and ``auto``,
     which picks one of them for packed rows) and flex_attention (its block mask holds
-    O((T/128)^2) indices) have no seq^2 term."""
+    O((T/128)^2) indices) have no seq^2 term. ``sp``: as ``tokens_per_rank``."""
     if recipe.model.attn_implementation != "sdpa" or not recipe.data.packing:
         return 0
     seq = recipe.data.max_seq_len
-    rows = -(-tokens // -(-seq // sequence_parallel(recipe)))
+    rows = -(-tokens // -(-seq // (sp or sequence_parallel(recipe))))
     return rows * seq * seq
 
 
-def longest_sequence(recipe: Recipe, engine: str, dp_size: int, gpu_memory_gb: float, micro: int = 1) -> int:
+def longest_sequence(
+    recipe: Recipe, engine: str, parallel: ParallelLayout | int, gpu_memory_gb: float, micro: int = 1
+) -> int:
     """The longest ``data.max_seq_len`` whose run fits ``gpu_memory_gb`` GiB per GPU with
     ``micro`` sequences per micro-batch, for the recipe's sequence parallelism, offload, tiling and
     loss chunking; 0 when even one token per sequence does not fit. A multiple of 128 x
-    sequence_parallel where it is that long: every rank's slice a whole number of 128-token blocks."""
+    sequence_parallel where it is that long: every rank's slice a whole number of 128-token blocks.
+    ``parallel``: as ``estimate``."""
+    parallel = _as_layout(recipe, engine, parallel)
 
     def fits(n: int) -> bool:
         probe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, max_seq_len=n))
-        return estimate(probe, engine, dp_size, micro, 1).fits(gpu_memory_gb)
+        return estimate(probe, engine, parallel, micro, 1).fits(gpu_memory_gb)
 
     low, high = 0, 1
     while fits(high) and high < MAX_SEQ_SEARCH:  # doubling, then bisection: about 2 log2(n) estimates
@@ -683,7 +709,7 @@ def longest_sequence(recipe: Recipe, engine: str, dp_size: int, gpu_memory_gb: f
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
-    step = 128 * sequence_parallel(recipe)
+    step = 128 * parallel.sp
     return low // step * step if low >= step else low
 
 
@@ -694,14 +720,17 @@ MAX_SEQ_SEARCH = 2**27
 # --- picking the micro-batch --------------------------------------------------------------------
 
 
-def pick_micro_batch(recipe: Recipe, engine: str, global_batch_size: int, dp_size: int, gpu_memory_gb: float) -> int:
+def pick_micro_batch(
+    recipe: Recipe, engine: str, global_batch_size: int, parallel: ParallelLayout | int, gpu_memory_gb: float
+) -> int:
     """The largest micro-batch that fits in ``gpu_memory_gb`` GiB and divides the local batch.
 
     Dividing ``global / dp_size`` keeps accumulation whole, so ``global = micro x accumulation
     x dp`` holds exactly. Raises UserError when the global batch does not split over the ranks
-    or when even a micro-batch of 1 does not fit.
+    or when even a micro-batch of 1 does not fit. ``parallel``: as ``estimate``.
     """
-    g = global_batch_size
+    parallel = _as_layout(recipe, engine, parallel)
+    g, dp_size = global_batch_size, parallel.dp_size
     if g % dp_size:
         low = g // dp_size * dp_size
         raise UserError(
@@ -714,9 +743,9 @@ def pick_micro_batch(recipe: Recipe, engine: str, global_batch_size: int, dp_siz
         )
     local = g // dp_size
     for micro in sorted(divisors(local), reverse=True):
-        if estimate(recipe, engine, dp_size, micro, local // micro).fits(gpu_memory_gb):
+        if estimate(recipe, engine, parallel, micro, local // micro).fits(gpu_memory_gb):
             return micro
-    one = estimate(recipe, engine, dp_size, 1, local)
+    one = estimate(recipe, engine, parallel, 1, local)
     raise UserError(
         Problem(
             "batch.micro_batch_size",
@@ -742,12 +771,12 @@ def host_memory_per_node(plan: RunPlan, *, device_is_host: bool = False) -> int:
     bitsandbytes quantizes on load, so that base is built whole on every rank, and so is every
     model on single / DDP / ZeRO 0-2. On a CPU run the frozen weights read in place
     (``_reads_in_place``) are the weight files' pages, not the ranks' memory: not counted."""
-    recipe, engine, dp = plan.recipe, plan.engine, plan.dp_size
+    recipe, engine = plan.recipe, plan.engine
     shape = _require_shape(recipe)
     params = count_params(recipe, shape)
     a = DTYPE_BYTES[recipe.model.dtype]
     states = _states(recipe, engine, params, a)
-    layout = _layout(recipe, engine, dp)
+    layout = _layout(recipe, engine, plan.layout)
     offloaded = 0.0
     if not layout.weights_on_gpu:
         offloaded += (states["weights"] + states["adapters"]) / layout.weights + states["gradients"] / layout.gradients
@@ -967,12 +996,12 @@ def fit_options(plan: RunPlan, gpu_gb: float) -> list[str]:
         if getattr(getattr(recipe, section), name) == value or not _applies(key, plan):
             continue
         setattr(getattr(recipe, section), name, value)
-        est = estimate(recipe, plan.engine, plan.dp_size, micro, acc)
+        est = estimate(recipe, plan.engine, plan.layout, micro, acc)
         if est.fits(gpu_gb):
             out.append(f"{key}={str(value).lower()} ({est.total / GIB:.1f} GiB; costs {cost})")
     local = micro * acc
     for smaller in sorted((d for d in divisors(local) if d < micro), reverse=True):
-        est = estimate(plan.recipe, plan.engine, plan.dp_size, smaller, local // smaller)
+        est = estimate(plan.recipe, plan.engine, plan.layout, smaller, local // smaller)
         if est.fits(gpu_gb):
             out.append(f"batch.micro_batch_size={smaller} ({est.total / GIB:.1f} GiB)")
             break

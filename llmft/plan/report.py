@@ -17,7 +17,6 @@ from llmft.plan.memory import (
     host_memory_per_rank,
     longest_sequence,
     pick_micro_batch,
-    sequence_parallel,
 )
 from llmft.plan.resolve import describe_engine, load_plan
 
@@ -114,7 +113,7 @@ def _fit_lines(plan: RunPlan, est: MemoryEstimate, measure_gpu: Callable[[], flo
     verdict = "yes" if est.fits(gb) else "NO"
     lines = [f"fits in {gb:g} GiB ({source}): {verdict}, {(gb * GIB - est.total) / GIB:+.2f} GiB to spare"]
     try:
-        best = pick_micro_batch(plan.recipe, plan.engine, plan.batch.global_batch_size, plan.dp_size, gb)
+        best = pick_micro_batch(plan.recipe, plan.engine, plan.batch.global_batch_size, plan.layout, gb)
         lines.append(f"largest micro-batch that fits and divides the local batch: {best}")
     except UserError as e:
         lines.append(f"no micro-batch fits: {e.problems[0].what}")
@@ -125,14 +124,14 @@ def _longest_line(plan: RunPlan, gb: float) -> str:
     """The longest sequence a rank fits with this recipe's long-context switches."""
     m = plan.recipe.model
     switches = [
-        f"sequence_parallel {sequence_parallel(plan.recipe)}",
+        f"sequence_parallel {plan.layout.sp}",
         f"activation_offload {str(m.activation_offload).lower()}",
         f"tiled_mlp {str(m.tiled_mlp).lower()}",
         f"chunked loss {'on' if plan.chunked_loss else 'off'}",
         f"gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}",
     ]
     micro = plan.batch.micro_batch_size
-    n = longest_sequence(plan.recipe, plan.engine, plan.dp_size, gb, micro)
+    n = longest_sequence(plan.recipe, plan.engine, plan.layout, gb, micro)
     return (
         f"longest sequence that fits in {gb:g} GiB per GPU at micro-batch {micro}: {n} tokens ({', '.join(switches)})"
     )

@@ -28,7 +28,8 @@ from llmft.plan import memory
 from llmft.plan.batch import BatchError, BatchPlan, divisors, resolve_for_world, sequences_from_tokens, solve_batch
 from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, load
 from llmft.plan.kernels import recipe_problems
-from llmft.plan.layout import RunPlan, World, data_parallel_size, parallel_layout, quant_storage_for
+from llmft.plan.layout import ParallelLayout, RunPlan, World, parallel_layout, quant_storage_for
+from llmft.plan.moe import moe_problems
 from llmft.plan.objectives import (
     group_problems,
     load_objective_module,
@@ -114,19 +115,18 @@ def resolve(
     notes: list[str] = [*disagreement]
     engine = choose_engine(recipe, world.size)
     spec = engine_spec(engine)
+    layout, layout_problems = parallel_layout(recipe, spec, world.size, where)  # every parallel dimension, sized once
     if recipe.data.max_seq_len == "auto":
         try:
-            recipe, note = _planned_seq_len(recipe, engine, world.size, measure_gpu)
+            recipe, note = _planned_seq_len(recipe, engine, layout, measure_gpu)
             notes.append(note)
         except UserError as e:
             problems += [Problem(where(pr.where), pr.what, pr.fix) for pr in e.problems]
             recipe = _with_seq_len(recipe, 2)  # to go on and report every other problem too
-    problems += world_problems(recipe, spec, world.size, where)
-    sp_problems = sequence_parallel_problems(recipe, spec, world.size, where)  # the batch is solved without
+    problems += world_problems(recipe, spec, world.size, where) + layout_problems + moe_problems(recipe, where)
     batch = None
     try:
-        sp = recipe.distributed.sequence_parallel if not sp_problems else 1
-        batch, note = _solve(recipe, engine, compiled, world, measure_gpu, sp)
+        batch, note = _solve(recipe, engine, compiled, world, measure_gpu, layout)
         if note:
             notes.append(note)
     except UserError as e:
@@ -145,7 +145,7 @@ def resolve(
         world=world,
         engine=engine,
         batch=batch,
-        layout=parallel_layout(recipe, spec, batch.dp_size),
+        layout=layout,
         quant_storage=quant_storage_for(recipe, spec),
         builds_whole=builds_whole(recipe),
         notes=tuple(notes),
@@ -209,9 +209,9 @@ def _solve(
     compiled: World,
     world: World,
     measure_gpu: Callable[[], float | None] | None,
-    sp: int = 1,
+    layout: ParallelLayout,
 ) -> tuple[BatchPlan, str | None]:
-    """Solve the batch equation for ``world`` (``world / sp`` data-parallel ranks: each sequence
+    """Solve the batch equation for ``world`` (``layout.dp_size`` data-parallel ranks: each sequence
     group is one); a plan compiled for another size is re-solved."""
     b = recipe.batch
     g = b.global_batch_size
@@ -228,24 +228,24 @@ def _solve(
             )
         g = from_tokens
     micro = b.micro_batch_size
-    dp, compiled_dp = data_parallel_size(world.size, sp), data_parallel_size(compiled.size, sp)
+    dp, compiled_dp, splits = layout.dp_size, layout.data_parallel_size(compiled.size), layout.splits
     if _is_auto(micro) and _is_auto(b.gradient_accumulation_steps) and isinstance(g, int) and not isinstance(g, bool):
-        micro = _planned_micro(recipe, engine, g, dp, measure_gpu)
+        micro = _planned_micro(recipe, engine, g, layout, measure_gpu)
     values = (g, micro, b.gradient_accumulation_steps)
     if all(isinstance(v, int) for v in values) and compiled_dp != dp:
         try:  # three numbers that hold for the launched world: as given
-            return solve_batch(*values, dp_size=dp, sp=sp), None
+            return solve_batch(*values, dp_size=dp, splits=splits), None
         except BatchError as launched_error:
             try:  # ... or for the recipe's own layout (a compiled plan): re-solved for the launched world
                 planned = solve_batch(*values, dp_size=compiled_dp)
             except BatchError:
                 raise launched_error from None  # for neither: the equation of the world that runs
-        return resolve_for_world(planned, dp, sp)
-    return solve_batch(*values, dp_size=dp, sp=sp), None
+        return resolve_for_world(planned, dp, splits)
+    return solve_batch(*values, dp_size=dp, splits=splits), None
 
 
 def _planned_seq_len(
-    recipe: Recipe, engine: str, world_size: int, measure_gpu: Callable[[], float | None] | None
+    recipe: Recipe, engine: str, layout: ParallelLayout, measure_gpu: Callable[[], float | None] | None
 ) -> tuple[Recipe, str]:
     """``data.max_seq_len: auto``: a copy of the recipe with the longest sequence that fits
     (``memory.longest_sequence``) at the recipe's micro-batch (1 where it is auto), and the note
@@ -255,8 +255,7 @@ def _planned_seq_len(
         gpu_gb = measure_gpu()
     micro = recipe.batch.micro_batch_size
     micro = micro if isinstance(micro, int) and not isinstance(micro, bool) else 1
-    dp = data_parallel_size(world_size, memory.sequence_parallel(recipe))
-    n = memory.longest_sequence(recipe, engine, dp, gpu_gb, micro) if gpu_gb is not None else 0
+    n = memory.longest_sequence(recipe, engine, layout, gpu_gb, micro) if gpu_gb is not None else 0
     if gpu_gb is None or n < 2:
         raise UserError(
             Problem(
@@ -283,7 +282,11 @@ def _with_seq_len(recipe: Recipe, n: int) -> Recipe:
 
 
 def _planned_micro(
-    recipe: Recipe, engine: str, global_batch_size: int, dp_size: int, measure_gpu: Callable[[], float | None] | None
+    recipe: Recipe,
+    engine: str,
+    global_batch_size: int,
+    layout: ParallelLayout,
+    measure_gpu: Callable[[], float | None] | None,
 ) -> int | str:
     """micro_batch_size=auto with accumulation auto: the largest micro-batch that fits the GPU
     (distributed.gpu_memory_gb, or what the runtime measured: compile measures nothing). Without a
@@ -293,7 +296,7 @@ def _planned_micro(
         gpu_gb = measure_gpu()
     if gpu_gb is None:
         return "auto"
-    micro = memory.pick_micro_batch(recipe, engine, global_batch_size, dp_size, gpu_gb)
+    micro = memory.pick_micro_batch(recipe, engine, global_batch_size, layout, gpu_gb)
     log.info("batch.micro_batch_size=auto: %d is the largest that fits %.0f GiB per GPU", micro, gpu_gb)
     return micro
 
@@ -311,8 +314,10 @@ def world_problems(r: Recipe, spec: EngineSpec, world_size: int, where: Callable
     4. quantization on this engine and world (``_quantization_problems``);
     5. the speed switches, from the engine's record (``plan/kernels.py``);
     6. the objective's (``objective_problems``: its head, its record kind, the checks its record
-       names, the keys of sections it does not read);
-    7. sequence parallelism (``sequence_parallel_problems``).
+       names, the keys of sections it does not read).
+
+    The parallel dimensions' own checks (sequence parallelism: ``sequence_parallel_problems``) and
+    their combinations follow, from ``parallel_layout``.
     """
     own = load(spec.problems)(r, where) if spec.problems else []
     kernels = [Problem(where(pr.where), pr.what, pr.fix) for pr in recipe_problems(r, spec)]
@@ -323,7 +328,6 @@ def world_problems(r: Recipe, spec: EngineSpec, world_size: int, where: Callable
         + _quantization_problems(r, spec, world_size, where)
         + kernels
         + objective_problems(r, where)
-        + sequence_parallel_problems(r, spec, world_size, where)
     )
 
 

@@ -159,7 +159,7 @@ def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     }
 
 
-def _hub_cache_config(repo_id: str) -> Path | None:
+def hub_cache_config(repo_id: str) -> Path | None:
     home = Path(
         os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache/huggingface")) / "hub"
     )
@@ -189,7 +189,7 @@ def model_shape(model_cfg: Any) -> ModelShape | None:
     if name is None:
         return None
     local = Path(name) / "config.json"
-    path = local if local.is_file() else _hub_cache_config(name)
+    path = local if local.is_file() else hub_cache_config(name)
     if path is not None:
         cfg = read_config(path)
         if cfg is None:  # not JSON: loading the model names that damage
@@ -687,7 +687,7 @@ def reward_model_shape(path: str) -> ModelShape | None:
     d = Path(path).expanduser()
     try:
         local = d / "config.json"
-        config = local if local.is_file() else _hub_cache_config(path)
+        config = local if local.is_file() else hub_cache_config(path)
         cfg = read_config(config) if config is not None else None
         return ModelShape.from_config(cfg) if cfg is not None else None
     except (OSError, UserError, ValueError, KeyError, TypeError):

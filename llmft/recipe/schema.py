@@ -155,6 +155,25 @@ class PeftConfig:
 
 
 @dataclass
+class MoEConfig:
+    aux_loss_coef: Optional[float] = doc(
+        None,
+        "Weight of the router's load-balancing loss (mixture-of-experts models only); null: the model "
+        "config's router_aux_loss_coef; 0: off.",
+    )
+    balance: str = doc(
+        "global_batch",
+        "global_batch: the family's balancing loss over the whole global batch, the same for any split and "
+        "any number of ranks (a routing pre-pass per step, docs/moe.md); micro_batch: over each micro-batch "
+        "(transformers Trainer's), averaged.",
+        choices=("global_batch", "micro_batch"),
+    )
+    z_loss_coef: Optional[float] = doc(
+        None, "Weight of the router z-loss, for a family that defines one; null: the family's."
+    )
+
+
+@dataclass
 class DataConfig:
     train: Any = doc(
         None,
@@ -456,6 +475,7 @@ class Recipe:
         "weight} (a reward model, e.g. one exported by train.objective=reward).",
     )
     distributed: DistributedConfig = doc(DistributedConfig(), "Engine and world layout.")
+    moe: MoEConfig = doc(MoEConfig(), "Mixture-of-experts routing (docs/moe.md).")
 
 
 def iter_fields(cls: type = Recipe, prefix: str = ""):

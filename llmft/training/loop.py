@@ -136,9 +136,12 @@ def _step(run: _Run, state: LoopState) -> bool:
     data_wait = time.perf_counter() - t0
     local_count = sum(run.objective.count(mb) for mb in micro_batches)
     local_targets = sum(batch_targets(mb) for mb in micro_batches)
-    # The auxiliary terms' own statistics ride on the same all-reduce (none: the same list).
+    # The auxiliary terms' own statistics ride on the same all-reduce (none: the same list); under
+    # the step's autocast, as a term's own forward (a router's pre-pass) must route as the step does.
+    with run.engine.autocast():
+        local_stats = run.aux.statistics(micro_batches)
     global_count, global_targets, *aux_stats = all_reduce_sum(
-        [float(local_count), float(local_targets), *run.aux.statistics(micro_batches)], device
+        [float(local_count), float(local_targets), *local_stats], device
     )
     num_items = torch.tensor(max(global_count, 1.0), device=device)
     run.aux.begin_step(num_items, global_targets, aux_stats)

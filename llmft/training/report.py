@@ -18,6 +18,7 @@ from llmft.job.dist import DistEnv
 from llmft.metrics.flops import flops_per_token, mfu, peak_flops
 from llmft.metrics.plot import plot_run
 from llmft.model import attention
+from llmft.model.moe import experts_line
 from llmft.model.structure import describe
 from llmft.plan.kernels import kernel_paths_line
 from llmft.plan.layout import RunPlan
@@ -51,6 +52,7 @@ def banner(plan: RunPlan, env: DistEnv, steps: int, engine: Engine, data) -> str
         f"dtype {recipe.model.dtype}",
         kernels_line(plan, attention.choose(recipe.model.attn_implementation, recipe.data.packing)),
         f"parameters: {describe(engine.unwrap())}",
+        *([f"mixture of experts: {line}"] if (line := experts_line(engine.unwrap())) else []),
         f"data: {len(data.train):,} training {items}, "
         f"{steps} optimizer steps ({steps * b.global_batch_size / max(len(data.train), 1):.2f} epochs)"
         if data.num_rows is not None  # a stream's length is unknown

@@ -363,7 +363,7 @@ def test_a_record_reads_only_what_the_recipe_has(documents):
     assert (
         "train.objective_module: registers objective 'corpus' reading 'corpus', 'rl.gamma', which the recipe has "
         "not. Name sections of the recipe (run, model, peft, data, batch, optim, train, checkpoint, preference, "
-        'rollout, rl, rewards, distributed) or keys of one ("rl.beta"); a section of its own is registered first, '
+        'rollout, rl, rewards, distributed, moe) or keys of one ("rl.beta"); a section of its own is registered first, '
         "with llmft.recipe.sections.register_section."
     ) in str(e.value)
 

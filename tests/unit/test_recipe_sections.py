@@ -31,7 +31,7 @@ RECIPE = textwrap.dedent(
       scale: 2.0
     """
 )
-BUILT_IN = "run, model, peft, data, batch, optim, train, checkpoint, preference, rollout, rl, rewards, distributed"
+BUILT_IN = "run, model, peft, data, batch, optim, train, checkpoint, preference, rollout, rl, rewards, distributed, moe"
 
 
 def _recipe(tmp_path, text: str = RECIPE):
