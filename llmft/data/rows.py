@@ -45,7 +45,7 @@ def raise_if_fatal(error: str | None) -> None:
 
 class RecordEncoder(Protocol):
     """What parses and encodes one kind of record (``ObjectiveSpec.record``): an ``Encoder`` (SFT
-    records) or a ``pairs.PairEncoder`` (preference pairs, one item per pair)."""
+    records) or a ``kinds.pairs.PairEncoder`` (preference pairs, one item per pair)."""
 
     def parse(self, value: Any, fields: dict[str, str] | None) -> Any: ...
 

@@ -38,7 +38,7 @@ class TokenDataset:
     ``item["fields"][name]`` (each token its record's number, 0 on a packed row's padded tail).
     Rows without fields have no such column and no ``fields`` key.
 
-    Prompt rows (online RL, ``prompts.py``) keep their whole parsed record as UTF-8 JSON bytes in a
+    Prompt rows (online RL, ``kinds/prompts.py``) keep their whole parsed record as UTF-8 JSON bytes in a
     ``record`` column (a list of uint8 per row, mapped like the tokens); an item then carries it as
     ``item["record"]``, a dict decoded from those bytes when the item is read.
     """

@@ -33,7 +33,7 @@ the fly: the policy with its adapters disabled (LoRA), the policy itself before 
 loaded (full fine-tune: its initial weights; so no frozen copy is built), or the named model,
 which is asked of the engine (``Engine.frozen_model``) for the pass and dropped after it. Training then holds no reference model
 and runs no reference forward: each pair's item carries ``reference_logps`` and the collator
-puts them in the micro-batch (``pairs.collate_pairs``).
+puts them in the micro-batch (``kinds.pairs.collate_pairs``).
 """
 
 from __future__ import annotations

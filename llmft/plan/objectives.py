@@ -2,8 +2,8 @@
 
 A record (``ObjectiveSpec``) says everything the rest of llmft needs to know about an objective:
 
-- the kind of record it reads (``record``: SFT ``sequences`` or preference ``pairs``; the data
-  layer tokenizes, caches and collates by it) and the rows one item becomes (``rows_per_item``:
+- the kind of record it reads (``record``: a ``llmft.plan.kinds`` record, ``sequences``, ``pairs``,
+  ``prompts`` or one a module registers; the data layer tokenizes, caches and collates by it) and the rows one item becomes (``rows_per_item``:
   1, 2 for a pair, or the recipe key that holds G for G completions per prompt);
 - what the global count counts (``counts``: the loss is the sum of the global batch's item losses
   divided by it): ``tokens`` (target tokens), ``pairs``, ``completions``;
