@@ -344,6 +344,7 @@ def lora_deltas(adapter_dir: Path) -> LoraDeltas | None:
         or config.get("lora_bias")
         or config.get("rank_pattern")
         or config.get("alpha_pattern")
+        or config.get("target_parameters")  # LoRA on [experts, ., .] weights (docs/moe.md): PEFT merges it
     ):
         return None
     r, alpha = config["r"], config["lora_alpha"]

@@ -45,14 +45,19 @@ def flops_per_token(shape: ModelShape, seq_len: int, *, peft: bool, adapter_para
     Full fine-tune (PaLM, Chowdhery et al. 2022, appendix B; Kaplan et al. 2020 table 1;
     Chinchilla, Hoffmann et al. 2022, appendix F)::
 
-        6 * N  +  12 * L * h * T
+        6 * N  +  12 * L * d * T
 
-    where N = ``ModelShape.matmul_params`` (decoder linears + LM head, no embedding), L layers, h
-    hidden size, T = ``seq_len`` (the attended context: max_seq_len, or the mean record
-    length when not packing). A matmul with N weights costs 2N per token forward and 4N
-    backward (input gradient 2N + weight gradient 2N). Attention scores (QK^T) and the
-    weighted sum (AV) cost 2 * 2 * T * h per layer forward, x3 with backward = 12 L h T.
-    Like PaLM we do not halve it for the causal mask.
+    where N = ``ModelShape.matmul_params`` (decoder linears + LM head, no embedding), L layers, d
+    the attention width (heads x head_dim: the hidden size unless the config's head_dim differs),
+    T = ``seq_len`` (the attended context: max_seq_len, or the mean record length when not
+    packing). A matmul with N weights costs 2N per token forward and 4N backward (input gradient
+    2N + weight gradient 2N). Attention scores (QK^T) and the weighted sum (AV) cost 2 * 2 * T * d
+    per layer forward, x3 with backward = 12 L d T. Like PaLM we do not halve it for the causal
+    mask, nor count a sliding window's shorter context (gpt-oss: every other layer).
+
+    A mixture of experts counts its active parameters: N holds the routers and the K of E routed
+    experts each token goes to, not the others (``ModelShape.matmul_params``), so tokens/s and MFU
+    compare with a dense model of the active size. Memory counts every expert (``plan.memory``).
 
     LoRA / QLoRA / DoRA (``peft=True``)::
 
@@ -70,7 +75,7 @@ def flops_per_token(shape: ModelShape, seq_len: int, *, peft: bool, adapter_para
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     n = shape.matmul_params
-    attention = 12 * shape.num_layers * shape.hidden_size * seq_len
+    attention = 12 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
     if peft:
         return float(4 * n + attention + 6 * adapter_params)
     return float(6 * n + attention)

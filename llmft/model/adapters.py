@@ -1,20 +1,27 @@
-"""PEFT: wrapping a model in a LoRA/DoRA adapter, the adapters' seeded initial weights (the same on
-every engine and world size), and the names of a PEFT model's parameters in its base checkpoint
-(``base_key``)."""
+"""PEFT: wrapping a model in a LoRA/DoRA adapter (on a mixture of experts, LoRA on the fused expert
+weights too, and the router trained in full if asked), the adapters' seeded initial weights (the
+same on every engine and world size), and the names of a PEFT model's parameters in its base
+checkpoint (``base_key``)."""
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from llmft.errors import Problem, UserError, first_line
+from llmft.plan.moe import MoEFamily, experts_adapted, lora_problems, moe_family
 
 if TYPE_CHECKING:
+    from peft import LoraConfig
     from transformers import PreTrainedModel
 
     from llmft.recipe.schema import PeftConfig
+
+log = logging.getLogger("llmft")
 
 
 def is_peft(model: torch.nn.Module) -> bool:
@@ -24,22 +31,34 @@ def is_peft(model: torch.nn.Module) -> bool:
 def apply_peft(model: PreTrainedModel, p: PeftConfig, task_type: str = "CAUSAL_LM") -> torch.nn.Module:
     """Wrap in a LoRA (or DoRA) adapter; only adapter weights (and modules_to_save) stay trainable.
     ``task_type``: PEFT's, for the model's head (``llmft.model.heads``); a score head's ``SEQ_CLS``
-    trains the head in full and saves it with the adapter (PEFT adds it to ``modules_to_save``)."""
+    trains the head in full and saves it with the adapter (PEFT adds it to ``modules_to_save``).
+
+    On a mixture of experts (``llmft.plan.moe``), LoRA also goes on the fused ``[experts, ., .]``
+    weights (``peft.target_experts``; PEFT's ``target_parameters``: one ``A``, ``B`` pair per expert),
+    and ``peft.train_router`` trains the router in full (``modules_to_save``)."""
     # peft imports bitsandbytes where installed (seconds): only a PEFT run pays for it
     from peft import LoraConfig, get_peft_model
 
-    targets = p.target_modules if isinstance(p.target_modules, str) else list(p.target_modules)
+    family = moe_family(model.config)
+    problems = lora_problems(family, p, getattr(model.config, "model_type", None))
+    if problems:
+        raise UserError(*problems)
+    experts = experts_adapted(family, p)
+    saved = [*(p.modules_to_save or []), *([family.router] if family is not None and p.train_router else [])]
     lora = LoraConfig(
         r=p.r,
         lora_alpha=p.alpha,
         lora_dropout=p.dropout,
-        target_modules=targets,
-        modules_to_save=list(p.modules_to_save) if p.modules_to_save else None,
+        target_modules=p.target_modules if isinstance(p.target_modules, str) else list(p.target_modules),
+        target_parameters=list(family.expert_weights) if experts else None,
+        modules_to_save=saved or None,
         use_dora=p.method == "dora",
         task_type=task_type,
     )
+    if family is not None:
+        lora.target_modules = _moe_targets(model, lora)
     try:
-        return get_peft_model(model, lora)
+        wrapped = get_peft_model(model, lora)
     except ValueError as e:
         names = sorted({n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if _is_linear(mod)})
         raise UserError(
@@ -49,6 +68,49 @@ def apply_peft(model: PreTrainedModel, p: PeftConfig, task_type: str = "CAUSAL_L
                 f"Use all-linear, or names of this model's linear layers: {', '.join(names)}.",
             )
         ) from None
+    if family is not None:
+        _log_moe_lora(wrapped, family, lora.target_modules, experts)
+    return wrapped
+
+
+def _moe_targets(model: torch.nn.Module, lora: LoraConfig) -> list[str] | str:
+    """The linear layers to adapt on a mixture of experts, as names. PEFT reads the string all-linear on
+    a family whose layout changed in transformers 5 (qwen3_moe, mixtral, ...) as the transformers 4
+    layers, router included: resolved here to the linear layers there are, the router stays out."""
+    if not isinstance(lora.target_modules, str):
+        return list(lora.target_modules)
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+
+    resolved = _maybe_include_all_linear_layers(copy.copy(lora), model).target_modules
+    if isinstance(resolved, str):  # a regex: PEFT matches it
+        return resolved
+    return sorted({name.rsplit(".", 1)[-1] for name in resolved})
+
+
+def _log_moe_lora(model: torch.nn.Module, family: MoEFamily, asked: list[str] | str, experts: bool) -> None:
+    config = model.peft_config["default"]
+    # PEFT still reads names of the transformers 4 experts (gate_proj, up_proj, down_proj, w1...) as the
+    # fused weights: a dense MLP or shared expert with such names gets no LoRA of its own.
+    moved = sorted(set(asked) - set(config.target_modules or ())) if isinstance(asked, list) else []
+    if moved:
+        log.warning(
+            "LoRA: PEFT reads %s on a %s model as the transformers 4 names of its experts: LoRA goes on the fused "
+            "expert weights (target_parameters %s), not on the linear layers of these names",
+            ", ".join(moved),
+            family.model_type,
+            sorted(config.target_parameters or ()),
+        )
+    quantized = any(type(p).__name__ == "Params4bit" for p in model.parameters())
+    if experts and quantized:
+        weights = [p for n, p in model.named_parameters() if (base_key(n) or "").endswith(family.expert_weights)]
+        dtype = str(weights[0].dtype).removeprefix("torch.") if weights else "the compute dtype"
+        log.info(
+            "LoRA on the experts: their fused weights stay in %s, not 4-bit (bitsandbytes quantizes linear layers "
+            "only; docs/moe.md)",
+            dtype,
+        )
+    elif experts:
+        log.info("LoRA on the experts: %s of every MoE layer", ", ".join(family.expert_weights))
 
 
 # Parameters that exist only in a PEFT model (the adapter's own weights), and the wrapper levels

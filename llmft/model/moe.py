@@ -67,7 +67,9 @@ def install(model: torch.nn.Module, moe: Any) -> BalanceLoss | None:
 
 def _causal_lm(model: torch.nn.Module, family: MoEFamily) -> torch.nn.Module | None:
     """The module whose forward adds the balancing loss to ``.loss`` (inside a PEFT wrapper too)."""
-    return next((m for m in model.modules() if hasattr(m, family.coef_attr) and hasattr(m, "lm_head")), None)
+    # Its own attribute (``vars``), not one a wrapper forwards (PEFT's ``PeftModel`` forwards every
+    # unknown name to the model inside it: setting it there would leave transformers' loss on).
+    return next((m for m in model.modules() if family.coef_attr in vars(m) and hasattr(m, "lm_head")), None)
 
 
 def routing_sums(

@@ -83,50 +83,63 @@ class Params:
 
     linear: int  # decoder linears (what quantization applies to)
     other: int  # embedding, LM head, norms: never quantized
-    layer: int  # one decoder layer (linears + its two norms)
+    layer: int  # one decoder layer (linears, routed experts and router, norms; the mean of the layers)
     adapters: int  # LoRA A/B (+ DoRA magnitudes): fp32
     saved: int  # modules_to_save: a trainable fp32 copy beside the frozen original
     adapted_inputs: int  # sum of in_features over adapted linears of one layer (activation cost)
     adapted_mlp_inputs: int  # the part of adapted_inputs that feeds the MLP's linears
     largest_linear: int  # largest single weight matrix of a layer
+    # A mixture of experts' routed experts and routers, every one of them (memory counts the total
+    # parameters): fused [experts, ., .] tensors that bitsandbytes does not quantize and LoRA leaves frozen.
+    experts: int = 0
 
     @property
     def base(self) -> int:
-        return self.linear + self.other
+        return self.linear + self.other + self.experts
 
 
-def _targets(target_modules: str | list[str]) -> list[str]:
+def _targets(target_modules: str | list[str], linears: dict[str, tuple[int, int]]) -> list[str]:
+    """The linears of ``linears`` (``linear_shapes``: a mixture of experts may have no MLP linears) adapted."""
     if target_modules == "all-linear":
-        return list(ALL_LINEAR)
+        return [m for m in ALL_LINEAR if m in linears]
     names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
     # PEFT matches module names by suffix ("self_attn.q_proj" and "q_proj" both adapt q_proj).
-    return [m for m in ALL_LINEAR if any(n == m or n.endswith("." + m) for n in names)]
+    return [m for m in ALL_LINEAR if m in linears and any(n == m or n.endswith("." + m) for n in names)]
 
 
 def count_params(recipe: Recipe, shape: ModelShape) -> Params:
     h, n_layers = shape.hidden_size, shape.num_layers
     linears = linear_shapes(shape)
-    per_layer_linear = shape.layer_linear_params
     embed = shape.vocab_size * h
     head = shape.embedding_params - embed
+    experts = shape.expert_params + shape.router_params
+    norms = shape.norm_params
     adapters = saved = adapted_inputs = adapted_mlp_inputs = 0
     p = recipe.peft
     if p.method != "none":
-        targets = _targets(p.target_modules)
+        targets = _targets(p.target_modules, linears)
         adapters = n_layers * sum(_adapter_tensors(recipe, shape))
         adapted_inputs = sum(linears[t][0] for t in targets)
         adapted_mlp_inputs = sum(linears[t][0] for t in targets if t in MLP_LINEARS)
         for name in p.modules_to_save or ():
             saved += {"lm_head": head or embed, "embed_tokens": embed}.get(name.rsplit(".", 1)[-1], h)
+        e = shape.experts
+        # LoRA on the fused experts (as llmft.plan.moe.experts_adapted: null is on under lora): an A
+        # (r x in) and a B (out x r) per expert of gate_up_proj (hidden -> 2 ffn) and down_proj (ffn -> hidden).
+        if e is not None and (p.target_experts if p.target_experts is not None else p.method == "lora"):
+            adapters += e.num_layers * e.num_experts * p.r * (2 * h + 3 * e.ffn)
+        if e is not None and p.train_router:
+            saved += shape.router_params
     return Params(
-        linear=n_layers * per_layer_linear,
-        other=embed + head + (2 * n_layers + 1) * h,
-        layer=per_layer_linear + 2 * h,
+        linear=shape.linear_params,
+        other=embed + head + norms,
+        layer=(shape.linear_params + experts + norms - h) // n_layers,
         adapters=adapters,
         saved=saved,
         adapted_inputs=adapted_inputs,
         adapted_mlp_inputs=adapted_mlp_inputs,
         largest_linear=max(i * o for i, o in linears.values()),
+        experts=experts,
     )
 
 
@@ -137,7 +150,7 @@ def _adapter_tensors(recipe: Recipe, shape: ModelShape) -> list[int]:
     if p.method == "none":
         return []
     linears = linear_shapes(shape)
-    targets = _targets(p.target_modules)
+    targets = _targets(p.target_modules, linears)
     tensors = [n for t in targets for n in (p.r * linears[t][0], p.r * linears[t][1])]
     if p.method == "dora":
         tensors += [linears[t][1] for t in targets]
@@ -205,7 +218,7 @@ def activation_bytes_per_token_layer(
       where both casts are no-ops (the adapter saves the tensor the base layer saved);
     - eager attention only: the scores and the softmax (2 a * heads * seq).
     """
-    h, kv, i = shape.hidden_size, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    h, kv, i = shape.hidden_size, shape.num_kv_heads * shape.head_dim, shape.mlp_width_per_token
     r = act_bytes if residual is None else residual
     norms = 2 * (4 + 2 * r) * h
     attention = act_bytes * (h + 2 * kv) + 2 * act_bytes * h
@@ -456,7 +469,7 @@ def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, fl
     if m.quantization is not None:
         # The unquantized weights are frozen and stay in the compute dtype (model.quant.prepare_kbit).
         weights = params.linear * quantized_bytes_per_param(m.quantization.bits, m.quantization.double_quant)
-        weights += params.other * a
+        weights += (params.other + params.experts) * a  # routed experts stay in the compute dtype
     elif peft:
         weights = params.base * a  # frozen
     else:
@@ -605,7 +618,7 @@ def mlp_activation_bytes_per_token(shape: ModelShape, act_bytes: int, adapted_ml
     """The MLP's part of ``activation_bytes_per_token_layer``: gate output, silu(gate), up output and
     their product (4 a i), and PEFT's cast copies of the adapted MLP linears' inputs."""
     lora = act_bytes * adapted_mlp_inputs if act_bytes < 4 else 0
-    return 4 * act_bytes * shape.intermediate_size + lora
+    return 4 * act_bytes * shape.mlp_width_per_token + lora
 
 
 def mlp_tile_tokens(tokens: int, seq_len: int, hidden_size: int) -> int:
@@ -865,7 +878,7 @@ def _frozen_in_file(recipe: Recipe) -> float:
     base's embedding, head and norms (its linears are quantized copies)."""
     params = count_params(recipe, _require_shape(recipe))
     a = DTYPE_BYTES[recipe.model.dtype]
-    return params.other * a if recipe.model.quantization is not None else params.base * a
+    return (params.other + params.experts) * a if recipe.model.quantization is not None else params.base * a
 
 
 def _host_mapped_weights(plan: RunPlan, est: MemoryEstimate) -> float:

@@ -14,18 +14,28 @@ that ``train.objective_module`` names (imported when the recipe is loaded). Pure
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
 
 from llmft.errors import Problem, UserError
-from llmft.plan.shape import hub_cache_config, read_config
 
 if TYPE_CHECKING:
-    from llmft.recipe.schema import Recipe
+    pass
 
 # Config keys that mark a mixture of experts: a config with one of them > 1 and no record is refused.
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The routed experts of a mixture of experts (``experts_of`` reads them from a config)."""
+
+    num_experts: int  # routed experts per MoE layer (E)
+    top_k: int  # experts each token is routed to (K)
+    ffn: int  # one routed expert's FFN width: a SwiGLU expert holds 3 x hidden x ffn weights
+    shared_ffn: int = 0  # the always-on shared experts' FFN width per MoE layer (nn.Linear layers); 0: none
+    shared_gate: bool = False  # a hidden -> 1 linear gate scales the shared expert (qwen2_moe, qwen3_next)
+    num_layers: int = 0  # decoder layers whose MLP is routed; the others have a dense MLP
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,30 @@ class MoEFamily:
     # The causal-LM module's attribute its forward multiplies ``aux_loss`` by before adding it to ``.loss``.
     coef_attr: str = "router_aux_loss_coef"
     z_loss: str | None = None  # config attribute of the router z-loss's weight; None: the family has none
+    # What the planner counts (``experts_of``): the config attribute of one routed expert's FFN width
+    # (a SwiGLU expert holds 3 x hidden x width weights), the shared experts' (an always-on MLP of
+    # that width, or that many experts as wide as a routed one), whether a hidden -> 1 gate scales the
+    # shared expert, and the rule for which layers are MoE: None (all), "decoder_sparse_step" (not in
+    # ``mlp_only_layers`` and every ``decoder_sparse_step``-th), "first_k_dense_replace" (all but the first k).
+    expert_ffn: str = "intermediate_size"
+    shared_ffn: str | None = None
+    shared_experts: str | None = None
+    shared_gate: bool = False
+    sparse_layers: str | None = None
+    # LoRA on the experts: name suffixes of the fused ``[experts, ., .]`` weights it adapts
+    # (``peft.target_experts``, PEFT's ``target_parameters``), and of the router module that
+    # ``peft.train_router`` trains in full (PEFT's ``modules_to_save``).
+    expert_weights: tuple[str, ...] = ("experts.gate_up_proj", "experts.down_proj")
+    router: str = "mlp.gate"
+
+
+_QWEN_SPARSE = "decoder_sparse_step"
+_QWEN_SHARED = dict(
+    expert_ffn="moe_intermediate_size",
+    shared_ffn="shared_expert_intermediate_size",
+    shared_gate=True,
+    sparse_layers=_QWEN_SPARSE,
+)
 
 
 def _families(*records: MoEFamily) -> dict[str, MoEFamily]:
@@ -48,21 +82,40 @@ def _families(*records: MoEFamily) -> dict[str, MoEFamily]:
 
 
 _FAMILIES: dict[str, MoEFamily] = _families(
-    MoEFamily("qwen3_moe", experts="num_experts"),
-    MoEFamily("qwen2_moe", experts="num_experts"),
-    MoEFamily("qwen3_next", experts="num_experts"),
+    MoEFamily("qwen3_moe", experts="num_experts", expert_ffn="moe_intermediate_size", sparse_layers=_QWEN_SPARSE),
+    MoEFamily("qwen2_moe", experts="num_experts", **_QWEN_SHARED),
+    MoEFamily("qwen3_next", experts="num_experts", **_QWEN_SHARED),
     MoEFamily("olmoe", experts="num_experts"),
     MoEFamily("flex_olmo", experts="num_experts"),
     MoEFamily("mixtral", experts="num_local_experts"),
-    MoEFamily("gpt_oss", experts="num_local_experts"),
-    MoEFamily("granitemoe", experts="num_local_experts"),
-    MoEFamily("granitemoeshared", experts="num_local_experts"),
-    MoEFamily("phimoe", experts="num_local_experts"),
+    MoEFamily("gpt_oss", experts="num_local_experts", router="mlp.router"),
+    MoEFamily("granitemoe", experts="num_local_experts", router="block_sparse_moe.router"),
+    MoEFamily(
+        "granitemoeshared",
+        experts="num_local_experts",
+        shared_ffn="shared_intermediate_size",
+        router="block_sparse_moe.router",
+    ),
+    MoEFamily("phimoe", experts="num_local_experts", router="mlp.router"),
     MoEFamily("minimax", experts="num_local_experts"),
     MoEFamily("minimax_m2", experts="num_local_experts"),
-    MoEFamily("jetmoe", experts="num_local_experts", aux_coef="aux_loss_coef", coef_attr="aux_loss_coef"),
+    MoEFamily(
+        "jetmoe",
+        experts="num_local_experts",
+        aux_coef="aux_loss_coef",
+        coef_attr="aux_loss_coef",
+        expert_weights=("mlp.input_linear.weight", "mlp.output_linear.weight"),
+        router="mlp.router",
+    ),
     # Auxiliary-loss-free routing (a per-expert score bias): no balancing loss in transformers.
-    MoEFamily("deepseek_v3", experts="n_routed_experts", aux_coef=None),
+    MoEFamily(
+        "deepseek_v3",
+        experts="n_routed_experts",
+        aux_coef=None,
+        expert_ffn="moe_intermediate_size",
+        shared_experts="n_shared_experts",
+        sparse_layers="first_k_dense_replace",
+    ),
 )
 
 
@@ -96,6 +149,36 @@ def moe_family(config: Mapping[str, Any] | Any) -> MoEFamily | None:
     )
 
 
+def experts_of(config: Mapping[str, Any]) -> Experts | None:
+    """The routed experts a model config describes (``Experts``), read with its family's record;
+    None for a dense model, or a config without its number of experts. Pure arithmetic, for the
+    planner's total and active parameter counts (``llmft.plan.shape.ModelShape``)."""
+    family = moe_family(config)
+    num_experts = config.get(family.experts) if family is not None else None
+    if not isinstance(num_experts, int) or num_experts < 1:
+        return None
+    ffn = int(config.get(family.expert_ffn) or config.get("intermediate_size") or 0)
+    shared = int(config.get(family.shared_ffn) or 0) if family.shared_ffn else 0
+    if family.shared_experts:
+        shared += int(config.get(family.shared_experts) or 0) * ffn
+    layers = int(config.get("num_hidden_layers") or 1)
+    if family.sparse_layers == "first_k_dense_replace":
+        moe_layers = max(layers - int(config.get("first_k_dense_replace") or 0), 0)
+    elif family.sparse_layers == "decoder_sparse_step":
+        step, dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or ())
+        moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    else:
+        moe_layers = layers
+    return Experts(
+        num_experts=num_experts,
+        top_k=int(config.get(family.top_k) or 1),
+        ffn=ffn,
+        shared_ffn=shared,
+        shared_gate=family.shared_gate and shared > 0,
+        num_layers=moe_layers,
+    )
+
+
 def family_problems(family: MoEFamily, moe: Any) -> list[Problem]:
     """What the recipe's ``moe`` section asks that ``family`` cannot give."""
     problems = []
@@ -124,50 +207,51 @@ def family_problems(family: MoEFamily, moe: Any) -> list[Problem]:
     return problems
 
 
-def moe_problems(recipe: Recipe, where: Callable[[str], str] = str) -> list[Problem]:
-    """The ``moe`` section against the model, when its config can be read without a download
-    (``model.config``, a local directory, the hub cache); else the build checks it
-    (``llmft.model.moe.install``)."""
-    config = _readable_config(recipe.model)
-    if config is None:
-        return []
-    try:
-        family = moe_family(config)
-    except UserError as e:
-        key = "model.config" if recipe.model.config is not None else "model.name_or_path"
-        return [Problem(where(key), p.what, p.fix) for p in e.problems]
-    moe = recipe.moe
-    if family is not None:
-        problems = [Problem(where(p.where), p.what, p.fix) for p in family_problems(family, moe)]
-        sp = recipe.distributed.sequence_parallel
-        if sp > 1 and moe.aux_loss_coef != 0 and family.aux_coef is not None:
-            problems.append(
-                Problem(
-                    where("distributed.sequence_parallel"),
-                    f"is {sp}, but the balancing loss of a mixture of experts ({family.model_type}) is not built "
-                    "for sequence slices yet: each rank's router sees a slice of every sequence",
-                    "Set distributed.sequence_parallel=1, or moe.aux_loss_coef=0 to train without the balancing loss.",
-                )
+def experts_adapted(family: MoEFamily | None, peft: Any) -> bool:
+    """Whether LoRA goes on the fused expert weights: ``peft.target_experts``; null: on for an MoE
+    model under lora (PEFT has no DoRA on parameters)."""
+    if family is None or peft.method == "none":
+        return False
+    return peft.target_experts if peft.target_experts is not None else peft.method == "lora"
+
+
+def lora_problems(family: MoEFamily | None, peft: Any, model_type: Any) -> list[Problem]:
+    """What ``peft.target_experts`` and ``peft.train_router`` ask that the model (``family``; None:
+    a dense model) or the adapter cannot give."""
+    asked = [key for key in ("target_experts", "train_router") if getattr(peft, key)]
+    if family is None:
+        return [
+            Problem(
+                f"peft.{key}",
+                f"is true, but the model ({model_type!r}) is dense: it has no experts and no router",
+                f"Remove peft.{key} from the recipe (it applies to mixture-of-experts models only, docs/moe.md).",
             )
-        return problems
-    asked = [f.name for f in fields(moe) if getattr(moe, f.name) != f.default]
-    model_type = config.get("model_type")
-    return [
-        Problem(
-            where(f"moe.{name}"),
-            f"is set, but the model ({model_type!r}) is dense: it has no experts and no router, so there is "
-            "no routing for moe.* to act on",
-            f"Remove moe.{name} from the recipe (moe.* applies to mixture-of-experts models only, docs/moe.md).",
-        )
-        for name in asked
-    ]
-
-
-def _readable_config(model: Any) -> dict[str, Any] | None:
-    if model.config is not None:
-        return dict(model.config)
-    if model.name_or_path is None:
-        return None
-    local = Path(model.name_or_path) / "config.json"
-    path = local if local.is_file() else hub_cache_config(model.name_or_path)
-    return read_config(path) if path is not None else None
+            for key in asked
+        ]
+    if peft.method == "none":
+        return [
+            Problem(
+                f"peft.{key}",
+                "is true, but peft.method is none: a full fine-tune trains the experts and the router already",
+                f"Set peft.method: lora, or remove peft.{key} from the recipe.",
+            )
+            for key in asked
+        ]
+    if peft.method == "dora" and peft.target_experts:
+        return [
+            Problem(
+                "peft.target_experts",
+                "is true, but peft.method is dora: PEFT's LoRA on the fused expert weights has no DoRA variant",
+                "Set peft.method: lora, or peft.target_experts: false (DoRA on the other layers only).",
+            )
+        ]
+    if experts_adapted(family, peft) and peft.dropout:
+        return [
+            Problem(
+                "peft.dropout",
+                f"is {peft.dropout}, but LoRA on the fused expert weights of {model_type} (peft.target_experts, on "
+                "by default for a mixture of experts) adds its update to the weight, so there is no input to drop",
+                "Set peft.dropout: 0, or peft.target_experts: false to leave the experts out of LoRA.",
+            )
+        ]
+    return []

@@ -19,6 +19,7 @@ from llmft.plan.memory import (
     pick_micro_batch,
 )
 from llmft.plan.resolve import describe_engine, load_plan
+from llmft.plan.shape import model_shape, params_line
 
 
 def plan_command(
@@ -36,6 +37,7 @@ def plan_command(
     head = [
         f"model {recipe.model.name_or_path or recipe.model.config.get('model_type')}: "
         f"{_describe(plan)}, engine {describe_engine(plan)}",
+        params_line(model_shape(recipe.model)),
         f"{plan.batch.equation()}, {est.seq_len} tokens per sequence" + _rows(plan, est),
         *summary_lines(plan),
         kernels_line(plan),

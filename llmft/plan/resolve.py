@@ -29,7 +29,7 @@ from llmft.plan.batch import BatchError, BatchPlan, divisors, resolve_for_world,
 from llmft.plan.engines import ENGINES, EngineSpec, choose_engine, engine_spec, load
 from llmft.plan.kernels import recipe_problems
 from llmft.plan.layout import ParallelLayout, RunPlan, World, parallel_layout, quant_storage_for
-from llmft.plan.moe import moe_problems
+from llmft.plan.moe_recipe import moe_problems
 from llmft.plan.objectives import (
     group_problems,
     load_objective_module,

@@ -23,8 +23,10 @@ from typing import Any, Callable
 
 from llmft import limits
 from llmft.errors import Problem, UserError
+from llmft.plan.moe import Experts, experts_of
 
-# Published configs of common base models (hidden, layers, heads, kv heads, intermediate, vocab, tied).
+# Published configs of common base models (hidden, layers, heads, kv heads, intermediate, vocab, tied;
+# head_dim and the routing fields where the model has them).
 KNOWN: dict[str, dict[str, Any]] = {
     "meta-llama/Llama-3.1-8B": dict(
         hidden_size=4096,
@@ -89,7 +91,39 @@ KNOWN: dict[str, dict[str, Any]] = {
 for _base in list(KNOWN):
     KNOWN[_base + "-Instruct"] = KNOWN[_base]
 KNOWN["meta-llama/Meta-Llama-3.1-8B-Instruct"] = KNOWN["meta-llama/Llama-3.1-8B"]
+# Mixtures of experts (their config.json's size and routing fields; docs/moe.md, "Planning").
+KNOWN["Qwen/Qwen3-30B-A3B"] = dict(
+    model_type="qwen3_moe",
+    hidden_size=2048,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    vocab_size=151936,
+)
+KNOWN["openai/gpt-oss-20b"] = dict(
+    model_type="gpt_oss",
+    hidden_size=2880,
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=2880,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    vocab_size=201088,
+)
 KNOWN["meta-llama/Meta-Llama-3.1-70B-Instruct"] = KNOWN["meta-llama/Llama-3.1-70B"]
+
+
+# Families whose attention normalises each head's queries and keys (q_norm, k_norm: head_dim weights each).
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -98,13 +132,36 @@ class ModelShape:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    intermediate_size: int
+    intermediate_size: int  # a dense MLP's width
     vocab_size: int
     tie_word_embeddings: bool = False
+    head_size: int = 0  # the config's head_dim where it gives one; 0: hidden_size / num_heads
+    qk_norm: bool = False  # q_norm and k_norm in every layer's attention (QK_NORM_TYPES)
+    experts: Experts | None = None  # a mixture of experts' routed experts; None: dense
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
+
+    @property
+    def mlp_width(self) -> int:
+        """The width of the MLP built of ``nn.Linear`` layers in a typical layer (``linear_shapes``):
+        the dense MLP's; in a mixture of experts the shared expert's (0 where it has none and every
+        layer is routed: its experts are fused ``[experts, ., .]`` tensors, not linears)."""
+        e = self.experts
+        if e is None:
+            return self.intermediate_size
+        return e.shared_ffn or (self.intermediate_size if e.num_layers < self.num_layers else 0)
+
+    @property
+    def mlp_width_per_token(self) -> int:
+        """The MLP width one token goes through, averaged over the layers (its activations): the dense
+        MLP's, or in a routed layer K experts' and the shared expert's."""
+        e = self.experts
+        if e is None:
+            return self.intermediate_size
+        dense = (self.num_layers - e.num_layers) * self.intermediate_size
+        return (dense + e.num_layers * (e.top_k * e.ffn + e.shared_ffn)) // self.num_layers
 
     @property
     def layer_linear_params(self) -> int:
@@ -112,22 +169,59 @@ class ModelShape:
         return sum(i * o for i, o in linear_shapes(self).values())
 
     @property
+    def linear_params(self) -> int:
+        """Weights of every ``nn.Linear`` of the decoder layers (what 4-bit quantization applies to):
+        attention, dense MLPs, shared experts and their gates; not the routed experts nor the router."""
+        h, e = self.hidden_size, self.experts
+        attention = sum(i * o for name, (i, o) in linear_shapes(self).items() if name not in _MLP)
+        if e is None:
+            return self.num_layers * self.layer_linear_params
+        dense = (self.num_layers - e.num_layers) * 3 * h * self.intermediate_size
+        return self.num_layers * attention + dense + e.num_layers * (3 * h * e.shared_ffn + h * e.shared_gate)
+
+    @property
+    def expert_params(self) -> int:
+        """The routed experts' weights (fused ``[experts, ., .]`` tensors), all layers; 0 when dense."""
+        e = self.experts
+        return e.num_layers * e.num_experts * 3 * self.hidden_size * e.ffn if e else 0
+
+    @property
+    def router_params(self) -> int:
+        """The routers' weights (hidden x experts per MoE layer); 0 when dense."""
+        e = self.experts
+        return e.num_layers * self.hidden_size * e.num_experts if e else 0
+
+    @property
     def embedding_params(self) -> int:
         """The input embedding, plus the LM head unless it is tied to it."""
         return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
 
     @property
+    def norm_params(self) -> int:
+        """Two RMSNorms per layer (and q/k norms where the family has them), and the final norm."""
+        qk = 2 * self.head_dim if self.qk_norm else 0
+        return self.num_layers * (2 * self.hidden_size + qk) + self.hidden_size
+
+    @property
     def num_params(self) -> int:
-        """Parameters of a Llama-style decoder: layers (linears + two RMSNorms), embedding
-        (+ untied head), final norm."""
-        h = self.hidden_size
-        return self.num_layers * (self.layer_linear_params + 2 * h) + self.embedding_params + h
+        """Parameters of a Llama-style decoder (total, every expert): layers (linears, routed experts,
+        routers, norms), embedding (+ untied head), final norm. Biases and attention sinks are not
+        counted (gpt-oss: 0.03% of its parameters)."""
+        return self.linear_params + self.expert_params + self.router_params + self.norm_params + self.embedding_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: ``num_params`` with K of E routed experts (the banner's count)."""
+        e = self.experts
+        return self.num_params - (self.expert_params * (e.num_experts - e.top_k) // e.num_experts if e else 0)
 
     @property
     def matmul_params(self) -> int:
-        """Weights that take part in a matmul per token: every decoder linear plus the LM head
-        (a matmul even when tied). The embedding is a lookup and norms are negligible."""
-        return self.num_layers * self.layer_linear_params + self.vocab_size * self.hidden_size
+        """Weights that take part in a matmul per token: every decoder linear, the routers, the K
+        routed experts a token goes to, and the LM head (a matmul even when tied). The embedding is a
+        lookup and norms are negligible. For a mixture of experts these are active parameters."""
+        active_experts = self.expert_params * self.experts.top_k // self.experts.num_experts if self.experts else 0
+        return self.linear_params + self.router_params + active_experts + self.vocab_size * self.hidden_size
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
@@ -141,22 +235,48 @@ class ModelShape:
             intermediate_size=int(cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * hidden),
             vocab_size=int(cfg.get("vocab_size", 32000)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            head_size=int(cfg.get("head_dim") or 0),
+            qk_norm=cfg.get("model_type") in QK_NORM_TYPES,
+            experts=experts_of(cfg),
         )
+
+
+def params_line(shape: ModelShape | None) -> str:
+    """``llmft plan``'s parameters line: the total, and for a mixture of experts the active ones."""
+    if shape is None:
+        return "parameters: unknown (no config.json here)"
+    e = shape.experts
+    if e is None:
+        return f"parameters {_count(shape.num_params)}"
+    return (
+        f"parameters {_count(shape.num_params)} total / {_count(shape.active_params)} active (experts {e.num_experts}, "
+        f"{e.top_k} per token): memory counts the total, FLOPs and MFU the active"
+    )
+
+
+def _count(n: int) -> str:
+    """As the banner counts (``llmft.model.structure.human_count``), without importing torch."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each linear layer of one Llama-style decoder layer:
-    attention with grouped-query k/v, SwiGLU MLP. The one place this arithmetic lives."""
-    h, kv, i = shape.hidden_size, shape.num_kv_heads * shape.head_dim, shape.intermediate_size
-    return {
-        "q_proj": (h, h),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (h, h),
-        "gate_proj": (h, i),
-        "up_proj": (h, i),
-        "down_proj": (i, h),
-    }
+    attention with grouped-query k/v, SwiGLU MLP (of ``mlp_width``; none where a mixture of experts
+    has only fused experts). The one place this arithmetic lives."""
+    h, q, kv, i = (
+        shape.hidden_size,
+        shape.num_heads * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+        shape.mlp_width,
+    )
+    attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)} if i else attention
 
 
 def hub_cache_config(repo_id: str) -> Path | None:

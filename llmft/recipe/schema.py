@@ -152,6 +152,12 @@ class PeftConfig:
         "all-linear", "Module names to adapt: a list of names, or 'all-linear' (every linear layer but the head)."
     )
     modules_to_save: Optional[List[str]] = doc(None, "Extra modules trained fully and saved with the adapter.")
+    target_experts: Optional[bool] = doc(
+        None,
+        "LoRA on the fused expert weights of a mixture-of-experts model (docs/moe.md); null: on for an MoE "
+        "model under lora, off under dora.",
+    )
+    train_router: bool = doc(False, "Train an MoE model's router in full (saved with the adapter); false: frozen.")
 
 
 @dataclass

@@ -1,0 +1,70 @@
+"""The ``moe`` section and ``peft.target_experts`` / ``peft.train_router`` against the model's config,
+when it can be read without a download (``model.config``, a local directory, the hub cache); else the
+build checks them (``llmft.model.moe.install``, ``llmft.model.adapters``). Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from llmft.errors import Problem, UserError
+from llmft.plan.moe import family_problems, lora_problems, moe_family
+from llmft.plan.shape import hub_cache_config, read_config
+
+if TYPE_CHECKING:
+    from llmft.recipe.schema import Recipe
+
+
+def moe_problems(recipe: Recipe, where: Callable[[str], str] = str) -> list[Problem]:
+    """The ``moe`` section against the model, when its config can be read without a download
+    (``model.config``, a local directory, the hub cache); else the build checks it
+    (``llmft.model.moe.install``)."""
+    config = _readable_config(recipe.model)
+    if config is None:
+        return []
+    try:
+        family = moe_family(config)
+    except UserError as e:
+        key = "model.config" if recipe.model.config is not None else "model.name_or_path"
+        return [Problem(where(key), p.what, p.fix) for p in e.problems]
+    moe = recipe.moe
+    if family is not None:
+        problems = [Problem(where(p.where), p.what, p.fix) for p in family_problems(family, moe)]
+        sp = recipe.distributed.sequence_parallel
+        if sp > 1 and moe.aux_loss_coef != 0 and family.aux_coef is not None:
+            problems.append(
+                Problem(
+                    where("distributed.sequence_parallel"),
+                    f"is {sp}, but the balancing loss of a mixture of experts ({family.model_type}) is not built "
+                    "for sequence slices yet: each rank's router sees a slice of every sequence",
+                    "Set distributed.sequence_parallel=1, or moe.aux_loss_coef=0 to train without the balancing loss.",
+                )
+            )
+        return problems + _at(where, lora_problems(family, recipe.peft, family.model_type))
+    asked = [f.name for f in fields(moe) if getattr(moe, f.name) != f.default]
+    model_type = config.get("model_type")
+    return _at(where, lora_problems(None, recipe.peft, model_type)) + [
+        Problem(
+            where(f"moe.{name}"),
+            f"is set, but the model ({model_type!r}) is dense: it has no experts and no router, so there is "
+            "no routing for moe.* to act on",
+            f"Remove moe.{name} from the recipe (moe.* applies to mixture-of-experts models only, docs/moe.md).",
+        )
+        for name in asked
+    ]
+
+
+def _at(where: Callable[[str], str], problems: list[Problem]) -> list[Problem]:
+    return [Problem(where(p.where), p.what, p.fix) for p in problems]
+
+
+def _readable_config(model: Any) -> dict[str, Any] | None:
+    if model.config is not None:
+        return dict(model.config)
+    if model.name_or_path is None:
+        return None
+    local = Path(model.name_or_path) / "config.json"
+    path = local if local.is_file() else hub_cache_config(model.name_or_path)
+    return read_config(path) if path is not None else None
