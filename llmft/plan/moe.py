@@ -182,28 +182,29 @@ def experts_of(config: Mapping[str, Any]) -> Experts | None:
 def family_problems(family: MoEFamily, moe: Any) -> list[Problem]:
     """What the recipe's ``moe`` section asks that ``family`` cannot give."""
     problems = []
-    if moe.aux_loss_coef is not None and moe.aux_loss_coef < 0:
-        problems.append(Problem("moe.aux_loss_coef", f"{moe.aux_loss_coef} is negative", "Set it >= 0 (0: off)."))
-    if family.aux_coef is None and moe.aux_loss_coef:
-        problems.append(
-            Problem(
-                "moe.aux_loss_coef",
-                f"{family.model_type} defines no router balancing loss in transformers (its routing is balanced "
-                "without one), so there is none to weigh",
-                "Remove moe.aux_loss_coef from the recipe (or set it to 0).",
+    for key, defined, what in (
+        (
+            "aux_loss_coef",
+            family.aux_coef,
+            "router balancing loss in transformers (its routing is balanced without one)",
+        ),
+        (
+            "z_loss_coef",
+            family.z_loss,
+            "router z-loss in transformers (only the load-balancing loss, moe.aux_loss_coef)",
+        ),
+    ):
+        value = getattr(moe, key)
+        if value is not None and value < 0:
+            problems.append(Problem(f"moe.{key}", f"{value} is negative", "Set it >= 0 (0: off)."))
+        elif defined is None and value:
+            problems.append(
+                Problem(
+                    f"moe.{key}",
+                    f"{family.model_type} defines no {what}, so there is none to weigh",
+                    f"Remove moe.{key} from the recipe (or set it to 0).",
+                )
             )
-        )
-    if moe.z_loss_coef is not None and moe.z_loss_coef < 0:
-        problems.append(Problem("moe.z_loss_coef", f"{moe.z_loss_coef} is negative", "Set it >= 0 (0: off)."))
-    if family.z_loss is None and moe.z_loss_coef:
-        problems.append(
-            Problem(
-                "moe.z_loss_coef",
-                f"{family.model_type} defines no router z-loss in transformers (only the load-balancing loss, "
-                "moe.aux_loss_coef), so there is none to weigh",
-                "Remove moe.z_loss_coef from the recipe (or set it to 0).",
-            )
-        )
     return problems
 
 
