@@ -19,6 +19,11 @@ METRICS_FILE = "metrics.jsonl"
 _NOT_METRICS = {"split", "step", "loss", "tokens", "generated", "samples", "epoch", "time_s", "step_time_s"}
 
 Series = dict[int, float]  # step -> value
+# Train metrics that get a panel when a run logs them: the auxiliary loss terms beside ``loss``
+# (``aux/<name>``, llmft.model.aux_loss: an MoE's balancing loss) and an MoE's routing (docs/moe.md).
+AUX_PREFIX = "aux/"
+EXPERT_LOAD = ("moe/load_max_over_mean", "moe/load_max_over_mean_avg")  # the worst layer's, the layers' mean
+ROUTER_ENTROPY = "moe/router_entropy"
 # Every PNG llmft plot / llmft runs writes says so in its Software text chunk; an existing file
 # at the output path without it is the user's, and is never replaced.
 SOFTWARE = "llmft plot"
@@ -104,7 +109,8 @@ def _metrics_path(run_dir: Path) -> Path:
 
 def panels(splits: dict[str, list[dict]]) -> list[tuple[str, dict[str, Series]]]:
     """(title, {label: series}) for each panel that has data: loss (train and eval), learning
-    rate, then one per eval metric (exact_match, perplexity, ...)."""
+    rate, each auxiliary loss (``aux/*``: an MoE's balancing loss), an MoE's expert load and router
+    entropy, then one per eval metric (exact_match, perplexity, ...)."""
     train, evals = splits.get("train", []), splits.get("eval", [])
     out: list[tuple[str, dict[str, Series]]] = []
     loss = {name: s for name, s in (("train", _series(train, "loss")), ("eval", _series(evals, "loss"))) if s}
@@ -112,6 +118,13 @@ def panels(splits: dict[str, list[dict]]) -> list[tuple[str, dict[str, Series]]]
         out.append(("loss", loss))
     if lr := _series(train, "lr"):
         out.append(("learning rate", {"lr": lr}))
+    for name in sorted({k for r in train for k in r if k.startswith(AUX_PREFIX)}):
+        if aux := _series(train, name):
+            out.append((name, {name: aux}))
+    if load := {key: s for key in EXPERT_LOAD if (s := _series(train, key))}:
+        out.append(("expert load, max / mean", load))
+    if entropy := _series(train, ROUTER_ENTROPY):
+        out.append(("router entropy (nats)", {ROUTER_ENTROPY: entropy}))
     for name in _eval_metric_names(evals):
         out.append((f"eval {name}", {name: _series(evals, name)}))
     return out

@@ -34,7 +34,7 @@ from llmft.data import batch_targets
 from llmft.errors import Problem, TrainingDiverged
 from llmft.job import watchdog
 from llmft.job.dist import DistEnv, all_reduce_sum, any_rank_stopping
-from llmft.model.aux_loss import AuxSlot
+from llmft.model.aux_loss import AuxSlot, Captured
 from llmft.plan.batch import BatchPlan
 from llmft.stop import StopRequest
 
@@ -134,17 +134,8 @@ def _step(run: _Run, state: LoopState) -> bool:
         _abandon(state, cut.what, rng, run.hooks, run.stop)
         return True
     data_wait = time.perf_counter() - t0
-    local_count = sum(run.objective.count(mb) for mb in micro_batches)
-    local_targets = sum(batch_targets(mb) for mb in micro_batches)
-    # The auxiliary terms' own statistics ride on the same all-reduce (none: the same list); under
-    # the step's autocast, as a term's own forward (a router's pre-pass) must route as the step does.
-    with run.engine.autocast():
-        local_stats = run.aux.statistics(micro_batches)
-    global_count, global_targets, *aux_stats = all_reduce_sum(
-        [float(local_count), float(local_targets), *local_stats], device
-    )
-    num_items = torch.tensor(max(global_count, 1.0), device=device)
-    run.aux.begin_step(num_items, global_targets, aux_stats)
+    local = local_sums(run.objective, run.aux, micro_batches, run.engine.autocast)
+    num_items, global_count, global_targets = begin_step(run.aux, all_reduce_sum(local, device), device)
 
     last = run.plan.gradient_accumulation_steps - 1  # the boundary: gradients are reduced there
     loss_sum, metric_sums, aux_sums = _forward_backward(
@@ -194,6 +185,36 @@ def _step(run: _Run, state: LoopState) -> bool:
     return False
 
 
+def local_sums(objective: Objective, aux: AuxSlot, micro_batches: list, autocast: Callable) -> list[float]:
+    """This rank's sums that the step all-reduces before its first backward: the objective's count,
+    the target tokens and the auxiliary terms' own statistics (none: just the two), the latter
+    under the step's autocast, as a term's own forward (a router's pre-pass) must route as the step does."""
+    count = sum(objective.count(mb) for mb in micro_batches)
+    targets = sum(batch_targets(mb) for mb in micro_batches)
+    with autocast():
+        stats = aux.statistics(micro_batches)
+    return [float(count), float(targets), *stats]
+
+
+def begin_step(aux: AuxSlot, global_sums: list[float], device: torch.device) -> tuple[torch.Tensor, float, float]:
+    """From ``local_sums`` summed over every rank: ``num_items`` (each micro loss's divisor), the
+    global count and target tokens; the auxiliary terms get the step's counts and statistics."""
+    count, targets, *stats = global_sums
+    num_items = torch.tensor(max(count, 1.0), device=device)
+    aux.begin_step(num_items, targets, stats)
+    return num_items, count, targets
+
+
+def micro_loss(
+    objective: Objective, model: torch.nn.Module, aux: AuxSlot, mb: dict, num_items: torch.Tensor, autocast: Callable
+) -> tuple[torch.Tensor, torch.Tensor | None, Captured]:
+    """A micro-batch's loss and metric sums, and the auxiliary terms its forward gave: the backward
+    takes ``terms.added_to(loss)``."""
+    with autocast(), aux.capture(mb) as terms:
+        loss, sums = objective.micro_loss(model, mb, num_items)
+    return loss, sums, terms
+
+
 def _forward_backward(
     engine: Engine,
     objective: Objective,
@@ -214,8 +235,7 @@ def _forward_backward(
         watchdog.progress(step, f"forward and backward of micro-batch {k + 1} of {len(micro_batches)}")
         mb = _to_device(mb, device)
         with engine.micro_step(boundary):
-            with engine.autocast(), aux.capture(mb) as terms:
-                loss, sums = objective.micro_loss(engine.model, mb, num_items)
+            loss, sums, terms = micro_loss(objective, engine.model, aux, mb, num_items, engine.autocast)
             engine.backward(terms.added_to(loss))  # the engine undoes its own averaging over ranks
         loss_sum += loss.detach().double()
         if sums is not None:

@@ -16,6 +16,13 @@ and ``reward`` count pairs, ``ObjectiveSpec.counts``):
   divided by the number of micro-batches (what per-micro-batch averaging gives:
   TRL's DPO), shown so that the user sees the size of the error llmft avoids.
 
+The auxiliary terms a model component attaches to the policy (``llmft.model.aux_loss``: an MoE
+router's balancing loss) are part of every computation, through the loop's own functions
+(``loop.local_sums``, ``begin_step``, ``micro_loss``): their statistics summed over the emulated
+ranks as the step's all-reduce sums them, each term added to its micro loss. The big batch is one
+step of one micro-batch; naive takes each micro-batch as a step of its own. A term's value
+accumulated over the split is compared with the big batch's too.
+
 A preference run builds its reference as training does in one process
 (``Engine.frozen_model``, ``llmft.engines.base.OneProcessModels``: LoRA's is the policy with adapters
 disabled, a full fine-tune's a frozen copy, or the named model).
@@ -47,8 +54,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -58,6 +66,7 @@ from llmft.engines import autocast_for
 from llmft.engines.base import OneProcessModels
 from llmft.errors import Problem, UserError
 from llmft.job.dist import DistEnv
+from llmft.model.aux_loss import METRIC_PREFIX, AuxSlot, Captured
 from llmft.model.build import prepare_model
 from llmft.model.precision import compute_dtype
 from llmft.model.structure import describe
@@ -66,14 +75,13 @@ from llmft.plan.batch import BatchPlan, divisors
 from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import DEFAULT_OBJECTIVE
 from llmft.plan.resolve import load_plan
+from llmft.training.loop import begin_step, local_sums, micro_loss
 from llmft.training.run import seed_everything
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
 
 WORST_SHOWN = 5  # tensors listed in the table besides the global row
 
 Grads = dict[str, torch.Tensor]
+LossFn = Callable[[dict[str, Any]], tuple[torch.Tensor, Captured]]  # a micro-batch's loss and its terms
 
 
 @dataclass
@@ -97,15 +105,26 @@ class VerifyResult:
     params: str = ""
     counts: str = "tokens"  # what the objective normalises by (ObjectiveSpec.counts)
     objective: str = DEFAULT_OBJECTIVE
+    aux: dict[str, dict[str, float]] = field(default_factory=dict)  # aux/<name> -> big, llmft, naive
 
     @property
     def worst(self) -> TensorDiff:
         return max(self.tensors, key=lambda t: t.llmft)
 
     @property
-    def max_rel_diff(self) -> float:
-        """The number compared with the tolerance: the worst tensor or the whole, whichever is larger."""
+    def grad_rel_diff(self) -> float:
+        """The worst tensor's relative difference or the whole's, whichever is larger."""
         return max(self.overall.llmft, self.worst.llmft)
+
+    @property
+    def aux_rel_diffs(self) -> dict[str, float]:
+        """aux/<name> -> |llmft - big| / |big| of the term's value over the step."""
+        return {name: _ratio(abs(v["llmft"] - v["big"]), abs(v["big"])) for name, v in self.aux.items()}
+
+    @property
+    def max_rel_diff(self) -> float:
+        """The number compared with the tolerance: the gradient's, or an auxiliary term's value's if larger."""
+        return max([self.grad_rel_diff, *self.aux_rel_diffs.values()])
 
 
 def verify(
@@ -177,22 +196,31 @@ def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult
     def autocast():
         return autocast_for(dtype, device)
 
-    def loss_of(batch: dict[str, Any], count: int | None = None) -> torch.Tensor:
-        """The objective's loss of ``batch`` over ``count`` items of the normaliser (None: its own)."""
-        batch = _to(batch, device)
-        count = objective.count(batch) if count is None else count
-        with autocast():
-            return objective.micro_loss(model, batch, torch.tensor(float(max(count, 1)), device=device))[0]
-
     targets = [[objective.count(mb) for mb in micro_batches] for micro_batches in ranks]
-    total = sum(map(sum, targets))
-    g_big, loss_big = _big_batch_grads(model, big, loss_of, plan, _items(run))
-    g_llmft, loss_llmft = _accumulated_grads(model, ranks, lambda mb: loss_of(mb, total))
-    llmft = _compare(g_big, g_llmft)
-    del g_llmft
     per_step = sum(len(micro_batches) for micro_batches in ranks)  # accumulation x dp
-    g_naive, loss_naive = _accumulated_grads(model, ranks, lambda mb: loss_of(mb) / per_step)
-    naive = _compare(g_big, g_naive)
+    with AuxSlot(model) as aux:  # the policy's auxiliary terms, hooked as the loop hooks them (none: no hook)
+
+        def step_of(step: list[list[dict[str, Any]]]) -> torch.Tensor:
+            """Begin a step over ``step`` (each rank's micro-batches), its sums summed as the all-reduce does."""
+            local = [local_sums(objective, aux, micro_batches, autocast) for micro_batches in step]
+            return begin_step(aux, [sum(column) for column in zip(*local, strict=True)], device)[0]
+
+        def loss_of(batch: dict[str, Any], num_items: torch.Tensor) -> tuple[torch.Tensor, Captured]:
+            loss, _, terms = micro_loss(objective, model, aux, _to(batch, device), num_items, autocast)
+            return loss, terms
+
+        def naive_of(mb: dict[str, Any]) -> tuple[torch.Tensor, Captured]:
+            loss, terms = loss_of(mb, step_of([[mb]]))  # the micro-batch as a step of its own
+            return loss / per_step, Captured([value / per_step for value in terms.values])
+
+        g_big, loss_big, aux_big = _big_batch_grads(model, big, lambda b: loss_of(b, step_of([[b]])), plan, _items(run))
+        num_items = step_of(ranks)
+        g_llmft, loss_llmft, aux_llmft = _accumulated_grads(model, ranks, lambda mb: loss_of(mb, num_items))
+        llmft = _compare(g_big, g_llmft)
+        del g_llmft
+        g_naive, loss_naive, aux_naive = _accumulated_grads(model, ranks, naive_of)
+        naive = _compare(g_big, g_naive)
+        names = [METRIC_PREFIX + term.name for term in aux.terms]
     tensors = [TensorDiff(name, *llmft[name][:2], naive[name][1]) for name in g_big]
     overall = TensorDiff("all", *llmft[None][:2], naive[None][1])
     return VerifyResult(
@@ -207,6 +235,10 @@ def check_gradients(run: RunPlan, *, samples: int | None = None) -> VerifyResult
         params=describe(model),
         counts=run.objective_spec.counts,
         objective=run.objective,
+        aux={
+            name: {"big": big_v, "llmft": llmft_v, "naive": naive_v}
+            for name, big_v, llmft_v, naive_v in zip(names, aux_big, aux_llmft, aux_naive, strict=True)
+        },
     )
 
 
@@ -260,13 +292,13 @@ def _take_grads(model: torch.nn.Module) -> Grads:
 
 
 def _big_batch_grads(
-    model, batch, loss_of: Callable[[dict[str, Any]], torch.Tensor], plan: BatchPlan, items: str = "sequences"
-) -> tuple[Grads, float]:
+    model, batch, loss_of: LossFn, plan: BatchPlan, items: str = "sequences"
+) -> tuple[Grads, float, list[float]]:
     model.zero_grad(set_to_none=True)
     device = next(model.parameters(), torch.empty(0)).device
     try:
-        loss = loss_of(batch)  # the big batch's own mean (SFT: transformers' token mean)
-        loss.backward()
+        loss, terms = loss_of(batch)  # the big batch's own mean (SFT: transformers' token mean)
+        terms.added_to(loss).backward()
     except torch.OutOfMemoryError:
         model.zero_grad(set_to_none=True)
         raise UserError(
@@ -277,7 +309,7 @@ def _big_batch_grads(
                 f"Check a smaller batch with the same micro-batch and ranks: --samples {_fmt_list(_smaller(plan))}.",
             )
         ) from None
-    return _take_grads(model), float(loss.detach())
+    return _take_grads(model), float(loss.detach()), [float(v.detach()) for v in terms.values]
 
 
 def _smaller(plan: BatchPlan) -> list[int]:
@@ -285,20 +317,23 @@ def _smaller(plan: BatchPlan) -> list[int]:
     return [unit * d for d in divisors(plan.gradient_accumulation_steps)][:-1] or [unit]
 
 
-def _accumulated_grads(model, ranks, loss_of: Callable[[dict[str, Any]], torch.Tensor]) -> tuple[Grads, float]:
+def _accumulated_grads(model, ranks, loss_of: LossFn) -> tuple[Grads, float, list[float]]:
     """Each emulated rank accumulates its micro-batches; the ranks' gradients are summed (the all-reduce).
-    ``loss_of``: a micro-batch's loss (the loop's: over the global count; naive: its own mean / micro-steps)."""
+    ``loss_of``: a micro-batch's loss and auxiliary terms (the loop's: over the global count; naive: its
+    own mean / micro-steps). Also the sums of the losses and of each term, as the loop logs them."""
     total: Grads = {}
-    loss_sum = 0.0
+    loss_sum, aux_sums = 0.0, []
     model.zero_grad(set_to_none=True)
     for micro_batches in ranks:
         for mb in micro_batches:
-            loss = loss_of(mb)
-            loss.backward()
+            loss, terms = loss_of(mb)
+            terms.added_to(loss).backward()
             loss_sum += float(loss.detach())
+            values = [float(v.detach()) for v in terms.values]
+            aux_sums = [a + v for a, v in zip(aux_sums, values, strict=True)] if aux_sums else values
         rank_grads = _take_grads(model)
         total = rank_grads if not total else {k: total[k].add_(v) for k, v in rank_grads.items()}
-    return total, loss_sum
+    return total, loss_sum, aux_sums
 
 
 def _compare(ref: Grads, got: Grads) -> dict[str | None, tuple[float, float]]:
@@ -368,6 +403,11 @@ def render(result: VerifyResult, tolerance: float, title: str = "llmft verify") 
         + "big batch {big:.6f}, llmft accumulated {llmft:.6f}, naive per-micro-batch mean {naive:.6f}".format(
             **result.losses
         ),
+        *(
+            f"aux:     {name}, big batch {v['big']:.6f}, llmft accumulated {v['llmft']:.6f}, "
+            f"naive per-micro-batch {v['naive']:.6f} (added to the loss)"
+            for name, v in result.aux.items()
+        ),
         "",
         "relative difference of the gradient to the big batch's, |g - g_big| / |g_big|",
     ]
@@ -393,6 +433,16 @@ def render(result: VerifyResult, tolerance: float, title: str = "llmft verify") 
 
 
 def failure_message(result: VerifyResult, tolerance: float) -> str:
+    off = {name: d for name, d in result.aux_rel_diffs.items() if d > tolerance}
+    if off:
+        name = max(off, key=off.get)
+        v = result.aux[name]
+        return (
+            f"the auxiliary term {name} accumulated over the split is {v['llmft']:.6f}, the big batch's "
+            f"{v['big']:.6f}: relative difference {off[name]:.2e}, more than --tolerance {tolerance:g} (the "
+            f"accumulated gradient differs by {result.grad_rel_diff:.2e}). A term computed per micro-batch depends "
+            "on the split: for the router's balancing loss use moe.balance: global_batch (docs/moe.md)."
+        )
     worst = result.worst if result.worst.llmft >= result.overall.llmft else result.overall
     hint = (
         f"In {result.dtype} some difference is rounding: rerun in fp32 (drop the model.dtype override) "
@@ -408,5 +458,5 @@ def failure_message(result: VerifyResult, tolerance: float) -> str:
     )
     return (
         f"gradient accumulation is not equivalent to the big batch within tolerance: the accumulated gradient "
-        f"differs by {result.max_rel_diff:.2e} (relative, {worst.name}), more than --tolerance {tolerance:g}. " + hint
+        f"differs by {result.grad_rel_diff:.2e} (relative, {worst.name}), more than --tolerance {tolerance:g}. " + hint
     )
