@@ -241,13 +241,12 @@ class ModelShape:
         )
 
 
-def params_line(shape: ModelShape | None) -> str:
-    """``llmft plan``'s parameters line: the total, and for a mixture of experts the active ones."""
-    if shape is None:
-        return "parameters: unknown (no config.json here)"
-    e = shape.experts
+def params_line(shape: ModelShape | None) -> str | None:
+    """``llmft plan``'s parameters line for a mixture of experts: the total and the active ones (a
+    dense model's plan prints none: its total is every parameter a token uses)."""
+    e = shape.experts if shape is not None else None
     if e is None:
-        return f"parameters {_count(shape.num_params)}"
+        return None
     return (
         f"parameters {_count(shape.num_params)} total / {_count(shape.active_params)} active (experts {e.num_experts}, "
         f"{e.top_k} per token): memory counts the total, FLOPs and MFU the active"

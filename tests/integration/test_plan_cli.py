@@ -21,3 +21,24 @@ def test_plan_cli_imports_no_torch(base):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "total" in proc.stdout
+
+
+def test_plan_prints_an_moe_models_total_and_active_parameters_without_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from llmft.cli import main; "
+        "rc = main(['plan', 'configs/anchors/qwen3-30b-a3b-qlora-1gpu.yaml']); "
+        "assert 'torch' not in sys.modules, 'plan imported torch'; sys.exit(rc)"
+    )
+    from helpers import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert (
+        "parameters 30.5B total / 3.4B active (experts 128, 8 per token): memory counts the total, "
+        "FLOPs and MFU the active"
+    ) in lines
+    assert "fits in 24 GiB (distributed.gpu_memory_gb): NO" in proc.stdout
