@@ -5,7 +5,7 @@ truncated and packed (or left padded) by the same code as the cache (``rows.buil
 its rows are shuffled within the block by a permutation seeded with ``(run.seed, block)``.
 The training stream is the concatenation of the blocks' rows, pass after pass over the source
 (a block never spans two passes). So row ``p`` of the stream is a pure function of
-(seed, position, data), like ``GlobalOrder`` for the cache, and ``StreamOrder`` is the identity:
+(seed, position, data), like ``GlobalOrder`` for the cache, and its order is the identity (``sampler.Positions``):
 ``MicroBatchSampler`` deals positions to ranks and micro-steps exactly as for cached data (G1).
 
 What a checkpoint keeps (``TrainerState.data["stream"]``) is the *cursor* of the block that
@@ -44,7 +44,7 @@ from llmft.data.read import (
     too_long,
 )
 from llmft.data.rows import SKIP_FIX, Tokenize, raise_if_fatal
-from llmft.data.sampler import Positions, ShareWindows
+from llmft.data.sampler import ShareWindows
 from llmft.data.sources import Source
 from llmft.data.tokens import TokenDataset
 from llmft.errors import Problem, UserError
@@ -59,9 +59,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmft.data")
 
 START = {"pass": 0, "block": 0, "row": 0, "source": None}
-
-
-StreamOrder = Positions  # a stream's order is the stream: position p is row p (shuffling happens inside blocks)
 
 
 class StreamDataset:

@@ -60,6 +60,12 @@ class TokenDataset:
         self._set(ids, target.astype(np.uint8), offsets, segments, seg_offsets)
 
     @classmethod
+    def empty(cls, records: bool = False) -> TokenDataset:
+        """No rows (a stream block with nothing usable); ``records``: rows that would keep their record."""
+        no_records = (np.zeros(1, np.int64), np.zeros(0, np.uint8)) if records else None
+        return cls.from_arrays(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64), records=no_records)
+
+    @classmethod
     def from_arrays(
         cls,
         input_ids: np.ndarray,

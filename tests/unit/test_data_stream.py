@@ -11,7 +11,7 @@ from helpers import metrics, train_inproc, write_data, write_recipe
 
 from llmft.checkpoint.layout import TrainerState
 from llmft.data import MicroBatchSampler, build_data
-from llmft.data.stream import StreamOrder
+from llmft.data.sampler import Positions as StreamOrder
 from llmft.data.tokenizer import load_tokenizer
 from llmft.errors import UserError
 from llmft.plan.batch import BatchPlan

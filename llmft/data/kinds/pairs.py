@@ -563,8 +563,7 @@ def rows(
 
 
 def empty(cfg: DataConfig) -> PairDataset:
-    no_rows = TokenDataset.from_arrays(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64))
-    return PairDataset(no_rows, cfg.packing)
+    return PairDataset(TokenDataset.empty(), cfg.packing)
 
 
 def open(rows: TokenDataset, cfg: DataConfig, path: Path | None = None) -> PairDataset:  # noqa: A001

@@ -308,10 +308,7 @@ def rows(
 
 
 def empty(cfg: DataConfig) -> TokenDataset:
-    no_records = (np.zeros(1, np.int64), np.zeros(0, np.uint8))
-    return TokenDataset.from_arrays(
-        np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64), records=no_records
-    )
+    return TokenDataset.empty(records=True)
 
 
 def open(rows: TokenDataset, cfg: DataConfig, path: Path | None = None) -> TokenDataset:  # noqa: A001

@@ -54,7 +54,7 @@ def _any_target(target: np.ndarray, offsets: np.ndarray, items: np.ndarray, max_
 
 
 def empty(cfg: DataConfig) -> TokenDataset:
-    return TokenDataset.from_arrays(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64))
+    return TokenDataset.empty()
 
 
 def open(rows: TokenDataset, cfg: DataConfig, path: Path | None = None) -> TokenDataset:  # noqa: A001
