@@ -12,7 +12,6 @@ OUT_FILE [KEY=VALUE ...]``; rank 0 writes {variant: {"grads": ..., "row": ...}}.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -26,14 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the exa
 
 from helpers import ROOT, torchrun_cmd, write_recipe  # noqa: E402
 from preference_batches import preference_step  # noqa: E402
-from test_aux_loss import GLOBAL, examples  # noqa: E402
-from test_moe import FAMILIES, max_abs_diff  # noqa: E402
-
-from llmft.data import collate  # noqa: E402
+from test_aux_loss import GLOBAL  # noqa: E402
+from test_moe import max_abs_diff  # noqa: E402
+from test_moe_ranks import STEPS, _steps, family_overrides, run_variants  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-STEPS = 2
 COMMON = [
     f"batch.global_batch_size={GLOBAL}",
     "optim.name=sgd",
@@ -48,14 +45,7 @@ VARIANTS = {"qwen3_moe": [], "mixtral-router": ["peft.train_router=true"]}
 
 
 def _overrides(variant: str) -> list[str]:
-    return [f"model.config={json.dumps(FAMILIES[variant.split('-')[0]])}", *VARIANTS[variant]]
-
-
-def _steps(micro: int, rank: int = 0, world: int = 1) -> list[dict]:
-    """This rank's micro-batches of every step: the r-th share of the 4 examples, each step."""
-    share = GLOBAL // world
-    mine = examples()[rank * share : (rank + 1) * share]
-    return [collate(mine[i : i + micro], 0) for _ in range(STEPS) for i in range(0, share, micro)]
+    return family_overrides(VARIANTS, variant)
 
 
 @pytest.mark.slow
@@ -86,23 +76,7 @@ def test_two_fsdp2_ranks_equal_one_process_with_lora_on_the_experts(tmp_path):
 
 
 def main(recipe: str, out: str, *overrides: str) -> None:
-    from llmft.job.dist import init_distributed, leave_process, read_env, timeout_s
-    from llmft.plan.resolve import load_plan
-
-    env = read_env()
-    results = {}
-    for i, variant in enumerate(VARIANTS):
-        over = [*overrides, *_overrides(variant)]
-        plan = load_plan(recipe, over, world_size=env.world_size, local_world_size=env.local_world_size)
-        if i == 0:
-            d = plan.recipe.distributed
-            init_distributed(env, d.backend, timeout_s(d), force=plan.spec.multi_rank)
-        micro = _steps(plan.batch.micro_batch_size, env.rank, env.world_size)
-        grads, row = preference_step(plan, env, micro, steps=STEPS)
-        results[variant] = {"grads": grads, "row": row}
-    if env.is_main:
-        torch.save(results, out)
-    leave_process(0)  # without the interpreter's teardown (llmft.job.dist.leave_process says why)
+    run_variants(recipe, out, VARIANTS, list(VARIANTS), *overrides)
 
 
 if __name__ == "__main__":

@@ -44,9 +44,13 @@ VARIANTS = {
 ROWS = ("loss", "aux/moe_balance", "moe/load_max_over_mean", "moe/load_max_over_mean_avg", "moe/router_entropy")
 
 
+def family_overrides(variants: dict[str, list[str]], variant: str) -> list[str]:
+    """The tiny family a variant names (``qwen3_moe-checkpointing``: qwen3_moe) and the variant's keys."""
+    return [f"model.config={json.dumps(FAMILIES[variant.split('-')[0]])}", *variants[variant]]
+
+
 def _overrides(variant: str) -> list[str]:
-    family = variant.split("-")[0]
-    return [f"model.config={json.dumps(FAMILIES[family])}", *VARIANTS[variant]]
+    return family_overrides(VARIANTS, variant)
 
 
 def _steps(micro: int, rank: int = 0, world: int = 1) -> list[dict]:
@@ -90,14 +94,16 @@ def test_two_ranks_equal_one_process_big_batch(tmp_path, one_process, engine):
             assert got[variant]["row"][key] == pytest.approx(want_row[key], rel=1e-5), (variant, key)
 
 
-def main(recipe: str, out: str, variants: str, *overrides: str) -> None:
+def run_variants(recipe: str, out: str, variants: dict[str, list[str]], names: list[str], *overrides: str) -> None:
+    """Under torchrun: each variant's two steps on this rank's share (``_steps``); rank 0 saves every
+    variant's gradients and metrics row to ``out``."""
     from llmft.job.dist import init_distributed, leave_process, read_env, timeout_s
     from llmft.plan.resolve import load_plan
 
     env = read_env()
     results = {}
-    for i, variant in enumerate(json.loads(variants)):
-        over = [*overrides, *_overrides(variant)]
+    for i, variant in enumerate(names):
+        over = [*overrides, *family_overrides(variants, variant)]
         plan = load_plan(recipe, over, world_size=env.world_size, local_world_size=env.local_world_size)
         if i == 0:
             d = plan.recipe.distributed
@@ -108,6 +114,10 @@ def main(recipe: str, out: str, variants: str, *overrides: str) -> None:
     if env.is_main:
         torch.save(results, out)
     leave_process(0)  # without the interpreter's teardown (llmft.job.dist.leave_process says why)
+
+
+def main(recipe: str, out: str, variants: str, *overrides: str) -> None:
+    run_variants(recipe, out, VARIANTS, json.loads(variants), *overrides)
 
 
 if __name__ == "__main__":

@@ -9,27 +9,19 @@ are the big batch's; with ``micro_batch`` (the control) verify fails and names t
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import write_recipe
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the tiny families
+from test_moe import FAMILIES  # noqa: E402
+
 from llmft.cli import main
 
-QWEN3_MOE = {
-    "model_type": "qwen3_moe",
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "intermediate_size": 64,
-    "vocab_size": 320,
-    "max_position_embeddings": 256,
-}
+QWEN3_MOE = FAMILIES["qwen3_moe"]
 SPLIT = ["moe.aux_loss_coef=0.5", "batch.micro_batch_size=2", "distributed.nproc_per_node=2"]
 AUX_LINE = re.compile(
     r"^aux:     aux/moe_balance, big batch ([\d.]+), llmft accumulated ([\d.]+), "
