@@ -5,9 +5,11 @@ three single-GPU fine-tunes, each also run with every speed switch off, as one m
     python bench/gpu.py --quick               # qlora-8b and full-1b, all on and compile off, and the peer row
     python bench/gpu.py --check               # CPU, tiny shapes, fp32, 2 steps: keeps the script working in CI
     python bench/gpu.py --cases full-1b --steps 20
+    python bench/gpu.py --check --cases moe-qwen3   # the MoE case on CPU (--check runs it only when named)
 
 Nothing is downloaded. The models are random weights in the shapes of meta-llama/Llama-3.1-8B and
-meta-llama/Llama-3.2-1B (llmft/plan/shape.py ``KNOWN``, full 128,256-token vocabulary), written
+meta-llama/Llama-3.2-1B (llmft/plan/shape.py ``KNOWN``, full 128,256-token vocabulary) and of
+Qwen3-30B-A3B's layers (``moe-qwen3``, at half its depth and experts; 151,936-token vocabulary), written
 once as a local model directory (config.json, safetensors shards generated tensor by tensor on the
 GPU, llmft's byte tokenizer) under ``--out``/models and reused by later runs. Each run is a plain
 ``python -m llmft train`` on that directory, so set-up is a load (and, for QLoRA, quantization on
@@ -19,6 +21,7 @@ load) instead of a random init on the CPU.
 | ``lora-8b`` | bf16 base, LoRA r=16 all-linear, AdamW, gradient checkpointing, micro 1 x acc 4 |
 | ``full-1b`` | full fine-tune, AdamW on fp32 master weights, bf16 autocast, micro 2 x acc 4 |
 | ``long-8b`` | long context: bf16 base, LoRA r=16 all-linear, one packed row of ``--long-seq`` tokens (default 131,072) per step, gradient checkpointing, ``model.activation_offload``, ``model.tiled_mlp``, ``model.chunked_loss``, flash_attention_2 (varlen) or without flash-attn varlen_sdpa, ``distributed.sequence_parallel: 1`` |
+| ``moe-qwen3`` | mixture of experts: a ``qwen3_moe`` of Qwen3-30B-A3B's layers at 24 layers and 64 experts, 8 per token (hidden 2048, expert FFN 768; 8.3B parameters, 2.0B active), bf16 base, LoRA r=16 all-linear and on the fused expert weights (``peft.target_experts``), AdamW, gradient checkpointing, micro 1 x acc 4; three variants of the router's balancing loss, ``moe.balance: global_batch`` (first), ``micro_batch`` and ``moe.aux_loss_coef: 0`` (``aux off``), compile and Liger off |
 
 All rows are packed to ``--seq`` tokens (default 4096) from synthetic text with lognormal record
 lengths (``long-8b``: to ``--long-seq``, ~200 records a row). Variants: ``all on`` (``model.compile``, ``model.liger_kernels`` where liger-kernel and
@@ -32,13 +35,23 @@ says so, and the bench goes on. ``long-8b`` runs one variant, ``long``: its swit
 memory ones; compile and Liger stay off (their fused MLP and the tiled MLP are two ways to do one
 thing), and attention is flash_attention_2 where flash-attn is installed, else varlen_sdpa (torch's sdpa
 per packed example, ``model.attn_implementation: auto``'s choice; sdpa would build a mask of seq^2 entries).
+``moe-qwen3`` runs its own variants, the balancing loss's three modes (docs/moe.md), side by side
+in the same columns: tokens/s, MFU (llmft's, which counts the active parameters: the K routed experts
+a token uses) and peak memory; its first variant (``global_batch``) stands where "all on" does, so
+"all-on speed / this" is the exact loss's cost against each other mode. Compile stays off (the
+routed experts' token counts change every step) and so does Liger (these are the loss modes, not the
+speed switches); attention is flash_attention_2 where flash-attn is installed, else sdpa. A line
+under the table gives its total and active parameters. ``--check`` runs it (tiny: hidden 64, 2
+layers, 8 experts top-2) only when ``--cases`` names it: its three CPU runs take longer than the
+rest of a CI check should.
 
 ``--quick`` (one short call, from a bare machine): ``qlora-8b`` and ``full-1b``, all on and compile
 off, 6 steps (medians after 2), and after ``qlora-8b`` the peer row: Hugging Face Trainer + PEFT +
 bitsandbytes with the QLoRA recipe on the same model directory (bench/peer_hf.py), with llmft's
-tokens/s over the peer's and both peaks. Every case's all-on run goes through bench/gpu_phases.py:
-two steps after the measured ones, one timed by phase (data wait, forward, backward, optimizer) and
-one profiled (top kernels), printed under "Where the time goes". ``gpu.md`` is rewritten after every
+tokens/s over the peer's and both peaks. Every case's all-on run (``moe-qwen3``: its ``global_batch``
+run) goes through bench/gpu_phases.py: two steps after the measured ones, one timed by phase (data
+wait, forward, backward, optimizer) and one profiled (top kernels), printed under "Where the time
+goes". ``gpu.md`` is rewritten after every
 run, so a bench cut off keeps what finished. A package llmft needs and cannot import is named with
 its install command before anything runs; a case's own (bitsandbytes) makes that case's row say so.
 """
@@ -72,6 +85,8 @@ TINY = dict(
     intermediate_size=128,
     vocab_size=320,
 )
+# --check's moe-qwen3: the tiny shape's experts (TINY's 4 heads at head_dim 16)
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
 GOALS = {
     "qlora-8b": "goal: >= 1.3x the peer's tokens/s at <= the peer's peak memory (one H100/H200, 4096-token rows)",
     "full-1b": "goal: >= 45 % MFU (one H100/H200)",
@@ -94,6 +109,18 @@ class Case:
     gradient_checkpointing: bool = True
     long: bool = False  # long context: rows of --long-seq, the LONG_* switches, one variant
     peer: bool = False  # --quick: the HF Trainer + PEFT + bitsandbytes row beside it (bench/peer_hf.py)
+    fields: dict[str, Any] = field(default_factory=dict)  # over KNOWN[shape]: a shape of the case's own
+    modes: dict[str, dict[str, Any]] | None = None  # its own variants: name -> the recipe's moe section
+    check_when_named: bool = False  # --check runs it only when --cases names it
+
+
+# moe-qwen3's variants: the router's balancing loss over the global batch, per micro-batch, and off
+# (null: the model config's router_aux_loss_coef, 0.001 for qwen3_moe).
+MOE_MODES = {
+    "global_batch": {"balance": "global_batch", "aux_loss_coef": None},
+    "micro_batch": {"balance": "micro_batch", "aux_loss_coef": None},
+    "aux off": {"balance": "global_batch", "aux_loss_coef": 0},
+}
 
 
 LORA = {"method": "lora", "r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
@@ -113,6 +140,18 @@ CASES = {
         "full-1b", "meta-llama/Llama-3.2-1B", micro=2, global_batch=8, lr=1e-4, gradient_checkpointing=False
     ),
     "long-8b": Case("long-8b", "meta-llama/Llama-3.1-8B", micro=1, global_batch=1, lr=2e-4, peft=LORA, long=True),
+    # Qwen3-30B-A3B's layers (hidden 2048, 32 heads, expert FFN 768, top-8) at half its depth and experts
+    "moe-qwen3": Case(
+        "moe-qwen3",
+        "Qwen/Qwen3-30B-A3B",
+        micro=1,
+        global_batch=4,
+        lr=2e-4,
+        peft={**LORA, "target_experts": True},
+        fields={"num_hidden_layers": 24, "num_experts": 64},
+        modes=MOE_MODES,
+        check_when_named=True,
+    ),
 }
 LONG_VARIANT = "long"
 QUICK_CASES = ("qlora-8b", "full-1b")
@@ -147,8 +186,7 @@ def main() -> int:
     long_steps = args.steps or (2 if args.check else 5)  # each step is 32x the tokens of a 4096-token one
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    names = args.cases or ",".join(QUICK_CASES if quick else CASES)
-    cases = [CASES[c] for c in names.split(",") if c]
+    cases = [CASES[c] for c in case_names(args.cases, quick=quick, check=args.check)]
 
     switches = available_switches(cuda)
     variants = ["all on", "compile off"] if quick else ["all on", *[f"{s} off" for s in switches]]
@@ -165,17 +203,18 @@ def main() -> int:
         if lacking:
             report.add_rows([[case.name, "skipped", f"missing {lacking}", *[""] * 7]])
             continue
-        model_dir = ensure_model(out / "models", case.shape, tiny=args.check, cuda=cuda)
+        model_dir = ensure_model(out / "models", case, tiny=args.check, cuda=cuda)
         results: dict[str, Result] = {}
-        mine = [LONG_VARIANT] if case.long else variants
+        mine = [LONG_VARIANT] if case.long else list(case.modes) if case.modes else variants
         for variant in mine:
             on = {s: s in switches and variant != f"{s} off" for s in ("compile", "liger", "flash")}
-            if case.long:  # the memory switches only; flash attention where this machine has it
+            if case.long or case.modes:  # not the speed switches; flash attention where this machine has it
                 on = {"compile": False, "liger": False, "flash": "flash" in switches}
             length, n = (long_seq, long_steps) if case.long else (seq, steps)
             run_dir = out / case.name / slug(variant)
-            recipe = case_recipe(case, model_dir, data, run_dir, on, length, n, dtype)
-            phases = n if variant == "all on" else None  # "where the time goes": two steps added
+            moe = case.modes[variant] if case.modes else None
+            recipe = case_recipe(case, model_dir, data, run_dir, on, length, n, dtype, moe)
+            phases = n if variant in ("all on", *list(case.modes or ())[:1]) else None  # "where the time goes"
             results[variant] = run(recipe, out / case.name / f"{slug(variant)}.log", args.timeout, cuda, phases)
             done = [v for v in mine if v in results]
             report.set_case(case.name, table_rows(case, results, done, min(warmup, n - 1), n))
@@ -185,6 +224,8 @@ def main() -> int:
             report.peer(case, results.get("all on"), peer, warmup, steps)
         if case.name in GOALS and not args.check:
             report.notes.append(f"- {case.name}: {GOALS[case.name]}")
+        if case.modes:
+            report.notes.append(f"- {case.name}: {moe_params_line(model_dir)}")
     report.finish()
     print(report.text())
     failed = [r for r in report.all_rows() if str(r[2]).startswith("failed")]
@@ -213,6 +254,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", default="runs/bench-gpu", help="runs, models, logs and gpu.md go here")
     ap.add_argument("--timeout", type=int, default=900, help="seconds one training run may take")
     return ap.parse_args()
+
+
+def case_names(cases: str | None, *, quick: bool, check: bool) -> list[str]:
+    """The cases to run: ``--cases`` as given, else ``--quick``'s, else every case (under ``--check``,
+    every case but those it runs only when named)."""
+    if cases:
+        return [c for c in cases.split(",") if c]
+    if quick:
+        return list(QUICK_CASES)
+    return [c for c in CASES if not (check and CASES[c].check_when_named)]
 
 
 # --- switches, models, data -------------------------------------------------------------------
@@ -263,8 +314,8 @@ def _importable(module: str) -> bool:
         return False
 
 
-def ensure_model(root: Path, shape_name: str, *, tiny: bool, cuda: bool) -> Path:
-    """A local HF model directory with random bf16 weights in this shape (reused when complete)."""
+def ensure_model(root: Path, case: Case, *, tiny: bool, cuda: bool) -> Path:
+    """A local HF model directory with random bf16 weights in the case's shape (reused when complete)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -272,16 +323,19 @@ def ensure_model(root: Path, shape_name: str, *, tiny: bool, cuda: bool) -> Path
     from llmft.data.tokenizer import byte_tokenizer
     from llmft.plan.shape import KNOWN
 
-    fields = {**KNOWN[shape_name], **(TINY if tiny else {})}
-    name = shape_name.split("/")[-1] + ("-tiny" if tiny else "")
+    fields = {**KNOWN[case.shape], **case.fields}
+    model_type = fields.pop("model_type", "llama")
+    if tiny:
+        fields.update(TINY, **(TINY_MOE if model_type != "llama" else {}))
+    name = (case.name if case.fields else case.shape.split("/")[-1]) + ("-tiny" if tiny else "")
     target = root / name
     if (target / "model.safetensors.index.json").is_file():
         return target
     target.mkdir(parents=True, exist_ok=True)
     tied = fields.pop("tie_word_embeddings", False)
-    config = AutoConfig.for_model(  # Llama 3.1's own context, 131,072: long-8b's rows fit it
-        "llama", **fields, max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=tied
-    )
+    # Llama 3.1's own context, 131,072: long-8b's rows fit it; qwen3_moe keeps its config's (40,960)
+    context = dict(max_position_embeddings=131072, rope_theta=500000.0) if model_type == "llama" else {}
+    config = AutoConfig.for_model(model_type, **fields, **context, tie_word_embeddings=tied)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     device = "cuda" if cuda else "cpu"
@@ -308,10 +362,23 @@ def ensure_model(root: Path, shape_name: str, *, tiny: bool, cuda: bool) -> Path
         save_file(tensors, target / fname, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, fname))
     config.save_pretrained(target)
+    _published_names(target / "config.json", config, fields)
     byte_tokenizer().save_pretrained(target)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (target / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))  # written last: complete
     return target
+
+
+def _published_names(path: Path, config: Any, fields: dict[str, Any]) -> None:
+    """Spell the shape's fields as the published config.json does: transformers 5 saves qwen3_moe's
+    ``num_experts`` as ``num_local_experts`` (its ``attribute_map``), a name llmft's planner does not read
+    for that family, so the plan and MFU would count the model as dense."""
+    saved = json.loads(path.read_text())
+    renamed = {k: a for k, a in config.attribute_map.items() if k in fields and k not in saved and a in saved}
+    if renamed:
+        for key, alias in renamed.items():
+            saved[key] = saved.pop(alias)
+        path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
 def write_synthetic(path: Path, tokens: int, min_records: int = 0) -> None:
@@ -333,8 +400,17 @@ def slug(variant: str) -> str:
 
 
 def case_recipe(
-    case: Case, model_dir: Path, data: Path, run_dir: Path, on: dict[str, bool], seq: int, steps: int, dtype: str
+    case: Case,
+    model_dir: Path,
+    data: Path,
+    run_dir: Path,
+    on: dict[str, bool],
+    seq: int,
+    steps: int,
+    dtype: str,
+    moe: dict[str, Any] | None = None,
 ) -> Path:
+    """The recipe of one run; ``moe``: the recipe's ``moe`` section (a ``modes`` variant)."""
     recipe = {
         "run": {"output_dir": str(run_dir), "seed": 0, "overwrite": True, "tensorboard": False},
         "model": {
@@ -369,6 +445,8 @@ def case_recipe(
         recipe["model"]["attn_implementation"] = "flash_attention_2" if on["flash"] else "varlen_sdpa"
         recipe["distributed"].update(LONG_DISTRIBUTED)
         recipe["data"]["num_workers"] = 0  # one row a step: nothing to overlap, and no copy of a 128K row per worker
+    if moe is not None:
+        recipe["moe"] = dict(moe)
     return write_recipe(run_dir.parent / f"{run_dir.name}.yaml", recipe)
 
 
@@ -414,6 +492,13 @@ def _run_logged(cmd: list[str], run_dir: Path, recipe: Path, log: Path, timeout:
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         print(f"   failed ({error}): {' | '.join(tail)}", file=sys.stderr)
     return Result(recipe, run_dir, wall, error)
+
+
+def moe_params_line(model_dir: Path) -> str:
+    """``llmft plan``'s parameters line for the model directory: total and active parameters."""
+    from llmft.plan.shape import ModelShape, params_line
+
+    return params_line(ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))) or "dense"
 
 
 def table_rows(case: Case, results: dict[str, Result], variants: list[str], warmup: int, steps: int) -> list[list[Any]]:
@@ -642,7 +727,7 @@ def machine_line(check: bool, switches: list[str], seq: int, steps: int, warmup:
 
     today = datetime.date.today().isoformat()
     if check:
-        where = "--check: CPU, tiny Llama shapes (hidden 64, 2 layers); the numbers below measure nothing"
+        where = "--check: CPU, tiny shapes (hidden 64, 2 layers); the numbers below measure nothing"
     else:
         where = f"GPU: {torch.cuda.get_device_name()}"
     return (

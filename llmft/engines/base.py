@@ -110,9 +110,7 @@ def clip_and_step(model: torch.nn.Module, optimizer, scaler, max_grad_norm: floa
     if scaler is not None:
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else float("inf"))
-    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
-        norm = norm.full_tensor()
+    norm = clip_grad_norm(params, max_grad_norm if max_grad_norm is not None else float("inf"))
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -120,6 +118,28 @@ def clip_and_step(model: torch.nn.Module, optimizer, scaler, max_grad_norm: floa
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over parameters that may live on different device meshes (FSDP2's shards
+    and expert-parallel experts, ``llmft.model.expert_parallel``): one global norm, from each mesh's
+    norm reduced over its own ranks."""
+    groups: dict[Any, list[torch.nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    if len(groups) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP2
+    norms = []
+    for group in groups.values():
+        grads = [p.grad for p in group if p.grad is not None]
+        if grads:
+            n = torch.nn.utils.get_total_norm(grads)
+            norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 # --- the plain format: model/ (save_pretrained) + optimizer.pt ---------------------------------

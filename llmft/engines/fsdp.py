@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -39,7 +39,7 @@ from llmft.checkpoint.layout import DCP_DIR
 from llmft.engines import OptimizerFactory, safe_dcp
 from llmft.engines.base import LocalEngine, freeze, trainable_names
 from llmft.job.dist import DistEnv, param_mesh, sequence_group
-from llmft.model import ulysses
+from llmft.model import expert_parallel, ulysses
 from llmft.model.build import prepare_model
 from llmft.model.meta import ParamSlots, SafetensorsWeights, build_on_meta, materialize
 from llmft.model.precision import DTYPES
@@ -56,13 +56,13 @@ class FSDPEngine(LocalEngine):
         self.sync_every_micro_step = plan.recipe.distributed.fsdp_grad_sync == "micro_step"
         self.mesh = param_mesh(self.device.type, plan.layout)  # the layout's, a view of the world mesh
         self.sharding = sharding
-        self.model = self._build_sharded(plan, tokenizer)
+        self.model, self.experts = self._build_sharded(plan, tokenizer)
         self.optimizer = make_optimizer(self.model)
 
     def frozen_model(self, plan: RunPlan | None = None) -> torch.nn.Module:
         """Built and sharded exactly like the policy (a copy: the policy's plan built again, its
         initial weights): every rank holds only its shards, and a forward gathers them layer by layer."""
-        return freeze(self._build_sharded(plan or self.plan, self.tokenizer))
+        return freeze(self._build_sharded(plan or self.plan, self.tokenizer)[0])
 
     def place_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """A frozen model its caller built whole on the CPU (a reward model: ``objectives.rewards``),
@@ -91,8 +91,11 @@ class FSDPEngine(LocalEngine):
         offload = CPUOffloadPolicy(pin_memory=pin) if self.sharding.cpu_offload else OffloadPolicy()
         return dict(mesh=self.mesh, mp_policy=mp, offload_policy=offload)
 
-    def _build_sharded(self, plan: RunPlan, tokenizer: Any) -> torch.nn.Module:
-        """The plan's model, ``fully_shard``-ed per decoder layer and at the root, its shards placed."""
+    def _build_sharded(
+        self, plan: RunPlan, tokenizer: Any
+    ) -> tuple[torch.nn.Module, expert_parallel.ExpertShards | None]:
+        """The plan's model, ``fully_shard``-ed per decoder layer and at the root, its shards placed;
+        with expert parallelism its experts split over the expert group first (FSDP2 leaves them)."""
 
         sharding = self.sharding
         slots = weights = None
@@ -104,6 +107,11 @@ class FSDPEngine(LocalEngine):
         kwargs = self._shard_kwargs()
         if plan.sequence_parallel > 1:
             ulysses.install(model, sequence_group(plan.layout.mesh))
+        experts = None
+        if plan.layout.size(expert_parallel.EP_DIM) > 1:
+            mesh = expert_parallel.expert_mesh(self.device.type, plan.layout)
+            experts = expert_parallel.install(model, plan.layout.size(expert_parallel.EP_DIM), mesh, plan.recipe.peft)
+            kwargs["ignored_params"] = experts.params
         layer_classes = decoder_layer_classes(model)
         host = self.device.type == "cpu"  # the gathered weights are host memory: one unit at a time
         for module in model.modules():
@@ -118,7 +126,8 @@ class FSDPEngine(LocalEngine):
             if module.weight not in whole:
                 fully_shard(module, reshard_after_forward=reshard, **kwargs)
         # the root is needed right away in backward
-        fully_shard(model, reshard_after_forward=False, ignored_params=whole or None, **kwargs)
+        kwargs["ignored_params"] = whole | kwargs.get("ignored_params", set()) or None
+        fully_shard(model, reshard_after_forward=False, **kwargs)
         if host:
             no_backward_prefetch(model)
         # generate() on the root (a PEFT model's too) gathers the root's own parameters (embedding,
@@ -130,14 +139,23 @@ class FSDPEngine(LocalEngine):
             materialize(model, slots, weights, seed=plan.recipe.run.seed, device=self.device, shards_on=shards_on)
         elif not sharding.cpu_offload:
             model.to(self.device)
-        return model
+        return model, experts
 
     def micro_step(self, boundary: bool) -> ContextManager:
         # boundary: unsharded gradients accumulate locally and are reduce-scattered once, on the
         # last micro-step; micro_step: every backward reduce-scatters and FSDP2 adds the result
         # into the sharded gradient, so only a shard is ever kept between micro-steps.
         self.model.set_requires_gradient_sync(boundary or self.sync_every_micro_step)
+        if boundary and self.experts is not None:
+            return self._experts_reduced()
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _experts_reduced(self) -> Iterator[None]:
+        """After the step's last backward, as FSDP2's reduce-scatter: the experts' gradients summed
+        over the ranks holding the same experts, divided as FSDP2 divides the others."""
+        yield
+        self.experts.reduce_gradients(self._grad_scale)
 
     def autocast(self) -> ContextManager:
         return contextlib.nullcontext()  # MixedPrecisionPolicy casts inside the sharded modules

@@ -100,16 +100,7 @@ def _log_moe_lora(model: torch.nn.Module, family: MoEFamily, asked: list[str] | 
             family.model_type,
             sorted(config.target_parameters or ()),
         )
-    quantized = any(type(p).__name__ == "Params4bit" for p in model.parameters())
-    if experts and quantized:
-        weights = [p for n, p in model.named_parameters() if (base_key(n) or "").endswith(family.expert_weights)]
-        dtype = str(weights[0].dtype).removeprefix("torch.") if weights else "the compute dtype"
-        log.info(
-            "LoRA on the experts: their fused weights stay in %s, not 4-bit (bitsandbytes quantizes linear layers "
-            "only; docs/moe.md)",
-            dtype,
-        )
-    elif experts:
+    if experts:  # under QLoRA, llmft.model.moe_quant then packs these weights in 4 bits and says so
         log.info("LoRA on the experts: %s of every MoE layer", ", ".join(family.expert_weights))
 
 

@@ -24,7 +24,7 @@ from safetensors.torch import save_model
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from llmft.errors import Problem, UserError, cause_of
-from llmft.model import attention, kernels, long_context, loss, moe
+from llmft.model import attention, kernels, long_context, loss, moe, moe_quant
 from llmft.model.adapters import apply_peft, init_adapters
 from llmft.model.heads import PEFT_TASK_TYPES, configure, init_head, model_class, recipe_head
 from llmft.model.precision import DTYPES, upcast_trainable
@@ -107,6 +107,8 @@ def build_model(
     if recipe.peft.method != "none":
         model = apply_peft(model, recipe.peft, PEFT_TASK_TYPES[head])
         init_adapters(model, recipe.run.seed)
+    if quant is not None and quant.load_in_4bit:  # the fused MoE experts in 4 bits too, LoRA kept on them
+        moe_quant.quantize_experts(model, quant, recipe)
     # Activation offload, tiled MLP: after checkpointing and the adapters; the engine picks the tiling.
     long_context.apply(model, m, tiled_mlp_kind(recipe.distributed.engine))
     moe.install(model, recipe.moe)  # an MoE router's balancing loss, as an auxiliary term of the step

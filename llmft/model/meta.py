@@ -49,6 +49,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from llmft.errors import Problem, UserError, library_problem
 from llmft.model import build, kernels
 from llmft.model.adapters import base_key, initial_adapter_weights, is_peft
+from llmft.model.checkpoint_keys import Fused, checkpoint_key
 from llmft.model.heads import initial_head_weights
 from llmft.model.precision import upcast_trainable
 from llmft.model.quant_shard import quantize_part, values_per_element
@@ -142,11 +143,11 @@ class SafetensorsWeights:
     """The safetensors files of a pretrained model; each rank reads only the rows it keeps."""
 
     def __init__(
-        self, directory: Path, files: dict[str, str], keys: dict[str, str], fresh: frozenset[str] = frozenset()
+        self, directory: Path, files: dict[str, str], keys: dict[str, str | Fused], fresh: frozenset[str] = frozenset()
     ) -> None:
         self.directory = directory
         self.files = files  # checkpoint key -> file name
-        self.keys = keys  # base-model key -> checkpoint key
+        self.keys = keys  # base-model key -> checkpoint key (or the per-expert keys of a fused weight)
         self.fresh = fresh  # base-model keys of a score head the checkpoint lacks: seeded init (llmft.model.heads)
         self._mapped: dict[str, tuple[int, dict[str, Any], torch.UntypedStorage]] = {}  # file -> mapping
 
@@ -156,13 +157,18 @@ class SafetensorsWeights:
         files = _weight_map(directory)
         prefix = getattr(slots.base, "base_model_prefix", "") or ""
         ignore = [re.compile(p) for p in (getattr(slots.base, "_keys_to_ignore_on_load_missing", None) or [])]
-        keys: dict[str, str] = {}
+        keys: dict[str, str | Fused] = {}
         missing: list[str] = []
         head = {name for name, _ in initial_head_weights(slots.base, 0)}
+        config = getattr(slots.base, "config", None)
+        model_type, num_experts = getattr(config, "model_type", None), _routed_experts(config)
         for key in slots.by_key():
             # A checkpoint of the bare base model (LlamaModel) names its weights without the prefix.
             candidates = (key, key.removeprefix(f"{prefix}."), f"{prefix}.{key}") if prefix else (key,)
-            found = next((c for c in candidates if c in files), None)
+            # transformers' own names for it (fused experts stored per expert, renamed modules)
+            found = next(
+                (f for c in candidates if (f := checkpoint_key(c, files, model_type, num_experts)) is not None), None
+            )
             if found is not None:
                 keys[key] = found
             elif key not in head and not any(p.search(key) for p in ignore):
@@ -173,9 +179,10 @@ class SafetensorsWeights:
                     "model.name_or_path",
                     f"the safetensors files in {directory} have no weight for {len(missing)} parameter(s) of the "
                     f"model ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})",
-                    "FSDP loads pretrained weights shard by shard under the names the model uses; a checkpoint "
-                    "that needs transformers' key conversion cannot be loaded this way. Save it once with "
-                    "save_pretrained from this transformers version, or use distributed.engine=deepspeed.",
+                    "FSDP loads pretrained weights shard by shard under the names the model uses, or the names "
+                    "transformers' conversion mapping renames to them (per-expert tensors of fused experts "
+                    "included); this checkpoint needs a conversion beyond those. Check that config.json and the "
+                    "weight files belong to the same model, or use distributed.engine=deepspeed.",
                 )
             )
         return cls(directory, files, keys, frozenset(head - set(keys)))
@@ -183,6 +190,8 @@ class SafetensorsWeights:
     def read(self, key: str, index: tuple[slice, ...], shape: torch.Size) -> torch.Tensor:
         """Rows ``index`` of the weight of base-model ``key`` (the full tensor is never read)."""
         ckpt_key = self.keys[key]
+        if isinstance(ckpt_key, Fused):
+            return self._read_fused(ckpt_key, index, shape)
         file = self.files[ckpt_key]
         # Opened for each read and closed: the file's pages this rank touched leave its address space
         # (its resident set) with the mapping, instead of piling up to the whole file.
@@ -198,6 +207,29 @@ class SafetensorsWeights:
                     )
                 )
             return (stored[index] if index else f.get_tensor(ckpt_key)).clone()
+
+    def _read_fused(self, fused: Fused, index: tuple[slice, ...], shape: torch.Size) -> torch.Tensor:
+        """Rows ``index`` of a fused expert weight the checkpoint stores per expert: one expert's
+        tensors at a time, concatenated and sliced."""
+        shapes = {}
+        for k in {k for part in fused.parts for k in part}:
+            with safe_open(str(self.directory / self.files[k]), framework="pt", device="cpu") as f:
+                shapes[k] = tuple(f.get_slice(k).get_shape())
+        if fused.shape(shapes) != tuple(shape):
+            raise UserError(
+                Problem(
+                    "model.name_or_path",
+                    f"the per-expert weights {fused.parts[0][0]}, ... in {self.directory} make a fused weight of "
+                    f"shape {fused.shape(shapes)}, the model built from its config.json expects {tuple(shape)}",
+                    "Check that config.json and the weight files belong to the same model.",
+                )
+            )
+
+        def get(k: str) -> torch.Tensor:
+            with safe_open(str(self.directory / self.files[k]), framework="pt", device="cpu") as f:
+                return f.get_tensor(k)
+
+        return fused.read(get, index)
 
     def mapped_rows(
         self, key: str, index: tuple[slice, ...], shape: torch.Size, dtype: torch.dtype
@@ -221,6 +253,8 @@ class SafetensorsWeights:
     def mapped_flat(self, key: str, shape: torch.Size, dtype: torch.dtype, start: int, end: int) -> torch.Tensor | None:
         """Elements ``[start, end)`` of the flattened weight ``key`` as the weight file's own pages
         (see ``mapped_rows``), or None."""
+        if isinstance(self.keys[key], Fused):  # stored per expert: no one range of the file holds it
+            return None
         file = self.files[self.keys[key]]
         if file not in self._mapped:  # one mapping per file, its header read once
             self._mapped[file] = _map_safetensors(self.directory / file)
@@ -263,6 +297,17 @@ def _map_safetensors(path: Path) -> tuple[int, dict[str, Any], torch.UntypedStor
         header = json.loads(f.read(length))
     storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
     return 8 + length, header, storage
+
+
+def _routed_experts(config: Any) -> int | None:
+    """A mixture of experts' routed experts per layer (its family's key); None for a dense model."""
+    from llmft.plan.moe import moe_family
+
+    try:
+        family = moe_family(config) if config is not None else None
+    except UserError:
+        return None
+    return getattr(config, family.experts, None) if family is not None else None
 
 
 def _weights_dir(recipe: Recipe) -> Path:

@@ -128,7 +128,7 @@ def compile_recipe(plan: RunPlan, out: Path) -> str:
     recipe = plan.recipe
     d = recipe.distributed
     out = Path(out)
-    head = [f"Written by `llmft compile`: {plan.batch.equation()}."]
+    head = [f"Written by `llmft compile`: {plan.equation()}."]
     files = {
         RECIPE_FILE: _header([*head, "Fully resolved; `llmft train` accepts this directory."])
         + to_yaml(plan.resolved_recipe()),
@@ -158,7 +158,7 @@ def compile_recipe(plan: RunPlan, out: Path) -> str:
 
     return "\n".join(
         [
-            f"batch: {plan.batch.equation()}",
+            f"batch: {plan.equation()}",
             *summary_lines(plan),
             _tokens_line(plan),
             _engine_line(plan),

@@ -9,9 +9,9 @@ planner, the sampler's rank and the world mesh (``llmft.job.dist``) read those s
 layout, never from the recipe.
 
 A new dimension is one record here and its own code: tensor parallelism a ``split`` record like
-``sp`` whose ranks hold parameters of their own, expert parallelism a ``borrow`` record carved out of
-``shard`` (torchtitan's ``dp_shard_in_ep``: the world, the data-parallel size and the global batch stay
-as they are). Pure: no torch.
+``sp`` whose ranks hold parameters of their own; expert parallelism (``ep``) is a ``borrow`` record
+carved out of ``shard`` (torchtitan's ``dp_shard_in_ep``: the world, the data-parallel size and the
+global batch stay as they are). Pure: no torch.
 """
 
 from __future__ import annotations
@@ -97,8 +97,26 @@ SEQUENCE = Dimension(
     problems="llmft.plan.resolve:sequence_parallel_problems",
 )
 
+
+def expert_ranks(recipe: Recipe, spec: EngineSpec) -> int:
+    """Ranks that split the routed experts: ``distributed.expert_parallel`` on FSDP2 (the other
+    engines refuse it: ``llmft.plan.moe_recipe.expert_parallel_problems``)."""
+    return EXPERT.asked(recipe) if spec.expert_parallel else 1
+
+
+# Expert parallelism: the innermost ranks of ``shard`` (torchtitan's ``dp_shard_in_ep``), each holding
+# E / N whole experts of every MoE layer (``llmft.model.expert_parallel``).
+EXPERT = Dimension(
+    "ep",
+    "borrow",
+    key="distributed.expert_parallel",
+    size="llmft.plan.dims:expert_ranks",
+    of="shard",
+    problems="llmft.plan.moe_recipe:expert_parallel_problems",
+)
+
 # Every dimension, in mesh order within a role: the data ones outermost, then the split ones.
-DIMENSIONS: list[Dimension] = [REPLICATE, SHARD, SEQUENCE]
+DIMENSIONS: list[Dimension] = [REPLICATE, SHARD, EXPERT, SEQUENCE]
 
 
 def register_dimension(dim: Dimension) -> Dimension:

@@ -90,6 +90,12 @@ class EngineSpec:
     # Runs ``distributed.sequence_parallel`` > 1 (Ulysses attention, sequence slices, gradients
     # summed over the whole world: docs/long-context.md).
     sequence_parallel: bool = False
+    # Runs ``distributed.expert_parallel`` > 1 (whole experts on ranks, tokens all-to-all:
+    # ``llmft.model.expert_parallel``).
+    expert_parallel: bool = False
+    # Builds a 4-bit (QLoRA) base whole in each process, so llmft packs a mixture of experts' fused
+    # expert weights in 4 bits too (``llmft.model.moe_quant``); elsewhere they stay in model.dtype.
+    packs_experts: bool = False
     # How ``model.tiled_mlp`` tiles (docs/long-context.md): DeepSpeed's ``TiledMLP`` back-propagates
     # tile by tile and a parameter's gradient arrives once per tile (DeepSpeed holds it until the
     # last one); "checkpoint" runs one non-reentrant checkpoint per tile, so autograd sums the tiles
@@ -121,6 +127,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         runtime="llmft.engines.single:SingleEngine",
         reader="llmft.engines.base:read_plain",
         checkpoint_files="llmft.checkpoint.verify:plain_files",
+        packs_experts=True,
         multi_rank=False,
         autocast_weight_cache=True,
     ),
@@ -130,6 +137,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         runtime="llmft.engines.ddp:DDPEngine",
         reader="llmft.engines.base:read_plain",
         checkpoint_files="llmft.checkpoint.verify:plain_files",
+        packs_experts=True,
         gradient_copies=2,  # gradient_as_bucket_view is off
         autocast_weight_cache=True,
         sequence_parallel=True,
@@ -154,6 +162,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         config_names=("fsdp.yaml", "accelerate.yaml"),
         summary="llmft.plan.fsdp:summary",
         sequence_parallel=True,
+        expert_parallel=True,
         tiled_mlp="checkpoint",
     ),
     EngineSpec(

@@ -13,7 +13,7 @@ from typing import Callable
 
 from llmft.errors import Problem
 from llmft.plan.batch import BatchPlan, divisors
-from llmft.plan.dims import DIMENSIONS, REPLICATE, Dimension, splits
+from llmft.plan.dims import DIMENSIONS, REPLICATE, Dimension, splits, title
 from llmft.plan.engines import EngineSpec, engine_spec, load, one_process_engine
 from llmft.plan.objectives import DEFAULT_OBJECTIVE, ObjectiveSpec, objective_spec
 from llmft.recipe.load import unresolve_env
@@ -93,6 +93,11 @@ class ParallelLayout:
         return tuple((d.plan_key, n) for d, n in self.dims if d.role == "split" and n > 1)
 
     @property
+    def borrowed(self) -> tuple[tuple[str, int], ...]:
+        """The borrowed dimensions over 1, as files name them: ``(("expert_parallel", 2),)``."""
+        return tuple((d.plan_key, n) for d, n in self.dims if d.role == "borrow" and n > 1)
+
+    @property
     def shard_group(self) -> int:
         """Ranks that hold the same parameters within a replica, whether or not the engine shards
         them: the dimensions with ``params="sharded"`` (``shard``, its borrowers, ``sp``: sequence
@@ -110,7 +115,8 @@ class ParallelLayout:
         out = []
         for d, n in self.dims:
             if d.role == "data":
-                borrowed = [(b, k) for b, k in self.dims if b.role == "borrow" and b.of == d.name]
+                # a borrowed dimension of size 1 is no dimension: the mesh (and its views) leave it out
+                borrowed = [(b, k) for b, k in self.dims if b.role == "borrow" and b.of == d.name and k > 1]
                 out += [(d, n // math.prod(k for _, k in borrowed)), *borrowed]
         return out + [(d, n) for d, n in self.dims if d.role == "split"]
 
@@ -201,6 +207,15 @@ class RunPlan:
     @property
     def dp_size(self) -> int:
         return self.batch.dp_size
+
+    def equation(self) -> str:
+        """The batch equation and the dimensions borrowed from data parallelism, which leave it as it
+        is: ``micro 1 x accumulation 2 x data-parallel 2 = global 4 (expert-parallel 2 within data-parallel 2)``."""
+        borrowed = self.layout.borrowed
+        if not borrowed:
+            return self.batch.equation()
+        within = ", ".join(f"{title(key)} {n}" for key, n in borrowed)
+        return f"{self.batch.equation()} ({within} within data-parallel {self.dp_size})"
 
     @property
     def sequence_parallel(self) -> int:

@@ -35,6 +35,7 @@ from llmft.plan.deepspeed import DTYPE_BYTES, ZERO3_MAX_LIVE_PARAMETERS, persist
 from llmft.plan.dims import SEQUENCE
 from llmft.plan.engines import engine_spec
 from llmft.plan.layout import ParallelLayout, RunPlan, layout_of
+from llmft.plan.moe import packs_experts
 from llmft.plan.objectives import (
     FROZEN_COPY,
     NO_REFERENCE,
@@ -90,8 +91,11 @@ class Params:
     adapted_mlp_inputs: int  # the part of adapted_inputs that feeds the MLP's linears
     largest_linear: int  # largest single weight matrix of a layer
     # A mixture of experts' routed experts and routers, every one of them (memory counts the total
-    # parameters): fused [experts, ., .] tensors that bitsandbytes does not quantize and LoRA leaves frozen.
+    # parameters): fused [experts, ., .] tensors that LoRA leaves frozen.
     experts: int = 0
+    # The fused routed expert weights alone (``experts`` less the routers): 4-bit under 4-bit QLoRA
+    # (``llmft.model.moe_quant``); the routers stay in the compute dtype.
+    expert_weights: int = 0
 
     @property
     def base(self) -> int:
@@ -140,6 +144,7 @@ def count_params(recipe: Recipe, shape: ModelShape) -> Params:
         adapted_mlp_inputs=adapted_mlp_inputs,
         largest_linear=max(i * o for i, o in linears.values()),
         experts=experts,
+        expert_weights=shape.expert_params,
     )
 
 
@@ -379,6 +384,7 @@ def estimate(
         "optimizer": _placed(states["optimizer"], layout.optimizer, layout.optimizer_on_gpu),
         "master_weights": _placed(states["master_weights"], layout.optimizer, layout.optimizer_on_gpu),
     }
+    _expert_parallel(recipe, shape, params, states, layout, parallel, placed, a)
     if engine_spec(engine).zero_stages and layout.grads_on_gpu:
         placed["gradients"] += reduce_bucket_bytes(recipe, shape)  # DeepSpeed's reduce buckets
     if engine_spec(engine).param_gather == "live_window" and layout.weights > 1:
@@ -398,7 +404,7 @@ def estimate(
     placed["logits"] = logit_rows * shape.vocab_size * max(a + 8, LOSS_BACKWARD_BYTES)
     placed["activations"] = _activations(
         recipe, shape, params, tokens, a, placed["logits"], residual_bytes(recipe, engine, a), parallel.sp
-    )
+    ) + all_to_all_bytes(shape, parallel, tokens, a)
     reference_weights = _placed(_frozen_copy(recipe, engine, params, a), layout.weights, layout.weights_on_gpu)
     placed["reference"] = _reference(recipe, shape, params, tokens, a, placed, reference_weights)
     rewards = reward_model_sizes(recipe, spec)
@@ -448,6 +454,42 @@ def estimate(
     )
 
 
+def _expert_parallel(
+    recipe: Recipe,
+    shape: ModelShape,
+    params: Params,
+    states: dict[str, float],
+    layout: _Layout,
+    parallel: ParallelLayout,
+    placed: dict[str, float],
+    a: int,
+) -> None:
+    """``distributed.expert_parallel: n`` (``llmft.model.expert_parallel``): each rank holds E / n whole
+    experts, which FSDP2 does not shard further, so their share of the weights (and, when trained, of
+    the gradients and optimizer state) is divided by n, not by the shard group; and each MoE layer's
+    forward holds its tokens' K rows four times (sent, received, computed, returned) while it runs."""
+    n, e = parallel.size("ep"), shape.experts
+    if n <= 1 or e is None or not params.expert_weights:
+        return
+    share = params.expert_weights / max(params.base, 1)
+    held = {"weights": layout.weights}
+    if recipe.peft.method == "none":
+        held.update(gradients=layout.gradients, optimizer=layout.optimizer, master_weights=layout.optimizer)
+    for key, shards in held.items():
+        part = states[key] * share
+        on = layout.weights_on_gpu if key == "weights" else layout.optimizer_on_gpu
+        placed[key] += _placed(part, n, on) - _placed(part, shards, on)
+
+
+def all_to_all_bytes(shape: ModelShape, parallel: ParallelLayout, tokens: int, a: int) -> int:
+    """Expert parallelism's exchange buffers while one MoE layer runs: its tokens' K rows sent,
+    received, computed and returned (4 x tokens x K x hidden); 0 without it."""
+    e = shape.experts
+    if parallel.size("ep") <= 1 or e is None:
+        return 0
+    return 4 * tokens * e.top_k * shape.hidden_size * a
+
+
 def unsharded_accumulation(recipe: Recipe, engine: str, accumulation: int) -> bool:
     """FSDP2 accumulating with one reduce-scatter per step: the gradients are whole until then."""
     honoured = engine_spec(engine).honours("distributed.fsdp_grad_sync")
@@ -468,8 +510,9 @@ def _states(recipe: Recipe, engine: str, params: Params, a: int) -> dict[str, fl
     low = spec.low_precision_weights
     if m.quantization is not None:
         # The unquantized weights are frozen and stay in the compute dtype (model.quant.prepare_kbit).
-        weights = params.linear * quantized_bytes_per_param(m.quantization.bits, m.quantization.double_quant)
-        weights += (params.other + params.experts) * a  # routed experts stay in the compute dtype
+        packed = _packed_experts(recipe, params, engine)
+        weights = (params.linear + packed) * quantized_bytes_per_param(m.quantization.bits, m.quantization.double_quant)
+        weights += (params.other + params.experts - packed) * a  # norms, embedding, head, routers
     elif peft:
         weights = params.base * a  # frozen
     else:
@@ -878,7 +921,15 @@ def _frozen_in_file(recipe: Recipe) -> float:
     base's embedding, head and norms (its linears are quantized copies)."""
     params = count_params(recipe, _require_shape(recipe))
     a = DTYPE_BYTES[recipe.model.dtype]
-    return (params.other + params.experts) * a if recipe.model.quantization is not None else params.base * a
+    if recipe.model.quantization is None:
+        return params.base * a
+    return (params.other + params.experts - _packed_experts(recipe, params)) * a
+
+
+def _packed_experts(recipe: Recipe, params: Params, engine: str | None = None) -> int:
+    """The routed expert weights a 4-bit base packs in 4 bits (``llmft.model.moe_quant``); 8 bits, or an
+    engine that shards the base (its experts stay in model.dtype): none."""
+    return params.expert_weights if packs_experts(recipe, engine) else 0
 
 
 def _host_mapped_weights(plan: RunPlan, est: MemoryEstimate) -> float:

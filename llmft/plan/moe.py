@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from llmft.errors import Problem, UserError
 
 if TYPE_CHECKING:
-    pass
+    from llmft.recipe.schema import Recipe
 
 # Config keys that mark a mixture of experts: a config with one of them > 1 and no record is refused.
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -119,6 +119,19 @@ _FAMILIES: dict[str, MoEFamily] = _families(
 )
 
 
+def config_experts(family: MoEFamily, get: Any) -> Any:
+    """The routed experts a config holds (``get``: its ``dict.get``): under the family's key, or the
+    other name transformers 5 gives it (its configs map ``num_experts`` to ``num_local_experts`` and
+    save that, so a config.json it wrote may hold either)."""
+    for key in (family.experts, *EXPERT_ALIASES.get(family.experts, ())):
+        if get(key) is not None:
+            return get(key)
+    return None
+
+
+EXPERT_ALIASES = {"num_experts": ("num_local_experts",), "num_local_experts": ("num_experts",)}
+
+
 def register_moe_family(family: MoEFamily) -> MoEFamily:
     """Add (or replace) the record of ``family.model_type``."""
     _FAMILIES[family.model_type] = family
@@ -154,7 +167,7 @@ def experts_of(config: Mapping[str, Any]) -> Experts | None:
     None for a dense model, or a config without its number of experts. Pure arithmetic, for the
     planner's total and active parameter counts (``llmft.plan.shape.ModelShape``)."""
     family = moe_family(config)
-    num_experts = config.get(family.experts) if family is not None else None
+    num_experts = config_experts(family, config.get) if family is not None else None
     if not isinstance(num_experts, int) or num_experts < 1:
         return None
     ffn = int(config.get(family.expert_ffn) or config.get("intermediate_size") or 0)
@@ -256,3 +269,55 @@ def lora_problems(family: MoEFamily | None, peft: Any, model_type: Any) -> list[
             )
         ]
     return []
+
+
+def expert_parallel_model_problems(family: MoEFamily | None, config: Any, peft: Any, n: int) -> list[Problem]:
+    """What ``distributed.expert_parallel: n`` asks of the model (``config``: a mapping or a
+    transformers config; ``family``: its record, None for a dense model) and of its adapter."""
+    get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+    key = "distributed.expert_parallel"
+    if family is None:
+        return [
+            Problem(
+                key,
+                f"is {n}, but the model ({get('model_type')!r}) is dense: it has no experts to place on ranks",
+                "Set distributed.expert_parallel=1 (it applies to mixture-of-experts models only, docs/moe.md).",
+            )
+        ]
+    experts = config_experts(family, get)
+    problems = []
+    if isinstance(experts, int) and experts % n:
+        options = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
+        problems.append(
+            Problem(
+                key,
+                f"is {n}, which does not divide the {experts} routed experts of each MoE layer ({family.experts}): "
+                "every rank holds the same number of whole experts",
+                f"Choose a divisor of {experts} that also divides the shard dimension: one of {options}.",
+            )
+        )
+    if experts_adapted(family, peft):
+        problems.append(
+            Problem(
+                key,
+                f"is {n} with LoRA on the experts (peft.target_experts): LoRA on experts placed on other ranks "
+                "is not built",
+                "Set peft.target_experts=false (LoRA on the other layers; the experts stay frozen and are placed "
+                "on ranks), or distributed.expert_parallel=1.",
+            )
+        )
+    return problems
+
+
+def packs_experts(recipe: Recipe, engine: str | None = None) -> bool:
+    """Whether the run's engine (``engine``, resolved; None: the recipe's, ``auto`` chosen for its
+    launch size) packs the fused experts of a 4-bit base in 4 bits (``EngineSpec.packs_experts``: one
+    that builds the quantized model whole in each process). Elsewhere they stay in ``model.dtype``,
+    sharded like any other weight."""
+    from llmft.plan.engines import choose_engine, engine_spec  # noqa: PLC0415 (plan.engines imports the schema)
+
+    q = recipe.model.quantization
+    if q is None or q.bits != 4:
+        return False
+    d = recipe.distributed
+    return engine_spec(engine or choose_engine(recipe, d.nnodes * d.nproc_per_node)).packs_experts

@@ -38,7 +38,7 @@ def plan_command(
         f"model {recipe.model.name_or_path or recipe.model.config.get('model_type')}: "
         f"{_describe(plan)}, engine {describe_engine(plan)}",
         *([line] if (line := params_line(model_shape(recipe.model))) else []),
-        f"{plan.batch.equation()}, {est.seq_len} tokens per sequence" + _rows(plan, est),
+        f"{plan.equation()}, {est.seq_len} tokens per sequence" + _rows(plan, est),
         *summary_lines(plan),
         kernels_line(plan),
         "",

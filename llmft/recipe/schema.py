@@ -431,6 +431,13 @@ class DistributedConfig:
         "global = micro x accumulation x (world / N). N must divide the world and the attention heads "
         "(docs/long-context.md). ddp, fsdp or deepspeed.",
     )
+    expert_parallel: int = doc(
+        1,
+        "Expert parallelism (FSDP2, mixture-of-experts models): N ranks of the shard dimension split every MoE "
+        "layer's routed experts, E / N whole experts each, and exchange tokens all-to-all. Borrowed from the "
+        "data-parallel ranks: world, data-parallel size and global batch are unchanged. N must divide the "
+        "shard dimension and the experts (docs/moe.md).",
+    )
     nnodes: int = doc(1, "Nodes the job runs on (used by compile and the launch scripts).")
     nproc_per_node: int = doc(1, "Processes (GPUs) per node.")
     master_port: int = doc(29500, "Rendezvous port on the first node.")

@@ -130,6 +130,7 @@ def _ranges(r: Recipe, where) -> list[Problem]:
         ("distributed.nproc_per_node", r.distributed.nproc_per_node >= 1, "must be >= 1"),
         ("distributed.hsdp_replicate", r.distributed.hsdp_replicate >= 1, "must be >= 1"),
         ("distributed.sequence_parallel", r.distributed.sequence_parallel >= 1, "must be >= 1"),
+        ("distributed.expert_parallel", r.distributed.expert_parallel >= 1, "must be >= 1"),
         (
             "distributed.timeout_s",
             1 <= r.distributed.timeout_s <= 31536000,

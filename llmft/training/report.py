@@ -44,7 +44,7 @@ def banner(plan: RunPlan, env: DistEnv, steps: int, engine: Engine, data) -> str
     )
     items = spec.items(recipe)  # its unit (a pair, a completion), or a packed row
     lines = [
-        f"batch: {b.equation()}",
+        f"batch: {plan.equation()}",
         *summary_lines(plan),
         f"tokens per optimizer step: {'' if spec.packed(recipe) else 'up to '}{b.global_batch_size * per_item:,} "
         f"({shape})",

@@ -1,5 +1,5 @@
 """Parallel dimensions added from outside llmft (tests/tensor_dimension.py: a split dimension like
-tensor parallelism; tests/expert_dimension.py: one borrowed from ``shard`` like expert parallelism;
+tensor parallelism; tests/expert_dimension.py: one borrowed from ``shard`` as expert parallelism is;
 one record and one module each) reach the batch plan, the batch equation that ``llmft compile`` and
 ``llmft plan`` print, ``plan.yaml``, the memory planner and the layout's meshes, with no edit inside
 llmft; combinations that cannot be laid out are refused naming their keys. The world mesh built
@@ -65,7 +65,7 @@ def test_a_split_dimension_reaches_the_batch_plan_the_equation_the_files_and_the
     assert estimate_memory(plan).dp_size == 2
 
     # Ranks are row-major over the mesh: tp innermost, then sp; a data-parallel rank is 4 ranks.
-    assert layout.mesh == (("replicate", 1), ("shard", 2), ("ep", 1), ("sp", 2), ("tp", 2))
+    assert layout.mesh == (("replicate", 1), ("shard", 2), ("sp", 2), ("tp", 2))  # a borrowed 1 is no dimension
     assert [layout.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [layout.sp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [layout.coordinate(r, "tp") for r in range(8)] == [0, 1] * 4
@@ -76,13 +76,13 @@ def test_a_split_dimension_reaches_the_batch_plan_the_equation_the_files_and_the
 
 def test_a_borrowed_dimension_changes_neither_the_world_nor_the_batch(registered, recipe):
     before = load_plan(recipe, FSDP, nproc_per_node=4)
-    registered.setenv("LLMFT_TEST_EXPERT_PARALLEL", "2")
+    registered.setenv("LLMFT_TEST_BORROWED_PARALLEL", "2")
     plan = load_plan(recipe, FSDP, nproc_per_node=4)
     assert plan.batch == before.batch and plan.batch.equation() == before.batch.equation()
     layout = plan.layout
-    assert layout.mesh == (("replicate", 1), ("shard", 2), ("ep", 2), ("sp", 1), ("tp", 1))
+    assert layout.mesh == (("replicate", 1), ("shard", 2), ("xp", 2), ("sp", 1), ("tp", 1))
     assert [layout.dp_rank(r) for r in range(4)] == [0, 1, 2, 3]  # its ranks see different sequences
-    assert [layout.coordinate(r, "ep") for r in range(4)] == [0, 1, 0, 1]
+    assert [layout.coordinate(r, "xp") for r in range(4)] == [0, 1, 0, 1]
     assert layout.param_mesh == (("shard", 4),) and layout.dp_shard == 4
 
 
@@ -103,10 +103,10 @@ def test_a_borrowed_dimension_changes_neither_the_world_nor_the_batch(registered
             "distributed.tensor_parallel: 3 does not divide the world size 4. Choose one of 1, 2 or 4.",
         ),
         (
-            {"LLMFT_TEST_EXPERT_PARALLEL": "3"},
+            {"LLMFT_TEST_BORROWED_PARALLEL": "3"},
             [],
             4,
-            "distributed.expert_parallel: 3 does not divide the 4 ranks of the shard dimension it is carved from. "
+            "distributed.borrowed_parallel: 3 does not divide the 4 ranks of the shard dimension it is carved from. "
             "Choose one of 1, 2 or 4.",
         ),
     ],

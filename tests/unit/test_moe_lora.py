@@ -141,17 +141,14 @@ def test_train_and_export_give_the_trained_logits_in_peft_and_transformers(tmp_p
     )
 
 
-def test_qlora_keeps_the_experts_unquantized_and_says_so(tmp_path, caplog):
+def test_qlora_packs_the_experts_in_4_bits_and_says_so(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="llmft")
     model = build(tmp_path, "qwen3_moe", "model.quantization={bits: 4}")
     types = {type(p).__name__ for n, p in model.named_parameters() if "self_attn.q_proj.base_layer" in n}
     assert types == {"Params4bit"}  # the linear layers are 4-bit
     experts = [p for n, p in model.named_parameters() if n.endswith("experts.base_layer.base_layer.gate_up_proj")]
-    assert len(experts) == 2 and all(p.dtype == torch.float32 for p in experts)
-    assert (
-        "LoRA on the experts: their fused weights stay in float32, not 4-bit (bitsandbytes quantizes linear "
-        "layers only; docs/moe.md)"
-    ) in caplog.text
+    assert len(experts) == 2 and all(type(p).__name__ == "Params4bit" for p in experts)  # so are the experts
+    assert "experts: gate_up_proj, down_proj of 2 MoE layers in 4 bits (nf4, double quant)" in caplog.text
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
     expert_b = [p for n, p in model.named_parameters() if ".experts." in n and "lora_B" in n]
@@ -229,3 +226,41 @@ def test_a_lora_policy_adds_the_balancing_loss_once_and_any_split_is_the_big_bat
     assert on["aux/moe_balance"] > 0.1
     big, split = run(4, 0.5, 2)[0], run(1, 0.5, 2)[0]
     assert max_abs_diff(big, split) <= TOL
+
+
+def test_activation_checkpointing_with_lora_on_the_experts_keeps_any_split_the_big_batch(tmp_path, monkeypatch):
+    """Activation checkpointing recomputes each MoE layer (LoRA on its fused weights, the trained
+    router) in backward: micro 1 x accumulation 4 with it gives micro 4's gradients without it, the
+    balancing loss on, after two SGD steps."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "distributed"))
+    import test_moe_lora_ranks as T
+    from preference_batches import preference_step
+    from test_moe import max_abs_diff
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from llmft.job.dist import DistEnv
+    from llmft.plan.resolve import resolve
+    from llmft.recipe import load_recipe
+
+    calls = []
+    forward = Qwen3MoeExperts.forward
+    monkeypatch.setattr(Qwen3MoeExperts, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+
+    def run(micro: int, checkpointing: bool):
+        over = [*T.COMMON, *T._overrides("qwen3_moe"), "peft.train_router=true", f"batch.micro_batch_size={micro}"]
+        over += [f"model.gradient_checkpointing={str(checkpointing).lower()}", "distributed.engine=single"]
+        plan = resolve(load_recipe(write_recipe(tmp_path / f"{micro}-{checkpointing}"), over))
+        calls.clear()
+        grads, row = preference_step(plan, DistEnv(), T._steps(micro), steps=T.STEPS)
+        return grads, row, len(calls)
+
+    big, big_row, big_calls = run(4, checkpointing=False)
+    split, split_row, split_calls = run(1, checkpointing=True)
+    # each micro-batch's MoE layers run in the routing pre-pass, the forward and (checkpointed) again in backward
+    assert (big_calls, split_calls) == (T.STEPS * 2 * 2, T.STEPS * 4 * 2 * 3)
+    assert [n for n in big if ".experts." in n and "lora_B" in n] and [n for n in big if ".mlp.gate." in n]
+    assert max_abs_diff(big, split) <= TOL, max_abs_diff(big, split)
+    assert split_row["aux/moe_balance"] == pytest.approx(big_row["aux/moe_balance"], rel=TOL)
+    assert split_row["loss"] == pytest.approx(big_row["loss"], rel=TOL)

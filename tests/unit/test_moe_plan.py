@@ -112,8 +112,9 @@ def test_flops_and_mfu_count_active_parameters():
 
 
 def test_memory_counts_every_expert(tmp_path):
-    """Weights, gradients and optimizer state hold every expert; under QLoRA the fused experts stay in
-    the compute dtype (bitsandbytes quantizes linear layers only)."""
+    """Weights, gradients and optimizer state hold every expert; under 4-bit QLoRA the fused experts are
+    4-bit like the linear layers (llmft.model.moe_quant), the routers stay in the compute dtype, and
+    under 8-bit the experts stay in the compute dtype (bitsandbytes quantizes linear layers only)."""
     from helpers import write_recipe
 
     from llmft.recipe import load_recipe
@@ -131,7 +132,16 @@ def test_memory_counts_every_expert(tmp_path):
     )
     weights = estimate(qlora, "single", 1, 1, 1).weights
     q = quantized_bytes_per_param(4, qlora.model.quantization.double_quant)
-    assert weights == round(shape.linear_params * q + (shape.num_params - shape.linear_params) * 2)
+    packed = shape.linear_params + shape.expert_params
+    assert weights == round(packed * q + (shape.num_params - packed) * 2)
+    assert shape.router_params > 0  # among the bf16 weights
+    int8 = load_recipe(
+        write_recipe(tmp_path / "int8", model__config=config),
+        ["peft.method=lora", "model.quantization.bits=8", "model.dtype=bf16"],
+    )
+    weights = estimate(int8, "single", 1, 1, 1).weights
+    q8 = quantized_bytes_per_param(8, False)
+    assert weights == round(shape.linear_params * q8 + (shape.num_params - shape.linear_params) * 2)
 
 
 def test_expert_adapters_count_as_peft_builds_them(tmp_path):
@@ -156,3 +166,17 @@ def test_expert_adapters_count_as_peft_builds_them(tmp_path):
     model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)), lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert adapters["true"] - adapters["false"] == trainable > 0
+
+
+def test_a_config_json_transformers_5_wrote_is_read_under_either_name_of_its_experts(tmp_path):
+    """transformers 5 maps qwen3_moe's ``num_experts`` to ``num_local_experts`` and saves that name."""
+    import json
+
+    from transformers import AutoConfig
+
+    from llmft.plan.moe import experts_of
+
+    AutoConfig.for_model("qwen3_moe", num_experts=8, num_experts_per_tok=2).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "num_experts" not in saved and saved["num_local_experts"] == 8
+    assert experts_of(saved).num_experts == 8

@@ -128,8 +128,8 @@ def test_a_dimension_record_is_checked_when_registered():
     before = list(DIMENSIONS)
     with pytest.raises(ValueError, match="data parallelism is replicate x shard"):
         register_dimension(Dimension("pods", "data"))
-    with pytest.raises(ValueError, match="'ep' borrows from 'sp', which is not a data dimension"):
-        register_dimension(Dimension("ep", "borrow", key="distributed.expert_parallel", of="sp"))
+    with pytest.raises(ValueError, match="'xp' borrows from 'sp', which is not a data dimension"):
+        register_dimension(Dimension("xp", "borrow", key="distributed.borrowed_parallel", of="sp"))
     with pytest.raises(ValueError, match="'shard' is registered already"):
         register_dimension(Dimension("shard", "split"))
     with pytest.raises(ValueError, match="'cp' names no recipe key"):
