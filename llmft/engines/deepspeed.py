@@ -98,6 +98,7 @@ class DeepSpeedEngineAdapter:
         model = self._build(plan, tokenizer)
         if plan.zero_stage == 3:  # gathered weights are released after use, not kept by autograd
             zero3.linears_save_their_weights(model)
+            zero3.moe_blocks_as_leaves(model)  # routing changes which experts run: one fetch per block
         # Ulysses: DeepSpeed's sequence groups are the mpu; ZeRO then reduces gradients over the whole
         # world and divides them by world / N = the data-parallel ranks (docs/long-context.md).
         self._mpu = None
@@ -149,6 +150,8 @@ class DeepSpeedEngineAdapter:
             config.pop(key, None)
         if self.plan.zero_stage != 3:
             config.setdefault("zero_optimization", {})["stage"] = 0
+        else:
+            zero3.moe_blocks_as_leaves(model)
         reference, _, _, _ = deepspeed.initialize(model=model, config=config, mpu=self._mpu)
         reference.eval()  # DeepSpeedEngine.eval() returns None
         return reference

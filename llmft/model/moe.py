@@ -50,6 +50,8 @@ def install(model: torch.nn.Module, moe: Any) -> BalanceLoss | None:
     problems = family_problems(family, moe)
     if problems:
         raise UserError(*problems)
+    if family.aux_coef is None:  # routing balanced without a loss (deepseek_v3): transformers adds none either
+        return None
     lm = _causal_lm(model, family)
     if lm is None:
         log.warning("moe: %s without its causal-LM head: no balancing loss is added", config.model_type)

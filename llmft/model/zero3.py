@@ -282,3 +282,31 @@ def _saving_4bit_forward(module: torch.nn.Module):
         return _Linear4bitSavingWeight.apply(x, module.weight, bias).to(dtype)
 
     return forward
+
+
+def moe_blocks_as_leaves(model: torch.nn.Module) -> list[type]:
+    """A mixture of experts' MoE blocks (the module holding the router and the experts) as ZeRO-3
+    leaf modules: DeepSpeed gathers a block's parameters at once when it is entered and traces none
+    of its submodules. Which experts run, and in what order their weights are read (PEFT's LoRA on
+    the experts reads weight and factors in its own forward), changes with the routing from one
+    forward to the next, which DeepSpeed's prefetch trace does not allow ("tracing error"); as one
+    leaf the block is fetched the same way every time. Returns the classes made leaves."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    from llmft.plan.moe import moe_family
+
+    config = getattr(model, "config", None)
+    try:
+        family = moe_family(config) if config is not None else None
+    except UserError:
+        return []
+    if family is None:
+        return []
+    block, router = family.router.rsplit(".", 1)
+    classes = sorted(
+        {type(m) for name, m in model.named_modules() if name.endswith(f".{block}") and hasattr(m, router)},
+        key=lambda c: c.__name__,
+    )
+    if classes:
+        set_z3_leaf_modules(model, classes)
+    return classes

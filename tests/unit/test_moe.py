@@ -35,6 +35,24 @@ FAMILIES = {
     "qwen3_moe": {"model_type": "qwen3_moe", "num_experts": 8, "moe_intermediate_size": 32, **SHAPE},
     "mixtral": {"model_type": "mixtral", "num_local_experts": 8, **SHAPE},
     "gpt_oss": {"model_type": "gpt_oss", "num_local_experts": 8, "layer_types": ["full_attention"] * 2, **SHAPE},
+    # Latent attention, a shared expert, a dense first layer and routing balanced without a loss.
+    "deepseek_v3": {
+        "model_type": "deepseek_v3",
+        **SHAPE,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 8,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "rope_scaling": None,
+    },
 }
 TOL = 1e-5
 
