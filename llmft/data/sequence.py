@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 # Per-token tensors besides input_ids / labels / position_ids that a slice keeps its part of
 # (a preference batch's sequence_index: -1 on padding).
 _PER_TOKEN_PAD = {"sequence_index": -1}
+# The slice's real tokens (1) and padding (0): the attention mask is dropped, this stays.
+TOKEN_MASK = "token_mask"
 # A row batch's own tensors; any other of the batch's shape is a record field, sliced with pad 0.
 _ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
@@ -55,7 +57,7 @@ def sequence_slice(batch: dict[str, Any], sp_rank: int, sp: int) -> dict[str, An
     """This rank's slice of a collated micro-batch (module docstring). Returns ``input_ids``,
     ``position_ids``, ``shift_labels``, the other per-token tensors (record fields included; for pairs,
     ``sequence_last``) sliced; ``attention_mask`` is dropped (right padding never reaches a real
-    token under causal attention); other values (a preference batch's ``num_pairs``,
+    token under causal attention) and kept, sliced, as ``token_mask`` (what counts tokens); other values (a preference batch's ``num_pairs``,
     ``reference_logps``) are kept whole."""
     ids = batch["input_ids"]
     width = ids.shape[1]
@@ -75,6 +77,10 @@ def sequence_slice(batch: dict[str, Any], sp_rank: int, sp: int) -> dict[str, An
     for key, fill in _PER_TOKEN_PAD.items():
         if key in batch:
             whole[key] = F.pad(batch[key], (0, extra), value=fill)
+    # Which of the slice's tokens are the batch's (a packed row's are all its own): what counts tokens
+    # (a router's load) leaves out the padding and the tail added to divide the row.
+    mask = batch.get("attention_mask")
+    whole[TOKEN_MASK] = F.pad(torch.ones_like(ids) if mask is None else mask, (0, extra), value=0)
     if "sequence_index" not in batch:  # rows of records: their fields (ObjectiveSpec.fields) are per token
         for key, v in batch.items():
             if key not in _ROW_KEYS and isinstance(v, torch.Tensor) and v.shape == ids.shape:

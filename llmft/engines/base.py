@@ -18,6 +18,7 @@ from llmft.engines import autocast_for
 from llmft.job.dist import DistEnv
 from llmft.model.adapters import is_peft
 from llmft.model.build import prepare_model
+from llmft.model.checkpoint_keys import to_model_keys
 from llmft.model.precision import compute_dtype
 from llmft.plan.layout import RunPlan
 
@@ -214,7 +215,8 @@ def read_plain(model: torch.nn.Module, step_dir: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(load_file(model_dir / name))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    # save_pretrained writes a mixture of experts' fused experts one tensor per expert: back to the model's names
+    missing, unexpected = model.load_state_dict(to_model_keys(model, state), strict=False)
     check_loaded_keys(model, missing, unexpected)
 
 

@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from llmft.errors import UserError
+from llmft.plan.moe import moe_family
+
 
 @dataclass(frozen=True)
 class Fused:
@@ -111,3 +114,30 @@ def _stacking(w: Any) -> int | None:
     if len(ops) == 2 and ops[0] == ("MergeModulelist", 0) and ops[1][0] == "Concatenate" and (ops[1][1] or 0) >= 1:
         return ops[1][1] - 1
     return None
+
+
+def to_model_keys(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict as ``save_pretrained`` wrote it (fused experts per expert, older module names)
+    under ``model``'s own names, as ``from_pretrained`` would load it; keys it does not convert stay."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not _mapping(model_type):
+        return state
+    try:
+        family = moe_family(config)
+    except UserError:
+        family = None
+    num_experts = getattr(config, family.experts, None) if family is not None else None
+    out = dict(state)
+    for key in model.state_dict():
+        if key in out:
+            continue
+        found = checkpoint_key(key, state, model_type, num_experts)
+        if isinstance(found, Fused):
+            out[key] = found.read(state.__getitem__, ())
+            for part in found.parts:
+                for k in part:
+                    out.pop(k, None)
+        elif found is not None:
+            out[key] = out.pop(found)
+    return out

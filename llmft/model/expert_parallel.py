@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.utils.stateless import _reparametrize_module
 
 from llmft.errors import Problem, UserError
+from llmft.job.dist import mesh_view
 from llmft.plan.moe import MoEFamily, expert_parallel_model_problems, moe_family
 
 log = logging.getLogger("llmft")
@@ -73,8 +74,6 @@ def expert_mesh(device_type: str, layout: Any):
     """The world as ``(ep_replicate, ep)``: consecutive ranks form an expert group (the innermost
     ranks of ``shard``, the layout's ``ep``), and the ranks at the same place in every group hold
     the same experts."""
-    from llmft.job.dist import mesh_view
-
     n = layout.size(EP_DIM)
     return mesh_view(device_type, ((REPLICA_DIM, layout.world_size // n), (EP_DIM, n)))
 

@@ -55,6 +55,7 @@ from llmft.model.precision import upcast_trainable
 from llmft.model.quant_shard import quantize_part, values_per_element
 from llmft.model.source import resolve_name
 from llmft.plan.layout import RunPlan
+from llmft.plan.moe import moe_family
 from llmft.recipe.schema import Recipe
 
 # --- the parameters of a model built on the meta device -----------------------------------------
@@ -301,8 +302,6 @@ def _map_safetensors(path: Path) -> tuple[int, dict[str, Any], torch.UntypedStor
 
 def _routed_experts(config: Any) -> int | None:
     """A mixture of experts' routed experts per layer (its family's key); None for a dense model."""
-    from llmft.plan.moe import moe_family
-
     try:
         family = moe_family(config) if config is not None else None
     except UserError:
@@ -418,7 +417,7 @@ def _quantize_into_shard(
     module, how = slots.packed[name]
     param = slots.param(name)
     local, index = local_shard(param)
-    assert values_per_element(how["quant_storage"]) * param.shape[0] >= module.out_features * module.in_features
+    assert values_per_element(how["quant_storage"]) * param.shape[0] >= _packed_target(slots, name)[0].numel()
     part, _ = quantized_part(slots, name, weights, key, index[0].start, index[0].stop, device, _shard_group(param))
     local.reshape(-1)[: part.numel()].copy_(part)
 
@@ -440,14 +439,29 @@ def quantized_part(
     whole statistics (small: about 1/64 of the weight), also set on the module, where bitsandbytes
     finds them when the engine has gathered (FSDP2: swapped) the parameter."""
     module, how = slots.packed[name]
-    shape = torch.Size((module.out_features, module.in_features))
+    shape, dtype = _packed_target(slots, name)
 
     def read(a: int, b: int) -> torch.Tensor:
         return weights.read_flat(key, shape, a, b)
 
-    part, state = quantize_part(read, shape, how, module.compute_dtype, start, end, device=device, group=group)
-    module.quant_state = state
+    part, state = quantize_part(read, shape, how, dtype, start, end, device=device, group=group)
+    fused = getattr(module, "llmft_quant", None)
+    if fused is not None:  # fused 4-bit experts: the state of each of the module's weights
+        fused[slots.owners[name][0][1]] = state
+    else:
+        module.quant_state = state
     return part, state
+
+
+def _packed_target(slots: ParamSlots, name: str) -> tuple[torch.Size, torch.dtype]:
+    """The shape a packed 4-bit weight stands for and the dtype it is quantized from: a ``Linear4bit``'s
+    matrix, or a fused ``[experts, ., .]`` weight (``llmft.model.moe_quant``: one expert a whole number
+    of blocks, so quantizing it flat is quantizing it expert by expert)."""
+    module, attr = slots.owners[name][0]
+    fused = getattr(module, "llmft_quant", None)
+    if fused is not None:
+        return fused[attr].shape, fused[attr].dtype
+    return torch.Size((module.out_features, module.in_features)), module.compute_dtype
 
 
 def _shard_group(param: torch.Tensor):

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
+from llmft.data.sequence import TOKEN_MASK
 from llmft.errors import UserError
 from llmft.model.aux_loss import AuxLossBase, StepCounts, attach
 from llmft.model.structure import human_count, logical_numel
@@ -72,6 +73,13 @@ def _causal_lm(model: torch.nn.Module, family: MoEFamily) -> torch.nn.Module | N
     # Its own attribute (``vars``), not one a wrapper forwards (PEFT's ``PeftModel`` forwards every
     # unknown name to the model inside it: setting it there would leave transformers' loss on).
     return next((m for m in model.modules() if family.coef_attr in vars(m) and hasattr(m, "lm_head")), None)
+
+
+def token_mask(batch: dict[str, Any]) -> torch.Tensor | None:
+    """Which of a micro-batch's tokens are real: its attention mask, or under sequence parallelism
+    (which drops it) the slice of it (``llmft.data.sequence.TOKEN_MASK``); None: every token."""
+    mask = batch.get("attention_mask")
+    return mask if mask is not None else batch.get(TOKEN_MASK)
 
 
 def routing_sums(
@@ -146,13 +154,15 @@ class BalanceLoss(AuxLossBase):
             for mb in micro_batches:
                 inputs = {k: mb[k].to(device) for k in INPUT_KEYS if mb.get(k) is not None}
                 out = policy(**inputs, use_cache=False, output_router_logits=True, logits_to_keep=1)
-                part = routing_sums(out.router_logits, inputs.get("attention_mask"), self.num_experts, self.top_k)
+                mask = token_mask(mb)
+                mask = mask.to(device) if mask is not None else None
+                part = routing_sums(out.router_logits, mask, self.num_experts, self.top_k)
                 sums = part if sums is None else sums + part
         assert sums is not None, "a step without micro-batches"
         return sums
 
     def term(self, output: Any, batch: dict[str, Any], counts: StepCounts) -> torch.Tensor:
-        logits, mask = output.router_logits, batch.get("attention_mask")
+        logits, mask = output.router_logits, token_mask(batch)
         if not self.global_batch:
             return self.coef * balancing_loss(logits, mask, self.num_experts, self.top_k) / counts.statistics[0]
         return self.coef * _loss_with(counts.statistics, logits, mask, self.num_experts)

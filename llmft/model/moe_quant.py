@@ -19,6 +19,15 @@ its matmul. LoRA stays PEFT's own (``LoraConfig(target_parameters=...)``: the ``
 ``lora_A``, ``lora_B`` and scaling), so the saved adapter is a plain PEFT adapter for the unquantized
 base; only the computation differs: ``x @ A_e.T`` then ``@ B_e.T`` per expert, never the expert's
 ``B_e @ A_e``. The router is no fused expert weight and stays unquantized.
+
+Under FSDP2 the packed bytes are stored as ``(n, 1)`` elements of the plan's storage dtype (the compute
+dtype, like the dense 4-bit weights: ``RunPlan.quant_storage``), which FSDP2 shards on dim 0 with the
+other weights of the layer; the quantization state stays whole on the experts module
+(``llmft_quant``), and the forward reads the packed bytes through the module attribute at call time:
+the gathered parameter FSDP2 put there. A pretrained model built on the meta device gets the empty
+packed layout here, and each rank quantizes only the blocks of its part of the bytes
+(``llmft.model.meta.quantized_part``): one expert being a whole number of blocks, quantizing the
+flattened fused weight block by block is quantizing it expert by expert.
 """
 
 from __future__ import annotations
@@ -26,11 +35,13 @@ from __future__ import annotations
 import logging
 import math
 import types
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmft.errors import Problem, UserError
+from llmft.model.adapters import base_key
 from llmft.plan.moe import MoEFamily, moe_family, packs_experts
 
 if TYPE_CHECKING:
@@ -44,6 +55,15 @@ BLOCKSIZE = 64  # bitsandbytes' 4-bit block (its default on CPU and CUDA)
 NESTED_BLOCKSIZE = 256  # the block of the quantized scales under double_quant (bitsandbytes')
 
 
+@dataclass(frozen=True)
+class Pending:
+    """The quantization state of a fused weight built empty on the meta device: what the engine
+    quantizes each rank's part as (``llmft.model.meta.quantized_part``), which then sets the state."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+
 def quantize_experts(model: torch.nn.Module, quant: BitsAndBytesConfig, recipe: Recipe) -> int:
     """Pack the fused expert weights of every MoE layer of ``model`` (PEFT-wrapped or not) in 4 bits and
     give their modules the one-expert-at-a-time forward; returns the number of experts modules. A dense
@@ -53,8 +73,8 @@ def quantize_experts(model: torch.nn.Module, quant: BitsAndBytesConfig, recipe: 
         return 0
     if not packs_experts(recipe):
         log.info(
-            "experts: their fused weights stay in %s under %s (4-bit experts are built whole in one process: "
-            "distributed.engine single or ddp; docs/moe.md)",
+            "experts: their fused weights stay in %s under %s (4-bit experts are built under "
+            "distributed.engine single, ddp or fsdp; docs/moe.md)",
             recipe.model.dtype,
             recipe.distributed.engine,
         )
@@ -64,8 +84,15 @@ def quantize_experts(model: torch.nn.Module, quant: BitsAndBytesConfig, recipe: 
     for where, module, names in owners:
         for name in names:
             _check_layout(module, name, where)
+        module.llmft_quant = {}
         for name in names:
-            packed = _quantize_fused(getattr(module, name), quant)
+            weight = getattr(module, name)
+            if weight.is_meta:  # built on the meta device: the engine quantizes each rank's part
+                packed, module.llmft_quant[name] = _empty_packed(weight, quant), Pending(weight.shape, weight.dtype)
+            else:
+                packed = _quantize_fused(weight, quant)
+                module.llmft_quant[name] = packed.quant_state  # whole on the module: FSDP2 swaps the parameter
+            del weight
             delattr(module, name)  # the weight in model.dtype goes with its last reference
             setattr(module, name, packed)
         module.llmft_lora = {name: wrappers.get((id(module), name), []) for name in names}
@@ -88,8 +115,6 @@ def quantize_experts(model: torch.nn.Module, quant: BitsAndBytesConfig, recipe: 
 
 def _experts_modules(model: torch.nn.Module, family: MoEFamily) -> list[tuple[str, torch.nn.Module, list[str]]]:
     """(name, module, fused weight names) of every experts module the family's ``expert_weights`` name."""
-    from llmft.model.adapters import base_key
-
     suffixes = {}
     for weight in family.expert_weights:
         owner, _, name = weight.rpartition(".")
@@ -145,19 +170,47 @@ def _check_layout(module: torch.nn.Module, name: str, where: str) -> None:
         )
 
 
-def _quantize_fused(weight: torch.Tensor, quant: BitsAndBytesConfig) -> torch.nn.Parameter:
-    """A ``Params4bit`` for the fused ``[experts, a, b]`` weight, quantized one expert's 2-D slice at a time."""
+def _storage(quant: BitsAndBytesConfig) -> torch.dtype:
+    """The dtype the packed bytes are stored as: uint8, or the compute dtype where a sharding engine
+    shards them with the other weights (``RunPlan.quant_storage``)."""
+    return quant.bnb_4bit_quant_storage or torch.uint8
+
+
+def _params4bit(packed: torch.Tensor, quant: BitsAndBytesConfig, state: Any = None) -> torch.nn.Parameter:
     import bitsandbytes as bnb
+
+    return bnb.nn.Params4bit(
+        packed,
+        requires_grad=False,
+        quant_state=state,
+        blocksize=BLOCKSIZE,
+        compress_statistics=quant.bnb_4bit_use_double_quant,
+        quant_type=quant.bnb_4bit_quant_type,
+        quant_storage=packed.dtype,
+        bnb_quantized=True,
+    )
+
+
+def _empty_packed(weight: torch.Tensor, quant: BitsAndBytesConfig) -> torch.nn.Parameter:
+    """The packed layout of the fused ``weight`` on the meta device, as ``_quantize_fused`` stores it."""
+    storage = _storage(quant)
+    per = 2 * torch.empty(0, dtype=storage).element_size()  # 4-bit values per storage element
+    return _params4bit(torch.empty(weight.numel() // per, 1, dtype=storage, device="meta"), quant)
+
+
+def _quantize_fused(weight: torch.Tensor, quant: BitsAndBytesConfig) -> torch.nn.Parameter:
+    """A ``Params4bit`` for the fused ``[experts, a, b]`` weight, quantized one expert's 2-D slice at a
+    time: its bytes stored as ``(n, 1)`` elements of the storage dtype."""
     import bitsandbytes.functional as bnb_f
 
     quant_type = quant.bnb_4bit_quant_type
     experts, per_expert = weight.shape[0], weight[0].numel()
-    packed = torch.empty(experts * per_expert // 2, 1, dtype=torch.uint8, device=weight.device)
+    packed = torch.empty(experts * per_expert // 2, dtype=torch.uint8, device=weight.device)
     absmax = torch.empty(experts * per_expert // BLOCKSIZE, dtype=torch.float32, device=weight.device)
     with torch.no_grad():
         for e in range(experts):
             p, state = bnb_f.quantize_4bit(weight[e].detach(), blocksize=BLOCKSIZE, quant_type=quant_type)
-            packed[e * per_expert // 2 : (e + 1) * per_expert // 2] = p.view(-1, 1)
+            packed[e * per_expert // 2 : (e + 1) * per_expert // 2] = p.view(-1)
             absmax[e * per_expert // BLOCKSIZE : (e + 1) * per_expert // BLOCKSIZE] = state.absmax
         code = bnb_f.get_4bit_type(quant_type, device=weight.device)
         fields: dict[str, Any] = {"absmax": absmax}
@@ -168,19 +221,10 @@ def _quantize_fused(weight: torch.Tensor, quant: BitsAndBytesConfig) -> torch.nn
         state = bnb_f.QuantState(
             shape=weight.shape, dtype=weight.dtype, blocksize=BLOCKSIZE, code=code, quant_type=quant_type, **fields
         )
-    return bnb.nn.Params4bit(
-        packed,
-        requires_grad=False,
-        quant_state=state,
-        blocksize=BLOCKSIZE,
-        compress_statistics=quant.bnb_4bit_use_double_quant,
-        quant_type=quant_type,
-        quant_storage=torch.uint8,
-        bnb_quantized=True,
-    )
+    return _params4bit(packed.view(_storage(quant)).view(-1, 1), quant, state)
 
 
-def expert_state(weight: torch.nn.Parameter, e: int) -> tuple[torch.Tensor, Any]:
+def expert_state(packed: torch.Tensor, state: Any, e: int) -> tuple[torch.Tensor, Any]:
     """Expert ``e`` of a packed fused weight: its packed bytes and a ``QuantState`` of its weights as one
     row (scales in fp32: with double quant, only the nested blocks that cover this expert are
     dequantized). One row: bitsandbytes 0.50's CPU ``dequantize_4bit`` reads a 2-D shape whose last
@@ -188,7 +232,8 @@ def expert_state(weight: torch.nn.Parameter, e: int) -> tuple[torch.Tensor, Any]
     quantization error); a row of whole blocks it reads right."""
     import bitsandbytes.functional as bnb_f
 
-    state = weight.quant_state
+    if state.absmax.device != packed.device:  # the model moved after quantizing (to its device, sharded)
+        state.to(packed.device)
     per_expert = math.prod(state.shape[1:])
     blocks = per_expert // state.blocksize
     first, last = e * blocks, (e + 1) * blocks
@@ -215,14 +260,17 @@ def expert_state(weight: torch.nn.Parameter, e: int) -> tuple[torch.Tensor, Any]
         quant_type=state.quant_type,
         dtype=state.dtype,
     )
-    return weight.data[e * per_expert // 2 : (e + 1) * per_expert // 2], one
+    data = packed.view(torch.uint8).reshape(-1)  # a view: the (gathered) parameter's own bytes
+    return data[e * per_expert // 2 : (e + 1) * per_expert // 2], one
 
 
-def dequantized_expert(weight: torch.nn.Parameter, e: int) -> torch.Tensor:
-    """Expert ``e``'s 2-D weight, dequantized (in the fused weight's layout)."""
+def dequantized_expert(weight: torch.nn.Parameter, e: int, state: Any = None) -> torch.Tensor:
+    """Expert ``e``'s 2-D weight, dequantized (in the fused weight's layout); ``state``: the fused
+    weight's quantization state (None: the one the ``Params4bit`` holds)."""
     import bitsandbytes.functional as bnb_f
 
-    return bnb_f.dequantize_4bit(*expert_state(weight, e)).view(weight.quant_state.shape[1:])
+    state = state if state is not None else weight.quant_state
+    return bnb_f.dequantize_4bit(*expert_state(weight.data, state, e)).view(state.shape[1:])
 
 
 class _Expert4bit(torch.autograd.Function):
@@ -253,12 +301,13 @@ def _project(module: torch.nn.Module, name: str, x: torch.Tensor, e: int) -> tor
     """One expert's projection through fused weight ``name``: the 4-bit base, its bias, and each
     active LoRA adapter as ``(x @ A_e.T) @ B_e.T * scaling`` (PEFT's ``ParamWrapper`` layout: ``lora_A``
     rows ``[e * r, (e + 1) * r)``, ``lora_B`` columns ``e, e + E, ...``)."""
-    weight = getattr(module, name)
-    packed, state = expert_state(weight, e)
-    y = _Expert4bit.apply(x, packed, state, weight.quant_state.shape[1:], module.is_transposed)
+    whole = module.llmft_quant[name]
+    # Read at call time: under FSDP2 the attribute is the gathered parameter only inside its unit.
+    packed, state = expert_state(getattr(module, name).data, whole, e)
+    y = _Expert4bit.apply(x, packed, state, whole.shape[1:], module.is_transposed)
     if module.has_bias:
         y = y + getattr(module, f"{name}_bias")[e]
-    experts = weight.quant_state.shape[0]
+    experts = whole.shape[0]
     for wrapper in module.llmft_lora[name]:
         if wrapper.disable_adapters:
             continue
@@ -279,7 +328,7 @@ def _forward(
     """transformers' eager experts loop (``Qwen3MoeExperts.forward``, ``GptOssExperts.forward``) on 4-bit
     experts: the experts no token routes to are never dequantized."""
     final = torch.zeros_like(hidden_states)
-    experts = self.gate_up_proj.quant_state.shape[0]
+    experts = self.llmft_quant["gate_up_proj"].shape[0]
     with torch.no_grad():
         # one class more than there are experts: the index an expert-parallel mask uses, skipped
         mask = torch.nn.functional.one_hot(top_k_index, num_classes=experts + 1).permute(2, 1, 0)

@@ -40,6 +40,7 @@ from llmft.errors import Problem, UserError
 from llmft.model.adapters import initial_adapter_weights
 from llmft.model.heads import initial_head_weights
 from llmft.model.meta import ParamSlots, SafetensorsWeights, init_buffers, quantized_part
+from llmft.plan.moe import moe_family
 
 
 def partition_range(numel: int, rank: int, world: int) -> tuple[int, int]:
@@ -292,8 +293,6 @@ def moe_blocks_as_leaves(model: torch.nn.Module) -> list[type]:
     forward to the next, which DeepSpeed's prefetch trace does not allow ("tracing error"); as one
     leaf the block is fetched the same way every time. Returns the classes made leaves."""
     from deepspeed.utils import set_z3_leaf_modules
-
-    from llmft.plan.moe import moe_family
 
     config = getattr(model, "config", None)
     try:

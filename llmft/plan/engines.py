@@ -93,8 +93,9 @@ class EngineSpec:
     # Runs ``distributed.expert_parallel`` > 1 (whole experts on ranks, tokens all-to-all:
     # ``llmft.model.expert_parallel``).
     expert_parallel: bool = False
-    # Builds a 4-bit (QLoRA) base whole in each process, so llmft packs a mixture of experts' fused
-    # expert weights in 4 bits too (``llmft.model.moe_quant``); elsewhere they stay in model.dtype.
+    # Packs a mixture of experts' fused expert weights of a 4-bit (QLoRA) base in 4 bits too
+    # (``llmft.model.moe_quant``: built whole in each process, or sharded by FSDP2 with each rank
+    # quantizing its part); elsewhere (DeepSpeed) they stay in model.dtype.
     packs_experts: bool = False
     # How ``model.tiled_mlp`` tiles (docs/long-context.md): DeepSpeed's ``TiledMLP`` back-propagates
     # tile by tile and a parameter's gradient arrives once per tile (DeepSpeed holds it until the
@@ -163,6 +164,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         summary="llmft.plan.fsdp:summary",
         sequence_parallel=True,
         expert_parallel=True,
+        packs_experts=True,
         tiled_mlp="checkpoint",
     ),
     EngineSpec(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from llmft.errors import Problem, UserError
+from llmft.plan.engines import choose_engine, engine_spec
 
 if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
@@ -311,11 +312,9 @@ def expert_parallel_model_problems(family: MoEFamily | None, config: Any, peft: 
 
 def packs_experts(recipe: Recipe, engine: str | None = None) -> bool:
     """Whether the run's engine (``engine``, resolved; None: the recipe's, ``auto`` chosen for its
-    launch size) packs the fused experts of a 4-bit base in 4 bits (``EngineSpec.packs_experts``: one
-    that builds the quantized model whole in each process). Elsewhere they stay in ``model.dtype``,
-    sharded like any other weight."""
-    from llmft.plan.engines import choose_engine, engine_spec  # noqa: PLC0415 (plan.engines imports the schema)
-
+    launch size) packs the fused experts of a 4-bit base in 4 bits (``EngineSpec.packs_experts``:
+    single, DDP, FSDP2). Elsewhere (DeepSpeed) they stay in ``model.dtype``, partitioned like any other
+    weight."""
     q = recipe.model.quantization
     if q is None or q.bits != 4:
         return False

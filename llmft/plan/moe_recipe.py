@@ -32,16 +32,6 @@ def moe_problems(recipe: Recipe, where: Callable[[str], str] = str) -> list[Prob
     moe = recipe.moe
     if family is not None:
         problems = [Problem(where(p.where), p.what, p.fix) for p in family_problems(family, moe)]
-        sp = recipe.distributed.sequence_parallel
-        if sp > 1 and moe.aux_loss_coef != 0 and family.aux_coef is not None:
-            problems.append(
-                Problem(
-                    where("distributed.sequence_parallel"),
-                    f"is {sp}, but the balancing loss of a mixture of experts ({family.model_type}) is not built "
-                    "for sequence slices yet: each rank's router sees a slice of every sequence",
-                    "Set distributed.sequence_parallel=1, or moe.aux_loss_coef=0 to train without the balancing loss.",
-                )
-            )
         return problems + _at(where, lora_problems(family, recipe.peft, family.model_type))
     asked = [f.name for f in fields(moe) if getattr(moe, f.name) != f.default]
     model_type = config.get("model_type")

@@ -47,3 +47,22 @@ def test_fused_experts_read_from_per_expert_checkpoints_equal_from_pretrained(tm
     part = weights.read(key, (slice(4, 8), slice(0, shape[1]), slice(0, shape[2])), shape)
     assert torch.equal(part, want[key][4:8])
     assert weights.mapped_flat(key, shape, torch.float32, 0, 8) is None  # no one range of the file holds it
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_plain_checkpoint_of_a_mixture_of_experts_reads_back_into_the_model(tmp_path, family):
+    """single and DDP save with ``save_pretrained`` (one tensor per expert); resume and export read
+    it back into the model's fused experts (``llmft.engines.base.read_plain``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmft.engines.base import read_plain
+
+    config = AutoConfig.for_model(**FAMILIES[family])
+    torch.manual_seed(0)
+    trained = AutoModelForCausalLM.from_config(config)
+    trained.save_pretrained(tmp_path / "step" / "model")
+    torch.manual_seed(1)
+    fresh = AutoModelForCausalLM.from_config(config)
+    read_plain(fresh, tmp_path / "step")
+    want = trained.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())

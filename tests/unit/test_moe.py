@@ -267,12 +267,3 @@ def test_the_balancing_loss_balances_the_experts(tmp_path):
     on, off = trained_load(tmp_path, 1.0), trained_load(tmp_path, 0.0)
     print(f"max/mean expert load after 20 steps: {on:.3f} with the loss, {off:.3f} without")
     assert on < off - 0.2
-
-
-def test_sequence_parallelism_with_the_balancing_loss_is_refused(tmp_path):
-    text = _refusal(tmp_path, FAMILIES["qwen3_moe"], "distributed.sequence_parallel=2", "distributed.nproc_per_node=2")
-    assert (
-        "distributed.sequence_parallel: is 2, but the balancing loss of a mixture of experts (qwen3_moe) is not "
-        "built for sequence slices yet: each rank's router sees a slice of every sequence. Set "
-        "distributed.sequence_parallel=1, or moe.aux_loss_coef=0 to train without the balancing loss."
-    ) in text

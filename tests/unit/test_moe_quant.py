@@ -34,7 +34,7 @@ def build(tmp_path, family: str, *overrides: str, config: dict | None = None):
     from llmft.model.build import build_model
 
     plan = plan_for(tmp_path, config or FAMILIES[family], 4, *QLORA, *overrides)
-    return build_model(plan.recipe, byte_tokenizer())
+    return build_model(plan.recipe, byte_tokenizer(), quant_storage=plan.quant_storage)
 
 
 def experts_of(model) -> list[torch.nn.Module]:
@@ -232,22 +232,48 @@ def _refusal(tmp_path, family: str, *overrides: str, config: dict | None = None)
     return str(err.value)
 
 
-def test_under_an_engine_that_shards_the_base_the_experts_stay_in_model_dtype_and_it_says_so(tmp_path, caplog):
+def test_under_deepspeed_the_experts_stay_in_model_dtype_and_it_says_so(tmp_path, caplog):
     from llmft.plan.memory import _packed_experts, count_params
     from llmft.plan.shape import model_shape
 
     caplog.set_level(logging.INFO, logger="llmft")
-    for engine in ("fsdp", "deepspeed"):
-        model = build(tmp_path / engine, "mixtral", f"distributed.engine={engine}")
-        plan = plan_for(tmp_path / engine / "plan", FAMILIES["mixtral"], 4, *QLORA, f"distributed.engine={engine}")
-        assert not experts_of(model)  # transformers' own experts forward
-        weights = [p for n, p in model.named_parameters() if n.endswith("gate_up_proj") and "lora" not in n]
-        assert len(weights) == 2 and all(w.dtype == torch.float32 and w.dim() == 3 for w in weights), weights
-        assert (
-            f"experts: their fused weights stay in fp32 under {engine} (4-bit experts are built whole in one "
-            "process: distributed.engine single or ddp; docs/moe.md)"
-        ) in caplog.text
-        assert _packed_experts(plan.recipe, count_params(plan.recipe, model_shape(plan.recipe.model)), plan.engine) == 0
+    engine = "deepspeed"
+    model = build(tmp_path / engine, "mixtral", f"distributed.engine={engine}")
+    plan = plan_for(tmp_path / engine / "plan", FAMILIES["mixtral"], 4, *QLORA, f"distributed.engine={engine}")
+    assert not experts_of(model)  # transformers' own experts forward
+    weights = [p for n, p in model.named_parameters() if n.endswith("gate_up_proj") and "lora" not in n]
+    assert len(weights) == 2 and all(w.dtype == torch.float32 and w.dim() == 3 for w in weights), weights
+    assert (
+        f"experts: their fused weights stay in fp32 under {engine} (4-bit experts are built under "
+        "distributed.engine single, ddp or fsdp; docs/moe.md)"
+    ) in caplog.text
+    assert _packed_experts(plan.recipe, count_params(plan.recipe, model_shape(plan.recipe.model)), plan.engine) == 0
+
+
+def test_under_fsdp_the_experts_are_packed_in_the_compute_dtype_for_fsdp2_to_shard(tmp_path):
+    """FSDP2 shards parameters of one dtype on dim 0: the packed bytes are ``(n, 1)`` fp32 elements (the
+    plan's ``quant_storage``), the state whole on the module, and the experts compute what the uint8
+    packing of one process computes, to the bit."""
+    from llmft.plan.memory import _packed_experts, count_params
+    from llmft.plan.shape import model_shape
+
+    fsdp = build(tmp_path / "fsdp", "qwen3_moe", "distributed.engine=fsdp")
+    single = build(tmp_path / "single", "qwen3_moe", "distributed.engine=single")
+    plan = plan_for(tmp_path / "plan", FAMILIES["qwen3_moe"], 4, *QLORA, "distributed.engine=fsdp")
+    assert _packed_experts(plan.recipe, count_params(plan.recipe, model_shape(plan.recipe.model)), plan.engine) > 0
+    for got, want in zip(experts_of(fsdp), experts_of(single), strict=True):
+        for name in ("gate_up_proj", "down_proj"):
+            w, ref = getattr(got, name), getattr(want, name)
+            assert w.dtype == torch.float32 and w.dim() == 2 and w.shape[1] == 1 and ref.dtype == torch.uint8
+            assert torch.equal(w.data.view(torch.uint8).reshape(-1), ref.data.reshape(-1))
+            assert got.llmft_quant[name].shape == want.llmft_quant[name].shape == ref.quant_state.shape
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, FAMILIES["qwen3_moe"]["hidden_size"], generator=g)
+    index = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(12)])
+    weights = torch.softmax(torch.randn(12, 2, generator=g), dim=-1)
+    with torch.no_grad():
+        outs = [experts_of(m)[0](x, index, weights) for m in (fsdp, single)]
+    assert torch.equal(*outs)
 
 
 def test_experts_that_do_not_split_into_whole_4bit_blocks_are_refused(tmp_path):
