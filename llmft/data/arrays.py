@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 IGNORE_INDEX = -100
+# Which of a batch's tokens are its rows' own (1) and which padding (0), where no attention mask says it:
+# packed rows (whose mask transformers must not get) and sequence slices. What counts tokens reads it.
+TOKEN_MASK = "token_mask"
 
 
 @dataclass

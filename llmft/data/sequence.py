@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from llmft.data.arrays import IGNORE_INDEX
+from llmft.data.arrays import IGNORE_INDEX, TOKEN_MASK
 
 if TYPE_CHECKING:
     from llmft.plan.layout import ParallelLayout
@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 # Per-token tensors besides input_ids / labels / position_ids that a slice keeps its part of
 # (a preference batch's sequence_index: -1 on padding).
 _PER_TOKEN_PAD = {"sequence_index": -1}
-# The slice's real tokens (1) and padding (0): the attention mask is dropped, this stays.
-TOKEN_MASK = "token_mask"
 # A row batch's own tensors; any other of the batch's shape is a record field, sliced with pad 0.
 _ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
@@ -79,7 +77,7 @@ def sequence_slice(batch: dict[str, Any], sp_rank: int, sp: int) -> dict[str, An
             whole[key] = F.pad(batch[key], (0, extra), value=fill)
     # Which of the slice's tokens are the batch's (a packed row's are all its own): what counts tokens
     # (a router's load) leaves out the padding and the tail added to divide the row.
-    mask = batch.get("attention_mask")
+    mask = batch.get("attention_mask", batch.get(TOKEN_MASK))
     whole[TOKEN_MASK] = F.pad(torch.ones_like(ids) if mask is None else mask, (0, extra), value=0)
     if "sequence_index" not in batch:  # rows of records: their fields (ObjectiveSpec.fields) are per token
         for key, v in batch.items():

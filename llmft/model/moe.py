@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from llmft.data.sequence import TOKEN_MASK
+from llmft.data.arrays import TOKEN_MASK
 from llmft.errors import UserError
 from llmft.model.aux_loss import AuxLossBase, StepCounts, attach
 from llmft.model.structure import human_count, logical_numel
@@ -76,10 +76,15 @@ def _causal_lm(model: torch.nn.Module, family: MoEFamily) -> torch.nn.Module | N
 
 
 def token_mask(batch: dict[str, Any]) -> torch.Tensor | None:
-    """Which of a micro-batch's tokens are real: its attention mask, or under sequence parallelism
-    (which drops it) the slice of it (``llmft.data.sequence.TOKEN_MASK``); None: every token."""
+    """Which of a micro-batch's tokens are real: its attention mask, or where it has none (packed
+    rows, sequence slices) its ``token_mask`` (``llmft.data.arrays.TOKEN_MASK``), or a packed pair's
+    ``sequence_index``; None: every token."""
     mask = batch.get("attention_mask")
-    return mask if mask is not None else batch.get(TOKEN_MASK)
+    if mask is None:
+        mask = batch.get(TOKEN_MASK)
+    if mask is None and "sequence_index" in batch:  # packed pairs: -1 on padding
+        mask = (batch["sequence_index"] >= 0).long()
+    return mask
 
 
 def routing_sums(

@@ -8,7 +8,7 @@ import torch
 
 from llmft.data import batch_targets
 from llmft.model import loss as lm_loss
-from llmft.objectives import ObjectiveBase
+from llmft.objectives import ObjectiveBase, model_inputs
 from llmft.objectives.sequences import is_slice
 
 
@@ -22,12 +22,12 @@ def micro_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items
     if is_slice(batch):  # this rank's sequence slice (llmft.data.sequence): targets already shifted
         return _slice_loss(model, batch, num_items)
     head = lm_loss.find(model)
+    inputs = model_inputs(batch)  # not what only counts tokens (a packed batch's token_mask)
     if head is not None:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
         with lm_loss.targets(head, batch["labels"], num_items):
             return model(**inputs, use_cache=False).logits  # the head returned the loss
     extra = {"num_items_in_batch": num_items} if num_items is not None else {}
-    return model(**batch, use_cache=False, **extra).loss
+    return model(**inputs, labels=batch["labels"], use_cache=False, **extra).loss
 
 
 def _slice_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor | None) -> torch.Tensor:

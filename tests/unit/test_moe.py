@@ -267,3 +267,41 @@ def test_the_balancing_loss_balances_the_experts(tmp_path):
     on, off = trained_load(tmp_path, 1.0), trained_load(tmp_path, 0.0)
     print(f"max/mean expert load after 20 steps: {on:.3f} with the loss, {off:.3f} without")
     assert on < off - 0.2
+
+
+def _packed(rows: list[list[int]]) -> list[dict]:
+    """Packed rows of the examples (each a few whole examples, positions restarting at each)."""
+    exs = examples()
+    out = []
+    for row in rows:
+        ids, labels, pos = [], [], []
+        for i in row:
+            ids += exs[i]["input_ids"]
+            labels += exs[i]["labels"]
+            pos += list(range(len(exs[i]["input_ids"])))
+        out.append({"input_ids": ids, "labels": labels, "position_ids": pos})
+    return out
+
+
+def test_packed_rows_leave_their_padded_tail_out_and_any_split_is_the_big_batch(tmp_path):
+    """Packed rows carry no attention mask (transformers must build the block mask from the
+    positions); their ``token_mask`` marks the padded tail of a short row, which the balancing loss
+    leaves out: micro 4 (rows padded to the longest) gives micro 1's gradients (no padding at all).
+    Without the mask the tails would count, and the two would differ."""
+    from llmft.job.dist import DistEnv
+    from llmft.model.moe import token_mask
+
+    rows = _packed([[0, 1], [2], [3], [0, 2]])  # 22, 9, 26 and 14 tokens
+    big = collate(rows, 0)
+    assert "attention_mask" not in big and token_mask(big).sum() == 22 + 9 + 26 + 14
+    results = {}
+    for micro in (4, 1):
+        plan = plan_for(tmp_path / f"packed-{micro}", FAMILIES["qwen3_moe"], micro, f"moe.aux_loss_coef={COEF}")
+        results[micro] = loop_step(plan, DistEnv(), [collate(rows[i : i + micro], 0) for i in range(0, 4, micro)])
+    assert max_abs_diff(results[4][0], results[1][0]) <= TOL
+    assert results[4][1]["aux/moe_balance"] == pytest.approx(results[1][1]["aux/moe_balance"], rel=TOL)
+    # the control: the tails counted (as with no mask) is another loss
+    plan = plan_for(tmp_path / "tails", FAMILIES["qwen3_moe"], 4, f"moe.aux_loss_coef={COEF}")
+    unmasked = {k: v for k, v in big.items() if k != "token_mask"}
+    _, row = loop_step(plan, DistEnv(), [unmasked])
+    assert abs(row["aux/moe_balance"] - results[1][1]["aux/moe_balance"]) > 1e-5

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llmft.data.arrays import IGNORE_INDEX
+from llmft.data.arrays import IGNORE_INDEX, TOKEN_MASK
 from llmft.data.encode import Encoder
 from llmft.data.rows import build_rows
 from llmft.data.tokens import TokenDataset
@@ -85,7 +85,9 @@ def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
     and deliberately no ``attention_mask``: transformers builds the
     block-diagonal mask from the restarting positions only when the 2D mask
     is absent (see ``llmft.data.pack``). Pads are marked by position, never by
-    ``input_ids == pad_id``, so a pad id equal to eos is harmless.
+    ``input_ids == pad_id``, so a pad id equal to eos is harmless; a packed batch's ``token_mask``
+    marks the rows' own tokens (1) against the padded tail (0), for what counts tokens (a router's
+    load), never for the model.
 
     Rows are arrays (``TokenDataset`` items; lists work too) copied into the batch's int64 tensors
     through numpy views of them: no Python object per token, whatever the row's length.
@@ -111,6 +113,9 @@ def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
             extra[row, :n] = 1
     key = "position_ids" if packed else "attention_mask"
     batch = {"input_ids": input_ids, "labels": labels, key: extra}
+    if packed:  # which tokens are the rows' (not the padded tail), for what counts tokens: a router's load
+        lengths = torch.tensor([len(e["input_ids"]) for e in examples])
+        batch[TOKEN_MASK] = (torch.arange(width) < lengths[:, None]).long()
     for name in examples[0].get("fields", ()):
         values = torch.zeros((len(examples), width), dtype=torch.float32)
         for row, e in enumerate(examples):
