@@ -91,8 +91,9 @@ def test_collate_packed_has_positions_and_no_attention_mask():
         {"input_ids": [5, 6], "labels": [-100, 6], "position_ids": [0, 1]},
     ]
     b = collate(rows, pad_id=9)
-    assert b.keys() == {"input_ids", "labels", "position_ids"}
+    assert b.keys() == {"input_ids", "labels", "position_ids", "token_mask"}
     assert b["position_ids"].tolist() == [[0, 1, 0, 1], [0, 1, 0, 1]]
+    assert b["token_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]  # the padded tail: for counting, not the model
     assert b["input_ids"][1].tolist() == [5, 6, 9, 9] and b["labels"][1].tolist() == [-100, 6, -100, -100]
 
 
