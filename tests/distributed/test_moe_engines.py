@@ -3,8 +3,8 @@ processes on gloo under torchrun, each with 2 of the 4 examples of every step, g
 steps one process's big-batch gradients and loss within 1e-5 for a tiny ``deepseek_v3`` (latent
 attention, a shared expert, a dense first layer, routing balanced without a loss: no balancing
 term), full and with LoRA on its experts, on ZeRO-1, FSDP2 and ZeRO-3; and ``qwen3_moe`` with the
-balancing loss on ZeRO-1. QLoRA on a mixture of experts under FSDP2 (the linear layers 4-bit, the
-fused experts kept in ``model.dtype``) trains with ``llmft train``.
+balancing loss on ZeRO-1. QLoRA on a mixture of experts trains with ``llmft train`` under FSDP2
+(4-bit experts) and ZeRO-3 (the experts kept in ``model.dtype``).
 
 This file is also the probe torchrun runs on each rank (``test_moe_ranks.run_variants``).
 """
@@ -78,13 +78,26 @@ def test_two_ranks_equal_one_process_big_batch(tmp_path, one_process, engine):
         assert got[variant]["row"]["loss"] == pytest.approx(want_row["loss"], rel=1e-5)
 
 
-def test_qlora_on_a_mixture_of_experts_trains_under_fsdp2(tmp_path):
-    recipe = write_recipe(tmp_path, model__config=FAMILIES["qwen3_moe"], train__max_steps=3)
-    keys = ["distributed.engine=fsdp", "batch.micro_batch_size=2", "model.quantization={bits: 4}", *LORA]
-    done = torchrun(["train", str(recipe), *keys, "moe.aux_loss_coef=0.5"], timeout=600)
+QLORA_ENGINES = {
+    "fsdp": (["distributed.engine=fsdp"], "experts: gate_up_proj, down_proj of 2 MoE layers in 4 bits"),
+    "zero3": (
+        ["distributed.engine=deepspeed", "distributed.zero_stage=3"],
+        "experts: their fused weights stay in fp32 under deepspeed",
+    ),
+}
+
+
+@pytest.mark.parametrize("engine", list(QLORA_ENGINES))
+def test_qlora_on_a_mixture_of_experts_trains(tmp_path, engine):
+    """FSDP2 packs the experts in 4 bits (tests/distributed/test_moe_quant_fsdp.py proves it exact);
+    ZeRO-3 keeps them in model.dtype beside its 4-bit linear layers, and says so."""
+    keys, said = QLORA_ENGINES[engine]
+    config = {**FAMILIES["qwen3_moe"], "hidden_size": 64, "head_dim": 16, "moe_intermediate_size": 64}
+    recipe = write_recipe(tmp_path, model__config=config, train__max_steps=3)
+    keys = [*keys, "batch.micro_batch_size=2", "model.quantization={bits: 4}", *LORA, "moe.aux_loss_coef=0.5"]
+    done = torchrun(["train", str(recipe), *keys], timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    said = done.stdout + done.stderr
-    assert "experts: their fused weights stay in fp32 under fsdp" in said
+    assert said in done.stdout + done.stderr
     rows = metrics(tmp_path / "run")
     assert len(rows) == 3 and all(r["aux/moe_balance"] > 0 for r in rows)
 
