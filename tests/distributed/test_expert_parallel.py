@@ -144,3 +144,31 @@ def main(recipe: str, out: str, names: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+
+
+@pytest.mark.slow
+def test_grpo_generation_and_eval_with_experts_split(tmp_path):
+    """Online RL with expert parallelism: ``generate`` on FSDP2 with the experts on 2 ranks, sampled
+    completions ending at different lengths on each rank (every rank joins every forward, so every
+    MoE layer's all-to-all), a held-out greedy eval, the routing pre-pass and the update; the file
+    rollouts' run lands on the weights of the same run with ``expert_parallel: 1``."""
+    from grpo_runs import grpo_recipe, rewards_importable
+    from helpers import metrics
+
+    save_tiny_pretrained(tmp_path / "grpo-model", seed=1, **FAMILIES["qwen3_moe"])
+    keys = ["distributed.engine=fsdp", "batch.micro_batch_size=2", "moe.aux_loss_coef=0.5", "train.eval_every_steps=1"]
+    recipe = grpo_recipe(tmp_path / "hf", rollout__backend="hf", rollout__max_new_tokens=12, data__eval_fraction=0.25)
+    done = torchrun(
+        ["train", str(recipe), *keys, "distributed.expert_parallel=2"], env=rewards_importable(), timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = metrics(tmp_path / "hf" / "run")
+    assert len(rows) == 2 and all(r["generation_s"] > 0 and 1 <= r["completion_length"] <= 12 for r in rows)
+    assert metrics(tmp_path / "hf" / "run", split="eval")[-1]["prompts"] == 3
+    weights = {}
+    for n in (2, 1):
+        recipe = grpo_recipe(tmp_path / f"file-{n}")
+        done = torchrun(["train", str(recipe), *keys[:3], f"distributed.expert_parallel={n}"], env=rewards_importable())
+        assert done.returncode == 0, done.stderr[-4000:]
+        weights[n] = _weights(tmp_path / f"file-{n}" / "run")
+    assert max_abs_diff(weights[2], weights[1]) <= 1e-5
