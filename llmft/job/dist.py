@@ -164,6 +164,16 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
         return t.tolist()
 
 
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """Each scalar's largest value over the ranks (a minimum: the max of its negation)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    with watchdog.collective("all_reduce"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+
 def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
     """Every rank's ``rows`` (the same shape on each), stacked in rank order: ``[world * n, ...]``."""
     if not (dist.is_available() and dist.is_initialized()):

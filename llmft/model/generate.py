@@ -1,7 +1,9 @@
 """Generation: prompts' token ids in, completions' token ids out. The exact-match eval
 (``llmft.training.evaluate``) and online RL's rollouts (``llmft.objectives.rollout``) both call it.
 
-A backend is a ``Generator``, one method: ``generate(prompts, how)``. ``HFGenerator`` is
+A backend is a ``Generator``, one method: ``generate(prompts, how)``; one that can also return the
+sampler's log-prob of each token it drew (``rl.importance_correction: tis``) has ``sample(prompts,
+how)`` -> (completions, log-probs) for ``how.logprobs``, as ``HFGenerator`` does. ``HFGenerator`` is
 transformers' ``generate()`` with its KV cache, on the model as the engine holds it. Another
 backend (vLLM) is one more class with the same method, and the rollout takes any of them. What
 every backend keeps (``HFGenerator`` shows how):
@@ -44,6 +46,9 @@ class Generation:
     batch_size: int | None = None  # prompts per generate() call; None: all at once
     what: str = "generation"  # what a stop cut short, in the stop's message ("its generation was cut short")
     phases: bool = False  # name each generate() call to the stall watchdog (an objective's data stage)
+    # ``sample`` also returns each new token's log-prob under the sampler: log softmax(logits / temperature)
+    # at the drawn token, the distribution the trainer's log-probs use (top_p does not renormalise it).
+    logprobs: bool = False
 
 
 class Generator(Protocol):
@@ -54,6 +59,7 @@ class Generator(Protocol):
         arrays); a row may go on past its first eos (padding: ``rollout.end_at_eos`` cuts it).
         Every rank calls it with as many prompts, and it keeps the module docstring's rules."""
         ...
+
 
 
 class HFGenerator:
@@ -71,10 +77,14 @@ class HFGenerator:
         self.model, self.pad, self.eos, self.device = model, pad_token_id, eos_token_id, device
         self.synced, self.autocast = synced, autocast
 
-    @torch.no_grad()
     def generate(self, prompts: Sequence[Any], how: Generation) -> list[list[int]]:
+        return self.sample(prompts, how)[0]
+
+    @torch.no_grad()
+    def sample(self, prompts: Sequence[Any], how: Generation) -> tuple[list[list[int]], list[list[float]]]:
         size = how.batch_size or max(len(prompts), 1)
         out: list[list[int]] = []
+        logps: list[list[float]] = []
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=how.seed is not None), stop.during(stop.GENERATING):
             if how.seed is not None:
@@ -84,12 +94,16 @@ class HFGenerator:
                     watchdog.phase(
                         f"generating completions {start + 1}-{min(start + size, len(prompts))} of {len(prompts)}"
                     )
-                out += self._call(prompts[start : start + size], how)
+                ids, scored = self._call(prompts[start : start + size], how)
+                out += ids
+                logps += scored
                 cut_short(how.what, self.device)
-        return out
+        return out, logps
 
-    def _call(self, prompts: Sequence[Any], how: Generation) -> list[list[int]]:
-        """One ``generate()`` call: the new tokens of each row (padded after a row's eos)."""
+    def _call(self, prompts: Sequence[Any], how: Generation) -> tuple[list[list[int]], list[list[float]]]:
+        """One ``generate()`` call: the new tokens of each row (padded after a row's eos) and, with
+        ``how.logprobs``, their log-probs under the sampler (from the logits ``generate`` returns:
+        it keeps every step's ``[rows, vocab]`` until it returns)."""
         input_ids, mask = left_pad(prompts, self.pad)
         if how.greedy:
             draw: dict[str, Any] = {"do_sample": False}
@@ -105,8 +119,20 @@ class HFGenerator:
                 eos_token_id=self.eos,
                 synced_gpus=self.synced,
                 stopping_criteria=stop_criteria(),
+                **({"output_logits": True, "return_dict_in_generate": True} if how.logprobs else {}),
             )
-        return out[:, input_ids.shape[1] :].cpu().tolist()
+        if not how.logprobs:
+            return out[:, input_ids.shape[1] :].cpu().tolist(), []
+        new = out.sequences[:, input_ids.shape[1] :]
+        temperature = 1.0 if how.greedy else how.temperature
+        scored = torch.stack(
+            [
+                torch.log_softmax(step.float() / temperature, dim=-1).gather(-1, new[:, t : t + 1]).squeeze(-1)
+                for t, step in enumerate(out.logits)
+            ],
+            dim=1,
+        )
+        return new.cpu().tolist(), scored.cpu().tolist()
 
 
 def left_pad(prompts: Sequence[Any], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,7 +54,7 @@ from llmft.data.arrays import IGNORE_INDEX
 from llmft.data.sampler import eval_shard
 from llmft.errors import Problem, UserError
 from llmft.job import watchdog
-from llmft.job.dist import DistEnv, all_gather_rows, all_reduce_sum
+from llmft.job.dist import DistEnv, all_gather_rows, all_reduce_max, all_reduce_sum
 from llmft.model import loss as lm_loss
 from llmft.objectives import Models, ObjectiveBase, ObjectiveSetup, disable_dropout, model_inputs
 from llmft.objectives.reference import frozen_reference
@@ -63,6 +63,7 @@ from llmft.objectives.rollout import Prompt, make_rollout
 from llmft.objectives.sequences import predicted_targets
 from llmft.plan.layout import RunPlan
 from llmft.plan.objectives import ADAPTERS_DISABLED, NO_REFERENCE
+from llmft.plan.rl import importance_correction
 from llmft.recipe.schema import Recipe
 
 STD_EPS = 1e-4  # added to the std that scales advantages (TRL's value)
@@ -111,6 +112,62 @@ def _completion_tokens(batch: dict[str, Any]) -> list[torch.Tensor]:
     return [valid[0] & (index == i) for i in range(int(batch["num_completions"]))]
 
 
+def _place(batch: dict[str, Any], key: str, values: list[torch.Tensor]) -> None:
+    """``batch[key]``: a row of the packed row's shape holding each completion's ``values`` where its
+    tokens are predicted (``_completion_tokens``), 0 elsewhere."""
+    row = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    for mine, v in zip(_completion_tokens(batch), values, strict=True):
+        row[0][mine] = v
+    batch[key] = row
+
+
+class Mismatch:
+    """The sampler's log-probs against the trainer's old ones (``rl.importance_correction: tis``):
+    each completion token's truncated importance weight min(exp(old - sampler), cap), and the
+    step's sums for ``mismatch/*`` (over every rank's completion tokens)."""
+
+    def __init__(self) -> None:
+        self.abs_sum = self.kl_sum = self.weight_sum = self.tokens = self.capped = 0.0
+        self.abs_max, self.weight_min, self.weight_max = 0.0, math.inf, 0.0
+
+    def weights(self, batch: dict[str, Any], sampler: list[list[float]], cap: float) -> list[torch.Tensor]:
+        out = []
+        for mine, s in zip(_completion_tokens(batch), sampler, strict=True):
+            diff = batch["old_logps"][0][mine].double() - torch.tensor(s, dtype=torch.float64)
+            ratio = diff.exp()
+            w = ratio.clamp(max=cap)
+            if diff.numel():
+                self.abs_sum += float(diff.abs().sum())
+                self.abs_max = max(self.abs_max, float(diff.abs().max()))
+                self.kl_sum += float((ratio - diff - 1).sum())  # k3: KL(sampler || trainer), sampled from the sampler
+                self.weight_sum += float(w.sum())
+                self.weight_min, self.weight_max = (
+                    min(self.weight_min, float(w.min())),
+                    max(self.weight_max, float(w.max())),
+                )
+                self.tokens += diff.numel()
+                self.capped += float((ratio > cap).sum())
+            out.append(w.float())
+        return out
+
+    def metrics(self, device: torch.device) -> dict[str, float]:
+        """Over every rank's completion tokens (sums all-reduced, extremes by max)."""
+        abs_sum, kl_sum, weight_sum, tokens, capped = all_reduce_sum(
+            [self.abs_sum, self.kl_sum, self.weight_sum, self.tokens, self.capped], device
+        )
+        abs_max, neg_min, weight_max = all_reduce_max([self.abs_max, -self.weight_min, self.weight_max], device)
+        n = max(tokens, 1.0)
+        return {
+            "mismatch/logp_abs_mean": abs_sum / n,
+            "mismatch/logp_abs_max": abs_max,
+            "mismatch/kl": kl_sum / n,
+            "mismatch/is_weight_mean": weight_sum / n,
+            "mismatch/is_weight_min": -neg_min if tokens else 1.0,
+            "mismatch/is_weight_max": weight_max if tokens else 1.0,
+            "mismatch/capped_fraction": capped / n,
+        }
+
+
 def _shifted(mask: torch.Tensor) -> torch.Tensor:
     """The tokens a mask of predicting positions predicts (one to the right)."""
     return torch.nn.functional.pad(mask[:-1], (1, 0), value=False)
@@ -121,6 +178,7 @@ def _shifted(mask: torch.Tensor) -> torch.Tensor:
 STATE_FORMAT = 1  # of the dict ``GRPOObjective.state_dict`` returns; checkpoints saved before it have no header
 STATE_HEADER = {"objective": "grpo", "format": STATE_FORMAT}
 STATE_KEYS = ("positions", "completions", "old_logps", "advantages", "stats")
+OPTIONAL_KEYS = ("is_weights",)  # rl.importance_correction: tis
 STATE_FIX = "Resume from an earlier checkpoint (checkpoint.resume=auto skips damaged ones), or restore the file."
 
 
@@ -181,7 +239,7 @@ def check_state(state: Any, where: str | Path, vocab: int | None = None) -> int:
                 where,
                 f"is format {str(got['format'])[:20]} of the GRPO objective state; this llmft reads {STATE_FORMAT}",
             )
-    if set(state) - set(STATE_HEADER) != set(STATE_KEYS):
+    if not set(STATE_KEYS) <= set(state) - set(STATE_HEADER) <= set(STATE_KEYS) | set(OPTIONAL_KEYS):
         shown = ", ".join(names)[:200]
         raise _damaged(
             where, f"not a GRPO objective state (its keys are {shown}; a GRPO state has {', '.join(STATE_KEYS)})"
@@ -205,6 +263,15 @@ def check_state(state: Any, where: str | Path, vocab: int | None = None) -> int:
             raise _damaged(where, f"the old log-probs of completion {j} are not {ids.numel()} numbers, one per token")
         if not bool(logps.isfinite().all()):
             raise _damaged(where, f"the old log-probs of completion {j} are not all finite")
+    weights = state.get("is_weights")
+    if weights is not None:
+        if not isinstance(weights, list) or len(weights) != n:
+            raise _damaged(where, f"does not hold {n} lists of importance weights for its {n} positions")
+        for j, (ids, w) in enumerate(zip(completions, weights, strict=True)):
+            if not _is_tensor(w, 1, (torch.float32, torch.float64)) or w.numel() != ids.numel():
+                raise _damaged(where, f"the importance weights of completion {j} are not {ids.numel()} numbers")
+            if not bool(w.isfinite().all()) or bool((w < 0).any()):
+                raise _damaged(where, f"the importance weights of completion {j} are not all finite and >= 0")
     if not isinstance(stats, dict) or not all(
         isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in stats.items()
     ):
@@ -219,6 +286,7 @@ class GRPOObjective(ObjectiveBase):
         super().__init__(plan, models)
         r = plan.recipe
         self.rl, self.cfg, self.G = r.rl, r.rollout, r.rollout.num_generations
+        self.correction = importance_correction(r) == "tis"  # the sampler's log-probs, the weights, mismatch/*
         self.global_batch = plan.batch.global_batch_size
         self.policy = models.unwrap()
         self.models = models
@@ -232,7 +300,8 @@ class GRPOObjective(ObjectiveBase):
         self.autocast = getattr(models, "autocast", contextlib.nullcontext)
         # rl.iterations > 1: (the step's positions, -1, its micro-batch sizes) and its update batches
         self._kept: tuple[tuple[int, ...], list[dict[str, Any]]] | None = None
-        self._restored: dict[int, tuple[list[int], float, torch.Tensor]] = {}  # from a checkpoint, by position
+        # from a checkpoint, by position: completion, advantage, old log-probs, importance weights (or None)
+        self._restored: dict[int, tuple[list[int], float, torch.Tensor, torch.Tensor | None]] = {}
         self._restored_stats: dict[str, float] = {}
         self._stats: dict[str, float] = {}
         self._update_from = time.perf_counter()
@@ -272,22 +341,36 @@ class GRPOObjective(ObjectiveBase):
         was_training = self.policy.training
         self.policy.eval()
         restored = self._restored_rollout(positions)
-        if restored is not None:  # a resume inside a generation batch: its completions and old log-probs
-            completions, adv, old = restored
+        sampler: list[list[float]] | None = None
+        weights: list[torch.Tensor] | None = None
+        if restored is not None:  # a resume inside a generation batch: its completions, old log-probs, weights
+            completions, adv, old, weights = restored
         else:
             watchdog.phase(f"generating the completions of generation batch {generation}")
             t0 = time.perf_counter()
-            completions = self.rollout.complete(prompts, generation, self.dp_rank)
+            if self.correction:
+                completions, sampler = self.rollout.complete_scored(prompts, generation, self.dp_rank)
+            else:
+                completions = self.rollout.complete(prompts, generation, self.dp_rank)
             adv, old = self._advantages(prompts, completions, time.perf_counter() - t0), None
         watchdog.phase("old and reference log-probs")
         out, start = [], 0
+        mismatch = Mismatch()
         for n in (len(mb["positions"]) for mb in micro_batches):
             batch = self._update_batch(
                 prompts[start : start + n], completions[start : start + n], adv[start : start + n]
             )
             self._frozen_logps(batch, old[start : start + n] if old is not None else None)
+            if self.correction:
+                if weights is not None:
+                    _place(batch, "is_weights", weights[start : start + n])
+                else:
+                    assert sampler is not None
+                    _place(batch, "is_weights", mismatch.weights(batch, sampler[start : start + n], self.rl.is_cap))
             out.append(batch)
             start += n
+        if self.correction and restored is None:
+            self._stats.update(mismatch.metrics(self.env.device))
         self.policy.train(was_training)
         if self.rl.iterations > 1:
             self._kept = (key, out)
@@ -303,11 +386,13 @@ class GRPOObjective(ObjectiveBase):
             return None
         key, batches = self._kept
         positions = key[: key.index(-1)]
-        completions, old, adv = [], [], []
+        completions, old, adv, weights = [], [], [], []
         for batch in batches:
             for mine in _completion_tokens(batch):
                 completions.append(batch["labels"][0][_shifted(mine)].clone())
                 old.append(batch["old_logps"][0][mine].clone())
+                if "is_weights" in batch:
+                    weights.append(batch["is_weights"][0][mine].clone())
             adv.append(batch["advantages"])
         return {
             **STATE_HEADER,
@@ -316,6 +401,7 @@ class GRPOObjective(ObjectiveBase):
             "old_logps": old,
             "advantages": torch.cat(adv),
             "stats": dict(self._stats),
+            **({"is_weights": weights} if weights else {}),
         }
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
@@ -337,6 +423,7 @@ class GRPOObjective(ObjectiveBase):
                     state["completions"][j].tolist(),
                     float(state["advantages"][j]),
                     state["old_logps"][j].float(),
+                    state["is_weights"][j].float() if "is_weights" in state else None,
                 )
             self._restored_stats = {k: float(v) for k, v in state["stats"].items()}
 
@@ -355,7 +442,18 @@ class GRPOObjective(ObjectiveBase):
         saved = [self._restored[q] for q in positions]
         self._stats = {**self._restored_stats, "generation_s": 0.0}
         self._restored = {}
-        return [c for c, _, _ in saved], torch.tensor([a for _, a, _ in saved]), [o for _, _, o in saved]
+        weights = [w for _, _, _, w in saved]
+        if self.correction and any(w is None for w in weights):
+            raise _damaged(
+                "the checkpoint's objective/ state",
+                "holds no importance weights, but rl.importance_correction is tis (the checkpoint was saved without it)",
+            )
+        return (
+            [c for c, _, _, _ in saved],
+            torch.tensor([a for _, a, _, _ in saved]),
+            [o for _, _, o, _ in saved],
+            weights if self.correction else None,
+        )
 
     @classmethod
     def check_saved_states(
@@ -483,11 +581,8 @@ class GRPOObjective(ObjectiveBase):
         on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         temperature = self.cfg.temperature
         if self.rl.iterations > 1 and old is not None:
-            row = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-            for mine, values in zip(_completion_tokens(batch), old, strict=True):
-                row[0][mine] = values
-            batch["old_logps"] = row
-        elif self.rl.iterations > 1:
+            _place(batch, "old_logps", old)
+        elif self.rl.iterations > 1 or self.correction:  # the importance weights need the trainer's
             with self.autocast():
                 batch["old_logps"] = token_logps(self.policy, on_device, temperature)[0].float().cpu()
         if self.rl.beta == 0 or self.reference_kind == NO_REFERENCE:
@@ -566,6 +661,8 @@ class GRPOObjective(ObjectiveBase):
             1.0 + (self.rl.epsilon_high if self.rl.epsilon_high is not None else self.rl.epsilon),
         )
         per_token = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+        if "is_weights" in batch:  # rl.importance_correction: the policy term, not the KL (as TRL does)
+            per_token = per_token * batch["is_weights"].to(per_token.device)
         kl = torch.zeros_like(logps)
         if "reference_logps" in batch:
             d = batch["reference_logps"] - logps

@@ -176,6 +176,13 @@ class GeneratedRollout:
         shard padded to equal): sharded engines join each generate() call together. A stop request
         abandons the generation on every rank together (``llmft.model.generate``): cut completions
         are never trained on or scored."""
+        return self.complete_scored(prompts, generation, dp_rank, greedy, logprobs=False)[0]
+
+    def complete_scored(
+        self, prompts: list[Prompt], generation: int, dp_rank: int, greedy: bool = False, logprobs: bool = True
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """``complete``'s completions and the sampler's log-prob of each of their tokens (cut as the
+        completion is; empty lists without ``logprobs``)."""
         cfg = self.cfg
         how = Generation(
             max_new_tokens=cfg.max_new_tokens,
@@ -185,9 +192,25 @@ class GeneratedRollout:
             seed=generation_seed(self.seed, generation, dp_rank),
             batch_size=cfg.batch_size,
             phases=True,
+            logprobs=logprobs,
         )
-        rows = self.generator.generate([p.ids for p in prompts], how)
-        return [end_at_eos(row, self.eos, cfg.max_new_tokens) for row in rows]
+        ids = [p.ids for p in prompts]
+        if not logprobs:  # a backend needs no more than ``generate``
+            return [end_at_eos(row, self.eos, cfg.max_new_tokens) for row in self.generator.generate(ids, how)], []
+        sample = getattr(self.generator, "sample", None)
+        if sample is None:
+            raise UserError(
+                Problem(
+                    "rl.importance_correction",
+                    f"is tis, but the generation backend ({type(self.generator).__name__}) gives no log-probs "
+                    "(it has no sample method)",
+                    "Set rl.importance_correction=none, or give the backend a sample(prompts, how) that returns the "
+                    "completions and their log-probs (llmft.model.generate.Generator).",
+                )
+            )
+        rows, scored = sample(ids, how)
+        completions = [end_at_eos(row, self.eos, cfg.max_new_tokens) for row in rows]
+        return completions, [logps[: len(c)] for logps, c in zip(scored, completions, strict=True)]
 
 
 def generation_seed(seed: int, generation: int, dp_rank: int) -> int:

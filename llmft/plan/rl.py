@@ -143,6 +143,14 @@ def rl_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
         bad("rl.epsilon_high", f"is {rl.epsilon_high}", "Use 0 or more, or null (rl.epsilon).")
     if rl.iterations < 1:
         bad("rl.iterations", f"is {rl.iterations}", "Use 1 or more.")
+    if not rl.is_cap > 0:
+        bad("rl.is_cap", f"is {rl.is_cap}", "Use a cap above 0 (TRL's default is 3.0).")
+    if importance_correction(recipe) == "tis" and r.backend == "file":
+        bad(
+            "rl.importance_correction",
+            "is tis, but rollout.backend is file: a file's completions come without the sampler's log-probs",
+            "Set rl.importance_correction=none, or generate with rollout.backend=hf.",
+        )
     if not recipe.rewards:
         bad(
             "rewards",
@@ -251,3 +259,9 @@ def generation_kv(recipe: Recipe, spec: ObjectiveSpec, shape: ModelShape, local:
     rows = min(recipe.rollout.batch_size or local, local)
     a = DTYPE_BYTES[recipe.model.dtype]
     return GenerationKV(rows, recipe.data.max_seq_len, shape.num_layers, shape.num_kv_heads, shape.head_dim, a)
+
+
+def importance_correction(recipe: Recipe) -> str:
+    """``rl.importance_correction`` resolved: none unless asked (the ``hf`` backend samples from the
+    trainer's own weights; a vLLM backend would default to tis)."""
+    return recipe.rl.importance_correction or "none"

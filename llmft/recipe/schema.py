@@ -381,6 +381,15 @@ class RLConfig:
         "(completions x rollout.max_new_tokens; TRL's dr_grpo).",
         choices=("global_token", "sequence", "constant"),
     )
+    importance_correction: Optional[str] = doc(
+        None,
+        "Correct the policy loss for the sampler's log-probs differing from the trainer's: tis (truncated "
+        "importance sampling: each completion token's policy term times min(exp(trainer's old log-prob - "
+        "sampler's log-prob), rl.is_cap); TRL's vllm_importance_sampling_mode token_truncate) or none. null: "
+        "none (tis once rollout.backend vllm exists). With tis the mismatch is logged every step (mismatch/*).",
+        choices=(None, "none", "tis"),
+    )
+    is_cap: float = doc(3.0, "rl.importance_correction=tis: the cap of each token's importance weight (> 0).")
 
 
 @dataclass
