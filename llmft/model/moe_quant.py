@@ -27,7 +27,10 @@ other weights of the layer; the quantization state stays whole on the experts mo
 the gathered parameter FSDP2 put there. A pretrained model built on the meta device gets the empty
 packed layout here, and each rank quantizes only the blocks of its part of the bytes
 (``llmft.model.meta.quantized_part``): one expert being a whole number of blocks, quantizing the
-flattened fused weight block by block is quantizing it expert by expert.
+flattened fused weight block by block is quantizing it expert by expert. ZeRO-3 is the same: it
+partitions the ``(n, 1)`` bytes flat, gathers them whole when the MoE block (a ZeRO-3 leaf module) is
+entered, and again for its backward, which reads them through the attribute again (``_Expert4bit``);
+a pretrained model's parts are quantized by ``llmft.model.zero3.materialize``.
 """
 
 from __future__ import annotations
@@ -73,8 +76,7 @@ def quantize_experts(model: torch.nn.Module, quant: BitsAndBytesConfig, recipe: 
         return 0
     if not packs_experts(recipe):
         log.info(
-            "experts: their fused weights stay in %s under %s (4-bit experts are built under "
-            "distributed.engine single, ddp or fsdp; docs/moe.md)",
+            "experts: their fused weights stay in %s under %s (docs/moe.md)",
             recipe.model.dtype,
             recipe.distributed.engine,
         )
@@ -275,26 +277,37 @@ def dequantized_expert(weight: torch.nn.Parameter, e: int, state: Any = None) ->
 
 class _Expert4bit(torch.autograd.Function):
     """``x @ W_e`` (transposed layout) or ``x @ W_e.T`` with one expert's 4-bit weight, dequantized in
-    the forward and again in the backward: no dequantized weight is kept for the backward."""
+    the forward and again in the backward: no dequantized weight is kept for the backward. Nor are the
+    packed bytes: the backward reads the parameter through the module attribute again, which the
+    engine has gathered for the module's backward (ZeRO-3 re-gathers a released parameter; keeping a
+    view of the forward's gathered bytes would hold every MoE layer's experts until the graph goes,
+    as bitsandbytes' ``MatMul4Bit`` does: ``llmft.model.zero3.linears_save_their_weights``)."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, packed: torch.Tensor, state: Any, shape: torch.Size, transposed: bool
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, module: torch.nn.Module, name: str, e: int) -> torch.Tensor:
         import bitsandbytes.functional as bnb_f
 
-        ctx.packed, ctx.state, ctx.shape, ctx.transposed = packed, state, shape, transposed
-        w = bnb_f.dequantize_4bit(packed, state).view(shape).to(x.dtype)
-        return x @ w if transposed else x @ w.t()
+        ctx.module, ctx.name, ctx.e = module, name, e
+        return _times_expert(x, bnb_f, module, name, e, transpose=False)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         import bitsandbytes.functional as bnb_f
 
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        w = bnb_f.dequantize_4bit(ctx.packed, ctx.state).view(ctx.shape).to(grad.dtype)
-        return (grad @ w.t() if ctx.transposed else grad @ w), None, None, None, None
+            return None, None, None, None
+        return _times_expert(grad, bnb_f, ctx.module, ctx.name, ctx.e, transpose=True), None, None, None
+
+
+def _times_expert(
+    x: torch.Tensor, bnb_f: Any, module: torch.nn.Module, name: str, e: int, transpose: bool
+) -> torch.Tensor:
+    """``x`` times expert ``e``'s dequantized weight of ``name`` (``transpose``: its transpose, for
+    the input's gradient), the packed bytes read from the module's (gathered) parameter now."""
+    whole = module.llmft_quant[name]
+    packed, state = expert_state(getattr(module, name).data, whole, e)
+    w = bnb_f.dequantize_4bit(packed, state).view(whole.shape[1:]).to(x.dtype)
+    return x @ w.t() if module.is_transposed == transpose else x @ w
 
 
 def _project(module: torch.nn.Module, name: str, x: torch.Tensor, e: int) -> torch.Tensor:
@@ -302,9 +315,8 @@ def _project(module: torch.nn.Module, name: str, x: torch.Tensor, e: int) -> tor
     active LoRA adapter as ``(x @ A_e.T) @ B_e.T * scaling`` (PEFT's ``ParamWrapper`` layout: ``lora_A``
     rows ``[e * r, (e + 1) * r)``, ``lora_B`` columns ``e, e + E, ...``)."""
     whole = module.llmft_quant[name]
-    # Read at call time: under FSDP2 the attribute is the gathered parameter only inside its unit.
-    packed, state = expert_state(getattr(module, name).data, whole, e)
-    y = _Expert4bit.apply(x, packed, state, whole.shape[1:], module.is_transposed)
+    # Read at call time: under FSDP2 and ZeRO-3 the attribute is the gathered parameter only inside its unit.
+    y = _Expert4bit.apply(x, module, name, e)
     if module.has_bias:
         y = y + getattr(module, f"{name}_bias")[e]
     experts = whole.shape[0]

@@ -94,8 +94,8 @@ class EngineSpec:
     # ``llmft.model.expert_parallel``).
     expert_parallel: bool = False
     # Packs a mixture of experts' fused expert weights of a 4-bit (QLoRA) base in 4 bits too
-    # (``llmft.model.moe_quant``: built whole in each process, or sharded by FSDP2 with each rank
-    # quantizing its part); elsewhere (DeepSpeed) they stay in model.dtype.
+    # (``llmft.model.moe_quant``: built whole in each process, or partitioned by FSDP2 or ZeRO-3 with
+    # each rank quantizing its part of a pretrained model's).
     packs_experts: bool = False
     # How ``model.tiled_mlp`` tiles (docs/long-context.md): DeepSpeed's ``TiledMLP`` back-propagates
     # tile by tile and a parameter's gradient arrives once per tile (DeepSpeed holds it until the
@@ -193,6 +193,7 @@ ENGINES: tuple[EngineSpec, ...] = (
         universal="llmft.engines.deepspeed:deepspeed_universal",
         launcher="deepspeed",
         sequence_parallel=True,
+        packs_experts=True,
     ),
 )
 

@@ -928,7 +928,7 @@ def _frozen_in_file(recipe: Recipe) -> float:
 
 def _packed_experts(recipe: Recipe, params: Params, engine: str | None = None) -> int:
     """The routed expert weights a 4-bit base packs in 4 bits (``llmft.model.moe_quant``); 8 bits, or an
-    engine that shards the base (its experts stay in model.dtype): none."""
+    engine whose record does not pack them (``EngineSpec.packs_experts``): none."""
     return params.expert_weights if packs_experts(recipe, engine) else 0
 
 

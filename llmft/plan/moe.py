@@ -312,9 +312,9 @@ def expert_parallel_model_problems(family: MoEFamily | None, config: Any, peft: 
 
 def packs_experts(recipe: Recipe, engine: str | None = None) -> bool:
     """Whether the run's engine (``engine``, resolved; None: the recipe's, ``auto`` chosen for its
-    launch size) packs the fused experts of a 4-bit base in 4 bits (``EngineSpec.packs_experts``:
-    single, DDP, FSDP2). Elsewhere (DeepSpeed) they stay in ``model.dtype``, partitioned like any other
-    weight."""
+    launch size) packs the fused experts of a 4-bit base in 4 bits (``EngineSpec.packs_experts``: every
+    built-in engine does). On an engine that does not they stay in ``model.dtype``, sharded like any
+    other weight."""
     q = recipe.model.quantization
     if q is None or q.bits != 4:
         return False

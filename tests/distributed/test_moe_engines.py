@@ -82,15 +82,15 @@ QLORA_ENGINES = {
     "fsdp": (["distributed.engine=fsdp"], "experts: gate_up_proj, down_proj of 2 MoE layers in 4 bits"),
     "zero3": (
         ["distributed.engine=deepspeed", "distributed.zero_stage=3"],
-        "experts: their fused weights stay in fp32 under deepspeed",
+        "experts: gate_up_proj, down_proj of 2 MoE layers in 4 bits",
     ),
 }
 
 
 @pytest.mark.parametrize("engine", list(QLORA_ENGINES))
 def test_qlora_on_a_mixture_of_experts_trains(tmp_path, engine):
-    """FSDP2 packs the experts in 4 bits (tests/distributed/test_moe_quant_fsdp.py proves it exact);
-    ZeRO-3 keeps them in model.dtype beside its 4-bit linear layers, and says so."""
+    """FSDP2 and ZeRO-3 pack the experts in 4 bits (tests/distributed/test_moe_quant_fsdp.py and
+    test_moe_quant_zero.py prove it exact), and say so."""
     keys, said = QLORA_ENGINES[engine]
     config = {**FAMILIES["qwen3_moe"], "hidden_size": 64, "head_dim": 16, "moe_intermediate_size": 64}
     recipe = write_recipe(tmp_path, model__config=config, train__max_steps=3)

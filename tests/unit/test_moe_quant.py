@@ -232,22 +232,29 @@ def _refusal(tmp_path, family: str, *overrides: str, config: dict | None = None)
     return str(err.value)
 
 
-def test_under_deepspeed_the_experts_stay_in_model_dtype_and_it_says_so(tmp_path, caplog):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_under_deepspeed_the_experts_are_packed_and_it_says_so(tmp_path, caplog, stage):
+    """ZeRO-3 partitions parameters flat: the packed bytes are ``(n, 1)`` elements of the compute dtype, as
+    for FSDP2; below stage 3 they stay uint8 (every rank holds them whole). Either way the same 4-bit
+    experts as one process, to the bit (tests/distributed/test_moe_quant_zero.py proves the ranks exact)."""
     from llmft.plan.memory import _packed_experts, count_params
     from llmft.plan.shape import model_shape
 
     caplog.set_level(logging.INFO, logger="llmft")
-    engine = "deepspeed"
-    model = build(tmp_path / engine, "mixtral", f"distributed.engine={engine}")
-    plan = plan_for(tmp_path / engine / "plan", FAMILIES["mixtral"], 4, *QLORA, f"distributed.engine={engine}")
-    assert not experts_of(model)  # transformers' own experts forward
-    weights = [p for n, p in model.named_parameters() if n.endswith("gate_up_proj") and "lora" not in n]
-    assert len(weights) == 2 and all(w.dtype == torch.float32 and w.dim() == 3 for w in weights), weights
-    assert (
-        f"experts: their fused weights stay in fp32 under {engine} (4-bit experts are built under "
-        "distributed.engine single, ddp or fsdp; docs/moe.md)"
-    ) in caplog.text
-    assert _packed_experts(plan.recipe, count_params(plan.recipe, model_shape(plan.recipe.model)), plan.engine) == 0
+    keys = ("distributed.engine=deepspeed", f"distributed.zero_stage={stage}")
+    model = build(tmp_path / "deepspeed", "mixtral", *keys)
+    single = build(tmp_path / "single", "mixtral", "distributed.engine=single")
+    plan = plan_for(tmp_path / "plan", FAMILIES["mixtral"], 4, *QLORA, *keys)
+    storage = torch.float32 if stage == 3 else torch.uint8
+    assert len(experts_of(model)) == 2 and not [n for n, p in model.named_parameters() if p.dim() == 3]
+    for got, want in zip(experts_of(model), experts_of(single), strict=True):
+        for name in ("gate_up_proj", "down_proj"):
+            w, ref = getattr(got, name), getattr(want, name)
+            assert w.dtype == storage and w.dim() == 2 and w.shape[1] == 1, (w.dtype, w.shape)
+            assert torch.equal(w.data.view(torch.uint8).reshape(-1), ref.data.reshape(-1))
+    assert "experts: gate_up_proj, down_proj of 2 MoE layers in 4 bits (nf4, double quant)" in caplog.text
+    assert "stay in" not in caplog.text
+    assert _packed_experts(plan.recipe, count_params(plan.recipe, model_shape(plan.recipe.model)), plan.engine) > 0
 
 
 def test_under_fsdp_the_experts_are_packed_in_the_compute_dtype_for_fsdp2_to_shard(tmp_path):
@@ -274,6 +281,32 @@ def test_under_fsdp_the_experts_are_packed_in_the_compute_dtype_for_fsdp2_to_sha
     with torch.no_grad():
         outs = [experts_of(m)[0](x, index, weights) for m in (fsdp, single)]
     assert torch.equal(*outs)
+
+
+def test_the_backward_reads_the_packed_experts_from_the_parameter_again(tmp_path):
+    """ZeRO-3 releases a block's gathered parameters after its forward and gathers them again, into a new
+    buffer, for its backward: the experts' backward reads the parameter then, and keeps nothing of the
+    forward's buffer (which would hold every MoE layer's experts gathered until the graph goes)."""
+    experts = experts_of(build(tmp_path, "qwen3_moe", "distributed.engine=single"))[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, FAMILIES["qwen3_moe"]["hidden_size"], generator=g, requires_grad=True)
+    index = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(12)])
+    weights = torch.softmax(torch.randn(12, 2, generator=g), dim=-1)
+
+    def input_grad(regather: bool) -> torch.Tensor:
+        x.grad = None
+        out = experts(x, index, weights)
+        for name in ("gate_up_proj", "down_proj") if regather else ():
+            p = getattr(experts, name)
+            again = p.data.clone()  # gathered anew for the backward
+            p.data.zero_()  # the forward's buffer, reused for something else
+            p.data = again
+        out.square().sum().backward()
+        return x.grad.clone()
+
+    want = input_grad(regather=False)
+    assert want.abs().max() > 0
+    assert torch.equal(input_grad(regather=True), want)
 
 
 def test_experts_that_do_not_split_into_whole_4bit_blocks_are_refused(tmp_path):
