@@ -15,6 +15,7 @@ from pathlib import Path
 
 from llmft.checkpoint.rundir import is_llmft_run
 from llmft.errors import Problem, UserError
+from llmft.plan.objectives import RL_REWARD
 
 METRICS_FILE = "metrics.jsonl"
 # Keys of eval rows that are bookkeeping (counts, timings), not metrics to plot; loss has its own panel.
@@ -166,7 +167,7 @@ REWARD_COLUMN = "rewards/"
 MISMATCH_LOGP = ["mismatch/logp_abs_mean", "mismatch/logp_abs_max"]
 MISMATCH_WEIGHT = ["mismatch/is_weight_mean", "mismatch/is_weight_min", "mismatch/is_weight_max"]
 # Eval rows' keys an RL plot draws in its own panels, or that count rather than measure.
-_RL_EVAL_SHOWN = {"reward", "completion_length", "prompts"}
+_RL_EVAL_SHOWN = {RL_REWARD, "completion_length", "prompts"}
 _EVAL_POINTS = {"marker": "o", "linestyle": ":"}  # a few held-out points over a dense train curve
 _RAW = {"color": "C0", "alpha": 0.35, "linewidth": 0.8}  # the noisy per-step curve under its average
 _AVERAGE = {"color": "C0", "linewidth": 2.0}
@@ -174,7 +175,7 @@ _AVERAGE = {"color": "C0", "linewidth": 2.0}
 
 def is_rl(splits: dict[str, list[dict]]) -> bool:
     """An online RL run (train.objective grpo): its train rows carry the step's mean ``reward``."""
-    return any("reward" in r for r in splits.get("train", []))
+    return any(RL_REWARD in r for r in splits.get("train", []))
 
 
 def average_window(steps: list[int]) -> int:
@@ -235,7 +236,7 @@ def rl_panels(splits: dict[str, list[dict]]) -> list[Panel]:
     for name in _eval_metric_names(evals):
         if name not in _RL_EVAL_SHOWN and not name.startswith(REWARD_COLUMN):
             out.append(Panel(f"eval {name}", {name: _series(evals, name)}, style={name: _EVAL_POINTS}))
-    reward = [out[0]] if out[0].series["reward"] else []  # the headline, drawn even when flat
+    reward = [out[0]] if out[0].series[RL_REWARD] else []  # the headline, drawn even when flat
     return reward + [p for p in out[1:] if _informative(p)]
 
 
@@ -244,13 +245,13 @@ def _keys_panel(title: str, train: list[dict], keys: list[str], linear: bool = T
 
 
 def _reward_panel(train: list[dict], evals: list[dict]) -> Panel:
-    reward = _series(train, "reward")
-    panel = Panel("reward", {"reward": reward}, linear=True)
+    reward = _series(train, RL_REWARD)
+    panel = Panel(RL_REWARD, {RL_REWARD: reward}, linear=True)
     if (window := average_window(sorted(reward))) > 1:
         label = f"reward, moving average of {window} steps"
         panel.series[label] = moving_average(reward, window)
-        panel.style = {"reward": _RAW, label: _AVERAGE}
-    if points := _series(evals, "reward"):
+        panel.style = {RL_REWARD: _RAW, label: _AVERAGE}
+    if points := _series(evals, RL_REWARD):
         panel.series["eval reward"] = points
         panel.style["eval reward"] = {**_EVAL_POINTS, "color": "C1"}
     return panel

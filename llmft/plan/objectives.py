@@ -164,6 +164,9 @@ DPO_METRICS = (
 
 # Sums the GRPO micro loss returns; kl, clip and entropy are token means, the rest completion means.
 GRPO_METRICS = ("kl", "clip_fraction", "entropy", "completion_tokens", "completions")
+# An online RL step's mean total reward of its completions (TRL's name), which ``llmft plot`` reads as
+# the mark of an RL run and draws first.
+RL_REWARD = "reward"
 
 DEFAULT_OBJECTIVE = "sft"  # train.objective's default (recipe/schema.py)
 # What the objectives over preference pairs share: the record, the count, the words.

@@ -199,13 +199,15 @@ def _objective() -> GRPOObjective:
     """The part of a GRPO objective that restores a kept batch (no model, no rollout)."""
     objective = GRPOObjective.__new__(GRPOObjective)
     objective.rl = SimpleNamespace(iterations=2)
+    objective.correction = False  # rl.importance_correction none: the kept batch holds no weights
     objective.policy = SimpleNamespace(get_input_embeddings=lambda: SimpleNamespace(num_embeddings=VOCAB))
     objective._restored, objective._restored_stats, objective._stats = {}, {}, {}
     return objective
 
 
 def resume(step: Path):
-    """(completions, advantages, old log-probs) of the step's positions as a resume restores them."""
+    """(completions, advantages, old log-probs, importance weights) of the step's positions as a resume
+    restores them."""
     check_checkpoint(step, resume=True)
     states = CheckpointManager(step.parents[1].parent, read_env(), None).load_objective_states(step)
     objective = _objective()
@@ -214,9 +216,10 @@ def resume(step: Path):
 
 
 def _same(restored, state: dict) -> bool:
-    completions, adv, old = restored
+    completions, adv, old, weights = restored
     return (
-        completions == [c.tolist() for c in state["completions"]]
+        weights is None
+        and completions == [c.tolist() for c in state["completions"]]
         and torch.equal(adv, state["advantages"])
         and all(torch.equal(a, b) for a, b in zip(old, state["old_logps"], strict=True))
     )
@@ -238,7 +241,7 @@ def check(tmp: Path, legacy: bool, damages: list[tuple]) -> str:
         assert not untouched, f"a whole objective state was refused: {e}"
         return "refused"
     assert restored is not None, "a checkpoint inside a generation batch was accepted without its kept batch"
-    completions, adv, old = restored
+    completions, adv, old, _ = restored
     assert len(completions) == len(POSITIONS) and adv.shape == (len(POSITIONS),) and len(old) == len(POSITIONS)
     assert all(len(o) == len(c) for c, o in zip(completions, old, strict=True))
     if untouched or not legacy:  # with the manifest, accepted means exact
