@@ -52,7 +52,17 @@ def torch_load(source: str | os.PathLike | IO[bytes], *, name: str | os.PathLike
                 "optimizer state: checkpoint.save_optimizer=false.",
             )
         ) from None
-    except (RuntimeError, ValueError, IndexError, KeyError, EOFError, OverflowError, MemoryError) as e:
+    except (
+        RuntimeError,
+        ValueError,
+        IndexError,
+        KeyError,
+        EOFError,
+        OverflowError,
+        MemoryError,
+        AssertionError,  # torch's weights_only unpickler asserts on a malformed persistent id
+        TypeError,
+    ) as e:
         # a damaged file that passed the structural checks (a byte changed inside an entry)
         where = name if name is not None else source
         raise UserError(

@@ -54,7 +54,8 @@ def one_process(tmp_path_factory, pretrained):  # noqa: F811
     return {v: _one_process(tmp_path_factory.mktemp(f"one-{v}"), v, pretrained) for v in VARIANTS}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# CI: ZeRO-2 (whole packed experts, as ZeRO-1) and ZeRO-3 (partitioned); -m extended: ZeRO-1 too
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.extended), 2, 3])
 def test_two_zero_ranks_with_4bit_experts_equal_one_process(tmp_path, pretrained, one_process, stage):  # noqa: F811
     out = tmp_path / "ranks.pt"
     cmd = [*torchrun_cmd(), __file__, str(write_recipe(tmp_path)), str(out), json.dumps(VARIANTS), str(pretrained)]

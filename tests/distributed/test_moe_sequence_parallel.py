@@ -49,6 +49,7 @@ def test_balancing_loss_over_sequence_slices_equals_one_process(tmp_path, case):
     _aux_rows_match(tmp_path)
 
 
+@pytest.mark.extended  # 4 ranks on 2 cores; CI runs the 2-rank cases
 def test_balancing_loss_over_two_sequence_groups_equals_one_process(tmp_path):
     keys = ["distributed.engine=fsdp", *MOE]
     _matches_one_process(tmp_path, keys, ["distributed.sequence_parallel=2", "batch.micro_batch_size=1"], nproc=4)
