@@ -55,7 +55,6 @@ class ExpertShards:
     """The expert-parallel parameters of a model and the groups they live on."""
 
     params: set[torch.nn.Parameter]  # every experts module's parameters: FSDP2's ignored_params
-    modules: list[torch.nn.Module]
     replicas: Any  # the group of ranks holding the same experts (None: one rank each)
 
     def reduce_gradients(self, scale: float) -> None:
@@ -114,7 +113,7 @@ def install(model: torch.nn.Module, n: int, mesh: Any, peft: Any = None) -> Expe
         len(modules),
         n,
     )
-    return ExpertShards(params=params, modules=modules, replicas=replicas)
+    return ExpertShards(params=params, replicas=replicas)
 
 
 def experts_modules(model: torch.nn.Module, family: MoEFamily, num_experts: int) -> list[torch.nn.Module]:

@@ -15,7 +15,6 @@ This file is also the probe that torchrun runs on each rank (``test_moe_ranks.ru
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers, the step harness
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the examples and the tiny families
 
-from helpers import ROOT, save_tiny_pretrained, torchrun, torchrun_cmd, write_recipe  # noqa: E402
+from helpers import ROOT, save_tiny_pretrained, torchrun, write_recipe  # noqa: E402
 from preference_batches import preference_step  # noqa: E402
 from test_aux_loss import GLOBAL  # noqa: E402
 from test_moe import FAMILIES, max_abs_diff  # noqa: E402
-from test_moe_ranks import ROWS, STEPS, _steps, family_overrides, run_variants  # noqa: E402
+from test_moe_ranks import ROWS, STEPS, _steps, family_overrides, launch, run_variants  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -62,13 +61,8 @@ def _one_process(tmp: Path, variant: str):
 
 @pytest.mark.slow
 def test_experts_on_two_ranks_equal_one_process_and_expert_parallel_1(tmp_path):
-    out = tmp_path / "ranks.pt"
-    cmd = [*torchrun_cmd(), __file__, str(write_recipe(tmp_path)), str(out), json.dumps(list(VARIANTS))]
-    cmd += [*COMMON, "distributed.engine=fsdp", "batch.micro_batch_size=1"]  # ranks x accumulation 2
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = torch.load(out)
+    keys = [*COMMON, "distributed.engine=fsdp", "batch.micro_batch_size=1"]  # ranks x accumulation 2
+    got = launch(__file__, tmp_path, [json.dumps(list(VARIANTS))], keys)
     for variant in VARIANTS:
         want_grads, want_row = _one_process(tmp_path / f"one-{variant}", variant)
         diff = max_abs_diff(got[variant]["grads"], want_grads)

@@ -12,22 +12,19 @@ This file is also the probe torchrun runs on each rank (``test_moe_ranks.run_var
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers, the step harness
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the examples and the tiny families
 
-from helpers import ROOT, metrics, torchrun, torchrun_cmd, write_recipe  # noqa: E402
+from helpers import metrics, torchrun, write_recipe  # noqa: E402
 from preference_batches import preference_step  # noqa: E402
 from test_aux_loss import GLOBAL  # noqa: E402
 from test_moe import FAMILIES, max_abs_diff  # noqa: E402
-from test_moe_ranks import STEPS, _steps, family_overrides, run_variants  # noqa: E402
+from test_moe_ranks import STEPS, _steps, family_overrides, launch, run_variants  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -63,13 +60,7 @@ def one_process(tmp_path_factory):
 @pytest.mark.parametrize("engine", [pytest.param(e, marks=pytest.mark.extended) if e == "fsdp" else e for e in ENGINES])
 def test_two_ranks_equal_one_process_big_batch(tmp_path, one_process, engine):
     keys, names = ENGINES[engine]
-    out = tmp_path / "ranks.pt"
-    cmd = [*torchrun_cmd(), __file__, str(write_recipe(tmp_path)), str(out), json.dumps(names)]
-    cmd += [*COMMON, *keys, "batch.micro_batch_size=1"]  # ranks x accumulation 2
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = torch.load(out)
+    got = launch(__file__, tmp_path, [json.dumps(names)], [*COMMON, *keys, "batch.micro_batch_size=1"])
     for variant in names:
         want_grads, want_row = one_process[variant]
         diff = max_abs_diff(got[variant]["grads"], want_grads)

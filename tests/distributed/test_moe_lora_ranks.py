@@ -16,8 +16,6 @@ OUT_FILE [KEY=VALUE ...]``; rank 0 writes {variant: {"grads": ..., "row": ...}}.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,11 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers, the step harness
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the examples and the tiny families
 
-from helpers import ROOT, TWO_RANK_ENGINES, torchrun_cmd, write_recipe  # noqa: E402
+from helpers import TWO_RANK_ENGINES, write_recipe  # noqa: E402
 from preference_batches import preference_step  # noqa: E402
 from test_aux_loss import GLOBAL  # noqa: E402
 from test_moe import max_abs_diff  # noqa: E402
-from test_moe_ranks import ROWS, STEPS, _steps, family_overrides, run_variants  # noqa: E402
+from test_moe_ranks import ROWS, STEPS, _steps, family_overrides, launch, run_variants  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -102,13 +100,8 @@ def one_process(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", list(TWO_RANK_ENGINES))
 def test_two_ranks_equal_one_process_with_lora_on_the_experts(tmp_path, one_process, engine):
-    out = tmp_path / "ranks.pt"
-    cmd = [*torchrun_cmd(), __file__, str(write_recipe(tmp_path)), str(out)]
-    cmd += [*COMMON, *TWO_RANK_ENGINES[engine], "batch.micro_batch_size=1"]  # ranks x accumulation 2
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = torch.load(out)
+    keys = [*COMMON, *TWO_RANK_ENGINES[engine], "batch.micro_batch_size=1"]  # ranks x accumulation 2
+    got = launch(__file__, tmp_path, [], keys)
     for variant, (want_grads, want_row) in one_process.items():
         diff = max_abs_diff(got[variant]["grads"], want_grads)
         print(f"{engine} {variant}: step {STEPS} gradients differ by {diff:.2e}")

@@ -27,11 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers, the step harness
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the examples and the tiny families
 
-from helpers import ROOT, torchrun, torchrun_cmd, write_recipe  # noqa: E402
+from helpers import ROOT, torchrun, write_recipe  # noqa: E402
 from preference_batches import preference_step  # noqa: E402
 from test_aux_loss import GLOBAL  # noqa: E402
 from test_moe import FAMILIES, max_abs_diff  # noqa: E402
-from test_moe_ranks import STEPS, _steps  # noqa: E402
+from test_moe_ranks import STEPS, _steps, launch  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -113,13 +113,8 @@ def test_two_fsdp2_ranks_with_4bit_experts_equal_one_process(tmp_path, pretraine
     experts = [n for n in want_grads if ".experts." in n and "lora_" in n]
     assert len(experts) == 8 and all(want_grads[n].abs().max() > 0 for n in experts)  # they train
 
-    out = tmp_path / "ranks.pt"
-    cmd = [*torchrun_cmd(), __file__, str(write_recipe(tmp_path)), str(out), json.dumps([variant]), str(pretrained)]
-    cmd += [*COMMON, "distributed.engine=fsdp", "batch.micro_batch_size=1"]  # ranks x accumulation 2
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = torch.load(out)[variant]
+    keys = [*COMMON, "distributed.engine=fsdp", "batch.micro_batch_size=1"]  # ranks x accumulation 2
+    got = launch(__file__, tmp_path, [json.dumps([variant]), str(pretrained)], keys)[variant]
 
     diff = max_abs_diff(got["grads"], want_grads)
     print(f"fsdp {variant}: step {STEPS} LoRA gradients differ by {diff:.2e} from one process")
@@ -199,11 +194,10 @@ def test_train_then_export_gives_an_adapter_peft_loads_on_the_unquantized_base(t
     assert 1e-3 < diff <= 1.5 * quant_error
 
 
-def main(recipe: str, out: str, variants: str, pretrained: str, *overrides: str) -> None:
-    """Under torchrun: each variant's two steps on this rank's share; rank 0 saves the gradients, the
-    metrics row, the gathered packed experts and what each rank held of them."""
-    from torch.distributed.fsdp import FSDPModule
-
+def run_probe(recipe: str, out: str, variants: str, pretrained: str, overrides: tuple, inspect) -> None:
+    """Under torchrun: each variant's two steps on this rank's share; ``inspect(model, plan)`` (every
+    rank: its collectives) adds what the engine holds of the packed experts; rank 0 saves the
+    gradients, the metrics row and that."""
     import llmft.engines
     from llmft.job.dist import init_distributed, leave_process, read_env, timeout_s
     from llmft.plan.resolve import load_plan
@@ -227,26 +221,35 @@ def main(recipe: str, out: str, variants: str, pretrained: str, *overrides: str)
         grads, row = preference_step(
             plan, env, _steps(plan.batch.micro_batch_size, env.rank, env.world_size), steps=STEPS
         )
-        model = built[-1].unwrap()
-        local, units = {}, {}
-        for where, module in experts_modules(model):
-            # the FSDP2 unit that gathers the experts: the innermost one holding them
-            units[where] = max(
-                (n for n, m in model.named_modules() if isinstance(m, FSDPModule) and where.startswith(n)), key=len
-            )
-            for name in FUSED:
-                p = getattr(module, name)
-                local[f"{where}.{name}"] = (
-                    p.to_local().numel(),
-                    p.numel(),
-                    p.dtype,
-                    module.llmft_quant[name].shape.numel(),
-                )
-        packed = packed_bytes(model)  # collective: every rank gathers
-        results[variant] = {"grads": grads, "row": row, "packed": packed, "local": local, "units": units}
+        results[variant] = {"grads": grads, "row": row, **inspect(built[-1].unwrap(), plan)}
     if env.is_main:
         torch.save(results, out)
     leave_process(0)  # without the interpreter's teardown (llmft.job.dist.leave_process says why)
+
+
+def _held_by_fsdp2(model, plan) -> dict:
+    """The gathered packed experts, each rank's share of them and the FSDP2 unit that gathers them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    local, units = {}, {}
+    for where, module in experts_modules(model):
+        # the FSDP2 unit that gathers the experts: the innermost one holding them
+        units[where] = max(
+            (n for n, m in model.named_modules() if isinstance(m, FSDPModule) and where.startswith(n)), key=len
+        )
+        for name in FUSED:
+            p = getattr(module, name)
+            local[f"{where}.{name}"] = (
+                p.to_local().numel(),
+                p.numel(),
+                p.dtype,
+                module.llmft_quant[name].shape.numel(),
+            )
+    return {"packed": packed_bytes(model), "local": local, "units": units}  # packed_bytes: every rank gathers
+
+
+def main(recipe: str, out: str, variants: str, pretrained: str, *overrides: str) -> None:
+    run_probe(recipe, out, variants, pretrained, overrides, _held_by_fsdp2)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ OUT_FILE VARIANTS_JSON PRETRAINED [KEY=VALUE ...]``; rank 0 writes {variant: {"g
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,19 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_moe_quant_fsdp:
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers, the step harness
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the examples and the tiny families
 
-from helpers import ROOT, torchrun_cmd, write_recipe  # noqa: E402
-from preference_batches import preference_step  # noqa: E402
 from test_moe import max_abs_diff  # noqa: E402
 from test_moe_quant_fsdp import (  # noqa: E402
     COMMON,
     FUSED,
     _one_process,
-    _variant_overrides,
     experts_modules,
     packed_bytes,
     pretrained,  # noqa: F401 (the fixture)
+    run_probe,
 )
-from test_moe_ranks import STEPS, _steps  # noqa: E402
+from test_moe_ranks import STEPS, launch  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -57,13 +53,8 @@ def one_process(tmp_path_factory, pretrained):  # noqa: F811
 # CI: ZeRO-2 (whole packed experts, as ZeRO-1) and ZeRO-3 (partitioned); -m extended: ZeRO-1 too
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.extended), 2, 3])
 def test_two_zero_ranks_with_4bit_experts_equal_one_process(tmp_path, pretrained, one_process, stage):  # noqa: F811
-    out = tmp_path / "ranks.pt"
-    cmd = [*torchrun_cmd(), __file__, str(write_recipe(tmp_path)), str(out), json.dumps(VARIANTS), str(pretrained)]
-    cmd += [*COMMON, "distributed.engine=deepspeed", f"distributed.zero_stage={stage}", "batch.micro_batch_size=1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = torch.load(out)
+    keys = [*COMMON, "distributed.engine=deepspeed", f"distributed.zero_stage={stage}", "batch.micro_batch_size=1"]
+    results = launch(__file__, tmp_path, [json.dumps(VARIANTS), str(pretrained)], keys)
 
     for variant in VARIANTS:
         want_grads, want_row, want_packed = one_process[variant]
@@ -91,54 +82,29 @@ def test_two_zero_ranks_with_4bit_experts_equal_one_process(tmp_path, pretrained
                 assert dtype == torch.uint8 and whole * 2 == logical and local == whole, (variant, name)
 
 
-def main(recipe: str, out: str, variants: str, pretrained: str, *overrides: str) -> None:  # noqa: F811
-    """Under torchrun: each variant's two steps on this rank's share; rank 0 saves the gradients, the
-    metrics row, the gathered packed experts and what each rank held of them."""
+def _held_by_zero(model, plan) -> dict:
+    """The gathered packed experts and each rank's partition of them (whole below ZeRO-3)."""
     import deepspeed
 
-    import llmft.engines
-    from llmft.job.dist import init_distributed, leave_process, read_env, timeout_s
-    from llmft.plan.resolve import load_plan
+    local, params = {}, []
+    for where, module in experts_modules(model):
+        for name in FUSED:
+            p = getattr(module, name)
+            params.append(p)
+            partitioned = hasattr(p, "ds_tensor")
+            local[f"{where}.{name}"] = (
+                p.ds_tensor.numel() if partitioned else p.numel(),
+                p.ds_numel if partitioned else p.numel(),
+                p.dtype,
+                module.llmft_quant[name].shape.numel(),
+            )
+    with deepspeed.zero.GatheredParameters(params):  # collective under ZeRO-3: every rank gathers
+        packed = packed_bytes(model)
+    return {"packed": packed, "local": local, "meta": plan.meta_init}
 
-    env = read_env()
-    built = []
-    build_engine = llmft.engines.build_engine
 
-    def keep(*args, **kwargs):
-        built.append(build_engine(*args, **kwargs))
-        return built[-1]
-
-    llmft.engines.build_engine = keep  # preference_step builds the engine; the experts are read from it
-    results = {}
-    for i, variant in enumerate(json.loads(variants)):
-        over = [*overrides, *_variant_overrides(variant, pretrained)]
-        plan = load_plan(recipe, over, world_size=env.world_size, local_world_size=env.local_world_size)
-        if i == 0:
-            d = plan.recipe.distributed
-            init_distributed(env, d.backend, timeout_s(d), force=plan.spec.multi_rank)
-        grads, row = preference_step(
-            plan, env, _steps(plan.batch.micro_batch_size, env.rank, env.world_size), steps=STEPS
-        )
-        model = built[-1].unwrap()
-        local = {}
-        params = []
-        for where, module in experts_modules(model):
-            for name in FUSED:
-                p = getattr(module, name)
-                params.append(p)
-                partitioned = hasattr(p, "ds_tensor")
-                local[f"{where}.{name}"] = (
-                    p.ds_tensor.numel() if partitioned else p.numel(),
-                    p.ds_numel if partitioned else p.numel(),
-                    p.dtype,
-                    module.llmft_quant[name].shape.numel(),
-                )
-        with deepspeed.zero.GatheredParameters(params):  # collective under ZeRO-3: every rank gathers
-            packed = packed_bytes(model)
-        results[variant] = {"grads": grads, "row": row, "packed": packed, "local": local, "meta": plan.meta_init}
-    if env.is_main:
-        torch.save(results, out)
-    leave_process(0)  # without the interpreter's teardown (llmft.job.dist.leave_process says why)
+def main(recipe: str, out: str, variants: str, pretrained: str, *overrides: str) -> None:  # noqa: F811
+    run_probe(recipe, out, variants, pretrained, overrides, _held_by_zero)
 
 
 if __name__ == "__main__":

@@ -78,13 +78,8 @@ def one_process(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", list(TWO_RANK_ENGINES))
 def test_two_ranks_equal_one_process_big_batch(tmp_path, one_process, engine):
-    out = tmp_path / "ranks.pt"
-    cmd = [*torchrun_cmd(), __file__, str(write_recipe(tmp_path)), str(out), json.dumps(VARIANTS)]
-    cmd += [*COMMON, *TWO_RANK_ENGINES[engine], "batch.micro_batch_size=1"]  # ranks x accumulation 2
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = torch.load(out)
+    keys = [*COMMON, *TWO_RANK_ENGINES[engine], "batch.micro_batch_size=1"]  # ranks x accumulation 2
+    got = launch(__file__, tmp_path, [json.dumps(VARIANTS)], keys)
     for variant, (want_grads, want_row) in one_process.items():
         diff = max_abs_diff(got[variant]["grads"], want_grads)
         print(f"{engine} {variant}: step {STEPS} gradients differ by {diff:.2e}")
@@ -92,6 +87,17 @@ def test_two_ranks_equal_one_process_big_batch(tmp_path, one_process, engine):
         assert want_row["aux/moe_balance"] > 0.1 * want_row["loss"]
         for key in ROWS:
             assert got[variant]["row"][key] == pytest.approx(want_row[key], rel=1e-5), (variant, key)
+
+
+def launch(probe: str, tmp_path: Path, args: list[str], keys: list[str]) -> dict:
+    """``probe`` on 2 ranks under torchrun (``probe RECIPE OUT *args *keys``, a recipe written in
+    ``tmp_path``); what rank 0 saved to OUT."""
+    out = tmp_path / "ranks.pt"
+    cmd = [*torchrun_cmd(), probe, str(write_recipe(tmp_path)), str(out), *args, *keys]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out)
 
 
 def run_variants(recipe: str, out: str, variants: dict[str, list[str]], names: list[str], *overrides: str) -> None:
