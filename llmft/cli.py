@@ -34,6 +34,8 @@ EXAMPLES = {
     "runs": "llmft runs runs/micro4 runs/micro1-acc4 runs/fsdp-2gpu --out compare.png",
     "plan": "llmft plan configs/llama3-8b-qlora-1gpu.yaml distributed.gpu_memory_gb=24",
     "verify": "llmft verify configs/tiny-cpu.yaml batch.micro_batch_size=2",
+    "rollout-server": "llmft rollout-server recipe.yaml --port 8000   # then train with rollout.vllm.mode=server\n"
+    "  CUDA_VISIBLE_DEVICES=7 llmft rollout-server recipe.yaml --host 0.0.0.0 --port 8000",
 }
 
 
@@ -143,6 +145,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return verify(args.recipe, args.overrides, tolerance=args.tolerance, samples=args.samples)
 
 
+def cmd_rollout_server(args: argparse.Namespace) -> int:
+    from llmft.job.dist import timeout_s
+    from llmft.model.vllm_server import serve
+    from llmft.plan.rl import vllm_problem
+    from llmft.recipe.load import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)  # the model, rollout.vllm, peft; not the rewards
+    missing = vllm_problem()
+    if missing is not None:
+        raise UserError(missing)
+    serve(recipe, args.host, args.port, timeout_s(recipe.distributed), ready=lambda s: print(s, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmft",
@@ -224,6 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(p)
     p.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed relative difference")
     p.add_argument("--samples", type=int, default=None, help="sequences to use (default: one global batch)")
+
+    p = add(
+        "rollout-server",
+        "serve the recipe's model in vLLM for online RL's rollout.vllm.mode=server (the trainer syncs its weights in)",
+        cmd_rollout_server,
+    )
+    _recipe_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     return parser
 
 

@@ -79,6 +79,32 @@ MODEL_PARAMS_MAX = 10**13
 # (building it would allocate what it says, GBs for a 460 KB model): refused, naming the file.
 PARAMS_PER_WEIGHT_BYTE_MAX = 16
 
+# --- reward workers and the code sandbox (llmft/scoring, docs/rl.md "Rewards that cannot hang") -----
+
+# A reward call's deadline when its entry sets no rewards[].timeout_s (with rl.reward_workers >= 1).
+# Real reward functions answer in milliseconds; math-verify gives up on its own after 5 s per
+# parse and per comparison; a code_tests call runs a few short test processes.
+REWARD_TIMEOUT_S = 60.0
+# How long a reward worker may take to start (python, the sandbox, importing the user's module,
+# sympy for math_verify) before the run stops naming it; not counted in any call's deadline.
+REWARD_WORKER_START_S = 120.0
+# Bytes of one reply line from a worker (a float, or a wrong value's repr cut to REWARD_REPR_CHARS);
+# more is a broken worker, killed and counted as a failure.
+REWARD_REPLY_MAX_BYTES = 1 << 20
+REWARD_REPR_CHARS = 200
+# Size of a sandboxed worker's private /tmp (a tmpfs: memory). A reward's scratch files fit; more
+# is ENOSPC inside the sandbox.
+REWARD_WORKER_TMP_BYTES = 256 << 20
+# code_tests: each test of a completion runs in its own process with these bounds. Address space:
+# the interpreter (~30 MB) and what a test solution builds; wall and CPU seconds per test (less when
+# rewards[].timeout_s divided over the record's tests is less); bytes of any file written (stdout
+# included) and of its private /tmp; tests per record.
+CODE_TESTS_MEMORY_BYTES = 1 << 30
+CODE_TESTS_TEST_S = 10.0
+CODE_TESTS_FILE_BYTES = 16 << 20
+CODE_TESTS_TMP_BYTES = 64 << 20
+CODE_TESTS_MAX_TESTS = 256
+
 # --- checkpoints (objective/ state files) ---------------------------------------------------------
 
 

@@ -55,6 +55,7 @@ TOKENIZER_DIR = "tokenizer"
 RNG_DIR = "rng"
 OBJECTIVE_DIR = "objective"  # an objective's own state per rank (online RL: the kept generation batch)
 BASE_DIR = "base_model"  # beside the step dirs, so pruning never removes it
+COMPLETIONS_DIR = "completions"  # <run>/completions/rank-<r>.jsonl: rollout.save_completions
 EXPORTS = "exported"  # <run>/exported/step-N: llmft export's default output
 # single / DDP
 MODEL_DIR = "model"

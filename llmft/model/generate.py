@@ -61,7 +61,6 @@ class Generator(Protocol):
         ...
 
 
-
 class HFGenerator:
     """transformers ``generate()`` on ``model``, left-padded, every rank in step."""
 

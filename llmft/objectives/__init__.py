@@ -95,6 +95,15 @@ class Objective(Protocol):
         """The eval row of an objective that evaluates otherwise than by its loss over the eval set
         (online RL: the held-out reward of greedy completions); None: the loss eval (``Evaluator``)."""
 
+    looks_ahead: bool  # True: the loop hands ``look_ahead`` the next step's micro-batches first (rollout.async)
+
+    def look_ahead(self, micro_batches: list[dict[str, Any]]) -> None:
+        """The next step's micro-batches, before this step's ``prepare`` (only when ``looks_ahead``)."""
+
+    def close(self) -> None:
+        """Once, when the run ends (also on an error), before the process group goes: what ``setup``
+        started (a generation engine) stops."""
+
 
 class ObjectiveBase:
     """The defaults of an ``Objective``: subclasses write ``count`` and ``micro_loss``."""
@@ -120,6 +129,14 @@ class ObjectiveBase:
 
     def evaluate(self, dataset: Any, env: DistEnv, max_items: int | None) -> dict[str, float] | None:
         return None
+
+    looks_ahead = False
+
+    def look_ahead(self, micro_batches: list[dict[str, Any]]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def build_objective(plan: RunPlan, models: Models) -> Objective:

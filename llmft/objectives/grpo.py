@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmft.checkpoint.layout import OBJECTIVE_DIR, STATE_FILE
+from llmft.checkpoint.layout import COMPLETIONS_DIR, OBJECTIVE_DIR, STATE_FILE
 from llmft.data.arrays import IGNORE_INDEX
 from llmft.data.sampler import eval_shard
 from llmft.errors import Problem, UserError
@@ -279,6 +279,37 @@ def check_state(state: Any, where: str | Path, vocab: int | None = None) -> int:
     return n
 
 
+DRAWN_KEYS = ("drawn_positions", "drawn_completions", "drawn_sampler")  # rollout.async's state
+
+
+def check_drawn_state(state: Any, where: str | Path, vocab: int | None = None) -> int:
+    """The number of completions in one rank's ``rollout.async`` state (``GRPOObjective._async_state``),
+    after checking that it is one; a ``UserError`` naming ``where`` otherwise."""
+    if not isinstance(state, dict) or state.get("objective") != STATE_HEADER["objective"]:
+        raise _damaged(where, "is not a GRPO objective state")
+    if state.get("format") != STATE_FORMAT or set(state) - set(STATE_HEADER) != set(DRAWN_KEYS):
+        keys = ", ".join(sorted(str(k) for k in state))[:200]
+        raise _damaged(where, f"not the state of a rollout.async run (its keys are {keys})")
+    positions, completions, sampler = (state[k] for k in DRAWN_KEYS)
+    if not _is_tensor(positions, 1, (torch.int64,)):
+        raise _damaged(where, "its drawn positions are not a 1-D int64 tensor")
+    n = positions.numel()
+    if n and (int(positions.min()) < 0 or positions.unique().numel() != n):
+        raise _damaged(where, "its drawn positions are not distinct positions >= 0")
+    if not (isinstance(completions, list) and isinstance(sampler, list) and len(completions) == len(sampler) == n):
+        raise _damaged(where, f"does not hold {n} drawn completions and their sampler log-probs")
+    for j, (ids, logps) in enumerate(zip(completions, sampler, strict=True)):
+        if not _is_tensor(ids, 1, (torch.int64,)) or (ids.numel() and int(ids.min()) < 0):
+            raise _damaged(where, f"drawn completion {j} is not a 1-D tensor of token ids")
+        if vocab is not None and ids.numel() and int(ids.max()) >= vocab:
+            raise _damaged(where, f"drawn completion {j} holds token id {int(ids.max())}, beyond this model's {vocab}")
+        if not _is_tensor(logps, 1, (torch.float32,)) or logps.numel() not in (0, ids.numel()):
+            raise _damaged(where, f"the sampler log-probs of drawn completion {j} are not one per token")
+        if not bool(logps.isfinite().all()):
+            raise _damaged(where, f"the sampler log-probs of drawn completion {j} are not all finite")
+    return n
+
+
 class GRPOObjective(ObjectiveBase):
     """Group-relative policy optimisation over completions of the global batch (module docstring)."""
 
@@ -305,6 +336,14 @@ class GRPOObjective(ObjectiveBase):
         self._restored_stats: dict[str, float] = {}
         self._stats: dict[str, float] = {}
         self._update_from = time.perf_counter()
+        # rollout.async: the next step's micro-batches, their drawing, this step's drawn completions,
+        # and what a checkpoint kept of them (position -> (completion, sampler log-probs))
+        self.async_rollout = getattr(r.rollout, "async") == 1
+        self.looks_ahead = self.async_rollout
+        self._ahead: list[dict[str, Any]] | None = None
+        self._pending: Any = None
+        self._current: tuple[tuple[int, ...], list[list[int]], list[list[float]] | None] | None = None
+        self._async_restored: dict[int, tuple[list[int], list[float]]] = {}
         self.rollout: Any = None
         self.rewards: Rewards | None = None
 
@@ -319,8 +358,20 @@ class GRPOObjective(ObjectiveBase):
             self.tokenizer,
             self.plan.recipe.model.hub_kernels,
             place=self.models.place_frozen,  # the engine's frozen-model door
+            workers=self.plan.recipe.rl.reward_workers,
         )
         self.metric_names = self.plan.objective_spec.metrics
+
+    def close(self) -> None:
+        if self._pending is not None:  # the drawing ends before its engine does
+            with contextlib.suppress(Exception):
+                self._pending.future.result()
+            self._pending = None
+        close = getattr(self.rollout, "close", None)
+        if close is not None:
+            close()
+        if self.rewards is not None:
+            self.rewards.close()  # its worker processes
 
     # --- the step's data stage -------------------------------------------------------------------
 
@@ -348,11 +399,23 @@ class GRPOObjective(ObjectiveBase):
         else:
             watchdog.phase(f"generating the completions of generation batch {generation}")
             t0 = time.perf_counter()
-            if self.correction:
+            drawn = self._drawn(positions) if self.async_rollout else None
+            if drawn is not None:  # drawn during the last update (rollout.async), from the weights before it
+                completions, sampler = drawn
+            elif self.correction:
                 completions, sampler = self.rollout.complete_scored(prompts, generation, self.dp_rank)
             else:
                 completions = self.rollout.complete(prompts, generation, self.dp_rank)
+            if self.async_rollout:
+                self._current = (positions, completions, sampler)
+                self._draw_ahead()  # the next step's, drawn while this one updates
             adv, old = self._advantages(prompts, completions, time.perf_counter() - t0), None
+            if self.cfg.backend == "vllm":  # of generation_s: the trainer's weights into the engine
+                self._stats["sync_s"] = self.rollout.sync_s
+            if self.async_rollout:
+                self._stats["rollout_staleness"] = 1.0 if drawn is not None else 0.0
+            if self.cfg.save_completions:
+                self._save_completions(generation, prompts, completions, sampler)
         watchdog.phase("old and reference log-probs")
         out, start = [], 0
         mismatch = Mismatch()
@@ -377,11 +440,86 @@ class GRPOObjective(ObjectiveBase):
         self._update_from = time.perf_counter()  # the update: from here to the step's metrics
         return out
 
+    # --- rollout.async: the next step's completions drawn while this one updates ---------------------
+
+    def look_ahead(self, micro_batches: list[dict[str, Any]]) -> None:
+        """The next step's micro-batches, before this step's ``prepare`` (the loop fetches them early)."""
+        self._ahead = micro_batches
+
+    def _draw_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:  # the run's last step
+            return
+        prompts = [
+            Prompt(ids, record, int(q))
+            for mb in ahead
+            for ids, record, q in zip(mb["prompt_ids"], mb["records"], mb["positions"].tolist(), strict=True)
+        ]
+        self._pending = self.rollout.start(prompts, prompts[0].position // self.global_batch, self.dp_rank)
+
+    def _drawn(self, positions: tuple[int, ...]) -> tuple[list[list[int]], list[list[float]] | None] | None:
+        """The completions of ``positions`` drawn ahead: by the drawing under way, or kept by the
+        checkpoint resumed from; None: none were (the run's first step)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            completions, sampler = pending.result()
+            if pending.positions == positions:
+                return completions, sampler if self.correction else None
+        saved = self._async_restored
+        self._async_restored = {}
+        if saved and all(q in saved for q in positions):
+            completions = [saved[q][0] for q in positions]
+            sampler = [saved[q][1] for q in positions] if self.correction else None
+            return completions, sampler
+        return None
+
+    def _async_state(self) -> dict[str, Any]:
+        """The step's drawn completions and the next step's (the drawing joined): a resume, also of a
+        step abandoned by a stop, trains on the completions the run would have."""
+        rows: dict[int, tuple[list[int], list[float] | None]] = {}
+        if self._current is not None:
+            positions, completions, sampler = self._current
+            for j, q in enumerate(positions):
+                rows[q] = (completions[j], sampler[j] if sampler is not None else None)
+        if self._pending is not None:
+            completions, sampler = self._pending.result()
+            for j, q in enumerate(self._pending.positions):
+                rows[q] = (completions[j], sampler[j])
+        order = sorted(rows)
+        return {
+            **STATE_HEADER,
+            "drawn_positions": torch.tensor(order, dtype=torch.long),
+            "drawn_completions": [torch.tensor(rows[q][0], dtype=torch.long) for q in order],
+            "drawn_sampler": [
+                torch.tensor(rows[q][1] if rows[q][1] is not None else [], dtype=torch.float32) for q in order
+            ],
+        }
+
+    def _save_completions(
+        self, generation: int, prompts: list[Prompt], completions: list[list[int]], sampler: list[list[float]] | None
+    ) -> None:
+        """``rollout.save_completions``: this rank's completions of the generation batch, a line each."""
+        import json
+
+        out = Path(self.plan.recipe.run.output_dir) / COMPLETIONS_DIR
+        out.mkdir(parents=True, exist_ok=True)
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        with open(out / f"rank-{self.env.rank}.jsonl", "a", encoding="utf-8") as f:
+            for i, (p, ids, text) in enumerate(zip(prompts, completions, texts, strict=True)):
+                line = {"generation": generation, "position": p.position, "prompt": p.record["prompt"]}
+                line.update(completion=text, completion_ids=[int(t) for t in ids])
+                if sampler is not None:
+                    line["sampler_logprobs"] = sampler[i]
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+
     # --- the kept generation batch in checkpoints (rl.iterations > 1) --------------------------------
 
     def state_dict(self) -> dict[str, Any] | None:
         """The kept generation batch, per completion: a resume inside it (another world size too)
-        trains on the same completions with the same old log-probs."""
+        trains on the same completions with the same old log-probs. With ``rollout.async``: the
+        completions drawn ahead (``_async_state``)."""
+        if self.async_rollout:
+            return self._async_state()
         if self._kept is None:
             return None
         key, batches = self._kept
@@ -408,6 +546,16 @@ class GRPOObjective(ObjectiveBase):
         """Every rank's kept batch (``llmft.checkpoint.manager.SavedState``: each names its file),
         checked before anything of it is used: a wrong one is a ``UserError`` naming the file."""
         self._restored = {}
+        if self.async_rollout:
+            self._async_restored = {}
+            vocab = _vocab_size(self.policy)
+            for i, state in enumerate(states):
+                path = str(getattr(state, "path", f"objective state {i} of the checkpoint"))
+                check_drawn_state(state, path, vocab)
+                for j, q in enumerate(state["drawn_positions"].tolist()):
+                    sampler = state["drawn_sampler"][j]
+                    self._async_restored[q] = (state["drawn_completions"][j].tolist(), sampler.tolist())
+            return
         if self.rl.iterations <= 1:  # nothing is kept across steps
             return
         vocab = _vocab_size(self.policy)
@@ -529,6 +677,7 @@ class GRPOObjective(ObjectiveBase):
         everyone = advantages(rows[:, 1], self.G, self.rl.scale_rewards)
         where = {int(q): i for i, q in enumerate(rows[:, 0].tolist())}
         self._stats = self._rollout_stats(rows)
+        self._stats.update(self.rewards.event_metrics(self.env.device))  # reward_timeouts/..., every rank's
         return everyone[[where[p.position] for p in prompts]]
 
     def _rollout_stats(self, rows: torch.Tensor) -> dict[str, float]:
@@ -599,6 +748,8 @@ class GRPOObjective(ObjectiveBase):
         """The held-out reward: one greedy completion per eval prompt (``rollout.backend: file``: its
         first completion), scored by ``rewards``; means over every eval prompt of every rank."""
         assert self.rewards is not None
+        if self._pending is not None:  # the engine is free before the eval generates with it
+            self._pending.future.result()
         n = len(dataset) if max_items is None else min(len(dataset), max_items)
         mine, per = eval_shard(n, self.dp_rank, self.layout.dp_size)
         items = [dataset[i] for i in mine] or [dataset[0]]
@@ -633,6 +784,7 @@ class GRPOObjective(ObjectiveBase):
         }
         for j, name in enumerate(self.rewards.names):
             row[f"rewards/{name}"] = sums[3 + j] / max(sums[3 + k + j], 1.0)
+        row.update(self.rewards.event_metrics(env.device))
         return row
 
     # --- the loss ----------------------------------------------------------------------------------

@@ -18,6 +18,17 @@ trains on is the weighted sum of its columns.
   directory, weights without ``score.weight``, more than one label) is refused, naming what is missing,
   when the recipe is checked (before the policy is built) and again when it loads.
 
+- ``{builtin: math_verify | code_tests, weight}``: a built-in function (``llmft.scoring.builtin_rewards``),
+  scored as a function is; its column is its name.
+
+With ``rl.reward_workers`` >= 1 (default 2) every function and built-in runs in a pool of that many
+worker processes of its own (``llmft.scoring.pool``), in a bubblewrap sandbox or not
+(``rewards[i].sandbox``, ``llmft.plan.rl.sandbox_of``), each call with a deadline (``timeout_s``):
+a call past it is killed with its worker and is None, counted in ``reward_timeouts/<name>``, or with
+``on_timeout: error`` stops the run; a worker that dies in a call (a limit, a crash) is the same,
+counted in ``reward_failures/<name>``. What a call returns or raises reads as it does in process:
+the same messages, the same file:line. With 0 they run here, one call at a time, unbounded.
+
 The functions are imported when the objective is built, so an unknown ``module:name`` is refused
 before the first step, naming ``rewards[i].function``.
 """
@@ -25,6 +36,7 @@ before the first step, naming ``rewards[i].function``.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,13 +46,18 @@ import torch
 
 from llmft import stop
 from llmft.errors import Problem, UserError, library_problem
-from llmft.job.dist import cut_short
-from llmft.plan.rl import import_function, parse_rewards
+from llmft.job.dist import all_reduce_sum, cut_short
+from llmft.limits import REWARD_TIMEOUT_S
+from llmft.plan.objectives import REWARD_FAILURES, REWARD_TIMEOUTS
+from llmft.plan.rl import RewardEntry, import_function, reward_entries, reward_problems, sandbox_of
 from llmft.plan.shape import REWARD_FIX, reward_model_problems, weights_problems
+from llmft.scoring.builtin_rewards import make_builtin
+from llmft.scoring.pool import Outcome, WorkerPool, WorkerStartError
 
 # The arguments a reward function gets from llmft; a record field of one of these names is not passed
 # (a record's own ``completion``, e.g. an SFT file's answer: rename it with the source's ``fields``).
 RESERVED = ("prompt", "completion")
+log = logging.getLogger("llmft")
 # How a frozen model built whole is held (``Engine.place_frozen``): on the device, or sharded.
 Place = Callable[[torch.nn.Module], torch.nn.Module]
 
@@ -49,11 +66,14 @@ Place = Callable[[torch.nn.Module], torch.nn.Module]
 class RewardSpec:
     """One entry of ``rewards``: where it is in the recipe, its weight, and what scores."""
 
-    key: str  # rewards[i].function or rewards[i].model
-    name: str  # the column's metric name: the function's name, or the model dir's last part
+    key: str  # rewards[i].function, rewards[i].builtin or rewards[i].model
+    name: str  # the column's metric name: the function's or built-in's name, or the model dir's last part
     weight: float
     function: Callable[..., Any] | None = None
     model: Any = None  # (model, tokenizer)
+    entry: RewardEntry | None = None
+    pool: WorkerPool | None = None  # rl.reward_workers >= 1: where the function's calls run
+    sandbox: str = "none"  # bwrap | none: where its code runs (the worker, or code_tests' test processes)
 
 
 def load_reward_model(
@@ -118,38 +138,82 @@ class Rewards:
         tokenizer: Any,
         hub_kernels: bool = False,
         place: Place | None = None,
+        workers: int = 0,
     ) -> None:
+        parsed = reward_entries(entries)
+        problems = reward_problems(parsed, workers)
+        if problems:
+            raise UserError(*problems)
         self.specs: list[RewardSpec] = []
-        for i, (kind, what, weight) in enumerate(parse_rewards(entries)):
-            key = f"rewards[{i}].{kind}"
-            if kind == "function":
-                fn = import_function(what, key)
-                self.specs.append(RewardSpec(key, what.partition(":")[2], weight, function=fn))
-            else:
+        for i, entry in enumerate(parsed):
+            key, what, sandbox = f"rewards[{i}].{entry.kind}", entry.what, sandbox_of(entry, workers)
+            if entry.kind == "model":
                 model = load_reward_model(what, key, device, tokenizer, hub_kernels, place)
-                self.specs.append(RewardSpec(key, what.rstrip("/").rsplit("/", 1)[-1], weight, model=model))
+                self.specs.append(RewardSpec(key, what.rstrip("/").rsplit("/", 1)[-1], entry.weight, model=model))
+                continue
+            timeout_s = entry.timeout_s or REWARD_TIMEOUT_S
+            if entry.kind == "function":
+                fn, name, target = import_function(what, key), what.partition(":")[2], {"function": what}
+            else:
+                options = {"timeout_s": timeout_s if workers else None, "sandbox": sandbox}
+                fn, name, target = make_builtin(what, **options), what, {"builtin": what, "options": options}
+            spec = RewardSpec(key, name, entry.weight, function=fn, entry=entry, sandbox=sandbox)
+            if workers > 0:  # a code_tests worker runs unconfined: each test it runs is sandboxed itself
+                confined = sandbox == "bwrap" and "builtin" not in target
+                spec.pool = WorkerPool(target, workers, timeout_s, confined)
+            self.specs.append(spec)
         self.device = device  # where the stop vote's all-reduce runs (``score``)
         self.weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float64)
         self.names = tuple(unique_names([s.name for s in self.specs]))
+        # per column, the calls of the last ``score`` that timed out / whose worker died
+        self.timeouts = [0] * len(self.specs)
+        self.failures = [0] * len(self.specs)
+        self._warned: set[tuple[int, str]] = set()
 
     def score(self, prompts: list[Any], completions: list[str], records: list[dict[str, Any]]) -> torch.Tensor:
         """``[n, columns]``: each completion's reward by each entry (None -> NaN in the matrix, 0 in the sum).
 
         Every rank calls it once per step (and per eval). A stop request ends the scoring before
-        the next call of a function or model; then every rank votes (``llmft.job.dist.cut_short``) and, if
-        any was asked to stop, all raise ``stop.Abandoned``: a step is never trained on part of its
-        rewards. A single call that blocks is not interrupted."""
+        the next call of a function or model (calls in workers are dropped); then every rank votes
+        (``llmft.job.dist.cut_short``) and, if any was asked to stop, all raise ``stop.Abandoned``: a
+        step is never trained on part of its rewards. A single call in this process that blocks is
+        not interrupted; one in a worker ends at its deadline."""
         columns = []
+        self.timeouts = [0] * len(self.specs)
+        self.failures = [0] * len(self.specs)
         with stop.during(stop.GENERATING):
-            for spec in self.specs:
+            for c, spec in enumerate(self.specs):
                 if stop.requested() is not None:
                     break
-                if spec.function is not None:
+                if spec.pool is not None:
+                    columns.append(self._pooled(c, spec, prompts, completions, records))
+                elif spec.function is not None:
                     columns.append(self._call(spec, prompts, completions, records))
                 else:
                     columns.append(self._model_scores(spec, prompts, completions))
             cut_short("scoring", self.device)
         return torch.stack(columns, dim=1) if columns else torch.zeros(len(completions), 0, dtype=torch.float64)
+
+    def event_metrics(self, device: torch.device | None = None) -> dict[str, float]:
+        """``reward_timeouts/<name>`` and ``reward_failures/<name>`` of each column run in workers: its
+        calls of the last ``score`` past their deadline, and those whose worker died, summed over the
+        ranks (one all-reduce; every rank calls it, or none: the recipe decides)."""
+        pooled = [c for c, spec in enumerate(self.specs) if spec.pool is not None]
+        if not pooled:
+            return {}
+        sums = all_reduce_sum(
+            [float(self.timeouts[c]) for c in pooled] + [float(self.failures[c]) for c in pooled],
+            device or self.device,
+        )
+        out = {f"{REWARD_TIMEOUTS}{self.names[c]}": sums[k] for k, c in enumerate(pooled)}
+        out.update({f"{REWARD_FAILURES}{self.names[c]}": sums[len(pooled) + k] for k, c in enumerate(pooled)})
+        return out
+
+    def close(self) -> None:
+        """Stop the workers (and whatever they started)."""
+        for spec in self.specs:
+            if spec.pool is not None:
+                spec.pool.close()
 
     def total(self, scores: torch.Tensor) -> torch.Tensor:
         """The weighted sum per completion; a None (NaN in ``scores``) counts 0."""
@@ -174,6 +238,73 @@ class Rewards:
                 raise UserError(_bad_reward(spec, prompt, f"returned {value!r}", _where(spec.function)))
             out[j] = float(value)
         return out
+
+    def _pooled(
+        self, c: int, spec: RewardSpec, prompts: list[Any], completions: list[str], records: list[dict]
+    ) -> torch.Tensor:
+        """Column ``c`` from its workers: the outcomes read as ``_call`` reads a call here, and a
+        deadline passed or a worker lost as ``on_timeout`` says."""
+        assert spec.pool is not None and spec.entry is not None
+        out = torch.full((len(completions),), math.nan, dtype=torch.float64)
+        calls = [
+            {"prompt": p, "completion": t, **{k: v for k, v in r.items() if k not in RESERVED}}
+            for p, t, r in zip(prompts, completions, records, strict=True)
+        ]
+        outcomes = spec.pool.run(calls, lambda: stop.requested() is not None)
+        try:
+            for o in outcomes:
+                if o.kind == "value":
+                    out[o.index] = math.nan if o.value is None else o.value
+                elif o.kind == "bad":
+                    raise UserError(_bad_reward(spec, prompts[o.index], f"returned {o.text}", _where(spec.function)))
+                elif o.kind == "raised":
+                    where = _where(spec.function)
+                    raise UserError(_bad_reward(spec, prompts[o.index], f"raised {o.text}", where, _raised_fix(spec)))
+                else:
+                    self._missed(c, spec, o, prompts[o.index])
+        except WorkerStartError as e:
+            raise UserError(_no_worker(spec, str(e))) from e
+        finally:
+            outcomes.close()  # an error or a stop: the calls still running are killed
+        return out
+
+    def _missed(self, c: int, spec: RewardSpec, o: Outcome, prompt: Any) -> None:
+        """A call past its deadline, or whose worker died: no opinion and counted, or the run stops."""
+        assert spec.entry is not None and spec.pool is not None
+        timeout_s = spec.pool.timeout_s
+        if o.kind == "timeout":
+            self.timeouts[c] += 1
+            what, metric = f"did not answer within timeout_s {timeout_s:g} s", REWARD_TIMEOUTS
+        else:
+            self.failures[c] += 1
+            what, metric = f"failed: {o.text}", REWARD_FAILURES
+        entry = spec.key.rsplit(".", 1)[0]
+        if spec.entry.on_timeout == "error":
+            raise UserError(
+                _bad_reward(
+                    spec,
+                    prompt,
+                    what,
+                    _where(spec.function),
+                    f"Make the reward answer within its deadline (raise {entry}.timeout_s, or on_timeout: none "
+                    "to count such a call as no opinion), then run again: checkpoint.resume=auto continues from "
+                    "the last checkpoint.",
+                )
+            )
+        if (c, o.kind) not in self._warned:  # once per column and kind; the metric counts every one
+            self._warned.add((c, o.kind))
+            shown = _shown(prompt)
+            log.warning(
+                "%s: %s %s for the record with prompt %r; such a call counts as no opinion (None), "
+                "counted per step in %s%s (%s.on_timeout: error stops the run instead)",
+                spec.key,
+                spec.name,
+                what,
+                shown,
+                metric,
+                self.names[c],
+                entry,
+            )
 
     @torch.no_grad()
     def _model_scores(self, spec: RewardSpec, prompts: list[Any], completions: list[str]) -> torch.Tensor:
@@ -208,16 +339,45 @@ def _where(fn: Any) -> str:
         return getattr(fn, "__module__", "?")
 
 
-def _bad_reward(spec: RewardSpec, prompt: Any, what: str, where: str) -> Problem:
+def _shown(prompt: Any) -> str:
     shown = prompt if isinstance(prompt, str) else str(prompt)
-    shown = shown if len(shown) <= 200 else shown[:200] + "..."
+    return shown if len(shown) <= 200 else shown[:200] + "..."
+
+
+def _bad_reward(spec: RewardSpec, prompt: Any, what: str, where: str, fix: str = "") -> Problem:
     return Problem(
         spec.key,
-        f"{spec.name} ({where}) {what} for the record with prompt {shown!r}; no optimizer step was taken "
+        f"{spec.name} ({where}) {what} for the record with prompt {_shown(prompt)!r}; no optimizer step was taken "
         "and the last checkpoint is untouched",
-        "Make the reward return a finite float (or None when it does not apply), then run again: "
+        fix
+        or "Make the reward return a finite float (or None when it does not apply), then run again: "
         "checkpoint.resume=auto continues from the last checkpoint.",
     )
+
+
+def _raised_fix(spec: RewardSpec) -> str:
+    """What to do about a reward that raised in its worker (in a sandbox: what it cannot do there)."""
+    assert spec.pool is not None
+    fix = (
+        "Make the reward return a finite float (or None when it does not apply), then run again: "
+        "checkpoint.resume=auto continues from the last checkpoint."
+    )
+    if spec.pool.sandboxed:
+        fix += (
+            " It runs in a bubblewrap sandbox (no network, the file system read-only but for a private /tmp); "
+            f"{spec.key.rsplit('.', 1)[0]}.sandbox: none runs it unconfined."
+        )
+    return fix
+
+
+def _no_worker(spec: RewardSpec, why: str) -> Problem:
+    assert spec.pool is not None
+    entry = spec.key.rsplit(".", 1)[0]
+    where = "a bubblewrap sandbox (the file system read-only, a private /tmp)" if spec.pool.sandboxed else "a process"
+    fix = "Make the module importable by a fresh python (installed, or on PYTHONPATH)"
+    if spec.pool.sandboxed:
+        fix += f", or set {entry}.sandbox: none to run its worker unconfined"
+    return Problem(spec.key, f"{spec.name}'s worker ({where}) could not start: {why}", fix + ".")
 
 
 def unique_names(names: list[str]) -> list[str]:

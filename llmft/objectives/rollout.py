@@ -11,8 +11,9 @@ ids, ending with eos unless ``rollout.max_new_tokens`` cut it. Two exist:
   data-parallel rank) in a forked RNG: the training RNG is untouched, and a resume regenerates the
   same samples without saving any generator state. Another generating backend (vLLM) is one more
   ``Generator`` (``llmft.model.generate``) behind the same ``GeneratedRollout``.
-- ``file``: ``rollout.file``, a JSONL of ``{"prompt": ..., "completions": [G strings]}`` looked up by
-  the record's prompt exactly as the data holds it (text, or messages). Tests and runs that train
+- ``file``: ``rollout.file``, a JSONL of ``{"prompt": ..., "completions": [G strings]}`` (or
+  ``"completion_ids": [G lists of token ids]``, trained as given: what ``rollout.save_completions``
+  writes) looked up by the record's prompt exactly as the data holds it (text, or messages). Tests and runs that train
   on samples generated elsewhere use it; the completions are the same whatever the split. Each
   line is bounded as a data record is (``llmft.limits``), and a completion is cut to the character
   budget of ``rollout.max_new_tokens`` before it is tokenized (``encode.cut_ids``: the same ids).
@@ -29,6 +30,7 @@ import torch
 from llmft.data.encode import cut_ids, text_budget
 from llmft.data.read import bounded_lines, not_utf8, parse_line, too_long
 from llmft.errors import Problem, UserError
+from llmft.model import vllm_backend  # vllm itself is imported only when a recipe asks for it
 from llmft.model.generate import Generation, Generator, HFGenerator
 
 if TYPE_CHECKING:
@@ -60,9 +62,9 @@ def end_at_eos(ids: list[int], eos: set[int], limit: int) -> list[int]:
 class FileRollout:
     """``rollout.backend: file``."""
 
-    def __init__(self, recipe: Recipe, tokenizer: Any) -> None:
+    def __init__(self, recipe: Recipe, tokenizer: Any, vocab: int | None = None) -> None:
         cfg = recipe.rollout
-        self.G, self.limit, self.tokenizer = cfg.num_generations, cfg.max_new_tokens, tokenizer
+        self.G, self.limit, self.tokenizer, self.vocab = cfg.num_generations, cfg.max_new_tokens, tokenizer, vocab
         self.table = read_rollout_file(cfg.file, self.G)
         self.budget = text_budget(tokenizer, self.limit)  # characters of a completion the tokenizer sees
 
@@ -81,11 +83,26 @@ class FileRollout:
                     )
                 )
             texts.append(texts_of[p.position % self.G])
+        out: list[list[int] | None] = [None] * len(texts)
+        for i, given in enumerate(texts):  # a line's completion_ids: as sampled, no eos added
+            if isinstance(given, list):
+                if self.vocab is not None and any(t >= self.vocab for t in given):
+                    raise UserError(
+                        Problem(
+                            "rollout.file",
+                            f"gives the prompt {prompt_key(prompts[i].record['prompt'])[:200]} token id "
+                            f"{max(given)}, beyond the model's vocabulary ({self.vocab})",
+                            "Give ids the policy's tokenizer made, for this model.",
+                        )
+                    )
+                out[i] = given[: self.limit]
         # Cut to the budget of max_new_tokens first: the first max_new_tokens ids are the whole
         # completion's, and a 50 MB completion is never tokenized whole.
-        ids_list, _ = cut_ids(self._ids, texts, self.limit, self.budget)
+        strings = [t for t in texts if isinstance(t, str)]
+        ids_list, _ = cut_ids(self._ids, strings, self.limit, self.budget) if strings else ([], None)
         eos = self.tokenizer.eos_token_id
-        return [list(ids)[: self.limit] + ([eos] if len(ids) < self.limit else []) for ids in ids_list]
+        made = iter([list(ids)[: self.limit] + ([eos] if len(ids) < self.limit else []) for ids in ids_list])
+        return [row if row is not None else next(made) for row in out]
 
     def _ids(self, texts: list[str]) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -139,6 +156,8 @@ def _rollout_line(
         value = parse_line(line, None)  # the bounds of a data record: nesting, size
     except ValueError as e:
         return Problem(where, str(e), shape)
+    if isinstance(value, dict) and "completion_ids" in value and "completions" not in value:
+        return _ids_line(where, value, G, table, first, n)
     completions = value.get("completions") if isinstance(value, dict) else None
     if not isinstance(value, dict) or "prompt" not in value or not isinstance(completions, list):
         return Problem(where, "is not {prompt, completions}", 'Write {"prompt": ..., "completions": [...]}.')
@@ -163,6 +182,35 @@ def _rollout_line(
     return None
 
 
+def _ids_line(where: str, value: dict, G: int, table: dict[str, list], first: dict[str, int], n: int) -> Problem | None:
+    """A line that gives its completions as token ids (``completion_ids``: G lists of ids, as a
+    sampler drew them, eos included where it ended; ``rollout.save_completions`` writes them):
+    trained exactly, never re-tokenized."""
+    ids = value["completion_ids"]
+    if "prompt" not in value or not isinstance(ids, list):
+        return Problem(
+            where, "is not {prompt, completion_ids}", 'Write {"prompt": ..., "completion_ids": [[ids], ...]}.'
+        )
+    if len(ids) != G or not all(
+        isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in row)
+        for row in ids
+    ):
+        return Problem(
+            where,
+            f"has {len(ids)} completion_ids, not {G} lists of token ids (integers >= 0)",
+            f"Give rollout.num_generations={G} lists of token ids.",
+        )
+    key = prompt_key(value["prompt"])
+    if key in table and table[key] != ids:
+        return Problem(
+            where,
+            f"gives the prompt of line {first[key]} again, with other completions",
+            "Give each prompt once (merge or drop one of the two lines).",
+        )
+    table[key], first[key] = ids, first.get(key, n)
+    return None
+
+
 class GeneratedRollout:
     """``rollout.backend: hf`` (and any backend that generates): the step's prompts through a
     ``Generator`` (``llmft.model.generate``), sampled with ``rollout.*``, seeded per generation batch
@@ -170,6 +218,32 @@ class GeneratedRollout:
 
     def __init__(self, recipe: Recipe, generator: Generator, eos: set[int]) -> None:
         self.cfg, self.generator, self.eos, self.seed = recipe.rollout, generator, eos, recipe.run.seed
+
+    def start(self, prompts: list[Prompt], generation: int, dp_rank: int) -> Pending:
+        """``rollout.async``: ``complete_scored``'s completions, drawn while the caller goes on (the
+        generator's ``start``: the weights synced now, the drawing in a thread)."""
+        cfg = self.cfg
+        how = Generation(
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            greedy=False,
+            seed=generation_seed(self.seed, generation, dp_rank),
+            batch_size=cfg.batch_size,
+            logprobs=True,
+        )
+        future = self.generator.start([p.ids for p in prompts], how)  # type: ignore[attr-defined]
+        return Pending(tuple(p.position for p in prompts), future, self.eos, cfg.max_new_tokens)
+
+    @property
+    def sync_s(self) -> float:
+        """Seconds the last generation spent giving the sampler the trainer's weights (0: none needed)."""
+        return float(getattr(self.generator, "sync_s", 0.0))
+
+    def close(self) -> None:
+        close = getattr(self.generator, "close", None)
+        if close is not None:
+            close()
 
     def complete(self, prompts: list[Prompt], generation: int, dp_rank: int, greedy: bool = False) -> list[list[int]]:
         """Every rank calls this with the same number of prompts (the step's local batch, or an eval
@@ -213,16 +287,36 @@ class GeneratedRollout:
         return completions, [logps[: len(c)] for logps, c in zip(scored, completions, strict=True)]
 
 
+class Pending:
+    """``rollout.async``: a generation batch being drawn while the policy updates (``GeneratedRollout.start``)."""
+
+    def __init__(self, positions: tuple[int, ...], future: Any, eos: set[int], limit: int) -> None:
+        self.positions, self.future, self.eos, self.limit = positions, future, eos, limit
+
+    def result(self) -> tuple[list[list[int]], list[list[float]]]:
+        rows, scored = self.future.result()
+        completions = [end_at_eos(row, self.eos, self.limit) for row in rows]
+        return completions, [logps[: len(c)] for logps, c in zip(scored, completions, strict=True)]
+
+
 def generation_seed(seed: int, generation: int, dp_rank: int) -> int:
     """The sampling seed of one rank's share of one generation batch (a pure function: resumes match)."""
     return (seed * 1_000_003 + generation * 7919 + dp_rank * 104_729 + 17) % (2**63 - 1)
 
 
 def make_rollout(recipe: Recipe, tokenizer: Any, model: torch.nn.Module, device: torch.device, synced: bool, autocast):
-    """The backend ``rollout.backend`` names; ``hf`` generates on ``model`` (``HFGenerator``)."""
+    """The backend ``rollout.backend`` names; ``hf`` generates on ``model`` (``HFGenerator``), ``vllm``
+    in a vLLM engine that gets ``model``'s weights before each generation (``VLLMGenerator``)."""
     if recipe.rollout.backend == "file":
-        return FileRollout(recipe, tokenizer)
+        return FileRollout(recipe, tokenizer, model.get_input_embeddings().num_embeddings)
     eos = tokenizer.eos_token_id
     eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
-    generator = HFGenerator(model, tokenizer.pad_token_id, sorted(eos_ids), device, synced, autocast)
+    generator: Generator
+    if recipe.rollout.backend == "vllm":
+        if recipe.rollout.vllm.mode == "server":
+            generator = vllm_backend.ServerGenerator(recipe, model, device)
+        else:
+            generator = vllm_backend.VLLMGenerator(recipe, model, tokenizer, device)
+    else:
+        generator = HFGenerator(model, tokenizer.pad_token_id, sorted(eos_ids), device, synced, autocast)
     return GeneratedRollout(recipe, generator, eos_ids)

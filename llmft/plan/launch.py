@@ -215,6 +215,58 @@ def slurm_sbatch(layout: Layout) -> str:
     return head + body
 
 
+def rollout_server_sbatch(layout: Layout) -> str:
+    """sbatch script for online RL with a served vLLM engine (``rollout.vllm.mode: server``): the
+    job's first node runs ``llmft rollout-server`` on one GPU, the other nodes train, one task per GPU."""
+    directives = (
+        f"#SBATCH --job-name={layout.job_name}-rl\n"
+        "#SBATCH --nodes=2\n"
+        "#SBATCH --ntasks-per-node=8\n"
+        "#SBATCH --gpus-per-node=8\n"
+        f"#SBATCH --signal={layout.stop_signal.removeprefix('SIG')}@180\n"
+        "#SBATCH --requeue\n"
+        "#SBATCH --open-mode=append\n"
+    )
+    usage = (
+        "Submit: sbatch launch/rollout-server.sbatch RECIPE [KEY=VALUE ...]\n"
+        "The first node serves the policy in vLLM (llmft rollout-server, one GPU); the other nodes train\n"
+        "(rollout.vllm.mode=server, rollout.vllm.url set here). More nodes: sbatch --nodes 3 ... (the trainer\n"
+        "takes all but the first). The recipe's rollout.vllm.max_model_len and peft.method serve both."
+    )
+    body = (
+        'RECIPE="${1:?usage: launch/rollout-server.sbatch RECIPE [KEY=VALUE ...]}"\n'
+        "shift\n"
+        'mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")\n'
+        'SERVER="${HOSTS[0]}"\n'
+        'PORT="${ROLLOUT_PORT:-8000}"\n'
+        "# The trainer's rendezvous is the first training node.\n"
+        'MASTER_ADDR="${HOSTS[1]:?the job needs 2 nodes or more: one serves, the others train}"\n'
+        f'MASTER_PORT="${{MASTER_PORT:-{layout.master_port}}}"\n'
+        "export MASTER_ADDR MASTER_PORT\n"
+        "\n"
+        "# The server: one task on the first node, one GPU; the trainer waits for it (rollout.vllm.url,\n"
+        "# up to distributed.timeout_s) and streams its weights in before the first generation.\n"
+        'srun --nodes=1 --ntasks=1 --gpus=1 -w "$SERVER" "${PYTHON:-python}" -m llmft rollout-server "$RECIPE" "$@" \\\n'
+        '  --host 0.0.0.0 --port "$PORT" &\n'
+        "SERVER_STEP=$!\n"
+        "\n"
+        "# The trainer: one task per GPU on the other nodes (see launch/slurm.sbatch for why srun, not torchrun).\n"
+        "status=0\n"
+        'TRAIN_NODES=$((SLURM_JOB_NUM_NODES - 1))\n'
+        'srun --kill-on-bad-exit=0 --nodes="$TRAIN_NODES" --ntasks=$((TRAIN_NODES * SLURM_NTASKS_PER_NODE)) \\\n'
+        '  --exclude="$SERVER" "${PYTHON:-python}" -m llmft train "$RECIPE" "$@" \\\n'
+        '  rollout.backend=vllm rollout.vllm.mode=server "rollout.vllm.url=http://$SERVER:$PORT" || status=$?\n'
+        'kill "$SERVER_STEP" 2>/dev/null || true\n'
+        f'if [ "$status" -eq {STOPPED_EXIT_CODE} ]; then\n'
+        "  # Stopped on request with a checkpoint written: queue again to resume from it.\n"
+        '  scontrol requeue "$SLURM_JOB_ID"\n'
+        "fi\n"
+        'exit "$status"\n'
+    )
+    head = f"#!/bin/bash\n{directives}#\n{_comment(layout.header)}\n#\n{_comment(usage)}\nset -euo pipefail\n\n"
+    return head + body
+
+
 def render(layout: Layout, launcher: str | None = None) -> dict[str, str]:
     """File name -> text for ``launch/``: torchrun's and Slurm's scripts, and the DeepSpeed
     launcher's for a run it starts (``EngineSpec.launcher``). ``launcher`` None (generic): every script."""
@@ -223,6 +275,8 @@ def render(layout: Layout, launcher: str | None = None) -> dict[str, str]:
         files["deepspeed.sh"] = deepspeed_sh(layout)
         files["hostfile"] = hostfile(layout)
     files["slurm.sbatch"] = slurm_sbatch(layout)
+    if not layout.compiled:  # the generic launch/ only: online RL with a served vLLM engine
+        files["rollout-server.sbatch"] = rollout_server_sbatch(layout)
     return files
 
 
@@ -233,7 +287,7 @@ def write(out: Path, files: dict[str, str]) -> list[Path]:
     for name, text in files.items():
         path = out / name
         path.write_text(text)
-        path.chmod(0o755 if name in SCRIPTS else 0o644)
+        path.chmod(0o755 if name in SCRIPTS or name.endswith(".sbatch") else 0o644)
         paths.append(path)
     return paths
 

@@ -45,7 +45,7 @@ from llmft.plan.objectives import (
     objective_of,
     reference_kind,
 )
-from llmft.plan.rl import generation_kv, parse_rewards
+from llmft.plan.rl import GenerationKV, generation_kv, parse_rewards
 from llmft.plan.shape import ModelShape, linear_shapes, model_shape, reward_model_shape, safetensors_bytes
 from llmft.recipe.schema import Recipe
 
@@ -414,16 +414,12 @@ def estimate(
     # Generation runs before the step's forward and its cache is freed when it returns: the peak is
     # the larger of the two working sets (the step's: activations, logits, the reference's forward).
     step_working_set = placed["activations"] + placed["logits"] + placed["reference"] - reference_weights
-    placed["generation"] = max(kv.nbytes - step_working_set, 0) if kv is not None else 0
+    engine_bytes, engine_note = colocated_engine(recipe, params, a)
+    generation_peak = max(kv.nbytes if kv is not None else 0, engine_bytes)
+    placed["generation"] = max(generation_peak - step_working_set, 0)
     placed["overhead"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * sum(placed.values())
 
-    notes = []
-    if kv is not None:
-        notes.append(
-            f"generation's KV cache: {kv.nbytes / GIB:.2f} GiB ({kv.describe()}); it is freed before the step's "
-            f"forward, so the generation row counts only what it holds beyond the step's activations, logits "
-            f"and reference forward ({max(kv.nbytes - step_working_set, 0) / GIB:.2f} GiB)"
-        )
+    notes = _generation_notes(kv, step_working_set, engine_bytes, engine_note)
     held = f"sharded over {layout.weights} ranks like the policy" if layout.weights > 1 else "whole on every GPU"
     for path, nbytes, source in rewards:
         notes.append(f"reward model {path}: {nbytes / GIB:.2f} GiB ({source}), {held}")
@@ -553,6 +549,56 @@ def _reference(
     layer = activation_bytes_per_token_layer(shape, a, params.adapted_inputs, eager_seq) * tokens
     forward = placed["logits"] + layer
     return weights + max(forward - placed["activations"] - placed["logits"], 0.0)
+
+
+def _generation_notes(kv: GenerationKV | None, step_working_set: float, engine_bytes: int, engine_note: str) -> list[str]:
+    """What the plan says of online RL's generation: ``hf``'s KV cache, or the colocated vLLM engine."""
+    notes: list[str] = []
+    if kv is not None:
+        notes.append(
+            f"generation's KV cache: {kv.nbytes / GIB:.2f} GiB ({kv.describe()}); it is freed before the step's "
+            f"forward, so the generation row counts only what it holds beyond the step's activations, logits "
+            f"and reference forward ({max(kv.nbytes - step_working_set, 0) / GIB:.2f} GiB)"
+        )
+    if engine_note:
+        notes.append(
+            f"{engine_note}; it sleeps (its memory released) while the model updates, so the generation row "
+            f"counts what it holds beyond the step's activations, logits and reference forward "
+            f"({max(engine_bytes - step_working_set, 0) / GIB:.2f} GiB); where it does not fit, lower "
+            "rollout.vllm.gpu_memory_utilization (or set rollout.vllm.kv_cache_gib), or serve the engine on other "
+            "GPUs (rollout.vllm.mode: server)"
+        )
+    return notes
+
+
+def colocated_engine(recipe: Recipe, params: Params, a: int) -> tuple[int, str]:
+    """The colocated vLLM engine's memory on each GPU while it generates (``rollout.vllm.mode:
+    colocate``) and what the plan says of it; (0, "") for every other run. vLLM takes
+    ``gpu_memory_utilization`` of the GPU for the weights (a whole copy in the compute dtype: one
+    engine per rank, tensor parallel 1), its KV cache and its working set; with
+    ``rollout.vllm.kv_cache_gib`` it takes the weights and that cache."""
+    r = recipe.rollout
+    if recipe.train.objective != "grpo" or r.backend != "vllm" or r.vllm.mode != "colocate":
+        return 0, ""
+    weights = (params.linear + params.other) * a + params.adapters * 4
+    v, gpu = r.vllm, recipe.distributed.gpu_memory_gb
+    if v.kv_cache_gib:
+        total = weights + int(v.kv_cache_gib * GIB)
+        return total, (
+            f"the colocated vLLM engine: {total / GIB:.2f} GiB while it generates (the weights, "
+            f"{weights / GIB:.2f} GiB, and rollout.vllm.kv_cache_gib {v.kv_cache_gib:g})"
+        )
+    if not isinstance(gpu, (int, float)):
+        return weights, (
+            f"the colocated vLLM engine: at least its weights, {weights / GIB:.2f} GiB, while it generates, and "
+            f"rollout.vllm.gpu_memory_utilization {v.gpu_memory_utilization:g} of the GPU (set "
+            "distributed.gpu_memory_gb to count it, or rollout.vllm.kv_cache_gib)"
+        )
+    total = max(int(v.gpu_memory_utilization * gpu * GIB), weights)
+    return total, (
+        f"the colocated vLLM engine: {total / GIB:.2f} GiB while it generates (rollout.vllm.gpu_memory_utilization "
+        f"{v.gpu_memory_utilization:g} of {gpu:g} GiB: its weights, {weights / GIB:.2f} GiB, KV cache and working set)"
+    )
 
 
 def reward_model_sizes(recipe: Recipe, spec: ObjectiveSpec) -> list[tuple[str, int, str]]:

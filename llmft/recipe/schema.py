@@ -332,6 +332,31 @@ class PreferenceConfig:
 
 
 @dataclass
+class VLLMConfig:
+    mode: str = doc(
+        "colocate",
+        "colocate: a vLLM engine in every training process, sharing its devices (its memory released while the "
+        "model updates on a GPU, vLLM's sleep mode); server: the engine of `llmft rollout-server RECIPE` at "
+        "rollout.vllm.url, started separately. Either way the trainer's weights are synced into it before every "
+        "generation.",
+        choices=("colocate", "server"),
+    )
+    url: Optional[str] = doc(
+        None, "mode=server: the rollout server's address, e.g. http://node7:8000 (llmft rollout-server's --port)."
+    )
+    gpu_memory_utilization: float = doc(
+        0.3,
+        "The share of the device's memory the colocated engine takes for weights and KV cache (on a CPU: of host "
+        "memory, vLLM's CPU backend).",
+    )
+    kv_cache_gib: Optional[float] = doc(
+        None, "The engine's KV cache in GiB (vLLM's kv_cache_memory_bytes); null: from gpu_memory_utilization."
+    )
+    tensor_parallel_size: int = doc(1, "Devices one vLLM engine spans (colocate: 1).")
+    max_model_len: Optional[int] = doc(None, "The engine's longest sequence; null: data.max_seq_len.")
+
+
+@dataclass
 class RolloutConfig:
     num_generations: int = doc(
         8,
@@ -345,17 +370,56 @@ class RolloutConfig:
     top_p: float = doc(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.")
     backend: str = doc(
         "hf",
-        "hf: transformers generate() with a KV cache, on every engine; file: completions read from rollout.file.",
-        choices=("hf", "file"),
+        "hf: transformers generate() with a KV cache, on every engine; vllm: a vLLM engine (rollout.vllm, "
+        "docs/rl.md); file: completions read from rollout.file.",
+        choices=("hf", "vllm", "file"),
     )
     file: Optional[str] = doc(
         None,
         'rollout.backend=file: a JSONL of {"prompt": <the record\'s prompt, as in the data>, "completions": [G strings]}, '
-        "looked up by prompt.",
+        'looked up by prompt; or "completion_ids": [G lists of token ids], trained as given (rollout.save_completions).',
     )
     batch_size: Optional[int] = doc(
         None, "Completions generated together by one generate() call on a rank; null: all of a step's on that rank."
     )
+    vllm: VLLMConfig = doc(VLLMConfig(), "rollout.backend=vllm: the vLLM engine (docs/rl.md).")
+    save_completions: bool = doc(
+        False,
+        "Append every generated completion to <output_dir>/completions/rank-<r>.jsonl: generation batch, position, "
+        "prompt, text, token ids (and the sampler's log-probs with rl.importance_correction=tis); a rollout.file "
+        "made of those lines (completion_ids) trains on the same tokens.",
+    )
+    async_: int = doc(
+        0,
+        "rollout.backend=vllm: 1 generates the completions of step k+1 while step k "
+        "updates, from the weights before step k (exactly one step stale, corrected by rl.importance_correction=tis); "
+        "0: each step's completions from its own weights.",
+        choices=(0, 1),
+    )
+
+
+def keyword_key(cls: type, name: str, key: str) -> type:
+    """Give the dataclass field ``name`` the recipe key ``key``, a Python keyword (``rollout.async``):
+    OmegaConf and the schema's readers see ``key``; code reads it with ``getattr(section, key)``."""
+    f = cls.__dataclass_fields__.pop(name)  # type: ignore[attr-defined]
+    f.name = key
+    cls.__dataclass_fields__[key] = f  # type: ignore[attr-defined]
+    cls.__annotations__ = {(key if k == name else k): v for k, v in cls.__annotations__.items()}
+    if f.default is not MISSING:
+        setattr(cls, key, f.default)
+    init = cls.__init__
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if key in kwargs:
+            kwargs[name] = kwargs.pop(key)
+        init(self, *args, **kwargs)
+        setattr(self, key, getattr(self, name))
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+keyword_key(RolloutConfig, "async_", "async")
 
 
 @dataclass
@@ -386,10 +450,16 @@ class RLConfig:
         "Correct the policy loss for the sampler's log-probs differing from the trainer's: tis (truncated "
         "importance sampling: each completion token's policy term times min(exp(trainer's old log-prob - "
         "sampler's log-prob), rl.is_cap); TRL's vllm_importance_sampling_mode token_truncate) or none. null: "
-        "none (tis once rollout.backend vllm exists). With tis the mismatch is logged every step (mismatch/*).",
+        "tis with rollout.backend vllm, none otherwise. With tis the mismatch is logged every step (mismatch/*).",
         choices=(None, "none", "tis"),
     )
     is_cap: float = doc(3.0, "rl.importance_correction=tis: the cap of each token's importance weight (> 0).")
+    reward_workers: int = doc(
+        2,
+        "Worker processes per reward function or builtin (each call with a deadline, rewards[].timeout_s, in a "
+        "bubblewrap sandbox where it works: docs/rl.md); 0: in the training process, one call at a time, "
+        "unbounded.",
+    )
 
 
 @dataclass
@@ -493,8 +563,11 @@ class Recipe:
     rewards: List[Any] = doc(
         [],
         'Rewards of train.objective=grpo: a list of {function: "module:name", weight} (a Python function of '
-        "prompt, completion and the record's other fields, returning a float or None) and/or {model: DIR, "
-        "weight} (a reward model, e.g. one exported by train.objective=reward).",
+        "prompt, completion and the record's other fields, returning a float or None), {builtin: math_verify | "
+        "code_tests, weight} and/or {model: DIR, weight} (a reward model, e.g. one exported by "
+        "train.objective=reward). A function or builtin also takes timeout_s (a call's deadline, default 60), "
+        "on_timeout (none: a late call is no opinion, counted in reward_timeouts/<name>; error: the run stops) "
+        "and sandbox (bwrap or none); docs/rl.md.",
     )
     distributed: DistributedConfig = doc(DistributedConfig(), "Engine and world layout.")
     moe: MoEConfig = doc(MoEConfig(), "Mixture-of-experts routing (docs/moe.md).")

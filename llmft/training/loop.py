@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -116,6 +116,7 @@ class _Run:
     cfg: LoopConfig
     hooks: LoopHooks
     stop: StopRequest
+    ahead: list = field(default_factory=list)  # the next step's micro-batches, fetched early (rollout.async)
 
 
 def _step(run: _Run, state: LoopState) -> bool:
@@ -127,7 +128,13 @@ def _step(run: _Run, state: LoopState) -> bool:
     # All micro-batches of the step are fetched first: their items (target tokens, pairs) must
     # be counted before the first backward (each micro loss is divided by the global count).
     rng = rng_state()  # as the step begins: what a checkpoint of the state before it holds
-    fetched = [next(run.batches) for _ in range(run.plan.gradient_accumulation_steps)]
+    accumulation = run.plan.gradient_accumulation_steps
+    fetched = run.ahead.pop() if run.ahead else [next(run.batches) for _ in range(accumulation)]
+    if getattr(run.objective, "looks_ahead", False) and step < run.cfg.max_steps:
+        # rollout.async: the next step's micro-batches now, so that their completions are drawn while
+        # this step updates (the data position is the samples count, not the iterator: a resume is exact)
+        run.ahead.append([next(run.batches) for _ in range(accumulation)])
+        run.objective.look_ahead(run.ahead[-1])  # type: ignore[attr-defined]
     try:
         micro_batches = run.objective.prepare(fetched)  # generation and scoring, for online RL
     except stops.Abandoned as cut:

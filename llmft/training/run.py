@@ -322,7 +322,12 @@ class Run:
         return 0
 
     def close(self) -> None:
-        """Give the run directory back (a process that ends releases it anyway, kill -9 included)."""
+        """Stop what the objective started (a generation engine) and give the run directory back (a
+        process that ends releases it anyway, kill -9 included)."""
+        objective = getattr(self, "objective", None)
+        if objective is not None:
+            self.objective = None
+            objective.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None

@@ -262,3 +262,13 @@ def test_compile_writes_launch_scripts_where_they_apply(tmp_path):
     recipe = load_recipe(tmp_path / "recipe.yaml", ["distributed.engine=fsdp"], nproc_per_node=2)
     compile_recipe(resolve(recipe), tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out" / "launch").iterdir()) == ["slurm.sbatch", "torchrun.sh"]
+
+
+def test_the_rollout_server_script_parses_and_serves_on_the_first_node():
+    script = REPO_LAUNCH / "rollout-server.sbatch"
+    assert script.stat().st_mode & stat.S_IXUSR
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    text = script.read_text()
+    assert '-m llmft rollout-server "$RECIPE" "$@"' in text and '--exclude="$SERVER"' in text
+    assert '"rollout.vllm.url=http://$SERVER:$PORT"' in text

@@ -74,6 +74,8 @@ HEAVY = frozenset(
         "flash_attn",
         "triton",
         "kernels",  # optional: the Hub kernels package, absent unless installed
+        "vllm",  # optional: rollout.backend vllm (seconds to import; not installed beside the suite)
+        "math_verify",  # optional: the math_verify reward (the rewards extra)
     }
 )
 # The only module whose functions may import llmft modules (one import per subcommand).

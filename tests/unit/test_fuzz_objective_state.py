@@ -202,6 +202,7 @@ def _objective() -> GRPOObjective:
     objective.correction = False  # rl.importance_correction none: the kept batch holds no weights
     objective.policy = SimpleNamespace(get_input_embeddings=lambda: SimpleNamespace(num_embeddings=VOCAB))
     objective._restored, objective._restored_stats, objective._stats = {}, {}, {}
+    objective.async_rollout = False  # rollout.async 0: the kept batch of rl.iterations
     return objective
 
 

@@ -116,5 +116,5 @@ def test_tis_without_the_samplers_log_probs_is_refused(tmp_path):
         load_plan(grpo_recipe(tmp_path), [TIS])
     assert (
         "rl.importance_correction: is tis, but rollout.backend is file: a file's completions come without the "
-        "sampler's log-probs. Set rl.importance_correction=none, or generate with rollout.backend=hf."
+        "sampler's log-probs. Set rl.importance_correction=none, or generate with rollout.backend=hf or vllm."
     ) in str(e.value)
