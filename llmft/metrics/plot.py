@@ -230,6 +230,10 @@ def rl_panels(splits: dict[str, list[dict]]) -> list[Panel]:
     out.append(_keys_panel("truncated fraction", train, ["truncated_fraction"]))
     out.append(_keys_panel("sampler mismatch |logp| (nats)", train, MISMATCH_LOGP, linear=False))
     out.append(_keys_panel("importance weight", train, MISMATCH_WEIGHT))
+    out.append(_keys_panel("rollout staleness (steps)", train, ["rollout_staleness"]))
+    # reward calls past their deadline, or whose worker died (rewards in workers: docs/rl.md)
+    calls = sorted({k for r in train for k in r if k.startswith(("reward_timeouts/", "reward_failures/"))})
+    out.append(_keys_panel("reward calls timed out / failed", train, calls))
     out.append(_time_panel(train))
     out.append(Panel(LR, {"lr": _series(train, "lr")}))
     out += _moe_panels(train)
@@ -274,11 +278,18 @@ def _columns_panel(train: list[dict], evals: list[dict], columns: list[str]) -> 
 
 
 def _time_panel(train: list[dict]) -> Panel:
-    """generation_s, update_s and the rest of step_time_s (rewards, packing, the old log-probs),
-    stacked: their top is the step's time."""
+    """generation_s (with the vllm backend: its weight sync, sync_s, apart), update_s and the rest
+    of step_time_s (rewards, packing, the old log-probs), stacked: their top is the step's time."""
     gen, update, total = (_series(train, k) for k in ("generation_s", "update_s", "step_time_s"))
+    sync = _series(train, "sync_s")  # rollout.backend vllm: part of generation_s
     steps = sorted(set(gen) & set(update))
     series = {"generation_s": {s: gen[s] for s in steps}, "update_s": {s: update[s] for s in steps}}
+    if sync:
+        series = {
+            "sync_s": {s: min(sync.get(s, 0.0), gen[s]) for s in steps},
+            "generation_s": {s: gen[s] - min(sync.get(s, 0.0), gen[s]) for s in steps},
+            "update_s": series["update_s"],
+        }
     if steps and all(s in total for s in steps):
         # generation_s is the slowest rank's, step_time_s this rank's: the rest is never below 0.
         series["other"] = {s: max(0.0, total[s] - gen[s] - update[s]) for s in steps}

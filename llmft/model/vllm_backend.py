@@ -119,6 +119,16 @@ class Engine:
     def __init__(self, recipe: Recipe, config: Any, architecture: str, lora_rank: int | None, device_type: str) -> None:
         cfg = recipe.rollout.vllm
         self.dtype, self.device_type = compute_dtype(recipe), device_type
+        if cfg.batch_invariant:
+            if device_type != "cuda":
+                raise UserError(
+                    Problem(
+                        "rollout.vllm.batch_invariant",
+                        "is true, but vLLM's batch-invariant kernels are Triton's, which its CPU build has none of",
+                        "Set rollout.vllm.batch_invariant=false on a CPU.",
+                    )
+                )
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM when the engine is built
         self.workdir = Path(tempfile.mkdtemp(prefix="llmft-vllm-"))  # the config the engine is built from
         config = plain_config(config, self.dtype)
         config.architectures = [architecture]

@@ -12,7 +12,8 @@ anything):
    (``rl.scale_rewards: group``), the global batch's (``batch``) or nothing (``none``), + 1e-4;
 3. the update micro-batches, padding-free: each micro-batch's prompt + completion sequences in one
    packed row (position ids restart per sequence, ``sequence_index`` names each token's completion;
-   labels only on completion tokens), with the per-token old log-probs (``rl.iterations`` > 1: the
+   labels only on completion tokens, and of a multi-turn episode only on its policy tokens: tool and
+   environment tokens are context, ``llmft.objectives.episodes``), with the per-token old log-probs (``rl.iterations`` > 1: the
    policy's at generation time) and the reference's (``rl.beta`` > 0) computed without grad.
 
 The loss of a micro-batch (``micro_loss``), per completion token t of completion i, with
@@ -57,6 +58,7 @@ from llmft.job import watchdog
 from llmft.job.dist import DistEnv, all_gather_rows, all_reduce_max, all_reduce_sum
 from llmft.model import loss as lm_loss
 from llmft.objectives import Models, ObjectiveBase, ObjectiveSetup, disable_dropout, model_inputs
+from llmft.objectives.episodes import Episode
 from llmft.objectives.reference import frozen_reference
 from llmft.objectives.rewards import Rewards
 from llmft.objectives.rollout import Prompt, make_rollout
@@ -178,7 +180,7 @@ def _shifted(mask: torch.Tensor) -> torch.Tensor:
 STATE_FORMAT = 1  # of the dict ``GRPOObjective.state_dict`` returns; checkpoints saved before it have no header
 STATE_HEADER = {"objective": "grpo", "format": STATE_FORMAT}
 STATE_KEYS = ("positions", "completions", "old_logps", "advantages", "stats")
-OPTIONAL_KEYS = ("is_weights",)  # rl.importance_correction: tis
+OPTIONAL_KEYS = ("is_weights", "policy_masks")  # rl.importance_correction: tis; multi-turn episodes
 STATE_FIX = "Resume from an earlier checkpoint (checkpoint.resume=auto skips damaged ones), or restore the file."
 
 
@@ -254,22 +256,32 @@ def check_state(state: Any, where: str | Path, vocab: int | None = None) -> int:
         raise _damaged(where, f"does not hold {n} completions and {n} lists of old log-probs for its {n} positions")
     if not _is_tensor(adv, 1, (torch.float32, torch.float64)) or adv.numel() != n or not bool(adv.isfinite().all()):
         raise _damaged(where, f"its advantages are not {n} finite numbers")
+    masks = state.get("policy_masks")
+    if masks is not None and (not isinstance(masks, list) or len(masks) != n):
+        raise _damaged(where, f"does not hold {n} policy masks for its {n} positions")
+    trained = []  # per completion, its policy tokens: what old log-probs and importance weights are of
     for j, (ids, logps) in enumerate(zip(completions, old, strict=True)):
         if not _is_tensor(ids, 1, (torch.int64,)) or (ids.numel() and int(ids.min()) < 0):
             raise _damaged(where, f"completion {j} is not a 1-D tensor of token ids")
         if vocab is not None and ids.numel() and int(ids.max()) >= vocab:
             raise _damaged(where, f"completion {j} holds token id {int(ids.max())}, beyond this model's {vocab}")
-        if not _is_tensor(logps, 1, (torch.float32, torch.float64)) or logps.numel() != ids.numel():
-            raise _damaged(where, f"the old log-probs of completion {j} are not {ids.numel()} numbers, one per token")
+        policy = ids.numel()
+        if masks is not None:
+            if not _is_tensor(masks[j], 1, (torch.bool,)) or masks[j].numel() != ids.numel():
+                raise _damaged(where, f"the policy mask of completion {j} is not {ids.numel()} booleans, one per token")
+            policy = int(masks[j].sum())
+        trained.append(policy)
+        if not _is_tensor(logps, 1, (torch.float32, torch.float64)) or logps.numel() != policy:
+            raise _damaged(where, f"the old log-probs of completion {j} are not {policy} numbers, one per policy token")
         if not bool(logps.isfinite().all()):
             raise _damaged(where, f"the old log-probs of completion {j} are not all finite")
     weights = state.get("is_weights")
     if weights is not None:
         if not isinstance(weights, list) or len(weights) != n:
             raise _damaged(where, f"does not hold {n} lists of importance weights for its {n} positions")
-        for j, (ids, w) in enumerate(zip(completions, weights, strict=True)):
-            if not _is_tensor(w, 1, (torch.float32, torch.float64)) or w.numel() != ids.numel():
-                raise _damaged(where, f"the importance weights of completion {j} are not {ids.numel()} numbers")
+        for j, (policy, w) in enumerate(zip(trained, weights, strict=True)):
+            if not _is_tensor(w, 1, (torch.float32, torch.float64)) or w.numel() != policy:
+                raise _damaged(where, f"the importance weights of completion {j} are not {policy} numbers")
             if not bool(w.isfinite().all()) or bool((w < 0).any()):
                 raise _damaged(where, f"the importance weights of completion {j} are not all finite and >= 0")
     if not isinstance(stats, dict) or not all(
@@ -331,9 +343,11 @@ class GRPOObjective(ObjectiveBase):
         self.autocast = getattr(models, "autocast", contextlib.nullcontext)
         # rl.iterations > 1: (the step's positions, -1, its micro-batch sizes) and its update batches
         self._kept: tuple[tuple[int, ...], list[dict[str, Any]]] | None = None
-        # from a checkpoint, by position: completion, advantage, old log-probs, importance weights (or None)
-        self._restored: dict[int, tuple[list[int], float, torch.Tensor, torch.Tensor | None]] = {}
+        # from a checkpoint, by position: completion, advantage, old log-probs, importance weights (or
+        # None), policy mask (None: every completion token is the policy's)
+        self._restored: dict[int, tuple[list[int], float, torch.Tensor, torch.Tensor | None, list[bool] | None]] = {}
         self._restored_stats: dict[str, float] = {}
+        self._restored_policy: list[list[bool] | None] = []
         self._stats: dict[str, float] = {}
         self._update_from = time.perf_counter()
         # rollout.async: the next step's micro-batches, their drawing, this step's drawn completions,
@@ -396,6 +410,7 @@ class GRPOObjective(ObjectiveBase):
         weights: list[torch.Tensor] | None = None
         if restored is not None:  # a resume inside a generation batch: its completions, old log-probs, weights
             completions, adv, old, weights = restored
+            policy = self._restored_policy
         else:
             watchdog.phase(f"generating the completions of generation batch {generation}")
             t0 = time.perf_counter()
@@ -416,12 +431,16 @@ class GRPOObjective(ObjectiveBase):
                 self._stats["rollout_staleness"] = 1.0 if drawn is not None else 0.0
             if self.cfg.save_completions:
                 self._save_completions(generation, prompts, completions, sampler)
+            policy = [c.policy if isinstance(c, Episode) else None for c in completions]
         watchdog.phase("old and reference log-probs")
         out, start = [], 0
         mismatch = Mismatch()
         for n in (len(mb["positions"]) for mb in micro_batches):
             batch = self._update_batch(
-                prompts[start : start + n], completions[start : start + n], adv[start : start + n]
+                prompts[start : start + n],
+                completions[start : start + n],
+                adv[start : start + n],
+                policy[start : start + n],
             )
             self._frozen_logps(batch, old[start : start + n] if old is not None else None)
             if self.correction:
@@ -524,10 +543,16 @@ class GRPOObjective(ObjectiveBase):
             return None
         key, batches = self._kept
         positions = key[: key.index(-1)]
-        completions, old, adv, weights = [], [], [], []
+        completions, old, adv, weights, masks = [], [], [], [], []
         for batch in batches:
-            for mine in _completion_tokens(batch):
-                completions.append(batch["labels"][0][_shifted(mine)].clone())
+            for i, mine in enumerate(_completion_tokens(batch)):
+                if "context" in batch:  # an episode's tokens: its policy's and the context between them
+                    tokens = _shifted(mine) | (batch["context"][0] & (batch["sequence_index"][0] == i))
+                    completions.append(batch["input_ids"][0][tokens].clone())
+                    masks.append(_shifted(mine)[tokens].clone())
+                else:
+                    completions.append(batch["labels"][0][_shifted(mine)].clone())
+                    masks.append(torch.ones(int(mine.sum()), dtype=torch.bool))
                 old.append(batch["old_logps"][0][mine].clone())
                 if "is_weights" in batch:
                     weights.append(batch["is_weights"][0][mine].clone())
@@ -540,6 +565,7 @@ class GRPOObjective(ObjectiveBase):
             "advantages": torch.cat(adv),
             "stats": dict(self._stats),
             **({"is_weights": weights} if weights else {}),
+            **({"policy_masks": masks} if any("context" in b for b in batches) else {}),
         }
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
@@ -572,6 +598,7 @@ class GRPOObjective(ObjectiveBase):
                     float(state["advantages"][j]),
                     state["old_logps"][j].float(),
                     state["is_weights"][j].float() if "is_weights" in state else None,
+                    state["policy_masks"][j].tolist() if "policy_masks" in state else None,
                 )
             self._restored_stats = {k: float(v) for k, v in state["stats"].items()}
 
@@ -590,16 +617,17 @@ class GRPOObjective(ObjectiveBase):
         saved = [self._restored[q] for q in positions]
         self._stats = {**self._restored_stats, "generation_s": 0.0}
         self._restored = {}
-        weights = [w for _, _, _, w in saved]
+        weights = [w for _, _, _, w, _ in saved]
         if self.correction and any(w is None for w in weights):
             raise _damaged(
                 "the checkpoint's objective/ state",
                 "holds no importance weights, but rl.importance_correction is tis (the checkpoint was saved without it)",
             )
+        self._restored_policy = [m for _, _, _, _, m in saved]  # the episodes' policy masks (prepare)
         return (
-            [c for c, _, _, _ in saved],
-            torch.tensor([a for _, a, _, _ in saved]),
-            [o for _, _, o, _ in saved],
+            [c for c, _, _, _, _ in saved],
+            torch.tensor([a for _, a, _, _, _ in saved]),
+            [o for _, _, o, _, _ in saved],
             weights if self.correction else None,
         )
 
@@ -662,7 +690,12 @@ class GRPOObjective(ObjectiveBase):
         """This rank's completions' advantages, from every rank's rewards (one all-gather)."""
         assert self.rewards is not None
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        scores = self.rewards.score([p.record["prompt"] for p in prompts], texts, [p.record for p in prompts])
+        # a multi-turn episode: its last assistant message's text, and the episode (completion_messages)
+        texts = [c.text if isinstance(c, Episode) else t for c, t in zip(completions, texts, strict=True)]
+        messages = [c.messages if isinstance(c, Episode) else None for c in completions]
+        scores = self.rewards.score(
+            [p.record["prompt"] for p in prompts], texts, [p.record for p in prompts], messages=messages
+        )
         total = self.rewards.total(scores)
         eos = self.tokenizer.eos_token_id
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
@@ -671,7 +704,11 @@ class GRPOObjective(ObjectiveBase):
             [torch.tensor([p.position for p in prompts], dtype=torch.float64), total, lengths, ended], dim=1
         )
         timing = torch.full((len(prompts), 1), generation_s, dtype=torch.float64)
-        rows = all_gather_rows(torch.cat([mine, timing, scores], dim=1).to(self.env.device)).cpu()
+        turns = torch.tensor(  # NaN for a single completion: the step's means are over its episodes
+            [[c.turns, c.tool_calls] if isinstance(c, Episode) else [math.nan, math.nan] for c in completions],
+            dtype=torch.float64,
+        )
+        rows = all_gather_rows(torch.cat([mine, timing, turns, scores], dim=1).to(self.env.device)).cpu()
         order = rows[:, 0].argsort()
         rows = rows[order]
         everyone = advantages(rows[:, 1], self.G, self.rl.scale_rewards)
@@ -681,7 +718,8 @@ class GRPOObjective(ObjectiveBase):
         return everyone[[where[p.position] for p in prompts]]
 
     def _rollout_stats(self, rows: torch.Tensor) -> dict[str, float]:
-        total, lengths, ended, gen_s, scores = rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4], rows[:, 5:]
+        total, lengths, ended, gen_s, scores = rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4], rows[:, 7:]
+        turns, calls = rows[:, 5], rows[:, 6]
         by_group = total.view(-1, self.G)
         stats = {
             "reward": float(total.mean()),
@@ -693,6 +731,10 @@ class GRPOObjective(ObjectiveBase):
             "generation_s": float(gen_s.max()),
             "generation_tokens_per_s": float(lengths.sum() / max(float(gen_s.max()), 1e-9)),
         }
+        episodes = ~turns.isnan()
+        if bool(episodes.any()):  # multi-turn episodes: assistant messages and tool calls per episode
+            stats["turns"] = float(turns[episodes].mean())
+            stats["tool_calls"] = float(calls[episodes].mean())
         assert self.rewards is not None
         for j, name in enumerate(self.rewards.names):
             column = scores[:, j]
@@ -700,13 +742,31 @@ class GRPOObjective(ObjectiveBase):
             stats[f"rewards/{name}"] = float(known.mean()) if known.numel() else math.nan
         return stats
 
-    def _update_batch(self, prompts: list[Prompt], completions: list[list[int]], adv: torch.Tensor) -> dict[str, Any]:
-        """One packed row of prompt + completion sequences (module docstring, item 3)."""
-        ids, labels, positions, index = [], [], [], []
+    def _update_batch(
+        self,
+        prompts: list[Prompt],
+        completions: list[list[int]],
+        adv: torch.Tensor,
+        policy: list[list[bool] | None] | None = None,
+    ) -> dict[str, Any]:
+        """One packed row of prompt + completion sequences (module docstring, item 3). ``policy``: per
+        completion, which of its tokens the policy wrote (a multi-turn episode's; None: all of them):
+        the others are context, labelled ``IGNORE_INDEX`` (out of the loss and the count) and marked
+        in ``context``, which the batch holds only when some completion has any."""
+        ids, labels, positions, index, context = [], [], [], [], []
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
             seq = torch.cat([p.ids.long(), torch.tensor(c, dtype=torch.long)])
             ids.append(seq)
-            labels.append(torch.cat([torch.full((len(p.ids),), IGNORE_INDEX, dtype=torch.long), seq[len(p.ids) :]]))
+            target = seq[len(p.ids) :].clone()
+            mask = policy[i] if policy is not None else None
+            outside = torch.zeros(len(seq), dtype=torch.bool)
+            if mask is not None:
+                assert len(mask) == len(c), (len(mask), len(c))
+                mine = torch.tensor(mask, dtype=torch.bool)
+                target[~mine] = IGNORE_INDEX
+                outside[len(p.ids) :] = ~mine
+            context.append(outside)
+            labels.append(torch.cat([torch.full((len(p.ids),), IGNORE_INDEX, dtype=torch.long), target]))
             positions.append(torch.arange(len(seq)))
             index.append(torch.full((len(seq),), i, dtype=torch.long))
         batch: dict[str, Any] = {
@@ -720,6 +780,8 @@ class GRPOObjective(ObjectiveBase):
         _, valid = predicted_targets(batch["labels"], batch["sequence_index"])
         lengths = torch.zeros(len(prompts)).index_add(0, batch["sequence_index"][valid], torch.ones(int(valid.sum())))
         batch["completion_lengths"] = lengths
+        if policy is not None and any(m is not None for m in policy):
+            batch["context"] = torch.cat(context)[None]
         return batch
 
     @torch.no_grad()
@@ -760,7 +822,11 @@ class GRPOObjective(ObjectiveBase):
         completions = self.rollout.complete(prompts, -1, self.dp_rank, greedy=True)
         self.policy.train(was_training)
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        scores = self.rewards.score([p.record["prompt"] for p in prompts], texts, [p.record for p in prompts])
+        texts = [c.text if isinstance(c, Episode) else t for c, t in zip(completions, texts, strict=True)]
+        messages = [c.messages if isinstance(c, Episode) else None for c in completions]
+        scores = self.rewards.score(
+            [p.record["prompt"] for p in prompts], texts, [p.record for p in prompts], messages=messages
+        )
         real = len(mine)
         total = self.rewards.total(scores)[:real]
         known = ~scores[:real].isnan()

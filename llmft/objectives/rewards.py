@@ -6,7 +6,10 @@ trains on is the weighted sum of its columns.
 - ``{function: "module:name", weight}``: a Python function called once per completion as
   ``fn(prompt=..., completion=..., **fields)``: the prompt as the record holds it (text or
   messages), the completion's text, and the record's other fields by name (a function takes what it
-  needs and ``**kwargs`` for the rest). It returns a float, or None: no opinion, counted as 0 in the
+  needs and ``**kwargs`` for the rest). For a multi-turn episode (``rollout.file``,
+  ``llmft.objectives.episodes``) ``completion`` is the text of its last assistant message and
+  ``completion_messages`` the whole episode (the messages after the prompt); a single completion
+  gets no ``completion_messages``. It returns a float, or None: no opinion, counted as 0 in the
   weighted sum (TRL's convention for a function that does not apply to a record). A function that
   raises or returns NaN stops the run with its name and the record's prompt; nothing trained is
   lost (the last checkpoint stands).
@@ -56,7 +59,7 @@ from llmft.scoring.pool import Outcome, WorkerPool, WorkerStartError
 
 # The arguments a reward function gets from llmft; a record field of one of these names is not passed
 # (a record's own ``completion``, e.g. an SFT file's answer: rename it with the source's ``fields``).
-RESERVED = ("prompt", "completion")
+RESERVED = ("prompt", "completion", "completion_messages")
 log = logging.getLogger("llmft")
 # How a frozen model built whole is held (``Engine.place_frozen``): on the device, or sharded.
 Place = Callable[[torch.nn.Module], torch.nn.Module]
@@ -170,15 +173,27 @@ class Rewards:
         self.failures = [0] * len(self.specs)
         self._warned: set[tuple[int, str]] = set()
 
-    def score(self, prompts: list[Any], completions: list[str], records: list[dict[str, Any]]) -> torch.Tensor:
+    def score(
+        self,
+        prompts: list[Any],
+        completions: list[str],
+        records: list[dict[str, Any]],
+        messages: list[list[dict[str, Any]] | None] | None = None,
+    ) -> torch.Tensor:
         """``[n, columns]``: each completion's reward by each entry (None -> NaN in the matrix, 0 in the sum).
 
         Every rank calls it once per step (and per eval). A stop request ends the scoring before
         the next call of a function or model (calls in workers are dropped); then every rank votes
         (``llmft.job.dist.cut_short``) and, if any was asked to stop, all raise ``stop.Abandoned``: a
         step is never trained on part of its rewards. A single call in this process that blocks is
-        not interrupted; one in a worker ends at its deadline."""
+        not interrupted; one in a worker ends at its deadline. ``messages``: per completion, the
+        multi-turn episode it is the last message of (passed as ``completion_messages``), or None."""
         columns = []
+        episodes = messages if messages is not None else [None] * len(records)
+        records = [  # a record's own completion_messages field is reserved: never passed
+            {**{k: v for k, v in r.items() if k != "completion_messages"}, **({"completion_messages": m} if m else {})}
+            for r, m in zip(records, episodes, strict=True)
+        ]
         self.timeouts = [0] * len(self.specs)
         self.failures = [0] * len(self.specs)
         with stop.during(stop.GENERATING):
@@ -224,7 +239,7 @@ class Rewards:
         for j, (prompt, completion, record) in enumerate(zip(prompts, completions, records, strict=True)):
             if stop.requested() is not None:  # ``score`` votes next: the step is abandoned
                 break
-            fields = {k: v for k, v in record.items() if k not in RESERVED}
+            fields = _fields(record)
             try:
                 value = spec.function(prompt=prompt, completion=completion, **fields)  # type: ignore[misc]
             except Exception as e:
@@ -247,8 +262,7 @@ class Rewards:
         assert spec.pool is not None and spec.entry is not None
         out = torch.full((len(completions),), math.nan, dtype=torch.float64)
         calls = [
-            {"prompt": p, "completion": t, **{k: v for k, v in r.items() if k not in RESERVED}}
-            for p, t, r in zip(prompts, completions, records, strict=True)
+            {"prompt": p, "completion": t, **_fields(r)} for p, t, r in zip(prompts, completions, records, strict=True)
         ]
         outcomes = spec.pool.run(calls, lambda: stop.requested() is not None)
         try:
@@ -324,6 +338,15 @@ class Rewards:
             j = int((~torch.isfinite(scores)).nonzero()[0])
             raise UserError(_bad_reward(spec, prompts[j], f"scored {float(scores[j])}", spec.key))
         return scores
+
+
+def _fields(record: dict[str, Any]) -> dict[str, Any]:
+    """A reward function's keyword arguments from ``record`` (besides prompt and completion): its
+    fields but the reserved names, and the episode ``score`` put under ``completion_messages``."""
+    fields = {k: v for k, v in record.items() if k not in RESERVED}
+    if "completion_messages" in record:
+        fields["completion_messages"] = record["completion_messages"]
+    return fields
 
 
 def _prompt_text(prompt: Any, tok: Any) -> str:

@@ -17,6 +17,8 @@ ids, ending with eos unless ``rollout.max_new_tokens`` cut it. Two exist:
   on samples generated elsewhere use it; the completions are the same whatever the split. Each
   line is bounded as a data record is (``llmft.limits``), and a completion is cut to the character
   budget of ``rollout.max_new_tokens`` before it is tokenized (``encode.cut_ids``: the same ids).
+  A completion may be a multi-turn episode, the messages after a prompt given as messages: its ids
+  and policy mask come from the chat template (``llmft.objectives.episodes.Episode``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from llmft.data.read import bounded_lines, not_utf8, parse_line, too_long
 from llmft.errors import Problem, UserError
 from llmft.model import vllm_backend  # vllm itself is imported only when a recipe asks for it
 from llmft.model.generate import Generation, Generator, HFGenerator
+from llmft.objectives.episodes import Episode, episode_ids, episode_problem
 
 if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
@@ -65,7 +68,9 @@ class FileRollout:
     def __init__(self, recipe: Recipe, tokenizer: Any, vocab: int | None = None) -> None:
         cfg = recipe.rollout
         self.G, self.limit, self.tokenizer, self.vocab = cfg.num_generations, cfg.max_new_tokens, tokenizer, vocab
-        self.table = read_rollout_file(cfg.file, self.G)
+        self.cfg_file = cfg.file
+        self.lines: dict[str, int] = {}  # prompt key -> its line (a multi-turn episode's errors name it)
+        self.table = read_rollout_file(cfg.file, self.G, self.lines)
         self.budget = text_budget(tokenizer, self.limit)  # characters of a completion the tokenizer sees
 
     def complete(self, prompts: list[Prompt], generation: int, dp_rank: int, greedy: bool = False) -> list[list[int]]:
@@ -84,8 +89,11 @@ class FileRollout:
                 )
             texts.append(texts_of[p.position % self.G])
         out: list[list[int] | None] = [None] * len(texts)
+        for i, given in enumerate(texts):  # a multi-turn episode: ids and policy mask by the chat template
+            if isinstance(given, list) and given and isinstance(given[0], dict):
+                out[i] = self._episode(prompts[i], given)
         for i, given in enumerate(texts):  # a line's completion_ids: as sampled, no eos added
-            if isinstance(given, list):
+            if isinstance(given, list) and out[i] is None:
                 if self.vocab is not None and any(t >= self.vocab for t in given):
                     raise UserError(
                         Problem(
@@ -107,15 +115,32 @@ class FileRollout:
     def _ids(self, texts: list[str]) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
+    def _episode(self, prompt: Prompt, episode: list[dict[str, Any]]) -> Episode:
+        key = prompt_key(prompt.record["prompt"])
+        where = f"{self.cfg_file}:{self.lines.get(key, '?')}"
+        try:
+            return episode_ids(self.tokenizer, prompt.record["prompt"], episode, self.limit, self.budget)
+        except ValueError as e:  # the template cannot tell the policy's tokens from its own
+            raise UserError(
+                Problem(
+                    where,
+                    f"a multi-turn episode cannot be tokenized: {e}",
+                    "Use a chat template that renders every prefix of a conversation as its prefix "
+                    "(data.chat_template: llmft, chatml or llama3 do), or give the episode as completion_ids.",
+                )
+            ) from e
 
-def read_rollout_file(path: str | None, G: int) -> dict[str, list[str]]:
+
+def read_rollout_file(path: str | None, G: int, lines: dict[str, int] | None = None) -> dict[str, list]:
     """``rollout.file`` as prompt key -> G completions; every line checked (file:line errors).
 
     A line is UTF-8 JSON ``{"prompt": ..., "completions": [G strings]}`` of at most
     ``RECORD_MAX_BYTES`` bytes and ``RECORD_MAX_DEPTH`` levels, as a data record (``llmft.limits``);
     read a line at a time, a longer one is skipped without being held. Exactly G completions: with
     more, which G would be trained on is a guess. A prompt given twice with other completions is
-    refused, naming both lines."""
+    refused, naming both lines. A completion may be a multi-turn episode, the list of messages after
+    a prompt given as messages (``llmft.objectives.episodes``). ``lines``: filled with each prompt
+    key's line."""
     if not path:
         raise UserError(Problem("rollout.file", "is not set, but rollout.backend is file", "Name the JSONL file."))
     problems: list[Problem] = []
@@ -135,6 +160,8 @@ def read_rollout_file(path: str | None, G: int) -> dict[str, list[str]]:
         ) from e
     if problems:
         raise UserError(*problems, title=f"rollout.file {path} is not usable")
+    if lines is not None:
+        lines.update(first)
     return table
 
 
@@ -169,8 +196,16 @@ def _rollout_line(
             f"Give exactly {G} completions per prompt (drop the extra ones), or set "
             f"rollout.num_generations={count} if every line has {count}.",
         )
-    if count < G or not all(isinstance(c, str) for c in completions):
-        return Problem(where, f"has {count} completions, not {G} strings", f"Give rollout.num_generations={G} strings.")
+    if count < G or not all(isinstance(c, (str, list)) for c in completions):
+        return Problem(
+            where,
+            f"has {count} completions, not {G} strings or episodes",
+            f"Give rollout.num_generations={G} strings (or episodes: lists of the messages after the prompt).",
+        )
+    for j, c in enumerate(completions):
+        problem = _episode_problem(where, value["prompt"], j, c) if isinstance(c, list) else None
+        if problem is not None:
+            return problem
     key = prompt_key(value["prompt"])
     if key in table and table[key] != completions:
         return Problem(
@@ -179,6 +214,26 @@ def _rollout_line(
             "Give each prompt once (merge or drop one of the two lines).",
         )
     table[key], first[key] = completions, first.get(key, n)
+    return None
+
+
+def _episode_problem(where: str, prompt: Any, j: int, episode: list) -> Problem | None:
+    """Completion ``j`` of a line, a multi-turn episode: its prompt is messages and it is messages."""
+    if not isinstance(prompt, list):
+        return Problem(
+            where,
+            f"completion {j} is an episode (a list of messages), but the prompt is not messages",
+            'Give the prompt as messages ({"prompt": [{"role": "user", "content": ...}], ...}), as the data '
+            "holds it: an episode is rendered by the chat template after it.",
+        )
+    why = episode_problem(episode)
+    if why is not None:
+        return Problem(
+            where,
+            f"completion {j} is not an episode: {why}",
+            'Give the messages after the prompt: [{"role": "assistant", "content": ..., "tool_calls": [...]}, '
+            '{"role": "tool", "content": ...}, {"role": "assistant", "content": ...}].',
+        )
     return None
 
 

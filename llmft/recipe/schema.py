@@ -354,6 +354,11 @@ class VLLMConfig:
     )
     tensor_parallel_size: int = doc(1, "Devices one vLLM engine spans (colocate: 1).")
     max_model_len: Optional[int] = doc(None, "The engine's longest sequence; null: data.max_seq_len.")
+    batch_invariant: bool = doc(
+        False,
+        "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT: a completion's numbers do not depend on what shares its "
+        "batch); GPU only (its kernels are Triton's).",
+    )
 
 
 @dataclass

@@ -178,3 +178,17 @@ def test_a_tiny_grpo_run_plots_its_reward(tmp_path, shown):
         "time per step (s)",
     ]
     assert dict(shown[0])["reward"] == ["reward", "eval reward"]
+
+
+def test_a_vllm_run_splits_out_its_sync_and_shows_staleness_and_reward_timeouts(tmp_path, shown):
+    rows = _grpo_rows(
+        sync_s=lambda s: 0.25,
+        rollout_staleness=lambda s: 0.0 if s == 1 else 1.0,
+        **{"reward_timeouts/exact": lambda s: float(s % 5 == 0), "reward_failures/exact": lambda s: 0.0},
+    )
+    write_metrics(tmp_path / "grpo", rows)
+    plot_run(tmp_path / "grpo")
+    drawn = dict(shown[0])
+    assert drawn["time per step (s)"] == ["sync_s", "generation_s", "update_s", "other"]
+    assert drawn["rollout staleness (steps)"] == ["rollout_staleness"]
+    assert drawn["reward calls timed out / failed"] == ["reward_failures/exact", "reward_timeouts/exact"]

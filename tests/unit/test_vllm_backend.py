@@ -173,3 +173,14 @@ def test_the_planner_counts_the_colocated_engine(tmp_path, vllm_installed):
         load_plan(grpo_recipe(tmp_path / "srv"), [*over, "rollout.vllm.mode=server", "rollout.vllm.url=http://h:1"])
     )
     assert served.generation == 0 and served.fits(8)
+
+
+def test_batch_invariance_is_refused_on_a_cpu(tmp_path, importable, vllm_installed):
+    from llmft.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        train_inproc(grpo_recipe(tmp_path), VLLM, "rollout.file=null", "rollout.vllm.batch_invariant=true")
+    assert str(e.value).startswith(
+        "rollout.vllm.batch_invariant: is true, but vLLM's batch-invariant kernels are Triton's, which its CPU build "
+        "has none of. Set rollout.vllm.batch_invariant=false on a CPU."
+    )

@@ -163,3 +163,25 @@ def test_async_draws_one_step_ahead_and_resumes_exactly_after_kill_9(tmp_path):
     assert train_inproc(recipe, *over) == 0
     assert max_rel_diff(_weights(killed), _weights(whole)) <= 1e-6
     assert metrics(killed / "run")[-1]["reward"] == rows[-1]["reward"]
+
+
+def test_verify_proves_any_split_is_the_big_batch_with_vllm_completions(tmp_path):
+    """``llmft verify`` on a vllm recipe: the completions and their importance weights come with the
+    rollout, so the split's step equals the big batch's."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    recipe = _recipe(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmft", "verify", str(recipe), "batch.micro_batch_size=2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **rewards_importable()},
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "PASS: largest relative difference" in proc.stdout
