@@ -206,15 +206,7 @@ def _rollout_line(
         problem = _episode_problem(where, value["prompt"], j, c) if isinstance(c, list) else None
         if problem is not None:
             return problem
-    key = prompt_key(value["prompt"])
-    if key in table and table[key] != completions:
-        return Problem(
-            where,
-            f"gives the prompt of line {first[key]} again, with other completions",
-            "Give each prompt once (merge or drop one of the two lines).",
-        )
-    table[key], first[key] = completions, first.get(key, n)
-    return None
+    return _enter(where, value["prompt"], completions, table, first, n)
 
 
 def _episode_problem(where: str, prompt: Any, j: int, episode: list) -> Problem | None:
@@ -255,14 +247,19 @@ def _ids_line(where: str, value: dict, G: int, table: dict[str, list], first: di
             f"has {len(ids)} completion_ids, not {G} lists of token ids (integers >= 0)",
             f"Give rollout.num_generations={G} lists of token ids.",
         )
-    key = prompt_key(value["prompt"])
-    if key in table and table[key] != ids:
+    return _enter(where, value["prompt"], ids, table, first, n)
+
+
+def _enter(where: str, prompt: Any, completions: list, table: dict[str, list], first: dict[str, int], n: int):
+    """A line's completions into ``table`` under its prompt; a prompt given again with others is refused."""
+    key = prompt_key(prompt)
+    if key in table and table[key] != completions:
         return Problem(
             where,
             f"gives the prompt of line {first[key]} again, with other completions",
             "Give each prompt once (merge or drop one of the two lines).",
         )
-    table[key], first[key] = ids, first.get(key, n)
+    table[key], first[key] = completions, first.get(key, n)
     return None
 
 

@@ -248,3 +248,35 @@ def test_a_template_that_does_not_render_prefixes_is_named_at_the_line(tmp_path,
         in text
     )
     assert "does not render the conversation up to message 0 of the episode as a prefix" in text
+
+
+def test_llmft_verify_checks_a_split_of_episodes(tmp_path, rewards_module, capsys):
+    """``llmft verify`` on a recipe of file episodes: 2 emulated ranks x micro 2 against the big
+    batch, the context tokens out of both."""
+    from llmft.training.verify import verify
+
+    recipe = episode_recipe(tmp_path, batch__micro_batch_size=2)
+    assert verify(str(recipe), ["distributed.nproc_per_node=2", "rl.beta=0.05"]) == 0
+    assert "PASS: largest relative difference" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_two_ranks_train_episodes_as_one_process(tmp_path, rewards_module):
+    """Groups of episodes across 2 DDP ranks (micro 2): every rank's context tokens stay out of the
+    global count, and the weights are one process's."""
+    import os
+
+    from helpers import torchrun
+
+    one = tmp_path / "one"
+    assert train_inproc(episode_recipe(one), "peft.method=lora", "peft.r=4") == 0
+    two = tmp_path / "two"
+    recipe = episode_recipe(two)
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    }
+    over = ["peft.method=lora", "peft.r=4", "distributed.engine=ddp", "batch.micro_batch_size=2"]
+    proc = torchrun(["train", str(recipe), *over], env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert max_rel_diff(_weights(two), _weights(one)) <= 1e-5
+    assert [r["tokens"] for r in metrics(two / "run")] == [r["tokens"] for r in metrics(one / "run")]
