@@ -116,7 +116,7 @@ def read_env() -> DistEnv:
     return DistEnv()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -141,7 +141,7 @@ def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 600
     if not env.distributed:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "gloo" and os.environ.get("MASTER_ADDR", "127.0.0.1") in LOOPBACK:

@@ -74,11 +74,11 @@ def base_state_dict(base: torch.nn.Module, dtype: torch.dtype) -> dict[str, torc
             if key is None or id(tensor) in seen:
                 continue
             seen.add(id(tensor))
-            state[key] = _dequantized(tensor).to("cpu", dtype).contiguous()
+            state[key] = dequantized(tensor).to("cpu", dtype).contiguous()
     return state
 
 
-def _dequantized(t: torch.Tensor) -> torch.Tensor:
+def dequantized(t: torch.Tensor) -> torch.Tensor:
     kind = type(t).__name__
     if kind == "Params4bit" and getattr(t, "bnb_quantized", False):
         import bitsandbytes.functional as bnb_f  # optional (the qlora extra): only a 4-bit weight gets here

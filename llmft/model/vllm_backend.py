@@ -43,11 +43,11 @@ import torch
 from llmft import stop
 from llmft.errors import Problem, UserError, library_problem
 from llmft.job import watchdog
-from llmft.job.dist import _free_port, all_reduce_max, cut_short, timeout_s
+from llmft.job.dist import all_reduce_max, cut_short, free_port, timeout_s
 from llmft.model.adapters import base_key
 from llmft.model.generate import Generation
 from llmft.model.precision import compute_dtype
-from llmft.model.save import _dequantized, plain_config
+from llmft.model.save import dequantized, plain_config
 
 if TYPE_CHECKING:
     from llmft.recipe.schema import Recipe
@@ -71,7 +71,7 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
     dequantized, anything else as it is (ZeRO-3 parameters are gathered by the caller)."""
     if hasattr(param, "full_tensor"):
         return param.full_tensor()
-    return _dequantized(param)
+    return dequantized(param)
 
 
 @contextlib.contextmanager
@@ -497,4 +497,4 @@ def _launcher_env() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())

@@ -414,7 +414,7 @@ def estimate(
     # Generation runs before the step's forward and its cache is freed when it returns: the peak is
     # the larger of the two working sets (the step's: activations, logits, the reference's forward).
     step_working_set = placed["activations"] + placed["logits"] + placed["reference"] - reference_weights
-    engine_bytes, engine_note = colocated_engine(recipe, params, a)
+    engine_bytes, engine_note = colocated_engine(recipe, spec, params, a)
     generation_peak = max(kv.nbytes if kv is not None else 0, engine_bytes)
     placed["generation"] = max(generation_peak - step_working_set, 0)
     placed["overhead"] = CUDA_CONTEXT_BYTES + FRAGMENTATION * sum(placed.values())
@@ -571,14 +571,14 @@ def _generation_notes(kv: GenerationKV | None, step_working_set: float, engine_b
     return notes
 
 
-def colocated_engine(recipe: Recipe, params: Params, a: int) -> tuple[int, str]:
+def colocated_engine(recipe: Recipe, spec: ObjectiveSpec, params: Params, a: int) -> tuple[int, str]:
     """The colocated vLLM engine's memory on each GPU while it generates (``rollout.vllm.mode:
     colocate``) and what the plan says of it; (0, "") for every other run. vLLM takes
     ``gpu_memory_utilization`` of the GPU for the weights (a whole copy in the compute dtype: one
     engine per rank, tensor parallel 1), its KV cache and its working set; with
     ``rollout.vllm.kv_cache_gib`` it takes the weights and that cache."""
     r = recipe.rollout
-    if recipe.train.objective != "grpo" or r.backend != "vllm" or r.vllm.mode != "colocate":
+    if not spec.reads_from("rollout") or r.backend != "vllm" or r.vllm.mode != "colocate":
         return 0, ""
     weights = (params.linear + params.other) * a + params.adapters * 4
     v, gpu = r.vllm, recipe.distributed.gpu_memory_gb

@@ -27,7 +27,7 @@ def bwrap_problem() -> str | None:
         return "bwrap is not installed (not on PATH)"
     try:
         done = subprocess.run(
-            [*_prefix(exe), "--ro-bind", "/", "/", "--", "/bin/true"],
+            [*bwrap_prefix(exe), "--ro-bind", "/", "/", "--", "/bin/true"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -40,6 +40,6 @@ def bwrap_problem() -> str | None:
     return None
 
 
-def _prefix(exe: str) -> list[str]:
+def bwrap_prefix(exe: str) -> list[str]:
     caps = ["--cap-drop", "ALL"] if os.geteuid() == 0 else []  # as root bwrap keeps them otherwise
     return [exe, "--die-with-parent", "--new-session", "--unshare-all", *caps]

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from llmft.limits import CODE_TESTS_TMP_BYTES, REWARD_WORKER_TMP_BYTES
-from llmft.scoring.probe import _prefix
+from llmft.scoring.probe import bwrap_prefix
 
 
 def _hidden_homes() -> list[str]:
@@ -53,13 +53,13 @@ def _interpreter_dirs() -> list[str]:
 
 def bwrap_argv(profile: str, cwd: str | None = None, visible: tuple[str, ...] = ()) -> list[str]:
     """The ``bwrap ... --`` prefix of a command in the sandbox ``profile`` (``worker`` | ``strict``,
-    module docstring), started in ``cwd`` (``/tmp`` when None). ``worker``: ``cwd`` and the
-    directories ``visible`` (the trainer's ``sys.path``) and the interpreter's that lie under ``/tmp``
-    are bound into the private one read-only, so that the reward's module and the files it reads next to the run are
+    module docstring), started in ``cwd`` (``/tmp`` when None). The interpreter's directories that lie
+    under ``/tmp`` and, for a ``worker``, ``cwd`` and the directories ``visible`` (the trainer's
+    ``sys.path``) are bound into the private one read-only, so that the reward's module and the files it reads next to the run are
     where they were."""
     exe = shutil.which("bwrap")
     assert exe is not None, "bwrap_argv without bwrap: bwrap_problem() says why"
-    argv = [*_prefix(exe), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    argv = [*bwrap_prefix(exe), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     tmp_bytes = REWARD_WORKER_TMP_BYTES
     if profile == "strict":
         tmp_bytes = CODE_TESTS_TMP_BYTES
@@ -72,11 +72,12 @@ def bwrap_argv(profile: str, cwd: str | None = None, visible: tuple[str, ...] = 
         argv += ["--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
         argv += ["--setenv", "LANG", "C.UTF-8"]
     argv += ["--size", str(tmp_bytes), "--tmpfs", "/tmp", "--setenv", "TMPDIR", "/tmp"]
-    if profile == "worker":
-        wanted = (*visible, *_interpreter_dirs(), cwd or "")
-        shown = {str(Path(d).resolve()) for d in wanted if d and os.path.isdir(d)}
-        for d in sorted(x for x in shown if x.startswith("/tmp/")):
-            argv += ["--ro-bind", d, d]
+    # what the private /tmp hides and the process needs: the interpreter (a venv under /tmp), and a
+    # worker's module and working directory
+    wanted = (*visible, cwd or "") if profile == "worker" else ()
+    shown = {str(Path(d).resolve()) for d in (*wanted, *_interpreter_dirs()) if d and os.path.isdir(d)}
+    for d in sorted(x for x in shown if x.startswith("/tmp/")):
+        argv += ["--ro-bind", d, d]
     return [*argv, "--chdir", cwd or "/tmp", "--"]
 
 

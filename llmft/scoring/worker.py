@@ -1,7 +1,7 @@
 """A reward worker: ``python -m llmft.scoring.worker``, started by ``llmft.scoring.pool``.
 
-It reads its setup, then one call after another, on stdin (a 4-byte length and a pickle, written by
-the trainer that started it) and answers each with one JSON line on the stdout it had at start; the
+It reads its setup, then one call after another, on stdin (a 4-byte length and a JSON document, written
+by the trainer that started it: a record's fields that JSON has no type for arrive as their ``str``) and answers each with one JSON line on the stdout it had at start; the
 reward's own prints go to stderr. It imports the function by ``module:name`` (or builds a built-in
 reward) once, with the trainer's ``sys.path``, and calls it on its main thread (math-verify's own
 timeout is a signal, which Python delivers only there).
@@ -18,7 +18,6 @@ import importlib
 import json
 import math
 import os
-import pickle
 import signal
 import struct
 import sys
@@ -47,11 +46,11 @@ def read_message(f: BinaryIO) -> Any:
     body = f.read(n)
     if len(body) < n:
         return None
-    return pickle.loads(body)  # from the trainer that started this process
+    return json.loads(body)  # from the trainer that started this process
 
 
 def encode_message(message: Any) -> bytes:
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    body = json.dumps(message, default=str, ensure_ascii=False).encode()
     return struct.pack(">I", len(body)) + body
 
 

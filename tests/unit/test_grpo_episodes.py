@@ -7,69 +7,16 @@ inside a generation batch land on the same weights; bad lines are named at file:
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from grpo_runs import G, grpo_recipe
+from episode_runs import LIMIT, REWARD_MODULE, episode_recipe
+from grpo_runs import G
 from helpers import max_rel_diff, metrics, train_inproc
 
 from llmft.export.consolidate import load_checkpoint_model, trainable_state
-
-LIMIT = 96  # rollout.max_new_tokens: some episodes below are longer, and are cut
-
-REWARD_MODULE = '''
-def episode(prompt, completion, answer, completion_messages=None, **_):
-    """The last assistant message's text against the answer, and the turns taken (so that the
-    completions of a group differ); checks what it is given."""
-    assert isinstance(prompt, list), prompt
-    if completion_messages is None:  # a plain completion of the same line
-        return float(completion.strip() == answer)
-    last = [m for m in completion_messages if m["role"] == "assistant"][-1]
-    assert completion == (last["content"] or ""), (completion, last)
-    return float(completion.strip() == answer) + 0.1 * len(completion_messages)
-'''
-
-
-def _call(a: int, b: int) -> dict:
-    return {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
-
-
-def _episodes(rng: random.Random, a: int, b: int) -> list:
-    """G completions of one prompt: a tool call and its answer, a direct answer, two tool calls, a
-    plain string (a line may mix them), and one that ends on a tool result."""
-    s = str(a + b)
-    one = [
-        {"role": "assistant", "content": "", "tool_calls": [_call(a, b)]},
-        {"role": "tool", "content": s},
-        {"role": "assistant", "content": s},
-    ]
-    direct = [{"role": "assistant", "content": str(a + b + rng.randint(0, 3))}]
-    two = [
-        {"role": "assistant", "content": "let me add", "tool_calls": [_call(a, 0), _call(0, b)]},
-        {"role": "tool", "content": str(a)},
-        {"role": "tool", "content": str(b)},
-        {"role": "assistant", "content": "", "tool_calls": [_call(a, b)]},
-        {"role": "tool", "content": s},
-        {"role": "assistant", "content": s},
-    ]
-    open_end = [{"role": "assistant", "content": "", "tool_calls": [_call(b, a)]}, {"role": "tool", "content": s}]
-    return [one, direct, rng.choice([two, open_end]), s + "!"][:G]
-
-
-def write_episodes(tmp: Path, n: int = 8, seed: int = 5) -> tuple[Path, Path]:
-    rng = random.Random(seed)
-    tmp.mkdir(parents=True, exist_ok=True)
-    prompts, rollouts = tmp / "chat-prompts.jsonl", tmp / "episodes.jsonl"
-    with open(prompts, "w") as p, open(rollouts, "w") as r:
-        for _ in range(n):
-            a, b = rng.randint(100, 999), rng.randint(100, 999)
-            prompt = [{"role": "user", "content": f"add {a} {b}"}]
-            p.write(json.dumps({"prompt": prompt, "answer": str(a + b)}) + "\n")
-            r.write(json.dumps({"prompt": prompt, "completions": _episodes(rng, a, b)}) + "\n")
-    return prompts, rollouts
 
 
 @pytest.fixture
@@ -78,19 +25,6 @@ def rewards_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
     sys.modules.pop("episode_rewards", None)
-
-
-def episode_recipe(tmp: Path, **sections) -> Path:
-    prompts, rollouts = write_episodes(tmp)
-    base = {
-        "data__train": str(prompts),
-        "data__max_seq_len": 160,
-        "rollout__file": str(rollouts),
-        "rollout__max_new_tokens": LIMIT,
-        "rewards": [{"function": "episode_rewards:episode", "weight": 1.0}],
-        "rl__reward_workers": 0,
-    }
-    return grpo_recipe(tmp, **{**base, **sections})
 
 
 def assistant_mask(tok, prompt: list, completion) -> tuple[list[int], list[bool]]:
@@ -258,25 +192,3 @@ def test_llmft_verify_checks_a_split_of_episodes(tmp_path, rewards_module, capsy
     recipe = episode_recipe(tmp_path, batch__micro_batch_size=2)
     assert verify(str(recipe), ["distributed.nproc_per_node=2", "rl.beta=0.05"]) == 0
     assert "PASS: largest relative difference" in capsys.readouterr().out
-
-
-@pytest.mark.slow
-def test_two_ranks_train_episodes_as_one_process(tmp_path, rewards_module):
-    """Groups of episodes across 2 DDP ranks (micro 2): every rank's context tokens stay out of the
-    global count, and the weights are one process's."""
-    import os
-
-    from helpers import torchrun
-
-    one = tmp_path / "one"
-    assert train_inproc(episode_recipe(one), "peft.method=lora", "peft.r=4") == 0
-    two = tmp_path / "two"
-    recipe = episode_recipe(two)
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
-    }
-    over = ["peft.method=lora", "peft.r=4", "distributed.engine=ddp", "batch.micro_batch_size=2"]
-    proc = torchrun(["train", str(recipe), *over], env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert max_rel_diff(_weights(two), _weights(one)) <= 1e-5
-    assert [r["tokens"] for r in metrics(two / "run")] == [r["tokens"] for r in metrics(one / "run")]

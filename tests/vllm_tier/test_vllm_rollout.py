@@ -6,7 +6,7 @@ environment ``.ci/run`` builds (vLLM pins its own transformers; ``pytest -m vllm
   (``mismatch/logp_abs_max`` <= 1e-5 in fp32) at every step, while the policy moves (SGD, lr 0.5):
   an engine left on old weights shows a mismatch of whole nats. LoRA (the adapter loaded as an
   adapter) and full (weights streamed, gathered from FSDP2 / ZeRO-3 shards).
-- The proof of issue 40: a vllm run's completions, written by ``rollout.save_completions``, given
+- Replayed: a vllm run's completions, written by ``rollout.save_completions``, given
   to a ``file`` run as ``completion_ids``: both land on the same weights (<= 1e-5), LoRA and full,
   2 ranks.
 - A run stopped and resumed lands on the uninterrupted run's weights (seeded per completion).
