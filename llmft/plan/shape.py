@@ -233,7 +233,7 @@ class ModelShape:
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             intermediate_size=int(cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * hidden),
-            vocab_size=int(cfg.get("vocab_size", 32000)),
+            vocab_size=int(cfg.get("vocab_size") or 32000),  # null in a config.json: the family's default
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             head_size=int(cfg.get("head_dim") or 0),
             qk_norm=cfg.get("model_type") in QK_NORM_TYPES,

@@ -32,6 +32,10 @@ from pathlib import Path
 from llmft.limits import CODE_TESTS_TMP_BYTES, REWARD_WORKER_TMP_BYTES
 from llmft.scoring.probe import bwrap_prefix
 
+# llmft's own package (the worker runs llmft.scoring.worker): an editable install under /tmp is found
+# by its finder, not through a sys.path entry
+LLMFT_DIR = str(Path(__file__).resolve().parents[1])
+
 
 def _hidden_homes() -> list[str]:
     """The home directories a strict sandbox hides (those that exist, outermost first)."""
@@ -74,7 +78,7 @@ def bwrap_argv(profile: str, cwd: str | None = None, visible: tuple[str, ...] = 
     argv += ["--size", str(tmp_bytes), "--tmpfs", "/tmp", "--setenv", "TMPDIR", "/tmp"]
     # what the private /tmp hides and the process needs: the interpreter (a venv under /tmp), and a
     # worker's module and working directory
-    wanted = (*visible, cwd or "") if profile == "worker" else ()
+    wanted = (*visible, cwd or "", LLMFT_DIR) if profile == "worker" else ()
     shown = {str(Path(d).resolve()) for d in (*wanted, *_interpreter_dirs()) if d and os.path.isdir(d)}
     for d in sorted(x for x in shown if x.startswith("/tmp/")):
         argv += ["--ro-bind", d, d]

@@ -162,6 +162,9 @@ def _grpo(root: Path, **sections) -> Path:
     (root.parent / "slow_rewards.py").write_text(SLOW_REWARDS)
     keys = {
         "rewards": [{"function": "slow_rewards:slow"}],
+        # in the training process, one call at a time (the stop between calls; a reward in workers is
+        # dropped mid-call: tests/unit/test_reward_pool.py), and free to write the test's marker files
+        "rl__reward_workers": 0,
         "train__max_steps": 2,
         "checkpoint__every_steps": None,  # the step-1 checkpoint of a stopped run is the one the stop writes
         **sections,

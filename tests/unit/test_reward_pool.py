@@ -227,3 +227,23 @@ def test_a_grpo_step_goes_on_past_a_reward_that_hangs(tmp_path):
         assert row["reward_timeouts/per_char"] == 0.0
         known = [float(c == answers[q]) for q in (2 * step, 2 * step + 1) for c in lines[q]["completions"][:3]]
         assert row["rewards/hangs_on_x"] == pytest.approx(sum(known) / 6)  # the late calls left out
+
+
+def test_a_worker_sandbox_keeps_llmft_and_the_interpreter_under_tmp_visible(tmp_path, monkeypatch):
+    """The private /tmp hides what lies under /tmp: an editable llmft there (found by its install's
+    finder, not through sys.path) and a venv there are bound back read-only, else the worker cannot
+    start (``No module named 'llmft'``) and code tests cannot run at all."""
+    import llmft.scoring.sandbox as sandbox
+
+    package = tmp_path / "clone" / "llmft"
+    package.mkdir(parents=True)
+    monkeypatch.setattr(sandbox, "LLMFT_DIR", str(package))
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    monkeypatch.setattr(sandbox, "_interpreter_dirs", lambda: [str(venv)])
+    argv = sandbox.bwrap_argv("worker", "/", ())
+    tmpfs = argv.index("/tmp", argv.index("--tmpfs"))
+    binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--ro-bind" and i > tmpfs]
+    assert str(package) in binds and str(venv) in binds
+    strict = sandbox.bwrap_argv("strict")
+    assert str(venv) in [strict[i + 1] for i, a in enumerate(strict) if a == "--ro-bind"]
