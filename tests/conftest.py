@@ -82,3 +82,15 @@ def lora_run(tmp_path_factory) -> Path:
     )
     assert train_inproc(recipe) == 0
     return tmp / "run"
+
+
+@pytest.fixture
+def episode_rewards(tmp_path, monkeypatch):
+    """The reward module of the multi-turn episode tests (tests/episode_runs.py), importable as
+    ``episode_rewards`` during the test (a subprocess: put ``tmp_path`` on its PYTHONPATH)."""
+    from episode_runs import REWARD_MODULE
+
+    (tmp_path / "episode_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("episode_rewards", None)

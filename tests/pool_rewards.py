@@ -60,6 +60,11 @@ def wrong_type(prompt, completion, **_):
     return "high"
 
 
+def beyond_float(prompt, completion, **_):
+    """An int no float holds (float() of it overflows)."""
+    return 10**400
+
+
 def raises(prompt, completion, **_):
     raise ValueError("boom")
 

@@ -124,6 +124,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_process_env() -> None:
+    """What ``env://`` rendezvous reads, for a process that is the whole job (no launcher set it):
+    rank 0 of 1, on loopback at a free port (an address or port already set is kept)."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
 def timeout_s(distributed) -> float:
     """``distributed.timeout_s``, or the older ``distributed.timeout_minutes`` where a recipe sets it."""
     if distributed.timeout_minutes is not None:
@@ -139,9 +147,7 @@ def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 600
     if dist.is_initialized() or not (env.distributed or force):
         return
     if not env.distributed:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        one_process_env()
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "gloo" and os.environ.get("MASTER_ADDR", "127.0.0.1") in LOOPBACK:

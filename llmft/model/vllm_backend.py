@@ -43,7 +43,7 @@ import torch
 from llmft import stop
 from llmft.errors import Problem, UserError, library_problem
 from llmft.job import watchdog
-from llmft.job.dist import all_reduce_max, cut_short, free_port, timeout_s
+from llmft.job.dist import all_reduce_max, cut_short, one_process_env, read_env, timeout_s
 from llmft.model.adapters import base_key
 from llmft.model.generate import Generation
 from llmft.model.precision import compute_dtype
@@ -295,22 +295,10 @@ class SyncedGenerator:
 
     def sample(self, prompts: Sequence[Any], how: Generation) -> tuple[list[list[int]], list[list[float]]]:
         self.sync()
-        size = how.batch_size or max(len(prompts), 1)
-        out: list[list[int]] = []
-        logps: list[list[float]] = []
-        params = sampling_params(how)
         with stop.during(stop.GENERATING):
-            for start in range(0, len(prompts), size):
-                chunk = [[int(t) for t in p] for p in prompts[start : start + size]]
-                if how.phases:
-                    watchdog.phase(f"generating completions {start + 1}-{start + len(chunk)} of {len(prompts)} (vLLM)")
-                seeds = [None if how.seed is None else request_seed(how.seed, start + i) for i in range(len(chunk))]
-                ids, scored = self._call(chunk, seeds, params)
-                out += ids
-                logps += scored
-                cut_short(how.what, self.device)
+            drawn = self._draw(prompts, how, foreground=True)
         self._done()
-        return out, logps
+        return drawn
 
     def start(self, prompts: Sequence[Any], how: Generation) -> Future:
         """``rollout.async``: the trainer's current weights into the engine now (every rank together),
@@ -319,21 +307,30 @@ class SyncedGenerator:
         no collective and votes on no stop (the caller's step does); ``result()`` before the engine
         is used again."""
         self.sync()
-        chunks = [[int(t) for t in p] for p in prompts]
+        return _POOL.submit(self._draw, prompts, how, foreground=False)
+
+    def _draw(
+        self, prompts: Sequence[Any], how: Generation, foreground: bool
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """The completions in calls of ``how.batch_size``, each with its own seed (its index in the
+        batch). ``foreground``: each call named to the stall watchdog and followed by every rank's
+        stop vote (a collective: never in ``start``'s thread)."""
+        rows = [[int(t) for t in p] for p in prompts]
         params = sampling_params(how)
-        seeds = [None if how.seed is None else request_seed(how.seed, i) for i in range(len(chunks))]
-        size = how.batch_size or max(len(chunks), 1)
-
-        def draw() -> tuple[list[list[int]], list[list[float]]]:
-            out: list[list[int]] = []
-            logps: list[list[float]] = []
-            for start in range(0, len(chunks), size):
-                ids, scored = self._call(chunks[start : start + size], seeds[start : start + size], params)
-                out += ids
-                logps += scored
-            return out, logps
-
-        return _POOL.submit(draw)
+        seeds = [None if how.seed is None else request_seed(how.seed, i) for i in range(len(rows))]
+        size = how.batch_size or max(len(rows), 1)
+        out: list[list[int]] = []
+        logps: list[list[float]] = []
+        for start in range(0, len(rows), size):
+            chunk = rows[start : start + size]
+            if foreground and how.phases:
+                watchdog.phase(f"generating completions {start + 1}-{start + len(chunk)} of {len(rows)} (vLLM)")
+            ids, scored = self._call(chunk, seeds[start : start + size], params)
+            out += ids
+            logps += scored
+            if foreground:
+                cut_short(how.what, self.device)
+        return out, logps
 
     def _sync(self, base: bool) -> None:
         raise NotImplementedError
@@ -384,9 +381,7 @@ class ServerGenerator(SyncedGenerator):
         super().__init__(policy, device, compute_dtype(recipe))
         self.url = str(recipe.rollout.vllm.url).rstrip("/")
         self.timeout_s = timeout_s(recipe.distributed)
-        import torch.distributed as dist
-
-        self.rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        self.rank0 = read_env().rank == 0  # streams the weights; every rank sends its own prompts
         watchdog.phase(f"waiting for the rollout server at {self.url}")
         deadline, health = time.monotonic() + self.timeout_s, None
         while health is None:
@@ -491,10 +486,7 @@ def request_seed(seed: int, index: int) -> int:
 
 
 def _launcher_env() -> None:
-    """What vLLM's ``external_launcher`` reads of the job (torchrun sets it; a one-process run has none)."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
+    """What vLLM's ``external_launcher`` reads of the job: torchrun's (or srun's, read as llmft reads
+    it), or a one-process job's."""
+    if not read_env().distributed:
+        one_process_env()

@@ -22,9 +22,11 @@ does not come is abandoned with an error (the engine keeps serving), never a han
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -60,11 +62,9 @@ class RolloutServer:
     # --- weight updates ------------------------------------------------------------------------
 
     def start_update(self) -> None:
+        # held until finish_update: an update under way keeps every other request (a second update too) waiting
         if not self.lock.acquire(timeout=self.timeout_s):
             raise TimeoutError(f"the engine stayed busy for {self.timeout_s:.0f} s")
-        if self.update is not None:  # an update its client abandoned
-            self.lock.release()
-            raise RuntimeError("a weight update is already under way")
         tensors: queue.Queue = queue.Queue(maxsize=4)
         errors: list[BaseException] = []
 
@@ -120,18 +120,15 @@ class RolloutServer:
             ids, logps = self.engine.generate(request["prompts"], request["seeds"], request["params"])
         return {"completions": ids, "logprobs": logps}
 
-    def _engine(self):
-        server = self
-
-        class _Held:
-            def __enter__(self):
-                if not server.lock.acquire(timeout=server.timeout_s):
-                    raise TimeoutError(f"the engine stayed busy (a weight update) for {server.timeout_s:.0f} s")
-
-            def __exit__(self, *exc):
-                server.lock.release()
-
-        return _Held()
+    @contextlib.contextmanager
+    def _engine(self) -> Iterator[None]:
+        """The engine, once no weight update (nor another request) holds it: within ``timeout_s``."""
+        if not self.lock.acquire(timeout=self.timeout_s):
+            raise TimeoutError(f"the engine stayed busy (a weight update) for {self.timeout_s:.0f} s")
+        try:
+            yield
+        finally:
+            self.lock.release()
 
 
 def _handler(server: RolloutServer) -> type[BaseHTTPRequestHandler]:

@@ -41,6 +41,7 @@ Dropout is off in the policy and the reference, as for preference objectives.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from pathlib import Path
@@ -322,6 +323,15 @@ def check_drawn_state(state: Any, where: str | Path, vocab: int | None = None) -
     return n
 
 
+def _prompts(micro_batches: list[dict[str, Any]]) -> list[Prompt]:
+    """The step's items (prompt ids, record, rollout position), in the micro-batches' order."""
+    return [
+        Prompt(ids, record, int(q))
+        for mb in micro_batches
+        for ids, record, q in zip(mb["prompt_ids"], mb["records"], mb["positions"].tolist(), strict=True)
+    ]
+
+
 class GRPOObjective(ObjectiveBase):
     """Group-relative policy optimisation over completions of the global batch (module docstring)."""
 
@@ -397,11 +407,7 @@ class GRPOObjective(ObjectiveBase):
         if self._kept is not None and self._kept[0] == key:  # the same generation batch again
             self._stats = {**self._stats, "generation_s": 0.0}
             return self._kept[1]
-        prompts = [
-            Prompt(ids, record, int(q))
-            for mb in micro_batches
-            for ids, record, q in zip(mb["prompt_ids"], mb["records"], mb["positions"].tolist(), strict=True)
-        ]
+        prompts = _prompts(micro_batches)
         generation = positions[0] // self.global_batch  # the generation batch (rl.iterations steps share one)
         was_training = self.policy.training
         self.policy.eval()
@@ -469,11 +475,7 @@ class GRPOObjective(ObjectiveBase):
         ahead, self._ahead = self._ahead, None
         if ahead is None:  # the run's last step
             return
-        prompts = [
-            Prompt(ids, record, int(q))
-            for mb in ahead
-            for ids, record, q in zip(mb["prompt_ids"], mb["records"], mb["positions"].tolist(), strict=True)
-        ]
+        prompts = _prompts(ahead)
         self._pending = self.rollout.start(prompts, prompts[0].position // self.global_batch, self.dp_rank)
 
     def _drawn(self, positions: tuple[int, ...]) -> tuple[list[list[int]], list[list[float]] | None] | None:
@@ -518,8 +520,6 @@ class GRPOObjective(ObjectiveBase):
         self, generation: int, prompts: list[Prompt], completions: list[list[int]], sampler: list[list[float]] | None
     ) -> None:
         """``rollout.save_completions``: this rank's completions of the generation batch, a line each."""
-        import json
-
         out = Path(self.plan.recipe.run.output_dir) / COMPLETIONS_DIR
         out.mkdir(parents=True, exist_ok=True)
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -689,13 +689,7 @@ class GRPOObjective(ObjectiveBase):
     def _advantages(self, prompts: list[Prompt], completions: list[list[int]], generation_s: float) -> torch.Tensor:
         """This rank's completions' advantages, from every rank's rewards (one all-gather)."""
         assert self.rewards is not None
-        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        # a multi-turn episode: its last assistant message's text, and the episode (completion_messages)
-        texts = [c.text if isinstance(c, Episode) else t for c, t in zip(completions, texts, strict=True)]
-        messages = [c.messages if isinstance(c, Episode) else None for c in completions]
-        scores = self.rewards.score(
-            [p.record["prompt"] for p in prompts], texts, [p.record for p in prompts], messages=messages
-        )
+        scores = self._score(prompts, completions)
         total = self.rewards.total(scores)
         eos = self.tokenizer.eos_token_id
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
@@ -716,6 +710,17 @@ class GRPOObjective(ObjectiveBase):
         self._stats = self._rollout_stats(rows)
         self._stats.update(self.rewards.event_metrics(self.env.device))  # reward_timeouts/..., every rank's
         return everyone[[where[p.position] for p in prompts]]
+
+    def _score(self, prompts: list[Prompt], completions: list[list[int]]) -> torch.Tensor:
+        """The rewards of ``completions`` (``Rewards.score``): their text, or a multi-turn episode's last
+        assistant message's text and the episode (``completion_messages``)."""
+        assert self.rewards is not None
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        texts = [c.text if isinstance(c, Episode) else t for c, t in zip(completions, texts, strict=True)]
+        messages = [c.messages if isinstance(c, Episode) else None for c in completions]
+        return self.rewards.score(
+            [p.record["prompt"] for p in prompts], texts, [p.record for p in prompts], messages=messages
+        )
 
     def _rollout_stats(self, rows: torch.Tensor) -> dict[str, float]:
         total, lengths, ended, gen_s, scores = rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4], rows[:, 7:]
@@ -821,12 +826,7 @@ class GRPOObjective(ObjectiveBase):
         self.policy.eval()
         completions = self.rollout.complete(prompts, -1, self.dp_rank, greedy=True)
         self.policy.train(was_training)
-        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        texts = [c.text if isinstance(c, Episode) else t for c, t in zip(completions, texts, strict=True)]
-        messages = [c.messages if isinstance(c, Episode) else None for c in completions]
-        scores = self.rewards.score(
-            [p.record["prompt"] for p in prompts], texts, [p.record for p in prompts], messages=messages
-        )
+        scores = self._score(prompts, completions)
         real = len(mine)
         total = self.rewards.total(scores)[:real]
         known = ~scores[:real].isnan()

@@ -56,6 +56,7 @@ from llmft.plan.rl import RewardEntry, import_function, reward_entries, reward_p
 from llmft.plan.shape import REWARD_FIX, reward_model_problems, weights_problems
 from llmft.scoring.builtin_rewards import make_builtin
 from llmft.scoring.pool import Outcome, WorkerPool, WorkerStartError
+from llmft.scoring.worker import finite_reward, shown_value
 
 # The arguments a reward function gets from llmft; a record field of one of these names is not passed
 # (a record's own ``completion``, e.g. an SFT file's answer: rename it with the source's ``fields``).
@@ -249,8 +250,8 @@ class Rewards:
             if value is None:
                 out[j] = math.nan
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-                raise UserError(_bad_reward(spec, prompt, f"returned {value!r}", _where(spec.function)))
+            if not finite_reward(value):
+                raise UserError(_bad_reward(spec, prompt, f"returned {shown_value(value)}", _where(spec.function)))
             out[j] = float(value)
         return out
 

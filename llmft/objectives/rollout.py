@@ -24,6 +24,7 @@ ids, ending with eos unless ``rollout.max_new_tokens`` cut it. Two exist:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -274,18 +275,33 @@ class GeneratedRollout:
     def start(self, prompts: list[Prompt], generation: int, dp_rank: int) -> Pending:
         """``rollout.async``: ``complete_scored``'s completions, drawn while the caller goes on (the
         generator's ``start``: the weights synced now, the drawing in a thread)."""
+        how = self._how(generation, dp_rank, greedy=False, logprobs=True, phases=False)
+        future = self.generator.start([p.ids for p in prompts], how)  # type: ignore[attr-defined]
+        return Pending(tuple(p.position for p in prompts), future, self._cut)
+
+    def _how(self, generation: int, dp_rank: int, *, greedy: bool, logprobs: bool, phases: bool) -> Generation:
+        """How a generation batch is drawn: ``rollout.*``, seeded by (``run.seed``, batch, rank)."""
         cfg = self.cfg
-        how = Generation(
+        return Generation(
             max_new_tokens=cfg.max_new_tokens,
+            greedy=greedy,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            greedy=False,
             seed=generation_seed(self.seed, generation, dp_rank),
             batch_size=cfg.batch_size,
-            logprobs=True,
+            phases=phases,
+            logprobs=logprobs,
         )
-        future = self.generator.start([p.ids for p in prompts], how)  # type: ignore[attr-defined]
-        return Pending(tuple(p.position for p in prompts), future, self.eos, cfg.max_new_tokens)
+
+    def _cut(
+        self, rows: list[list[int]], scored: list[list[float]] | None = None
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """The drawn rows ended at their first eos (or ``rollout.max_new_tokens``), their log-probs (if
+        any) cut alike."""
+        completions = [end_at_eos(row, self.eos, self.cfg.max_new_tokens) for row in rows]
+        if scored is None:
+            return completions, []
+        return completions, [logps[: len(c)] for logps, c in zip(scored, completions, strict=True)]
 
     @property
     def sync_s(self) -> float:
@@ -309,20 +325,10 @@ class GeneratedRollout:
     ) -> tuple[list[list[int]], list[list[float]]]:
         """``complete``'s completions and the sampler's log-prob of each of their tokens (cut as the
         completion is; empty lists without ``logprobs``)."""
-        cfg = self.cfg
-        how = Generation(
-            max_new_tokens=cfg.max_new_tokens,
-            greedy=greedy,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            seed=generation_seed(self.seed, generation, dp_rank),
-            batch_size=cfg.batch_size,
-            phases=True,
-            logprobs=logprobs,
-        )
+        how = self._how(generation, dp_rank, greedy=greedy, logprobs=logprobs, phases=True)
         ids = [p.ids for p in prompts]
         if not logprobs:  # a backend needs no more than ``generate``
-            return [end_at_eos(row, self.eos, cfg.max_new_tokens) for row in self.generator.generate(ids, how)], []
+            return self._cut(self.generator.generate(ids, how))
         sample = getattr(self.generator, "sample", None)
         if sample is None:
             raise UserError(
@@ -334,21 +340,17 @@ class GeneratedRollout:
                     "completions and their log-probs (llmft.model.generate.Generator).",
                 )
             )
-        rows, scored = sample(ids, how)
-        completions = [end_at_eos(row, self.eos, cfg.max_new_tokens) for row in rows]
-        return completions, [logps[: len(c)] for logps, c in zip(scored, completions, strict=True)]
+        return self._cut(*sample(ids, how))
 
 
 class Pending:
     """``rollout.async``: a generation batch being drawn while the policy updates (``GeneratedRollout.start``)."""
 
-    def __init__(self, positions: tuple[int, ...], future: Any, eos: set[int], limit: int) -> None:
-        self.positions, self.future, self.eos, self.limit = positions, future, eos, limit
+    def __init__(self, positions: tuple[int, ...], future: Any, cut: Callable[..., Any]) -> None:
+        self.positions, self.future, self.cut = positions, future, cut
 
     def result(self) -> tuple[list[list[int]], list[list[float]]]:
-        rows, scored = self.future.result()
-        completions = [end_at_eos(row, self.eos, self.limit) for row in rows]
-        return completions, [logps[: len(c)] for logps, c in zip(scored, completions, strict=True)]
+        return self.cut(*self.future.result())
 
 
 def generation_seed(seed: int, generation: int, dp_rank: int) -> int:

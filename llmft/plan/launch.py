@@ -252,7 +252,7 @@ def rollout_server_sbatch(layout: Layout) -> str:
         "\n"
         "# The trainer: one task per GPU on the other nodes (see launch/slurm.sbatch for why srun, not torchrun).\n"
         "status=0\n"
-        'TRAIN_NODES=$((SLURM_JOB_NUM_NODES - 1))\n'
+        "TRAIN_NODES=$((SLURM_JOB_NUM_NODES - 1))\n"
         'srun --kill-on-bad-exit=0 --nodes="$TRAIN_NODES" --ntasks=$((TRAIN_NODES * SLURM_NTASKS_PER_NODE)) \\\n'
         '  --exclude="$SERVER" "${PYTHON:-python}" -m llmft train "$RECIPE" "$@" \\\n'
         '  rollout.backend=vllm rollout.vllm.mode=server "rollout.vllm.url=http://$SERVER:$PORT" || status=$?\n'

@@ -551,7 +551,9 @@ def _reference(
     return weights + max(forward - placed["activations"] - placed["logits"], 0.0)
 
 
-def _generation_notes(kv: GenerationKV | None, step_working_set: float, engine_bytes: int, engine_note: str) -> list[str]:
+def _generation_notes(
+    kv: GenerationKV | None, step_working_set: float, engine_bytes: int, engine_note: str
+) -> list[str]:
     """What the plan says of online RL's generation: ``hf``'s KV cache, or the colocated vLLM engine."""
     notes: list[str] = []
     if kv is not None:

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from llmft.limits import REWARD_REPLY_MAX_BYTES, REWARD_WORKER_START_S
-from llmft.scoring.sandbox import bwrap_argv, kill_tree
+from llmft.scoring.sandbox import LLMFT_DIR, bwrap_argv, kill_tree
 from llmft.scoring.worker import encode_message
 
 POLL_S = 0.2  # the longest the pool waits before looking at a stop request again
-_LLMFT_ROOT = str(Path(__file__).resolve().parents[2])  # where ``import llmft`` finds this llmft
+_LLMFT_ROOT = str(Path(LLMFT_DIR).parent)  # where ``import llmft`` finds this llmft
 
 
 class WorkerStartError(Exception):

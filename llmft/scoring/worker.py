@@ -68,18 +68,28 @@ def _load(target: dict[str, Any]) -> Callable[..., Any]:
     return fn
 
 
+def finite_reward(value: Any) -> bool:
+    """Whether a reward's value is one the trainer takes: a finite int or float (not a bool; None,
+    no opinion, is judged apart). In a worker and in the training process alike."""
+    try:
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(float(value))
+    except (OverflowError, ValueError):  # an int beyond float's range
+        return False
+
+
 def _reply(value: Any) -> dict[str, Any]:
     """What the trainer accepts from a reward, as in-process ``Rewards._call`` judges it."""
     if value is None:
         return {"value": None}
-    try:
-        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(float(value))
-    except (OverflowError, ValueError):
-        ok = False
-    if ok:
+    if finite_reward(value):
         return {"value": float(value)}
+    return {"bad": shown_value(value)}
+
+
+def shown_value(value: Any) -> str:
+    """A wrong value as a message shows it: its repr, cut to ``REWARD_REPR_CHARS``."""
     shown = repr(value)
-    return {"bad": shown if len(shown) <= REWARD_REPR_CHARS else shown[:REWARD_REPR_CHARS] + "..."}
+    return shown if len(shown) <= REWARD_REPR_CHARS else shown[:REWARD_REPR_CHARS] + "..."
 
 
 def _children() -> list[int]:

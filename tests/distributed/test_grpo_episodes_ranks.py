@@ -4,11 +4,10 @@ ranks, every rank's context tokens out of the global count, the weights of one p
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-from episode_runs import REWARD_MODULE, episode_recipe
+from episode_runs import episode_recipe
 from helpers import ROOT, max_rel_diff, metrics, torchrun, train_inproc
 
 from llmft.export.consolidate import load_checkpoint_model, trainable_state
@@ -16,20 +15,12 @@ from llmft.export.consolidate import load_checkpoint_model, trainable_state
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture
-def rewards_module(tmp_path, monkeypatch):
-    (tmp_path / "episode_rewards.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield
-    sys.modules.pop("episode_rewards", None)
-
-
 def _weights(tmp: Path):
     return trainable_state(load_checkpoint_model(tmp / "run")[0])
 
 
 @pytest.mark.slow
-def test_two_ranks_train_episodes_as_one_process(tmp_path, rewards_module):
+def test_two_ranks_train_episodes_as_one_process(tmp_path, episode_rewards):
     """Groups of episodes across 2 DDP ranks (micro 2): every rank's context tokens stay out of the
     global count, and the weights are one process's."""
     one = tmp_path / "one"

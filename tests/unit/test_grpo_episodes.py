@@ -7,24 +7,15 @@ inside a generation batch land on the same weights; bad lines are named at file:
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from episode_runs import LIMIT, REWARD_MODULE, episode_recipe
+from episode_runs import LIMIT, episode_recipe
 from grpo_runs import G
 from helpers import max_rel_diff, metrics, train_inproc
 
 from llmft.export.consolidate import load_checkpoint_model, trainable_state
-
-
-@pytest.fixture
-def rewards_module(tmp_path, monkeypatch):
-    (tmp_path / "episode_rewards.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield
-    sys.modules.pop("episode_rewards", None)
 
 
 def assistant_mask(tok, prompt: list, completion) -> tuple[list[int], list[bool]]:
@@ -78,7 +69,7 @@ def _weights(tmp: Path):
     return trainable_state(load_checkpoint_model(tmp / "run")[0])
 
 
-def test_any_split_is_the_big_batch_and_counts_the_policy_tokens(tmp_path, rewards_module):
+def test_any_split_is_the_big_batch_and_counts_the_policy_tokens(tmp_path, episode_rewards):
     from llmft.data.tokenizer import byte_tokenizer
 
     over = ["rl.iterations=2", "rl.beta=0.05"]
@@ -100,7 +91,7 @@ def test_any_split_is_the_big_batch_and_counts_the_policy_tokens(tmp_path, rewar
         assert first["tool_calls"] > 0 and first["completions"] == 8
 
 
-def test_a_resume_inside_a_generation_batch_is_exact(tmp_path, rewards_module):
+def test_a_resume_inside_a_generation_batch_is_exact(tmp_path, episode_rewards):
     over = ["rl.iterations=2", "rl.beta=0.05"]
     assert train_inproc(episode_recipe(tmp_path / "whole"), *over, "train.max_steps=4") == 0
     first = tmp_path / "resumed"
@@ -165,7 +156,7 @@ def test_bad_episode_lines_are_named_at_their_line(tmp_path):
     assert f"{bad}:5: has {G} completions, not {G} strings or episodes" in text
 
 
-def test_a_template_that_does_not_render_prefixes_is_named_at_the_line(tmp_path, rewards_module):
+def test_a_template_that_does_not_render_prefixes_is_named_at_the_line(tmp_path, episode_rewards):
     from llmft.errors import UserError
 
     template = tmp_path / "last-differs.jinja"  # the last message rendered otherwise than earlier ones
@@ -184,7 +175,7 @@ def test_a_template_that_does_not_render_prefixes_is_named_at_the_line(tmp_path,
     assert "does not render the conversation up to message 0 of the episode as a prefix" in text
 
 
-def test_llmft_verify_checks_a_split_of_episodes(tmp_path, rewards_module, capsys):
+def test_llmft_verify_checks_a_split_of_episodes(tmp_path, episode_rewards, capsys):
     """``llmft verify`` on a recipe of file episodes: 2 emulated ranks x micro 2 against the big
     batch, the context tokens out of both."""
     from llmft.training.verify import verify

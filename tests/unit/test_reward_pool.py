@@ -127,7 +127,7 @@ def test_on_timeout_error_stops_naming_the_reward_and_the_record():
 
 
 @pytest.mark.parametrize("sandbox", SANDBOXES)
-@pytest.mark.parametrize("function", ["wrong_type", "raises"])
+@pytest.mark.parametrize("function", ["wrong_type", "beyond_float", "raises"])
 def test_a_bad_value_or_an_error_reads_as_it_does_in_process(function, sandbox):
     def message(workers: int) -> str:
         rewards = _rewards(function, workers=workers, **({"sandbox": sandbox} if workers else {}))
@@ -140,9 +140,13 @@ def test_a_bad_value_or_an_error_reads_as_it_does_in_process(function, sandbox):
 
     here, pooled = message(0), message(1)
     where = f"{TESTS / 'pool_rewards.py'}:{_line(function)}"
-    what = "returned 'high'" if function == "wrong_type" else "raised ValueError: boom"
-    assert here.startswith(f"rewards[0].function: {function} ({where}) {what} for the record with prompt 'p")
-    if function == "wrong_type" or sandbox == "none":
+    what = {
+        "wrong_type": "returned 'high'",
+        "beyond_float": f"returned {repr(10**400)[:200]}...",  # no float holds it; its repr cut to 200
+        "raises": "raised ValueError: boom",
+    }[function]
+    assert here.startswith(f"rewards[0].function: {function} ({where}) {what}")
+    if function != "raises" or sandbox == "none":
         assert pooled == here
     else:  # an error in the sandbox says where it ran, and how to run it unconfined
         assert pooled.startswith(here)
