@@ -94,3 +94,23 @@ def episode_rewards(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
     sys.modules.pop("episode_rewards", None)
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory):
+    """A tiny model fitted to call a tool (tests/agent_runs.py's ``tool_model``), made once per session."""
+    from agent_runs import tool_model
+
+    return tool_model(tmp_path_factory.mktemp("agent") / "tool-model")
+
+
+@pytest.fixture
+def agent_tools(tmp_path, monkeypatch):
+    """The live-episode tests' tools and environments (tests/agent_runs.py), importable as ``agent_tools``
+    during the test (a subprocess: put ``tmp_path`` on its PYTHONPATH)."""
+    from agent_runs import write_tools
+
+    write_tools(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("agent_tools", None)

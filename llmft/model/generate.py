@@ -49,6 +49,11 @@ class Generation:
     # ``sample`` also returns each new token's log-prob under the sampler: log softmax(logits / temperature)
     # at the drawn token, the distribution the trainer's log-probs use (top_p does not renormalise it).
     logprobs: bool = False
+    # A backend that samples from its own copy of the weights (vLLM) syncs the policy's into it before
+    # a call with ``fresh`` (the policy may have changed) and gives its device memory back after one
+    # with ``release``; a multi-turn rollout's later turns of one generation batch pass neither.
+    fresh: bool = True
+    release: bool = True
 
 
 class Generator(Protocol):

@@ -294,10 +294,12 @@ class SyncedGenerator:
         return self.sample(prompts, how)[0]
 
     def sample(self, prompts: Sequence[Any], how: Generation) -> tuple[list[list[int]], list[list[float]]]:
-        self.sync()
+        if how.fresh:
+            self.sync()
         with stop.during(stop.GENERATING):
             drawn = self._draw(prompts, how, foreground=True)
-        self._done()
+        if how.release:
+            self.release()
         return drawn
 
     def start(self, prompts: Sequence[Any], how: Generation) -> Future:
@@ -340,8 +342,8 @@ class SyncedGenerator:
     ) -> tuple[list[list[int]], list[list[float]]]:
         raise NotImplementedError
 
-    def _done(self) -> None:
-        pass
+    def release(self) -> None:
+        """The engine's device memory back to the trainer (after the last call of a generation batch)."""
 
 
 class VLLMGenerator(SyncedGenerator):
@@ -363,7 +365,7 @@ class VLLMGenerator(SyncedGenerator):
     def _call(self, prompts, seeds, params):
         return self.engine.generate(prompts, seeds, params)
 
-    def _done(self) -> None:
+    def release(self) -> None:
         self.engine.release()
 
     def close(self) -> None:

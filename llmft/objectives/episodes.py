@@ -33,12 +33,25 @@ EPISODE_ROLES = ("assistant", "tool", "function", "user")  # after the prompt: t
 
 class Episode(list):
     """An episode's completion token ids (a list of ints, as any backend's completion), with
-    ``policy``: per token, whether the policy wrote it; ``messages``: the episode as the line gives it;
-    ``text``: its last assistant message's content (what reward functions get as ``completion``)."""
+    ``policy``: per token, whether the policy wrote it; ``messages``: the episode as messages;
+    ``text``: its last assistant message's content (what reward functions get as ``completion``).
+    A live episode (``llmft.objectives.agent``) also has ``prompt_ids``, its prompt as rendered with
+    its tools and its environment's first words (None: the data stage's prompt), ``rewards``, its
+    environment's reward by column name, and ``tool_failures`` / ``parse_failures``: tool calls that
+    raised, and turns whose tool call did not parse."""
 
-    def __init__(self, ids: list[int], policy: list[bool], messages: list[dict[str, Any]], text: str) -> None:
+    def __init__(
+        self,
+        ids: list[int],
+        policy: list[bool],
+        messages: list[dict[str, Any]],
+        text: str,
+        prompt_ids: list[int] | None = None,
+    ) -> None:
         super().__init__(ids)
-        self.policy, self.messages, self.text = policy, messages, text
+        self.policy, self.messages, self.text, self.prompt_ids = policy, messages, text, prompt_ids
+        self.rewards: dict[str, float | None] = {}
+        self.tool_failures = self.parse_failures = 0
 
     @property
     def turns(self) -> int:
@@ -77,24 +90,17 @@ def episode_ids(
     render the conversation's prefixes as prefixes of it (then no token split can be trusted)."""
     messages = parse_chat(prompt).as_dicts() + parse_chat(episode).as_dicts()
     start = len(messages) - len(episode)
-    eos = tokenizer.eos_token_id
-    ends = {eos} if isinstance(eos, int) else set(eos or ())
+    ends = _ends(tokenizer)
     tokenize: Callable[[list[str]], list] = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
     ids: list[int] = []
     policy: list[bool] = []
-    before = _render(tokenizer, messages[:start], True)
+    before = render(tokenizer, messages[:start], True)
     for k in range(start, len(messages)):
         assistant = messages[k]["role"] == "assistant"
         opens = not assistant and k + 1 < len(messages) and messages[k + 1]["role"] == "assistant"
-        after = _render(tokenizer, messages[: k + 1], opens)
-        if not after.startswith(before):
-            raise ValueError(
-                f"the chat template does not render the conversation up to message {k - start} of the episode "
-                "as a prefix of the conversation up to the next one, so the policy's tokens cannot be told "
-                "from the template's"
-            )
+        after, text = _delta(tokenizer, messages, k, before, opens, start)
         room = limit - len(ids)
-        segment = list(cut_ids(tokenize, [after[len(before) :]], room, budget)[0][0])[:room]
+        segment = list(cut_ids(tokenize, [text], room, budget)[0][0])[:room]
         mine = [False] * len(segment)
         if assistant:  # what the model writes in this turn: through its end token; the rest is the template's
             end = next((i + 1 for i, t in enumerate(segment) if t in ends), len(segment))
@@ -110,8 +116,55 @@ def episode_ids(
     return Episode(ids, policy, episode, last.get("content") or "")
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+def context_ids(tokenizer: Any, messages: list[dict[str, Any]], turn: int, tools: list | None = None) -> list[int]:
+    """The context tokens a live episode appends after its assistant message ``messages[turn]``
+    (``llmft.objectives.agent``): what the template writes after that message's end token, then the
+    segment of each later message (tool results, an environment's words), the last one opening the
+    next assistant turn. The same tokens ``episode_ids`` makes of these messages (module docstring)."""
+    tokenize = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    ends = _ends(tokenizer)
+    before = render(tokenizer, messages[:turn], True, tools)
+    before, text = _delta(tokenizer, messages, turn, before, False, 0, tools)
+    segment = tokenize([text])[0]
+    ids = list(segment[next((i + 1 for i, t in enumerate(segment) if t in ends), len(segment)) :])
+    for k in range(turn + 1, len(messages)):
+        before, text = _delta(tokenizer, messages, k, before, k == len(messages) - 1, 0, tools)
+        ids += tokenize([text])[0]
+    return ids
+
+
+def _ends(tokenizer: Any) -> set[int]:
+    eos = tokenizer.eos_token_id
+    return {eos} if isinstance(eos, int) else set(eos or ())
+
+
+def _delta(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    k: int,
+    before: str,
+    opens: bool,
+    start: int,
+    tools: list | None = None,
+) -> tuple[str, str]:
+    """(the rendering through message ``k``, what it adds to ``before``, the rendering before it);
+    a ``ValueError`` where it does not begin with ``before``."""
+    after = render(tokenizer, messages[: k + 1], opens, tools)
+    if not after.startswith(before):
+        raise ValueError(
+            f"the chat template does not render the conversation up to message {k - start} of the episode "
+            "as a prefix of the conversation up to the next one, so the policy's tokens cannot be told "
+            "from the template's"
+        )
+    return after, after[len(before) :]
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool, tools: list | None = None) -> str:
+    """The chat template's text of ``messages`` (with ``tools``' schemas where given); a ``ValueError``
+    with the template's own message where it refuses them."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **({"tools": tools} if tools else {})
+        )
     except TemplateError as e:
         raise ValueError(f"the chat template rejected it ({e})") from e

@@ -59,6 +59,7 @@ from llmft.job import watchdog
 from llmft.job.dist import DistEnv, all_gather_rows, all_reduce_max, all_reduce_sum
 from llmft.model import loss as lm_loss
 from llmft.objectives import Models, ObjectiveBase, ObjectiveSetup, disable_dropout, model_inputs
+from llmft.objectives.agent import AgentRollout
 from llmft.objectives.episodes import Episode
 from llmft.objectives.reference import frozen_reference
 from llmft.objectives.rewards import Rewards
@@ -181,7 +182,8 @@ def _shifted(mask: torch.Tensor) -> torch.Tensor:
 STATE_FORMAT = 1  # of the dict ``GRPOObjective.state_dict`` returns; checkpoints saved before it have no header
 STATE_HEADER = {"objective": "grpo", "format": STATE_FORMAT}
 STATE_KEYS = ("positions", "completions", "old_logps", "advantages", "stats")
-OPTIONAL_KEYS = ("is_weights", "policy_masks")  # rl.importance_correction: tis; multi-turn episodes
+# rl.importance_correction: tis; multi-turn episodes (their masks, and their prompts as rendered with tools)
+OPTIONAL_KEYS = ("is_weights", "policy_masks", "prompt_ids")
 STATE_FIX = "Resume from an earlier checkpoint (checkpoint.resume=auto skips damaged ones), or restore the file."
 
 
@@ -276,6 +278,17 @@ def check_state(state: Any, where: str | Path, vocab: int | None = None) -> int:
             raise _damaged(where, f"the old log-probs of completion {j} are not {policy} numbers, one per policy token")
         if not bool(logps.isfinite().all()):
             raise _damaged(where, f"the old log-probs of completion {j} are not all finite")
+    prompt_ids = state.get("prompt_ids")
+    if prompt_ids is not None:
+        if not isinstance(prompt_ids, list) or len(prompt_ids) != n:
+            raise _damaged(where, f"does not hold {n} prompts for its {n} positions")
+        for j, ids in enumerate(prompt_ids):
+            if not _is_tensor(ids, 1, (torch.int64,)) or ids.numel() == 0 or int(ids.min()) < 0:
+                raise _damaged(where, f"the prompt of completion {j} is not a non-empty 1-D tensor of token ids")
+            if vocab is not None and int(ids.max()) >= vocab:
+                raise _damaged(
+                    where, f"the prompt of completion {j} holds token id {int(ids.max())}, beyond this model's {vocab}"
+                )
     weights = state.get("is_weights")
     if weights is not None:
         if not isinstance(weights, list) or len(weights) != n:
@@ -332,6 +345,18 @@ def _prompts(micro_batches: list[dict[str, Any]]) -> list[Prompt]:
     ]
 
 
+def _as_rendered(
+    prompts: list[Prompt], completions: list[list[int]], restored: list[list[int] | None] | None
+) -> list[Prompt]:
+    """The step's items with each live episode's prompt as it was rendered (its tools, its
+    environment's first words: ``Episode.prompt_ids``; ``restored``: as a checkpoint kept them)."""
+    given = restored or [c.prompt_ids if isinstance(c, Episode) else None for c in completions]
+    return [
+        p if ids is None else Prompt(torch.tensor(ids, dtype=torch.long), p.record, p.position)
+        for p, ids in zip(prompts, given, strict=True)
+    ]
+
+
 class GRPOObjective(ObjectiveBase):
     """Group-relative policy optimisation over completions of the global batch (module docstring)."""
 
@@ -358,6 +383,8 @@ class GRPOObjective(ObjectiveBase):
         self._restored: dict[int, tuple[list[int], float, torch.Tensor, torch.Tensor | None, list[bool] | None]] = {}
         self._restored_stats: dict[str, float] = {}
         self._restored_policy: list[list[bool] | None] = []
+        self._restored_prompts: list[list[int] | None] | None = None  # live episodes' rendered prompts
+        self._restored_prompt_ids: dict[int, list[int]] = {}
         self._stats: dict[str, float] = {}
         self._update_from = time.perf_counter()
         # rollout.async: the next step's micro-batches, their drawing, this step's drawn completions,
@@ -376,6 +403,8 @@ class GRPOObjective(ObjectiveBase):
         self.dp_rank = self.layout.dp_rank(context.env.rank)
         device = context.env.device
         self.rollout = make_rollout(self.plan.recipe, self.tokenizer, self.policy, device, self.synced, self.autocast)
+        if self.cfg.tools or self.cfg.environment:  # multi-turn episodes over the backend's generator
+            self.rollout = AgentRollout(self.plan.recipe, self.rollout, self.tokenizer, device)
         self.rewards = Rewards(
             list(self.plan.recipe.rewards),
             device,
@@ -383,6 +412,7 @@ class GRPOObjective(ObjectiveBase):
             self.plan.recipe.model.hub_kernels,
             place=self.models.place_frozen,  # the engine's frozen-model door
             workers=self.plan.recipe.rl.reward_workers,
+            environments=tuple(getattr(self.rollout, "reward_columns", ())),
         )
         self.metric_names = self.plan.objective_spec.metrics
 
@@ -438,6 +468,7 @@ class GRPOObjective(ObjectiveBase):
             if self.cfg.save_completions:
                 self._save_completions(generation, prompts, completions, sampler)
             policy = [c.policy if isinstance(c, Episode) else None for c in completions]
+        prompts = _as_rendered(prompts, completions, self._restored_prompts if restored is not None else None)
         watchdog.phase("old and reference log-probs")
         out, start = [], 0
         mismatch = Mismatch()
@@ -529,6 +560,10 @@ class GRPOObjective(ObjectiveBase):
                 line.update(completion=text, completion_ids=[int(t) for t in ids])
                 if sampler is not None:
                     line["sampler_logprobs"] = sampler[i]
+                if isinstance(ids, Episode):  # the episode: its messages, which tokens the policy wrote, its prompt
+                    line.update(messages=ids.messages, policy_mask=[int(m) for m in ids.policy])
+                    if ids.prompt_ids is not None:
+                        line["prompt_ids"] = ids.prompt_ids
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
 
     # --- the kept generation batch in checkpoints (rl.iterations > 1) --------------------------------
@@ -543,9 +578,10 @@ class GRPOObjective(ObjectiveBase):
             return None
         key, batches = self._kept
         positions = key[: key.index(-1)]
-        completions, old, adv, weights, masks = [], [], [], [], []
+        completions, old, adv, weights, masks, prompt_ids = [], [], [], [], [], []
         for batch in batches:
             for i, mine in enumerate(_completion_tokens(batch)):
+                sequence = batch["input_ids"][0][batch["sequence_index"][0] == i]
                 if "context" in batch:  # an episode's tokens: its policy's and the context between them
                     tokens = _shifted(mine) | (batch["context"][0] & (batch["sequence_index"][0] == i))
                     completions.append(batch["input_ids"][0][tokens].clone())
@@ -553,6 +589,7 @@ class GRPOObjective(ObjectiveBase):
                 else:
                     completions.append(batch["labels"][0][_shifted(mine)].clone())
                     masks.append(torch.ones(int(mine.sum()), dtype=torch.bool))
+                prompt_ids.append(sequence[: len(sequence) - len(completions[-1])].clone())
                 old.append(batch["old_logps"][0][mine].clone())
                 if "is_weights" in batch:
                     weights.append(batch["is_weights"][0][mine].clone())
@@ -565,13 +602,14 @@ class GRPOObjective(ObjectiveBase):
             "advantages": torch.cat(adv),
             "stats": dict(self._stats),
             **({"is_weights": weights} if weights else {}),
-            **({"policy_masks": masks} if any("context" in b for b in batches) else {}),
+            **({"policy_masks": masks, "prompt_ids": prompt_ids} if any("context" in b for b in batches) else {}),
         }
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
         """Every rank's kept batch (``llmft.checkpoint.manager.SavedState``: each names its file),
         checked before anything of it is used: a wrong one is a ``UserError`` naming the file."""
         self._restored = {}
+        self._restored_prompt_ids = {}
         if self.async_rollout:
             self._async_restored = {}
             vocab = _vocab_size(self.policy)
@@ -600,6 +638,8 @@ class GRPOObjective(ObjectiveBase):
                     state["is_weights"][j].float() if "is_weights" in state else None,
                     state["policy_masks"][j].tolist() if "policy_masks" in state else None,
                 )
+                if "prompt_ids" in state:
+                    self._restored_prompt_ids[q] = state["prompt_ids"][j].tolist()
             self._restored_stats = {k: float(v) for k, v in state["stats"].items()}
 
     def _restored_rollout(self, positions: tuple[int, ...]):
@@ -624,6 +664,8 @@ class GRPOObjective(ObjectiveBase):
                 "holds no importance weights, but rl.importance_correction is tis (the checkpoint was saved without it)",
             )
         self._restored_policy = [m for _, _, _, _, m in saved]  # the episodes' policy masks (prepare)
+        self._restored_prompts = [self._restored_prompt_ids.get(q) for q in positions]
+        self._restored_prompt_ids = {}
         return (
             [c for c, _, _, _, _ in saved],
             torch.tensor([a for _, a, _, _, _ in saved]),
@@ -692,14 +734,19 @@ class GRPOObjective(ObjectiveBase):
         scores = self._score(prompts, completions)
         total = self.rewards.total(scores)
         eos = self.tokenizer.eos_token_id
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+        lengths = torch.tensor(  # an episode's: the tokens its policy wrote
+            [sum(c.policy) if isinstance(c, Episode) else len(c) for c in completions], dtype=torch.float64
+        )
         ended = torch.tensor([float(bool(c) and c[-1] == eos) for c in completions], dtype=torch.float64)
         mine = torch.stack(
             [torch.tensor([p.position for p in prompts], dtype=torch.float64), total, lengths, ended], dim=1
         )
         timing = torch.full((len(prompts), 1), generation_s, dtype=torch.float64)
         turns = torch.tensor(  # NaN for a single completion: the step's means are over its episodes
-            [[c.turns, c.tool_calls] if isinstance(c, Episode) else [math.nan, math.nan] for c in completions],
+            [
+                [c.turns, c.tool_calls, c.tool_failures, c.parse_failures] if isinstance(c, Episode) else [math.nan] * 4
+                for c in completions
+            ],
             dtype=torch.float64,
         )
         rows = all_gather_rows(torch.cat([mine, timing, turns, scores], dim=1).to(self.env.device)).cpu()
@@ -718,13 +765,14 @@ class GRPOObjective(ObjectiveBase):
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         texts = [c.text if isinstance(c, Episode) else t for c, t in zip(completions, texts, strict=True)]
         messages = [c.messages if isinstance(c, Episode) else None for c in completions]
+        given = [c.rewards if isinstance(c, Episode) else {} for c in completions]
         return self.rewards.score(
-            [p.record["prompt"] for p in prompts], texts, [p.record for p in prompts], messages=messages
+            [p.record["prompt"] for p in prompts], texts, [p.record for p in prompts], messages, given
         )
 
     def _rollout_stats(self, rows: torch.Tensor) -> dict[str, float]:
-        total, lengths, ended, gen_s, scores = rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4], rows[:, 7:]
-        turns, calls = rows[:, 5], rows[:, 6]
+        total, lengths, ended, gen_s, scores = rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4], rows[:, 9:]
+        turns, calls, failures, unparsed = rows[:, 5], rows[:, 6], rows[:, 7], rows[:, 8]
         by_group = total.view(-1, self.G)
         stats = {
             "reward": float(total.mean()),
@@ -740,6 +788,8 @@ class GRPOObjective(ObjectiveBase):
         if bool(episodes.any()):  # multi-turn episodes: assistant messages and tool calls per episode
             stats["turns"] = float(turns[episodes].mean())
             stats["tool_calls"] = float(calls[episodes].mean())
+            stats["tool_failures"] = float(failures[episodes].mean())  # calls that raised or named no tool
+            stats["tool_parse_failures"] = float(unparsed[episodes].mean())  # turns whose call did not parse
         assert self.rewards is not None
         for j, name in enumerate(self.rewards.names):
             column = scores[:, j]

@@ -78,6 +78,7 @@ class RewardSpec:
     entry: RewardEntry | None = None
     pool: WorkerPool | None = None  # rl.reward_workers >= 1: where the function's calls run
     sandbox: str = "none"  # bwrap | none: where its code runs (the worker, or code_tests' test processes)
+    episode: bool = False  # an environment's get_reward(), given with each episode (llmft.objectives.agent)
 
 
 def load_reward_model(
@@ -143,6 +144,7 @@ class Rewards:
         hub_kernels: bool = False,
         place: Place | None = None,
         workers: int = 0,
+        environments: tuple[str, ...] = (),
     ) -> None:
         parsed = reward_entries(entries)
         problems = reward_problems(parsed, workers)
@@ -166,6 +168,16 @@ class Rewards:
                 confined = sandbox == "bwrap" and "builtin" not in target
                 spec.pool = WorkerPool(target, workers, timeout_s, confined)
             self.specs.append(spec)
+        for name in environments:  # the environments' get_reward(), weight 1 (TRL's)
+            self.specs.append(RewardSpec("rollout.environment", name, 1.0, episode=True))
+        if not self.specs:
+            raise UserError(
+                Problem(
+                    "rewards",
+                    "is empty and no environment of rollout.environment has get_reward(): nothing scores the episodes",
+                    'Add {function: "module:name", weight: 1.0}, or give the environment class a get_reward method.',
+                )
+            )
         self.device = device  # where the stop vote's all-reduce runs (``score``)
         self.weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float64)
         self.names = tuple(unique_names([s.name for s in self.specs]))
@@ -180,6 +192,7 @@ class Rewards:
         completions: list[str],
         records: list[dict[str, Any]],
         messages: list[list[dict[str, Any]] | None] | None = None,
+        episode_rewards: list[dict[str, float | None]] | None = None,
     ) -> torch.Tensor:
         """``[n, columns]``: each completion's reward by each entry (None -> NaN in the matrix, 0 in the sum).
 
@@ -188,7 +201,8 @@ class Rewards:
         (``llmft.job.dist.cut_short``) and, if any was asked to stop, all raise ``stop.Abandoned``: a
         step is never trained on part of its rewards. A single call in this process that blocks is
         not interrupted; one in a worker ends at its deadline. ``messages``: per completion, the
-        multi-turn episode it is the last message of (passed as ``completion_messages``), or None."""
+        multi-turn episode it is the last message of (passed as ``completion_messages``), or None;
+        ``episode_rewards``: per completion, its environment's reward by column (``episode`` columns)."""
         columns = []
         episodes = messages if messages is not None else [None] * len(records)
         records = [  # a record's own completion_messages field is reserved: never passed
@@ -201,7 +215,11 @@ class Rewards:
             for c, spec in enumerate(self.specs):
                 if stop.requested() is not None:
                     break
-                if spec.pool is not None:
+                if spec.episode:
+                    given = episode_rewards or [{}] * len(completions)
+                    values = [math.nan if r.get(spec.name) is None else float(r[spec.name]) for r in given]  # type: ignore[arg-type]
+                    columns.append(torch.tensor(values, dtype=torch.float64))
+                elif spec.pool is not None:
                     columns.append(self._pooled(c, spec, prompts, completions, records))
                 elif spec.function is not None:
                     columns.append(self._call(spec, prompts, completions, records))

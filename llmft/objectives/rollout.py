@@ -275,11 +275,11 @@ class GeneratedRollout:
     def start(self, prompts: list[Prompt], generation: int, dp_rank: int) -> Pending:
         """``rollout.async``: ``complete_scored``'s completions, drawn while the caller goes on (the
         generator's ``start``: the weights synced now, the drawing in a thread)."""
-        how = self._how(generation, dp_rank, greedy=False, logprobs=True, phases=False)
+        how = self.sampling(generation, dp_rank, greedy=False, logprobs=True, phases=False)
         future = self.generator.start([p.ids for p in prompts], how)  # type: ignore[attr-defined]
         return Pending(tuple(p.position for p in prompts), future, self._cut)
 
-    def _how(self, generation: int, dp_rank: int, *, greedy: bool, logprobs: bool, phases: bool) -> Generation:
+    def sampling(self, generation: int, dp_rank: int, *, greedy: bool, logprobs: bool, phases: bool) -> Generation:
         """How a generation batch is drawn: ``rollout.*``, seeded by (``run.seed``, batch, rank)."""
         cfg = self.cfg
         return Generation(
@@ -325,7 +325,7 @@ class GeneratedRollout:
     ) -> tuple[list[list[int]], list[list[float]]]:
         """``complete``'s completions and the sampler's log-prob of each of their tokens (cut as the
         completion is; empty lists without ``logprobs``)."""
-        how = self._how(generation, dp_rank, greedy=greedy, logprobs=logprobs, phases=True)
+        how = self.sampling(generation, dp_rank, greedy=greedy, logprobs=logprobs, phases=True)
         ids = [p.ids for p in prompts]
         if not logprobs:  # a backend needs no more than ``generate``
             return self._cut(self.generator.generate(ids, how))

@@ -260,6 +260,65 @@ def import_function(what: str, key: str) -> Callable[..., Any]:
     return fn
 
 
+def environments_of(value: Any) -> dict[str | None, str]:
+    """``rollout.environment`` as {name: "module:Class"} (None: one class for every record); a
+    ``UserError`` where it is neither a "module:Class" nor a mapping of names to them."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {None: value}
+    if hasattr(value, "items") and value and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return {k: v for k, v in value.items()}
+    raise UserError(
+        Problem(
+            "rollout.environment",
+            f"is {str(value)[:200]}, not a class or a mapping of names to classes",
+            'Write "module:Class", or {name: "module:Class", ...} (each record\'s environment field picks one).',
+        )
+    )
+
+
+def agent_problems(recipe: Recipe) -> list[Problem]:
+    """What ``rollout.tools`` / ``rollout.environment`` (multi-turn episodes) cannot do: the tools and
+    classes that cannot be imported, the bounds, and the backends and modes that do not generate them."""
+    r = recipe.rollout
+    problems: list[Problem] = []
+    if r.max_turns < 1:
+        problems.append(Problem("rollout.max_turns", f"is {r.max_turns}", "Use 1 or more."))
+    if r.max_tool_calls is not None and r.max_tool_calls < 0:
+        problems.append(Problem("rollout.max_tool_calls", f"is {r.max_tool_calls}", "Use 0 or more, or null."))
+    if not (r.tools or r.environment):
+        return problems
+    key = "rollout.tools" if r.tools else "rollout.environment"
+    if r.backend == "file":
+        problems.append(
+            Problem(
+                key,
+                "is set, but rollout.backend is file: a file's episodes are replayed, no tool is called",
+                "Use rollout.backend=hf or vllm to generate episodes, or drop the key to replay the file's.",
+            )
+        )
+    if getattr(r, "async") == 1:
+        problems.append(
+            Problem(
+                key, "is set with rollout.async=1: multi-turn episodes are generated in step", "Use rollout.async=0."
+            )
+        )
+    targets = [(f"rollout.tools[{i}]", t) for i, t in enumerate(r.tools)]
+    try:
+        named = environments_of(r.environment)
+    except UserError as e:
+        problems += e.problems
+        named = {}
+    targets += [("rollout.environment" + (f".{n}" if n is not None else ""), t) for n, t in named.items()]
+    for where, target in targets:
+        try:
+            import_function(target, where)
+        except UserError as e:
+            problems += e.problems
+    return problems
+
+
 def rl_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
     """What an online-RL recipe cannot do."""
     spec, r, rl = objective_of(recipe), recipe.rollout, recipe.rl
@@ -323,7 +382,8 @@ def rl_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
             "is tis, but rollout.backend is file: a file's completions come without the sampler's log-probs",
             "Set rl.importance_correction=none, or generate with rollout.backend=hf or vllm.",
         )
-    if not recipe.rewards:
+    problems += [Problem(where(p.where), p.what, p.fix) for p in agent_problems(recipe)]
+    if not recipe.rewards and not recipe.rollout.environment:  # an environment's get_reward may score
         bad(
             "rewards",
             "is empty: nothing scores the completions",
@@ -390,6 +450,19 @@ def rl_lines(plan: RunPlan) -> list[str]:
             f"generation (vllm, {v.mode}): {where}, the weights synced before every generation; {staleness}; "
             f"rl.importance_correction {importance_correction(r)}"
         )
+    if r.rollout.tools or r.rollout.environment:
+        rr = r.rollout
+        what = [f"tools {', '.join(t.partition(':')[2] or t for t in rr.tools)}"] if rr.tools else []
+        try:
+            named = environments_of(rr.environment)
+        except UserError:
+            named = {}
+        what += [f"environment {', '.join(t.partition(':')[2] or t for t in named.values())}"] if named else []
+        calls = f", {rr.max_tool_calls} tool calls" if rr.max_tool_calls is not None else ""
+        lines.append(
+            f"episodes: {'; '.join(what)}; at most {rr.max_turns} turns{calls} and {rr.max_new_tokens} tokens "
+            "each (the policy's and the tools'; only the policy's trained)"
+        )
     reference = {
         "none": "none (rl.beta 0)",
         "adapters_disabled": "the policy with its adapters disabled",
@@ -411,8 +484,18 @@ def card_words(spec: ObjectiveSpec, recipe: dict) -> str:
         f"{r.get('temperature')}, beta {rl.get('beta')}, epsilon {rl.get('epsilon')}"
         + (f"/{rl['epsilon_high']}" if rl.get("epsilon_high") is not None else "")
         + f", normalise {rl.get('normalise')}, scale_rewards {rl.get('scale_rewards')}, iterations "
-        f"{rl.get('iterations')}; rewards: {rewards}"
+        f"{rl.get('iterations')}; rewards: {rewards}" + _episode_words(r)
     )
+
+
+def _episode_words(rollout: dict) -> str:
+    """The model card's words on multi-turn episodes (tools, environments), or nothing."""
+    tools, env = rollout.get("tools") or [], rollout.get("environment")
+    if not (tools or env):
+        return ""
+    envs = ", ".join(env.values()) if isinstance(env, dict) else env
+    parts = [f"tools {', '.join(tools)}"] * bool(tools) + [f"environment {envs}"] * bool(env)
+    return f"; multi-turn episodes ({'; '.join(parts)}; at most {rollout.get('max_turns')} turns)"
 
 
 @dataclass(frozen=True)

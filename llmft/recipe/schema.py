@@ -394,6 +394,23 @@ class RolloutConfig:
         "prompt, text, token ids (and the sampler's log-probs with rl.importance_correction=tis); a rollout.file "
         "made of those lines (completion_ids) trains on the same tokens.",
     )
+    tools: List[str] = doc(
+        [],
+        'Tools the policy may call in multi-turn episodes (TRL\'s tools): "module:function" each, a plain function '
+        "whose name, type hints and docstring (Google style, with Args:) make the schema the chat template gets; "
+        "its result goes back to the model as a tool message (docs/rl.md).",
+    )
+    environment: Any = doc(
+        None,
+        'A class (TRL\'s environment_factory contract: "module:Class") made once per episode slot and reset per '
+        "episode with the record's fields (reset(**record) returns None or text appended to the last user "
+        "message); its public methods are tools; its optional get_reward() is a reward column named after the "
+        'class. Or {name: "module:Class", ...}: each record\'s environment field picks one.',
+    )
+    max_turns: int = doc(8, "Multi-turn episodes: the policy's turns (assistant messages) per episode, at most.")
+    max_tool_calls: Optional[int] = doc(
+        None, "Multi-turn episodes: tool calls per episode, at most (the episode ends there); null: no bound."
+    )
     async_: int = doc(
         0,
         "rollout.backend=vllm: 1 generates the completions of step k+1 while step k "

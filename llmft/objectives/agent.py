@@ -1,0 +1,470 @@
+"""Multi-turn episodes generated live: tools and environments (``rollout.tools``, ``rollout.environment``).
+
+An episode is one completion of the batch equation (G per prompt). Its turns are drawn by the
+rollout's ``Generator`` (``hf`` or ``vllm``), every rank in step; between turns the tools the policy
+called run here, in the training process (TRL's contract), and their results go back as tool messages:
+
+1. The prompt: the record's messages, the environment's first words (``reset(**record)``: None, or
+   text appended to the last user message), rendered by the chat template with the tools' schemas
+   (``tools=``: what a template that lists tools shows the model). ``Episode.prompt_ids``.
+2. A turn: the policy's tokens drawn after everything so far, up to its first eos or the episode's
+   budget (``rollout.max_new_tokens`` counts every token after the prompt, policy and context). Its
+   ids are kept as drawn, never re-tokenized from text: they are what is trained (policy tokens).
+3. The turn's text (special tokens kept, its eos dropped) is read for tool calls by the template's
+   own convention (``CallFormat``: what the template writes for an assistant's ``tool_calls``:
+   ``<tool_call>`` blocks, a JSON list of calls, or JSON call objects). No call: the episode ends.
+   A call that does not parse ends it too, counted (``parse_failures``).
+4. Each call runs (a tool function, or an environment's method): what it returns is the tool
+   message's content (text as is, anything else as JSON); a call that raises or names no tool gives
+   the model ``{"error": ...}`` as its result, counted (``tool_failures``). Then the context tokens:
+   what the template writes after the turn's eos, the tool messages, the next turn's header
+   (``llmft.objectives.episodes.context_ids``: the tokens ``rollout.file`` makes of the same
+   messages). Context is in the sequence, not in the loss or the token count.
+5. The episode ends without a call, at ``rollout.max_turns`` turns, past ``rollout.max_tool_calls``
+   calls, when a turn is cut by the budget, or when the next context would not leave a token of it.
+   Then an environment with ``get_reward()`` gives its column (named after its class).
+
+Sampling is seeded per turn from the generation batch's seed: the same records, weights and tools
+give the same episodes, so a run killed anywhere (a tool call included) and resumed regenerates its
+step exactly. Every rank calls the generator once per turn while any rank has an episode going (a
+rank with none draws one token for its first prompt): sharded engines join every forward, and the
+generator's stop vote is a collective.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from llmft.data.encode import text_budget
+from llmft.errors import Problem, UserError
+from llmft.job.dist import all_reduce_max
+from llmft.objectives.episodes import Episode, context_ids, render
+from llmft.plan.rl import environments_of, import_function
+
+if TYPE_CHECKING:
+    from llmft.objectives.rollout import GeneratedRollout, Prompt
+    from llmft.recipe.schema import Recipe
+
+PROBE = {"type": "function", "function": {"name": "llmft_probe", "arguments": {"x": 1}}}
+TEMPLATE_FIX = (
+    "Use a chat template that writes an assistant's tool_calls (data.chat_template: llmft, chatml or llama3 "
+    "do), as the model was trained to write them."
+)
+
+
+@dataclass
+class Environments:
+    """``rollout.environment``'s classes by name (None: the one class for every record), the tool
+    methods of each, which give a reward column (``get_reward``), and a pool of instances per name."""
+
+    factories: dict[str | None, Any]
+    methods: dict[str | None, list[str]]
+    rewarded: list[str]  # class names with get_reward(), the reward columns (one per class)
+    pool: dict[str | None, list[Any]] = field(default_factory=dict)
+
+    def instance(self, name: str | None, slot: int) -> Any:
+        """The ``slot``-th instance of environment ``name`` (made once, reset per episode)."""
+        made = self.pool.setdefault(name, [])
+        while len(made) <= slot:
+            made.append(self.factories[name]())
+        return made[slot]
+
+
+def load_environments(value: Any) -> Environments | None:
+    """``rollout.environment`` imported, each class made once and checked (it must have ``reset``);
+    a ``UserError`` naming the key otherwise."""
+    named = environments_of(value)
+    if not named:
+        return None
+    factories, methods, rewarded, pool = {}, {}, [], {}
+    for name, target in named.items():
+        key = "rollout.environment" + (f".{name}" if name is not None else "")
+        factory = import_function(target, key)
+        try:
+            instance = factory()
+        except Exception as e:
+            raise UserError(
+                Problem(
+                    key,
+                    f"{target}() raised {type(e).__name__}: {e}",
+                    "Fix the class's __init__ (it takes no arguments).",
+                )
+            ) from e
+        members = dict(inspect.getmembers(type(instance), predicate=inspect.isfunction))
+        if "reset" not in members:
+            raise UserError(
+                Problem(
+                    key,
+                    f"{target} has no reset method",
+                    "Give the class reset(self, **record) returning None or text for the last user message (TRL's "
+                    "environment_factory contract).",
+                )
+            )
+        factories[name], pool[name] = factory, [instance]
+        methods[name] = [m for m in members if m not in ("reset", "get_reward") and not m.startswith("_")]
+        if "get_reward" in members and type(instance).__name__ not in rewarded:
+            rewarded.append(type(instance).__name__)
+    return Environments(factories, methods, rewarded, pool)
+
+
+class CallFormat:
+    """How the chat template writes an assistant's tool calls, learnt by rendering one: ``hermes``
+    (``<tool_call>`` JSON ``</tool_call>`` blocks), ``list`` (a JSON list of calls) or ``objects``
+    (JSON call objects one after another), and how the model's text is read back into calls."""
+
+    def __init__(self, tokenizer: Any, tools: list[Callable[..., Any]]) -> None:
+        user = [{"role": "user", "content": "x"}]
+        try:
+            before = render(tokenizer, user, True, tools or None)
+            after = render(
+                tokenizer, [*user, {"role": "assistant", "content": "", "tool_calls": [PROBE]}], False, tools or None
+            )
+        except ValueError as e:
+            raise UserError(
+                Problem("rollout.tools", f"the chat template cannot render a tool call: {e}", TEMPLATE_FIX)
+            ) from e
+        written = after[len(before) :] if after.startswith(before) else ""
+        if "llmft_probe" not in written:
+            raise UserError(
+                Problem("rollout.tools", "the chat template does not write an assistant's tool_calls", TEMPLATE_FIX)
+            )
+        written = written.lstrip()
+        self.kind = "hermes" if "<tool_call>" in written else ("list" if written.startswith("[") else "objects")
+
+    def parse(self, text: str) -> tuple[str, list[dict[str, Any]], bool]:
+        """(the content before the calls, the calls as ``{"type": "function", "function": {"name",
+        "arguments"}}``, whether the text tried a call that does not parse)."""
+        if self.kind == "hermes":
+            start = text.find("<tool_call>")
+            if start < 0:
+                return text, [], False
+            blocks = re.findall(r"<tool_call>(.*?)</tool_call>", text[start:], flags=re.DOTALL)
+            calls = [call_of(_json(b.strip())) for b in blocks]
+            bad = not blocks or any(c is None for c in calls) or text.count("<tool_call>") != len(blocks)
+            return text[:start], ([] if bad else calls), bad  # type: ignore[return-value]
+        opener = "[" if self.kind == "list" else "{"
+        for start in (i for i, ch in enumerate(text) if ch == opener):  # the first place calls parse to the end
+            values, rest = _json_values(text[start:])
+            if self.kind == "list":
+                values = values[0] if len(values) == 1 and isinstance(values[0], list) else []
+            calls = [call_of(v) for v in values]
+            if calls and not rest.strip() and all(c is not None for c in calls):
+                return text[:start], calls, False  # type: ignore[return-value]
+        return text, [], '"name"' in text  # a call was tried (a name given) and did not parse
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _json_values(text: str) -> tuple[list[Any], str]:
+    """The JSON values at the start of ``text``, one after another, and what follows them."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at >= len(text) or text[at] not in "[{":
+            return values, text[at:]
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return values, text[at:]
+        values.append(value)
+
+
+def call_of(value: Any) -> dict[str, Any] | None:
+    """A tool call as chat templates take it, from ``{"type": "function", "function": {name, arguments}}``
+    or ``{name, arguments}`` (arguments a mapping or its JSON text); None where it is not one."""
+    if not isinstance(value, dict):
+        return None
+    fn = value.get("function", value)
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        return None
+    args = fn.get("arguments", fn.get("parameters", {}))
+    if isinstance(args, str):
+        args = _json(args)
+    if not isinstance(args, dict):
+        return None
+    return {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def run_call(tools: dict[str, Callable[..., Any]], call: dict[str, Any]) -> tuple[str, bool]:
+    """A tool call's result as a tool message's content, and whether it failed (the tool raised, or
+    there is no tool of that name): then the content is ``{"error": ...}``, what the model sees."""
+    name, args = call["function"]["name"], call["function"]["arguments"]
+    fn = tools.get(name)
+    if fn is None:
+        known = ", ".join(sorted(tools)) or "none"
+        return json.dumps({"error": f"no tool named {name!r} (tools: {known})"}), True
+    try:
+        result = fn(**args)
+    except Exception as e:  # the model called it wrong, or the tool failed: the model is told
+        return json.dumps({"error": f"{type(e).__name__}: {e}"}), True
+    if isinstance(result, str):
+        return result, False
+    try:
+        return json.dumps(result, ensure_ascii=False), False
+    except (TypeError, ValueError):
+        return str(result), False
+
+
+@dataclass
+class Going:
+    """One episode being drawn."""
+
+    prompt: Prompt
+    prompt_ids: list[int]
+    messages: list[dict[str, Any]]  # the prompt's, then the episode's
+    start: int  # where the episode's messages begin
+    tools: dict[str, Callable[..., Any]]
+    schemas: list[Callable[..., Any]]
+    env: Any = None
+    ids: list[int] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    calls: int = 0
+    tool_failures: int = 0
+    parse_failures: int = 0
+    done: bool = False
+
+    def episode(self, rewarded: list[str]) -> Episode:
+        episode = self.messages[self.start :]
+        last = next((m for m in reversed(episode) if m["role"] == "assistant"), {})
+        out = Episode(self.ids, self.policy, episode, last.get("content") or "", self.prompt_ids)
+        out.tool_failures, out.parse_failures = self.tool_failures, self.parse_failures
+        name = type(self.env).__name__ if self.env is not None else None
+        for column in rewarded:
+            out.rewards[column] = reward_of(self.env, self.prompt) if column == name else None
+        return out
+
+
+def reward_of(env: Any, prompt: Prompt) -> float | None:
+    """An environment's ``get_reward()`` for its episode: a finite number or None."""
+    where = f"rollout.environment ({type(env).__name__}.get_reward)"
+    try:
+        value = env.get_reward()
+    except Exception as e:
+        raise UserError(
+            Problem(where, f"raised {type(e).__name__}: {e} for the prompt {_shown(prompt)}", "Fix get_reward.")
+        ) from e
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise UserError(
+            Problem(
+                where,
+                f"returned {repr(value)[:200]} ({type(value).__name__}) for the prompt {_shown(prompt)}",
+                "Return a finite float, or None (no opinion).",
+            )
+        )
+    return float(value)
+
+
+def _shown(prompt: Prompt) -> str:
+    return json.dumps(prompt.record.get("prompt"), ensure_ascii=False)[:200]
+
+
+class AgentRollout:
+    """``rollout.tools`` / ``rollout.environment``: G episodes per prompt over a ``GeneratedRollout``'s
+    generator (module docstring). Answers ``complete`` and ``complete_scored`` as the rollout does,
+    with ``Episode`` completions."""
+
+    def __init__(self, recipe: Recipe, rollout: GeneratedRollout, tokenizer: Any, device: torch.device) -> None:
+        cfg = recipe.rollout
+        self.rollout, self.tokenizer, self.device = rollout, tokenizer, device
+        self.limit, self.max_turns, self.max_calls = cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_calls
+        self.max_seq_len = recipe.data.max_seq_len
+        self.tools = [import_function(t, f"rollout.tools[{i}]") for i, t in enumerate(cfg.tools)]
+        self.envs = load_environments(cfg.environment)
+        for i, fn in enumerate(self.tools):
+            _check_schema(fn, f"rollout.tools[{i}]")
+        for name, methods in (self.envs.methods if self.envs else {}).items():
+            for m in methods:
+                _check_schema(getattr(self.envs.pool[name][0], m), f"rollout.environment ({m})")  # type: ignore[union-attr]
+        first = next(iter(self.envs.factories)) if self.envs else None
+        self.format = CallFormat(tokenizer, self._schemas(first))
+        self.budget = text_budget(tokenizer, self.limit)  # characters of a tool result the tokenizer sees
+
+    @property
+    def reward_columns(self) -> list[str]:
+        """The environments' reward columns (``get_reward``), by class name."""
+        return list(self.envs.rewarded) if self.envs else []
+
+    @property
+    def sync_s(self) -> float:
+        return self.rollout.sync_s
+
+    def close(self) -> None:
+        self.rollout.close()
+
+    def complete(self, prompts: list[Prompt], generation: int, dp_rank: int, greedy: bool = False) -> list[Episode]:
+        return self.complete_scored(prompts, generation, dp_rank, greedy, logprobs=False)[0]
+
+    def complete_scored(
+        self, prompts: list[Prompt], generation: int, dp_rank: int, greedy: bool = False, logprobs: bool = True
+    ) -> tuple[list[Episode], list[list[float]]]:
+        going = [self._begin(p, slot) for slot, p in enumerate(prompts)]
+        how = self.rollout.sampling(generation, dp_rank, greedy=greedy, logprobs=logprobs, phases=True)
+        generator = self.rollout.generator
+        draw = generator.sample if logprobs else None
+        turn = 0
+        while True:
+            active = [g for g in going if not g.done]
+            if all_reduce_max([float(bool(active))], self.device)[0] == 0.0:
+                break
+            rows = [g.prompt_ids + g.ids for g in active] or [going[0].prompt_ids]
+            longest = max((self.limit - len(g.ids) for g in active), default=1)
+            this = replace(
+                how,
+                max_new_tokens=longest,
+                seed=None if how.seed is None else (how.seed + 1_000_033 * turn) % (2**63 - 1),
+                fresh=turn == 0,
+                release=False,
+                what=f"generation (turn {turn + 1})",
+            )
+            if draw is not None:
+                drawn, scored = draw(rows, this)
+            else:
+                drawn, scored = generator.generate(rows, this), []
+            for k, g in enumerate(active):
+                self._turn(g, drawn[k], scored[k] if scored else None)
+            turn += 1
+        release = getattr(generator, "release", None)
+        if release is not None:
+            release()
+        rewarded = self.reward_columns
+        return [g.episode(rewarded) for g in going], [g.logps for g in going]
+
+    # --- one episode -------------------------------------------------------------------------------
+
+    def _schemas(self, name: str | None) -> list[Callable[..., Any]]:
+        return self.tools + (
+            [] if self.envs is None else [getattr(self.envs.pool[name][0], m) for m in self.envs.methods[name]]
+        )
+
+    def _begin(self, prompt: Prompt, slot: int) -> Going:
+        """An episode's start: its environment reset, its prompt rendered with the tools."""
+        record = prompt.record
+        messages = record.get("prompt")
+        if not (isinstance(messages, list) and messages and isinstance(messages[-1], dict)):
+            raise UserError(
+                Problem(
+                    "rollout.tools" if self.tools else "rollout.environment",
+                    f"is set, but the prompt {_shown(prompt)} is not messages",
+                    'Give prompts as messages ({"prompt": [{"role": "user", "content": ...}]}): episodes are chats.',
+                )
+            )
+        messages = [dict(m) for m in messages]
+        env, name, tools = None, None, {fn.__name__: fn for fn in self.tools}
+        if self.envs is not None:
+            if None not in self.envs.factories:
+                name = record.get("environment")
+                if name not in self.envs.factories:
+                    raise UserError(
+                        Problem(
+                            "rollout.environment",
+                            f"has no environment {name!r}, which the record of the prompt {_shown(prompt)} names",
+                            f"Give each record an environment field naming one of {', '.join(map(str, self.envs.factories))}.",
+                        )
+                    )
+            env = self.envs.instance(name, slot)
+            fields = {k: v for k, v in record.items() if not (name is not None and k == "environment")}
+            try:
+                observation = env.reset(**fields)
+            except Exception as e:
+                raise UserError(
+                    Problem(
+                        f"rollout.environment ({type(env).__name__}.reset)",
+                        f"raised {type(e).__name__}: {e} for the record of the prompt {_shown(prompt)}",
+                        "Fix reset, or the record.",
+                    )
+                ) from e
+            if observation is not None:
+                messages[-1] = {**messages[-1], "content": (messages[-1].get("content") or "") + str(observation)}
+            tools.update({m: getattr(env, m) for m in self.envs.methods[name]})
+        schemas = list(tools.values())
+        try:
+            text = render(self.tokenizer, messages, True, schemas or None)
+        except ValueError as e:
+            raise UserError(Problem("rollout.tools", f"the prompt {_shown(prompt)}: {e}", TEMPLATE_FIX)) from e
+        ids = self.tokenizer([text], add_special_tokens=False)["input_ids"][0]
+        room = self.max_seq_len - self.limit if isinstance(self.max_seq_len, int) else None
+        if room is not None and len(ids) > room:
+            raise UserError(
+                Problem(
+                    "data.max_seq_len",
+                    f"leaves {room} tokens for a prompt after rollout.max_new_tokens={self.limit}, but the prompt "
+                    f"{_shown(prompt)} with its tools' schemas is {len(ids)} tokens",
+                    "Raise data.max_seq_len, lower rollout.max_new_tokens, or give fewer tools.",
+                )
+            )
+        return Going(prompt, list(ids), messages, len(messages), tools, schemas, env)
+
+    def _turn(self, g: Going, drawn: list[int], scored: list[float] | None) -> None:
+        """One drawn turn into its episode: its tokens, its message, the tools it calls, the context."""
+        room = self.limit - len(g.ids)
+        ends = self.rollout.eos
+        cut = next((i + 1 for i, t in enumerate(drawn[:room]) if t in ends), None)
+        ids = list(drawn[: cut if cut is not None else room])
+        g.ids += ids
+        g.policy += [True] * len(ids)
+        if scored is not None:
+            g.logps += list(scored[: len(ids)])
+        text = self.tokenizer.decode(ids[:-1] if cut is not None else ids, skip_special_tokens=False)
+        content, calls, bad = self.format.parse(text)
+        g.parse_failures += bad
+        message: dict[str, Any] = {"role": "assistant", "content": content if calls else text}
+        if calls:
+            message["tool_calls"] = calls
+        g.messages.append(message)
+        turns = sum(m["role"] == "assistant" for m in g.messages[g.start :])
+        over = self.max_calls is not None and g.calls + len(calls) > self.max_calls
+        if cut is None or not calls or turns >= self.max_turns or over:
+            g.done = True
+            return
+        g.calls += len(calls)
+        results = []
+        for call in calls:
+            content, failed = run_call(g.tools, call)
+            g.tool_failures += failed
+            results.append({"role": "tool", "name": call["function"]["name"], "content": content[: self.budget]})
+        messages = g.messages + results
+        turn = len(g.messages) - 1
+        try:
+            context = context_ids(self.tokenizer, messages, turn, g.schemas or None)
+        except ValueError as e:
+            raise UserError(
+                Problem("rollout.tools", f"an episode of the prompt {_shown(g.prompt)}: {e}", TEMPLATE_FIX)
+            ) from e
+        if len(g.ids) + len(context) >= self.limit:  # no room for a token of the next turn: the episode ends
+            g.done = True
+            return
+        g.messages = messages
+        g.ids += context
+        g.policy += [False] * len(context)
+
+
+def _check_schema(fn: Callable[..., Any], key: str) -> None:
+    """A tool's schema as transformers makes it from its hints and docstring (what the template gets)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        get_json_schema(fn)
+    except Exception as e:
+        raise UserError(
+            Problem(
+                key,
+                f"{getattr(fn, '__name__', fn)} has no schema transformers can read ({type(e).__name__}: {e})",
+                "Give it type hints for every argument and a Google-style docstring with an Args: section naming each.",
+            )
+        ) from e
