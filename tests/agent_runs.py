@@ -81,7 +81,7 @@ class BadReset(Counter):
 CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
 
 
-def tool_model(out: Path, steps: int = 80) -> Path:
+def tool_model(out: Path, steps: int = 80, lr: float = 1e-2, **config) -> Path:
     """A tiny model dir (byte tokenizer, llmft template) fitted in plain torch to one transcript shape:
     any question, a call add(a=1, b=2), its result, the answer "3". Sampled at temperature 1 it calls
     the tool most of the time and sometimes writes a call that does not parse or answers at once."""
@@ -93,7 +93,7 @@ def tool_model(out: Path, steps: int = 80) -> Path:
 
     if (out / "config.json").exists():
         return out
-    save_tiny_pretrained(out, seed=2)
+    save_tiny_pretrained(out, seed=2, **config)
     tok = byte_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(out)
     rng = random.Random(0)
@@ -112,7 +112,7 @@ def tool_model(out: Path, steps: int = 80) -> Path:
     batch = tok(texts, add_special_tokens=False, return_tensors="pt", padding=True)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     torch.manual_seed(0)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    optim = torch.optim.Adam(model.parameters(), lr=lr)
     for _ in range(steps):
         loss = model(**batch, labels=labels).loss
         loss.backward()
@@ -164,3 +164,29 @@ def tool_recipe(tmp: Path, model: Path, **over) -> Path:
         "data__max_seq_len": 160,
     }
     return agent_recipe(tmp, **{**base, **over})
+
+
+def replay_file(run: Path, out: Path, G: int) -> Path:
+    """The episodes a run saved (``rollout.save_completions``, every rank's) as a ``rollout.file`` of
+    ``completion_ids`` with their ``policy_masks``, ``prompt_ids`` and ``episodes``, by prompt."""
+    by_prompt: dict[str, dict[int, dict]] = {}
+    prompts: dict[str, object] = {}
+    for f in sorted((run / "completions").glob("rank-*.jsonl")):
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            key = json.dumps(row["prompt"], sort_keys=True)
+            prompts[key] = row["prompt"]
+            by_prompt.setdefault(key, {})[row["position"] % G] = row
+    with open(out, "w") as f:
+        for key, rows in by_prompt.items():
+            assert sorted(rows) == list(range(G))
+            group = [rows[q] for q in range(G)]
+            line = {
+                "prompt": prompts[key],
+                "completion_ids": [r["completion_ids"] for r in group],
+                "policy_masks": [r["policy_mask"] for r in group],
+                "prompt_ids": [r["prompt_ids"] for r in group],
+                "episodes": [r["messages"] for r in group],
+            }
+            f.write(json.dumps(line) + "\n")
+    return out

@@ -53,6 +53,12 @@ class Episode(list):
         self.rewards: dict[str, float | None] = {}
         self.tool_failures = self.parse_failures = 0
 
+    def cut(self, limit: int) -> Episode:
+        """The episode's first ``limit`` tokens (its mask cut alike)."""
+        out = Episode(self[:limit], self.policy[:limit], self.messages, self.text, self.prompt_ids)
+        out.rewards, out.tool_failures, out.parse_failures = self.rewards, self.tool_failures, self.parse_failures
+        return out
+
     @property
     def turns(self) -> int:
         return sum(m.get("role") == "assistant" for m in self.messages)

@@ -763,8 +763,10 @@ class GRPOObjective(ObjectiveBase):
         assistant message's text and the episode (``completion_messages``)."""
         assert self.rewards is not None
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        texts = [c.text if isinstance(c, Episode) else t for c, t in zip(completions, texts, strict=True)]
-        messages = [c.messages if isinstance(c, Episode) else None for c in completions]
+        texts = [
+            c.text if isinstance(c, Episode) and c.messages else t for c, t in zip(completions, texts, strict=True)
+        ]
+        messages = [c.messages if isinstance(c, Episode) and c.messages else None for c in completions]
         given = [c.rewards if isinstance(c, Episode) else {} for c in completions]
         return self.rewards.score(
             [p.record["prompt"] for p in prompts], texts, [p.record for p in prompts], messages, given

@@ -95,16 +95,17 @@ class FileRollout:
                 out[i] = self._episode(prompts[i], given)
         for i, given in enumerate(texts):  # a line's completion_ids: as sampled, no eos added
             if isinstance(given, list) and out[i] is None:
-                if self.vocab is not None and any(t >= self.vocab for t in given):
+                prompt_ids = given.prompt_ids if isinstance(given, Episode) else None
+                if self.vocab is not None and any(t >= self.vocab for t in [*given, *(prompt_ids or ())]):
                     raise UserError(
                         Problem(
                             "rollout.file",
                             f"gives the prompt {prompt_key(prompts[i].record['prompt'])[:200]} token id "
-                            f"{max(given)}, beyond the model's vocabulary ({self.vocab})",
+                            f"{max([*given, *(prompt_ids or ())])}, beyond the model's vocabulary ({self.vocab})",
                             "Give ids the policy's tokenizer made, for this model.",
                         )
                     )
-                out[i] = given[: self.limit]
+                out[i] = given.cut(self.limit) if isinstance(given, Episode) else given[: self.limit]
         # Cut to the budget of max_new_tokens first: the first max_new_tokens ids are the whole
         # completion's, and a 50 MB completion is never tokenized whole.
         strings = [t for t in texts if isinstance(t, str)]
@@ -248,7 +249,63 @@ def _ids_line(where: str, value: dict, G: int, table: dict[str, list], first: di
             f"has {len(ids)} completion_ids, not {G} lists of token ids (integers >= 0)",
             f"Give rollout.num_generations={G} lists of token ids.",
         )
-    return _enter(where, value["prompt"], ids, table, first, n)
+    episodes = _saved_episodes(where, value, ids)
+    if isinstance(episodes, Problem):
+        return episodes
+    return _enter(where, value["prompt"], episodes or ids, table, first, n)
+
+
+def _saved_episodes(where: str, value: dict, ids: list[list[int]]) -> list[Episode] | Problem | None:
+    """A ``completion_ids`` line's live episodes, as ``rollout.save_completions`` wrote them: with
+    ``policy_masks`` (per completion, 1 where the policy wrote the token), and optionally
+    ``prompt_ids`` (the prompt as rendered with its tools) and ``episodes`` (the messages, for the
+    rewards); None for a line without masks."""
+    if "policy_masks" not in value:
+        if "prompt_ids" in value or "episodes" in value:
+            return Problem(where, "gives prompt_ids or episodes without policy_masks", _SAVED_SHAPE)
+        return None
+    G, masks = len(ids), value["policy_masks"]
+    if (
+        not isinstance(masks, list)
+        or len(masks) != G
+        or not all(
+            isinstance(m, list) and len(m) == len(row) and all(x in (0, 1) for x in m)
+            for m, row in zip(masks, ids, strict=True)
+        )
+    ):
+        return Problem(
+            where, f"its policy_masks are not {G} lists of 0/1, one per token of each completion", _SAVED_SHAPE
+        )
+    prompts = value.get("prompt_ids", [None] * G)
+    if (
+        not isinstance(prompts, list)
+        or len(prompts) != G
+        or not all(
+            p is None
+            or (isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p))
+            for p in prompts
+        )
+    ):
+        return Problem(where, f"its prompt_ids are not {G} non-empty lists of token ids", _SAVED_SHAPE)
+    messages = value.get("episodes", [[] for _ in range(G)])
+    if not isinstance(messages, list) or len(messages) != G:
+        return Problem(where, f"its episodes are not {G} lists of messages", _SAVED_SHAPE)
+    for j, episode in enumerate(messages):
+        why = episode_problem(episode) if episode else None
+        if why is not None:
+            return Problem(where, f"episode {j} is not an episode: {why}", _SAVED_SHAPE)
+    out = []
+    for row, mask, prompt, episode in zip(ids, masks, prompts, messages, strict=True):
+        last = next((m for m in reversed(episode) if m.get("role") == "assistant"), {})
+        out.append(Episode(row, [bool(x) for x in mask], episode, last.get("content") or "", prompt))
+    return out
+
+
+_SAVED_SHAPE = (
+    'Write {"prompt": ..., "completion_ids": [G lists], "policy_masks": [G lists of 0/1], "prompt_ids": [G lists], '
+    '"episodes": [G lists of messages]} (rollout.save_completions writes each episode\'s policy_mask, prompt_ids '
+    "and messages)."
+)
 
 
 def _enter(where: str, prompt: Any, completions: list, table: dict[str, list], first: dict[str, int], n: int):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_runs import tool_recipe
+from agent_runs import replay_file, tool_recipe
+from grpo_runs import G
 from helpers import max_rel_diff, metrics, train_inproc
 
 from llmft.export.consolidate import load_checkpoint_model, trainable_state
@@ -50,3 +51,21 @@ def test_a_resume_inside_a_generation_batch_is_exact(tmp_path, agent_tools, tool
     assert len(state["prompt_ids"]) == 8  # the prompts as rendered for the episodes
     assert train_inproc(cut, *over, "train.max_steps=4") == 0  # resumes inside generation batch 1
     assert max_rel_diff(_weights(tmp_path / "resumed"), _weights(tmp_path / "whole")) <= 1e-6
+
+
+def test_a_live_run_and_the_file_run_of_its_saved_episodes_land_on_the_same_weights(
+    tmp_path, agent_tools, tool_model_dir
+):
+    """The episodes a live run saved, given to a file run (``completion_ids`` with ``policy_masks``,
+    ``prompt_ids`` and ``episodes``): the same tokens trained, the same rewards, the same weights."""
+    live = tmp_path / "live"
+    over = ["train.max_steps=3", "rl.beta=0.05"]
+    assert train_inproc(tool_recipe(live, tool_model_dir, rollout__save_completions=True), *over) == 0
+    replay = replay_file(live / "run", tmp_path / "episodes.jsonl", G)
+    given = tool_recipe(
+        tmp_path / "file", tool_model_dir, rollout__backend="file", rollout__file=str(replay), rollout__tools=[]
+    )
+    assert train_inproc(given, *over) == 0
+    assert max_rel_diff(_weights(tmp_path / "file"), _weights(live)) <= 1e-5
+    assert [r["reward"] for r in metrics(tmp_path / "file" / "run")] == [r["reward"] for r in metrics(live / "run")]
+    assert [r["tokens"] for r in metrics(tmp_path / "file" / "run")] == [r["tokens"] for r in metrics(live / "run")]

@@ -231,7 +231,9 @@ def test_the_plan_refuses_what_cannot_generate_episodes(tmp_path, agent_tools):
     with pytest.raises(UserError) as e:
         load_plan(path, bad, nnodes=1, nproc_per_node=1)
     text = str(e.value)
-    assert "rollout.tools: is set, but rollout.backend is file: a file's episodes are replayed, no tool is called" in text
+    assert (
+        "rollout.tools: is set, but rollout.backend is file: a file's episodes are replayed, no tool is called" in text
+    )
     assert "rollout.tools[1]: module 'agent_tools' has no function 'nothing'" in text
     assert "rollout.tools[2]: cannot import module 'nowhere_module'" in text
     assert "rollout.max_turns: is 0. Use 1 or more." in text
@@ -252,3 +254,33 @@ def test_the_plan_and_the_card_say_what_episodes_are(tmp_path, agent_tools):
 
     words = card_words(objective_spec("grpo"), {"rollout": {"tools": ["m:f"], "environment": "m:E", "max_turns": 3}})
     assert words.endswith("; multi-turn episodes (tools m:f; environment m:E; at most 3 turns)")
+
+
+def test_bad_saved_episode_lines_are_named_at_their_line(tmp_path):
+    from llmft.objectives.rollout import read_rollout_file
+
+    ids = [[1, 2, 3], [4, 5]]
+    lines = [
+        {"prompt": "a", "completion_ids": ids, "policy_masks": [[1, 0, 1], [1]]},
+        {"prompt": "b", "completion_ids": ids, "prompt_ids": [[7], [7]]},
+        {"prompt": "c", "completion_ids": ids, "policy_masks": [[1, 0, 1], [1, 1]], "prompt_ids": [[], [7]]},
+        {
+            "prompt": "d",
+            "completion_ids": ids,
+            "policy_masks": [[1, 0, 1], [1, 1]],
+            "episodes": [[{"role": "tool"}], []],
+        },
+    ]
+    path = tmp_path / "saved.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(UserError) as e:
+        read_rollout_file(str(path), 2)
+    text = str(e.value)
+    assert f"{path}:1: its policy_masks are not 2 lists of 0/1, one per token of each completion" in text
+    assert f"{path}:2: gives prompt_ids or episodes without policy_masks" in text
+    assert f"{path}:3: its prompt_ids are not 2 non-empty lists of token ids" in text
+    assert f"{path}:4: episode 0 is not an episode:" in text
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"prompt": "a", "completion_ids": ids, "policy_masks": [[1, 0, 1], [1, 1]]}) + "\n")
+    (first, second) = read_rollout_file(str(good), 2)[json.dumps("a")]
+    assert isinstance(first, Episode) and first.policy == [True, False, True] and first.prompt_ids is None
