@@ -209,8 +209,8 @@ def _informative(panel: Panel) -> bool:
 
 def rl_panels(splits: dict[str, list[dict]]) -> list[Panel]:
     """An RL run's panels: the reward (per step, its moving average, eval), the reward columns,
-    the reward's spread, entropy, KL, clip fraction, completion length and truncation, the sampler
-    mismatch, the time split per step, a varying lr, any MoE panel and any other eval metric. The
+    the reward's spread, entropy, KL, clip fraction, completion length and truncation, turns and
+    tool calls per episode, the sampler mismatch, the time split per step, a varying lr, any MoE panel and any other eval metric. The
     loss is left out: a policy-gradient surrogate whose value does not track progress. Every panel
     but the reward is left out when it holds no values or one value over the whole run."""
     train, evals = splits.get("train", []), splits.get("eval", [])
@@ -228,6 +228,8 @@ def rl_panels(splits: dict[str, list[dict]]) -> list[Panel]:
         length.style["eval completion_length"] = _EVAL_POINTS
     out.append(length)
     out.append(_keys_panel("truncated fraction", train, ["truncated_fraction"]))
+    # multi-turn episodes: means per episode (docs/rl.md, tools and environments)
+    out.append(_keys_panel("per episode", train, ["turns", "tool_calls", "tool_failures", "tool_parse_failures"]))
     out.append(_keys_panel("sampler mismatch |logp| (nats)", train, MISMATCH_LOGP, linear=False))
     out.append(_keys_panel("importance weight", train, MISMATCH_WEIGHT))
     out.append(_keys_panel("rollout staleness (steps)", train, ["rollout_staleness"]))

@@ -284,3 +284,29 @@ def test_bad_saved_episode_lines_are_named_at_their_line(tmp_path):
     good.write_text(json.dumps({"prompt": "a", "completion_ids": ids, "policy_masks": [[1, 0, 1], [1, 1]]}) + "\n")
     (first, second) = read_rollout_file(str(good), 2)[json.dumps("a")]
     assert isinstance(first, Episode) and first.policy == [True, False, True] and first.prompt_ids is None
+
+
+@pytest.mark.parametrize("template", ["llmft", "chatml"])
+def test_the_context_between_turns_is_trls_tool_suffix(template):
+    """The tokens after a tool-calling turn (what the template writes after its eos, the tool
+    message, the next turn's header) are the ids TRL 1.16's GRPOTrainer appends after a tool call and
+    masks out of its loss (``_get_tool_suffix_ids``, run on this tokenizer)."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    from llmft.objectives.episodes import context_ids
+
+    tok = byte_tokenizer()
+    tok.chat_template = BUILTIN_TEMPLATES[template]
+    tool = [{"role": "tool", "name": "add", "content": "42"}]
+    trainer = SimpleNamespace(
+        processing_class=tok, chat_template=None, chat_template_kwargs={}, _is_vlm=False, _tokenizer=tok
+    )
+    trl_suffix = GRPOTrainer._get_tool_suffix_ids(trainer, tool)
+    messages = [
+        {"role": "user", "content": "12+30"},
+        {"role": "assistant", "content": "", "tool_calls": [call("add", a=12, b=30)]},
+        *tool,
+    ]
+    assert context_ids(tok, messages, 1) == trl_suffix

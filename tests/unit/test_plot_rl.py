@@ -192,3 +192,16 @@ def test_a_vllm_run_splits_out_its_sync_and_shows_staleness_and_reward_timeouts(
     assert drawn["time per step (s)"] == ["sync_s", "generation_s", "update_s", "other"]
     assert drawn["rollout staleness (steps)"] == ["rollout_staleness"]
     assert drawn["reward calls timed out / failed"] == ["reward_failures/exact", "reward_timeouts/exact"]
+
+
+def test_an_episode_run_shows_turns_and_tool_calls(tmp_path, shown):
+    rows = _grpo_rows(
+        turns=lambda s: 1.0 + s / STEPS,
+        tool_calls=lambda s: s / STEPS,
+        tool_failures=lambda s: 0.1 * (s % 2),
+        tool_parse_failures=lambda s: 0.0,
+    )
+    write_metrics(tmp_path / "grpo", rows)
+    plot_run(tmp_path / "grpo")
+    drawn = dict(shown[0])
+    assert drawn["per episode"] == ["turns", "tool_calls", "tool_failures", "tool_parse_failures"]
