@@ -42,6 +42,9 @@ def correct(prompt, completion, answer, **_):
 
 def shaped(prompt, completion, completion_messages=None, **_):
     """Tool results seen, less a little for the answer's length: differs between the episodes of a group."""
+    after = os.environ.get("LLMFT_TEST_KILL_SCORING_AFTER")  # the kill -9 test: dies scoring once it exists
+    if after and os.path.exists(after):
+        os.kill(os.getpid(), 9)
     tools = sum(m["role"] == "tool" for m in completion_messages or [])
     return tools - 0.01 * len(completion)
 
@@ -70,6 +73,11 @@ class Counter:
 
     def get_reward(self):
         return float(self.calls)
+
+
+class WordReward(Counter):
+    def get_reward(self):
+        return "high"
 
 
 class BadReset(Counter):

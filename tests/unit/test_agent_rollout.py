@@ -310,3 +310,13 @@ def test_the_context_between_turns_is_trls_tool_suffix(template):
         *tool,
     ]
     assert context_ids(tok, messages, 1) == trl_suffix
+
+
+def test_an_environment_reward_of_the_wrong_type_is_named(tmp_path, agent_tools):
+    agent, _, _ = rollout(tmp_path, two_turns, rollout__tools=[], rollout__environment="agent_tools:WordReward")
+    with pytest.raises(UserError) as e:
+        agent.complete(prompts_of(RECORDS[:1]), 0, 0)
+    assert str(e.value.problems[0]) == (
+        "rollout.environment (WordReward.get_reward): returned 'high' (str) for the prompt "
+        '[{"role": "user", "content": "12+30"}]. Return a finite float, or None (no opinion).'
+    )
