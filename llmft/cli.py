@@ -148,7 +148,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_rollout_server(args: argparse.Namespace) -> int:
     from llmft.job.dist import timeout_s
     from llmft.model.vllm_server import serve
-    from llmft.plan.rl import vllm_problem
+    from llmft.plan.vllm import vllm_problem
     from llmft.recipe.load import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)  # the model, rollout.vllm, peft; not the rewards

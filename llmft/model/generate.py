@@ -54,6 +54,9 @@ class Generation:
     # with ``release``; a multi-turn rollout's later turns of one generation batch pass neither.
     fresh: bool = True
     release: bool = True
+    # Token ids that end a completion: a backend that does not know the tokenizer (vLLM's engine is
+    # built without one) stops there instead of drawing max_new_tokens past them.
+    eos: tuple[int, ...] = ()
 
 
 class Generator(Protocol):

@@ -228,6 +228,7 @@ class Engine:
                 seed=seed,
                 logprobs=0 if logprobs else None,
                 detokenize=False,
+                stop_token_ids=[int(t) for t in params.get("stop", ())],  # its eos: the engine has no tokenizer
             )
             for seed in seeds
         ]
@@ -255,6 +256,7 @@ def sampling_params(how: Generation) -> dict[str, Any]:
         "temperature": how.temperature,
         "top_p": how.top_p,
         "logprobs": how.logprobs,
+        "stop": list(how.eos),
     }
 
 
@@ -472,6 +474,13 @@ class ServerGenerator(SyncedGenerator):
             self._request("POST", "/generate", body, {"Content-Type": "application/json"}, "generating completions")
         )
         return reply["completions"], reply["logprobs"]
+
+
+def vllm_generator(recipe: Recipe, policy: torch.nn.Module, tokenizer: Any, device: torch.device) -> SyncedGenerator:
+    """The generator ``rollout.vllm.mode`` names: an engine in this process, or the rollout server's client."""
+    if recipe.rollout.vllm.mode == "server":
+        return ServerGenerator(recipe, policy, device)
+    return VLLMGenerator(recipe, policy, tokenizer, device)
 
 
 def whole_message(e: BaseException, limit: int = 800) -> str:

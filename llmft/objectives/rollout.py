@@ -348,6 +348,7 @@ class GeneratedRollout:
             batch_size=cfg.batch_size,
             phases=phases,
             logprobs=logprobs,
+            eos=tuple(sorted(self.eos)),
         )
 
     def _cut(
@@ -424,10 +425,7 @@ def make_rollout(recipe: Recipe, tokenizer: Any, model: torch.nn.Module, device:
     eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
     generator: Generator
     if recipe.rollout.backend == "vllm":
-        if recipe.rollout.vllm.mode == "server":
-            generator = vllm_backend.ServerGenerator(recipe, model, device)
-        else:
-            generator = vllm_backend.VLLMGenerator(recipe, model, tokenizer, device)
+        generator = vllm_backend.vllm_generator(recipe, model, tokenizer, device)
     else:
         generator = HFGenerator(model, tokenizer.pad_token_id, sorted(eos_ids), device, synced, autocast)
     return GeneratedRollout(recipe, generator, eos_ids)

@@ -470,16 +470,23 @@ def unread_problems(spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], 
     (``ObjectiveSpec.reads``) and ``spec`` reads nothing of: it would be silently ignored."""
     problems = []
     sections = dict.fromkeys(read for s in objectives() for read in s.reads if "." not in read)
+    # the exact-match eval's vLLM engine is rollout.vllm's, whatever the objective
+    used = {"vllm"} if recipe.train.eval_generate_backend == "vllm" else set()
     for section in sections:
         if spec.reads_from(section) or section in spec.tolerates or not hasattr(recipe, section):
             continue  # a registered section this recipe has not: its module is not the recipe's
         readers = [s for s in objectives() if section in s.reads]
-        problems += _unread(spec, recipe, where, section, readers)
+        problems += _unread(spec, recipe, where, section, readers, used if section == "rollout" else set())
     return problems
 
 
 def _unread(
-    spec: ObjectiveSpec, recipe: Recipe, where: Callable[[str], str], section: str, readers: list[ObjectiveSpec]
+    spec: ObjectiveSpec,
+    recipe: Recipe,
+    where: Callable[[str], str],
+    section: str,
+    readers: list[ObjectiveSpec],
+    used: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> list[Problem]:
     """``section``'s keys set for ``spec``, which does not read it; ``readers``: the objectives that do."""
     reader = " or ".join(s.name for s in readers)
@@ -498,6 +505,8 @@ def _unread(
     whose = readers[0].settings or f"{readers[0].title}'s settings"
     problems = []
     for f in fields(mine):
+        if f.name in used:  # read by another part of the run (the eval's engine)
+            continue
         value = getattr(mine, f.name)
         if value != getattr(default, f.name):
             problems.append(

@@ -291,6 +291,13 @@ class TrainConfig:
         "accuracy (0: off).",
     )
     eval_max_new_tokens: int = doc(32, "Longest generated completion for the exact-match eval.")
+    eval_generate_backend: str = doc(
+        "hf",
+        "The exact-match eval's generation: hf (transformers generate() on the model as the engine holds it) or "
+        "vllm (a vLLM engine with rollout.vllm's settings, colocated or a rollout server, given the trainer's "
+        "weights before each eval; docs/rl.md).",
+        choices=("hf", "vllm"),
+    )
     progress_bar: bool = doc(True, "Show a progress bar on rank 0.")
     objective: str = doc(
         "sft",

@@ -23,6 +23,7 @@ from llmft.data.sampler import eval_shard
 from llmft.data.sequence import rank_slice
 from llmft.job.dist import DistEnv, all_reduce_sum, cut_short
 from llmft.model.generate import Generation, HFGenerator
+from llmft.model.vllm_backend import vllm_generator
 from llmft.plan.layout import RunPlan
 
 if TYPE_CHECKING:
@@ -47,6 +48,15 @@ class Evaluator:
         self.synced_gpus = plan.layout.shards_params and plan.layout.dp_size > 1
         # Sequence parallelism: a group shares each eval batch, each rank its slice of the tokens.
         self.layout = plan.layout
+        self.vllm: Any = None  # train.eval_generate_backend vllm: the engine, made at the first eval
+
+    def close(self) -> None:
+        """Stop the eval's vLLM engine, if it made one."""
+        if self.vllm is not None:
+            close = getattr(self.vllm, "close", None)
+            self.vllm = None
+            if close is not None:
+                close()
 
     @torch.no_grad()
     def run(self, step: int) -> dict[str, Any] | None:
@@ -109,19 +119,29 @@ class Evaluator:
         return {"exact_match": correct_all / max(total, 1.0), "generated": int(total)}
 
     def _generate(self, prompt_ids: list[np.ndarray]) -> list[str]:
-        """Greedy completions of ``prompt_ids`` (the same number on every rank), as text."""
+        """Greedy completions of ``prompt_ids`` (the same number on every rank), as text: by
+        transformers ``generate()`` on the model as the engine holds it, or (``train.eval_generate_backend:
+        vllm``) by a vLLM engine given the trainer's weights first (made at the first eval, kept)."""
         tok = self.tokenizer
-        generator = HFGenerator(
-            self.engine.unwrap(),
-            tok.pad_token_id,
-            tok.eos_token_id,
-            self.env.device,
-            self.synced_gpus,
-            self.engine.autocast,
-        )
+        generator: Any
+        if self.recipe.train.eval_generate_backend == "vllm":
+            if self.vllm is None:
+                self.vllm = vllm_generator(self.recipe, self.engine.unwrap(), tok, self.env.device)
+            generator = self.vllm
+        else:
+            generator = HFGenerator(
+                self.engine.unwrap(),
+                tok.pad_token_id,
+                tok.eos_token_id,
+                self.env.device,
+                self.synced_gpus,
+                self.engine.autocast,
+            )
+        eos = tok.eos_token_id
         how = Generation(
             max_new_tokens=self.recipe.train.eval_max_new_tokens,
             batch_size=max(self.micro, 8),
             what="eval generation",
+            eos=(eos,) if isinstance(eos, int) else tuple(eos or ()),
         )
         return tok.batch_decode(generator.generate(prompt_ids, how), skip_special_tokens=True)

@@ -328,6 +328,9 @@ class Run:
         if objective is not None:
             self.objective = None
             objective.close()
+        evaluator = getattr(self, "evaluator", None)
+        if evaluator is not None:  # its vLLM engine, if the eval made one
+            evaluator.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None

@@ -68,7 +68,7 @@ def test_eval_and_the_hf_rollout_generate_through_the_one_helper(tmp_path, monke
     )
     assert len(completions) == 5 and all(0 < len(c) <= 6 for c in completions)
     assert calls == [
-        (5, Generation(max_new_tokens=4, batch_size=8, what="eval generation")),
+        (5, Generation(max_new_tokens=4, batch_size=8, what="eval generation", eos=(tok.eos_token_id,))),
         (
             5,
             Generation(
@@ -79,6 +79,7 @@ def test_eval_and_the_hf_rollout_generate_through_the_one_helper(tmp_path, monke
                 seed=generation_seed(0, 3, 0),
                 batch_size=2,
                 phases=True,
+                eos=(tok.eos_token_id,),
             ),
         ),
     ]
