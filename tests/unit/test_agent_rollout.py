@@ -320,3 +320,20 @@ def test_an_environment_reward_of_the_wrong_type_is_named(tmp_path, agent_tools)
         "rollout.environment (WordReward.get_reward): returned 'high' (str) for the prompt "
         '[{"role": "user", "content": "12+30"}]. Return a finite float, or None (no opinion).'
     )
+
+
+def test_a_records_environment_field_picks_its_class(tmp_path, agent_tools):
+    def script(text):
+        if "<|tool|>" in text:
+            return {"role": "assistant", "content": "ok"}
+        return {"role": "assistant", "content": "", "tool_calls": [call("increment", by=1)]}
+
+    envs = {"count": "agent_tools:Counter", "words": "agent_tools:WordReward"}
+    agent, _, _ = rollout(tmp_path, script, rollout__tools=[], rollout__environment=envs)
+    assert agent.reward_columns == ["Counter", "WordReward"]
+    records = [{**RECORDS[0], "environment": "count"}, {**RECORDS[1], "environment": "count"}]
+    episodes = agent.complete(prompts_of(records), 0, 0)
+    assert [ep.rewards for ep in episodes] == [{"Counter": 1.0, "WordReward": None}] * 2
+    with pytest.raises(UserError) as e:
+        agent.complete(prompts_of([{**RECORDS[0], "environment": "chess"}]), 0, 0)
+    assert "rollout.environment: has no environment 'chess', which the record of the prompt" in str(e.value)
