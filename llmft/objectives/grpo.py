@@ -887,7 +887,7 @@ class GRPOObjective(ObjectiveBase):
             [
                 float(total.sum()),
                 float(real),
-                float(sum(len(c) for c in completions[:real])),
+                float(sum(sum(c.policy) if isinstance(c, Episode) else len(c) for c in completions[:real])),
                 *columns,
                 *known.sum(0).tolist(),
             ],

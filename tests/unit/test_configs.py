@@ -23,15 +23,24 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 DP_SIZES = (1, 2, 8, 16)
 QUICKSTART_DP_SIZES = (1, 2)  # the CPU quickstarts are only meant for a laptop or two gloo ranks
-QUICKSTARTS = ("quickstart.yaml", "quickstart-dpo.yaml", "quickstart-grpo.yaml")
+QUICKSTARTS = (
+    "quickstart.yaml",
+    "quickstart-dpo.yaml",
+    "quickstart-grpo.yaml",
+    "quickstart-tools-sft.yaml",
+    "quickstart-tools.yaml",
+)
 # configs/quickstart-grpo.yaml names reward functions reversal:exact and reversal:per_char, which its
-# header runs with PYTHONPATH=examples/rewards; resolving imports them.
+# header runs with PYTHONPATH=examples/rewards (quickstart-tools.yaml: and examples/tools, its
+# calculator); resolving imports them.
 EXAMPLE_REWARDS = ROOT / "examples" / "rewards"
+EXAMPLE_TOOLS = ROOT / "examples" / "tools"
 
 
 @pytest.fixture(autouse=True)
 def example_rewards_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLE_REWARDS))
+    monkeypatch.syspath_prepend(str(EXAMPLE_TOOLS))
 
 
 def dp_sizes(path: Path) -> tuple[int, ...]:
