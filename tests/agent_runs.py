@@ -172,29 +172,3 @@ def tool_recipe(tmp: Path, model: Path, **over) -> Path:
         "data__max_seq_len": 160,
     }
     return agent_recipe(tmp, **{**base, **over})
-
-
-def replay_file(run: Path, out: Path, G: int) -> Path:
-    """The episodes a run saved (``rollout.save_completions``, every rank's) as a ``rollout.file`` of
-    ``completion_ids`` with their ``policy_masks``, ``prompt_ids`` and ``episodes``, by prompt."""
-    by_prompt: dict[str, dict[int, dict]] = {}
-    prompts: dict[str, object] = {}
-    for f in sorted((run / "completions").glob("rank-*.jsonl")):
-        for line in f.read_text().splitlines():
-            row = json.loads(line)
-            key = json.dumps(row["prompt"], sort_keys=True)
-            prompts[key] = row["prompt"]
-            by_prompt.setdefault(key, {})[row["position"] % G] = row
-    with open(out, "w") as f:
-        for key, rows in by_prompt.items():
-            assert sorted(rows) == list(range(G))
-            group = [rows[q] for q in range(G)]
-            line = {
-                "prompt": prompts[key],
-                "completion_ids": [r["completion_ids"] for r in group],
-                "policy_masks": [r["policy_mask"] for r in group],
-                "prompt_ids": [r["prompt_ids"] for r in group],
-                "episodes": [r["messages"] for r in group],
-            }
-            f.write(json.dumps(line) + "\n")
-    return out

@@ -75,3 +75,28 @@ def reward_model_dir(out: Path) -> Path:
     config = AutoConfig.for_model(**{**TINY_LLAMA, "num_labels": 1, "pad_token_id": tok.pad_token_id})
     AutoModelForSequenceClassification.from_config(config).save_pretrained(out)
     return out
+
+
+def replay_file(run: Path, out: Path, G: int = G) -> Path:
+    """The completions a run saved (``rollout.save_completions``, every rank's) as a ``rollout.file``
+    of ``completion_ids`` by prompt; a live episode's with its ``policy_masks``, ``prompt_ids`` and
+    ``episodes`` (the messages), so that a file run trains the same tokens."""
+    by_prompt: dict[str, dict[int, dict]] = {}
+    prompts: dict[str, object] = {}
+    for f in sorted((run / "completions").glob("rank-*.jsonl")):
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            key = json.dumps(row["prompt"], sort_keys=True)
+            prompts[key] = row["prompt"]
+            by_prompt.setdefault(key, {})[row["position"] % G] = row
+    with open(out, "w") as f:
+        for key, rows in by_prompt.items():
+            assert sorted(rows) == list(range(G))
+            group = [rows[q] for q in range(G)]
+            line = {"prompt": prompts[key], "completion_ids": [r["completion_ids"] for r in group]}
+            if "policy_mask" in group[0]:
+                line["policy_masks"] = [r["policy_mask"] for r in group]
+                line["prompt_ids"] = [r["prompt_ids"] for r in group]
+                line["episodes"] = [r["messages"] for r in group]
+            f.write(json.dumps(line) + "\n")
+    return out

@@ -10,10 +10,12 @@ called run here, in the training process (TRL's contract), and their results go 
 2. A turn: the policy's tokens drawn after everything so far, up to its first eos or the episode's
    budget (``rollout.max_new_tokens`` counts every token after the prompt, policy and context). Its
    ids are kept as drawn, never re-tokenized from text: they are what is trained (policy tokens).
-3. The turn's text (special tokens kept, its eos dropped) is read for tool calls by the template's
-   own convention (``CallFormat``: what the template writes for an assistant's ``tool_calls``:
-   ``<tool_call>`` blocks, a JSON list of calls, or JSON call objects). No call: the episode ends.
-   A call that does not parse ends it too, counted (``parse_failures``).
+3. The turn is read for tool calls: by transformers' ``parse_response`` where the tokenizer has a
+   ``response_template`` (TRL's ``add_response_schema`` sets one for known templates), otherwise its
+   text (special tokens kept, its eos dropped) by the template's own convention (``CallFormat``:
+   what the template writes for an assistant's ``tool_calls``: ``<tool_call>`` blocks, a JSON list
+   of calls, or JSON call objects). No call: the episode ends. A call that does not parse ends it
+   too, counted (``parse_failures``).
 4. Each call runs (a tool function, or an environment's method): what it returns is the tool
    message's content (text as is, anything else as JSON); a call that raises or names no tool gives
    the model ``{"error": ...}`` as its result, counted (``tool_failures``). Then the context tokens:
@@ -120,6 +122,10 @@ class CallFormat:
     (JSON call objects one after another), and how the model's text is read back into calls."""
 
     def __init__(self, tokenizer: Any, tools: list[Callable[..., Any]]) -> None:
+        self.tokenizer = tokenizer
+        if getattr(tokenizer, "response_template", None) is not None:  # the tokenizer parses its own responses
+            self.kind = "transformers"
+            return
         user = [{"role": "user", "content": "x"}]
         try:
             before = render(tokenizer, user, True, tools or None)
@@ -137,6 +143,23 @@ class CallFormat:
             )
         written = written.lstrip()
         self.kind = "hermes" if "<tool_call>" in written else ("list" if written.startswith("[") else "objects")
+
+    def read(
+        self, ids: list[int], prefix: list[int], text: str, tools: list[Callable[..., Any]]
+    ) -> tuple[str, list[dict[str, Any]], bool]:
+        """A turn's (content, calls, whether a call did not parse): by transformers' ``parse_response``
+        where the tokenizer has a ``response_template`` (the turn's ids after ``prefix``, arguments
+        cast by the tools' schemas), by ``parse`` of its ``text`` otherwise."""
+        if self.kind != "transformers":
+            return self.parse(text)
+        try:
+            message = self.tokenizer.parse_response(list(ids), prefix=list(prefix), tools=tools or None)
+        except Exception:  # the template's parser refused the turn: a call that does not parse
+            return text, [], True
+        calls = [call_of(c) for c in message.get("tool_calls") or []]
+        if any(c is None for c in calls):
+            return text, [], True
+        return message.get("content") or "", calls, False  # type: ignore[return-value]
 
     def parse(self, text: str) -> tuple[str, list[dict[str, Any]], bool]:
         """(the content before the calls, the calls as ``{"type": "function", "function": {"name",
@@ -416,12 +439,13 @@ class AgentRollout:
         ends = self.rollout.eos
         cut = next((i + 1 for i, t in enumerate(drawn[:room]) if t in ends), None)
         ids = list(drawn[: cut if cut is not None else room])
+        prefix = g.prompt_ids + g.ids
         g.ids += ids
         g.policy += [True] * len(ids)
         if scored is not None:
             g.logps += list(scored[: len(ids)])
         text = self.tokenizer.decode(ids[:-1] if cut is not None else ids, skip_special_tokens=False)
-        content, calls, bad = self.format.parse(text)
+        content, calls, bad = self.format.read(ids, prefix, text, g.schemas)
         g.parse_failures += bad
         message: dict[str, Any] = {"role": "assistant", "content": content if calls else text}
         if calls:

@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
-from agent_runs import replay_file, tool_recipe
-from grpo_runs import G
+from agent_runs import tool_recipe
+from grpo_runs import G, replay_file
 from helpers import ROOT, TWO_RANK_ENGINES, max_rel_diff, metrics, torchrun
 
 from llmft.export.consolidate import load_checkpoint_model, trainable_state

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_runs import replay_file, tool_recipe
-from grpo_runs import G
+from agent_runs import tool_recipe
+from grpo_runs import G, replay_file
 from helpers import max_rel_diff, metrics, train_inproc
 
 from llmft.export.consolidate import load_checkpoint_model, trainable_state

@@ -7,6 +7,7 @@ unchanged, and the bounds end episodes where they say."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -337,3 +338,30 @@ def test_a_records_environment_field_picks_its_class(tmp_path, agent_tools):
     with pytest.raises(UserError) as e:
         agent.complete(prompts_of([{**RECORDS[0], "environment": "chess"}]), 0, 0)
     assert "rollout.environment: has no environment 'chess', which the record of the prompt" in str(e.value)
+
+
+def test_a_tokenizer_with_a_response_template_parses_its_own_turns():
+    """transformers' ``parse_response`` where the tokenizer has a response template (TRL's for the
+    Qwen templates): the turn's ids read back into content and calls, arguments cast by the schema."""
+    import trl
+    from trl.chat_template_utils import qwen3_template
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        return a + b
+
+    tok = byte_tokenizer()
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    tok.response_template = qwen3_template
+    fmt = CallFormat(tok, [add])
+    assert fmt.kind == "transformers"
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    text = 'sure <tool_call>\n{"name": "add", "arguments": {"a": 3, "b": "4"}}\n</tool_call><|im_end|>'
+    assert fmt.read(ids(text), [], text, [add]) == ("sure", [call("add", a=3, b=4)], False)
+    broken = '<tool_call>\n{"name": "add", "arguments": {"a": 3\n</tool_call><|im_end|>'
+    assert fmt.read(ids(broken), [], broken, [add]) == (broken, [], True)

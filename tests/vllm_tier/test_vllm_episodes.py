@@ -6,8 +6,8 @@ from a file, land on the same weights, and a stopped run resumes on the same epi
 from __future__ import annotations
 
 import pytest
-from agent_runs import replay_file, tool_model, tool_recipe
-from grpo_runs import G
+from agent_runs import tool_model, tool_recipe
+from grpo_runs import G, replay_file
 from helpers import max_rel_diff, metrics, train_inproc
 from test_vllm_rollout import VLLM, WIDE
 

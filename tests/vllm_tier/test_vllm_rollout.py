@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 import pytest
-from grpo_runs import G, grpo_recipe, rewards_importable
+from grpo_runs import grpo_recipe, replay_file, rewards_importable
 from helpers import TWO_RANK_ENGINES, max_rel_diff, metrics, save_tiny_pretrained, torchrun, train_inproc
 
 from llmft.export.consolidate import load_checkpoint_model, trainable_state
@@ -48,23 +48,6 @@ def _in_sync(rows: list[dict]) -> None:
     """Every step sampled from the trainer's current weights (the mismatch is rounding, not a step)."""
     assert rows and all(r["mismatch/logp_abs_max"] <= 1e-5 for r in rows), [r["mismatch/logp_abs_max"] for r in rows]
     assert all(r["sync_s"] > 0 and r["generation_s"] > 0 for r in rows)
-
-
-def _rollout_file(run: Path, out: Path) -> Path:
-    """The completions a run saved (every rank's), as a rollout.file of completion_ids by prompt."""
-    by_prompt: dict[str, dict[int, list[int]]] = {}
-    prompts: dict[str, object] = {}
-    for f in sorted((run / "completions").glob("rank-*.jsonl")):
-        for line in f.read_text().splitlines():
-            row = json.loads(line)
-            key = json.dumps(row["prompt"], sort_keys=True)
-            prompts[key] = row["prompt"]
-            by_prompt.setdefault(key, {})[row["position"] % G] = row["completion_ids"]
-    with open(out, "w") as f:
-        for key, rows in by_prompt.items():
-            assert sorted(rows) == list(range(G))
-            f.write(json.dumps({"prompt": prompts[key], "completion_ids": [rows[q] for q in range(G)]}) + "\n")
-    return out
 
 
 @pytest.mark.parametrize("peft", ["lora", pytest.param("full", marks=pytest.mark.extended)])
@@ -102,7 +85,7 @@ def test_two_ranks_sync_and_land_on_the_file_runs_weights(tmp_path, peft, engine
     _in_sync(metrics(sampled / "run"))
     given = tmp_path / "file"
     recipe = grpo_recipe(
-        given, rollout__file=str(_rollout_file(sampled / "run", tmp_path / "rollouts.jsonl")), rollout__backend="file"
+        given, rollout__file=str(replay_file(sampled / "run", tmp_path / "rollouts.jsonl")), rollout__backend="file"
     )
     proc = torchrun(["train", str(recipe), *over], env=rewards_importable(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
