@@ -69,3 +69,13 @@ def test_a_live_run_and_the_file_run_of_its_saved_episodes_land_on_the_same_weig
     assert max_rel_diff(_weights(tmp_path / "file"), _weights(live)) <= 1e-5
     assert [r["reward"] for r in metrics(tmp_path / "file" / "run")] == [r["reward"] for r in metrics(live / "run")]
     assert [r["tokens"] for r in metrics(tmp_path / "file" / "run")] == [r["tokens"] for r in metrics(live / "run")]
+
+
+def test_llmft_verify_checks_a_split_of_live_episodes(tmp_path, agent_tools, tool_model_dir, capsys):
+    """``llmft verify`` on a recipe generating episodes with a tool: 2 emulated ranks x micro 2 against
+    the big batch, on the same episodes."""
+    from llmft.training.verify import verify
+
+    recipe = tool_recipe(tmp_path, tool_model_dir, batch__micro_batch_size=2)
+    assert verify(str(recipe), ["distributed.nproc_per_node=2"]) == 0
+    assert "PASS: largest relative difference" in capsys.readouterr().out
