@@ -53,7 +53,10 @@ def write_run(tmp: Path, model: Path, backend: str, args) -> Path:
     if not prompts.exists():
         with open(prompts, "w") as f:
             for i in range(args.prompts * args.steps):
-                f.write(json.dumps({"prompt": f"task {i}: reverse the word {'abcdefgh'[: 3 + i % 6]}", "answer": "x"}) + "\n")
+                f.write(
+                    json.dumps({"prompt": f"task {i}: reverse the word {'abcdefgh'[: 3 + i % 6]}", "answer": "x"})
+                    + "\n"
+                )
     rewards = tmp / "bench_rewards.py"
     rewards.write_text("def length(prompt, completion, **kw):\n    return float(len(completion))\n")
     recipe = {

@@ -59,6 +59,12 @@ class Generation:
     eos: tuple[int, ...] = ()
 
 
+def eos_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The token ids that end a completion: the tokenizer's eos (one id, or several), sorted."""
+    eos = tokenizer.eos_token_id
+    return (eos,) if isinstance(eos, int) else tuple(sorted(eos or ()))
+
+
 class Generator(Protocol):
     """A generation backend."""
 

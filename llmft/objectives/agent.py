@@ -48,6 +48,7 @@ from llmft.data.encode import text_budget
 from llmft.errors import Problem, UserError
 from llmft.job.dist import all_reduce_max
 from llmft.objectives.episodes import Episode, context_ids, render
+from llmft.objectives.rollout import end_at_eos
 from llmft.plan.rl import environments_of, import_function
 
 if TYPE_CHECKING:
@@ -315,7 +316,8 @@ class AgentRollout:
             for m in methods:
                 _check_schema(getattr(self.envs.pool[name][0], m), f"rollout.environment ({m})")  # type: ignore[union-attr]
         first = next(iter(self.envs.factories)) if self.envs else None
-        self.format = CallFormat(tokenizer, self._schemas(first))
+        probe = self.envs.pool[first][0] if self.envs else None
+        self.format = CallFormat(tokenizer, list(self._toolbox(probe, first).values()))
         self.budget = text_budget(tokenizer, self.limit)  # characters of a tool result the tokenizer sees
 
     @property
@@ -370,10 +372,10 @@ class AgentRollout:
 
     # --- one episode -------------------------------------------------------------------------------
 
-    def _schemas(self, name: str | None) -> list[Callable[..., Any]]:
-        return self.tools + (
-            [] if self.envs is None else [getattr(self.envs.pool[name][0], m) for m in self.envs.methods[name]]
-        )
+    def _toolbox(self, env: Any, name: str | None) -> dict[str, Callable[..., Any]]:
+        """An episode's tools by name: ``rollout.tools``, then its environment's methods."""
+        methods = self.envs.methods[name] if self.envs is not None and env is not None else []
+        return {fn.__name__: fn for fn in self.tools} | {m: getattr(env, m) for m in methods}
 
     def _begin(self, prompt: Prompt, slot: int) -> Going:
         """An episode's start: its environment reset, its prompt rendered with the tools."""
@@ -388,7 +390,7 @@ class AgentRollout:
                 )
             )
         messages = [dict(m) for m in messages]
-        env, name, tools = None, None, {fn.__name__: fn for fn in self.tools}
+        env, name = None, None
         if self.envs is not None:
             if None not in self.envs.factories:
                 name = record.get("environment")
@@ -414,7 +416,7 @@ class AgentRollout:
                 ) from e
             if observation is not None:
                 messages[-1] = {**messages[-1], "content": (messages[-1].get("content") or "") + str(observation)}
-            tools.update({m: getattr(env, m) for m in self.envs.methods[name]})
+        tools = self._toolbox(env, name)
         schemas = list(tools.values())
         try:
             text = render(self.tokenizer, messages, True, schemas or None)
@@ -436,15 +438,14 @@ class AgentRollout:
     def _turn(self, g: Going, drawn: list[int], scored: list[float] | None) -> None:
         """One drawn turn into its episode: its tokens, its message, the tools it calls, the context."""
         room = self.limit - len(g.ids)
-        ends = self.rollout.eos
-        cut = next((i + 1 for i, t in enumerate(drawn[:room]) if t in ends), None)
-        ids = list(drawn[: cut if cut is not None else room])
+        ids = end_at_eos(list(drawn), self.rollout.eos, room)
+        ended = bool(ids) and ids[-1] in self.rollout.eos
         prefix = g.prompt_ids + g.ids
         g.ids += ids
         g.policy += [True] * len(ids)
         if scored is not None:
             g.logps += list(scored[: len(ids)])
-        text = self.tokenizer.decode(ids[:-1] if cut is not None else ids, skip_special_tokens=False)
+        text = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
         content, calls, bad = self.format.read(ids, prefix, text, g.schemas)
         g.parse_failures += bad
         message: dict[str, Any] = {"role": "assistant", "content": content if calls else text}
@@ -453,7 +454,7 @@ class AgentRollout:
         g.messages.append(message)
         turns = sum(m["role"] == "assistant" for m in g.messages[g.start :])
         over = self.max_calls is not None and g.calls + len(calls) > self.max_calls
-        if cut is None or not calls or turns >= self.max_turns or over:
+        if not ended or not calls or turns >= self.max_turns or over:
             g.done = True
             return
         g.calls += len(calls)

@@ -27,6 +27,7 @@ from jinja2 import TemplateError
 
 from llmft.data.encode import cut_ids
 from llmft.data.records import BadRecord, parse_chat
+from llmft.model.generate import eos_ids
 
 EPISODE_ROLES = ("assistant", "tool", "function", "user")  # after the prompt: the policy, tools, an environment
 
@@ -96,7 +97,7 @@ def episode_ids(
     render the conversation's prefixes as prefixes of it (then no token split can be trusted)."""
     messages = parse_chat(prompt).as_dicts() + parse_chat(episode).as_dicts()
     start = len(messages) - len(episode)
-    ends = _ends(tokenizer)
+    ends = set(eos_ids(tokenizer))
     tokenize: Callable[[list[str]], list] = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
     ids: list[int] = []
     policy: list[bool] = []
@@ -128,7 +129,7 @@ def context_ids(tokenizer: Any, messages: list[dict[str, Any]], turn: int, tools
     segment of each later message (tool results, an environment's words), the last one opening the
     next assistant turn. The same tokens ``episode_ids`` makes of these messages (module docstring)."""
     tokenize = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    ends = _ends(tokenizer)
+    ends = set(eos_ids(tokenizer))
     before = render(tokenizer, messages[:turn], True, tools)
     before, text = _delta(tokenizer, messages, turn, before, False, 0, tools)
     segment = tokenize([text])[0]
@@ -137,11 +138,6 @@ def context_ids(tokenizer: Any, messages: list[dict[str, Any]], turn: int, tools
         before, text = _delta(tokenizer, messages, k, before, k == len(messages) - 1, 0, tools)
         ids += tokenize([text])[0]
     return ids
-
-
-def _ends(tokenizer: Any) -> set[int]:
-    eos = tokenizer.eos_token_id
-    return {eos} if isinstance(eos, int) else set(eos or ())
 
 
 def _delta(

@@ -34,7 +34,7 @@ from llmft.data.encode import cut_ids, text_budget
 from llmft.data.read import bounded_lines, not_utf8, parse_line, too_long
 from llmft.errors import Problem, UserError
 from llmft.model import vllm_backend  # vllm itself is imported only when a recipe asks for it
-from llmft.model.generate import Generation, Generator, HFGenerator
+from llmft.model.generate import Generation, Generator, HFGenerator, eos_ids
 from llmft.objectives.episodes import Episode, episode_ids, episode_problem
 
 if TYPE_CHECKING:
@@ -95,13 +95,13 @@ class FileRollout:
                 out[i] = self._episode(prompts[i], given)
         for i, given in enumerate(texts):  # a line's completion_ids: as sampled, no eos added
             if isinstance(given, list) and out[i] is None:
-                prompt_ids = given.prompt_ids if isinstance(given, Episode) else None
-                if self.vocab is not None and any(t >= self.vocab for t in [*given, *(prompt_ids or ())]):
+                every = [*given, *(given.prompt_ids or () if isinstance(given, Episode) else ())]
+                if self.vocab is not None and any(t >= self.vocab for t in every):
                     raise UserError(
                         Problem(
                             "rollout.file",
                             f"gives the prompt {prompt_key(prompts[i].record['prompt'])[:200]} token id "
-                            f"{max([*given, *(prompt_ids or ())])}, beyond the model's vocabulary ({self.vocab})",
+                            f"{max(every)}, beyond the model's vocabulary ({self.vocab})",
                             "Give ids the policy's tokenizer made, for this model.",
                         )
                     )
@@ -421,11 +421,10 @@ def make_rollout(recipe: Recipe, tokenizer: Any, model: torch.nn.Module, device:
     in a vLLM engine that gets ``model``'s weights before each generation (``VLLMGenerator``)."""
     if recipe.rollout.backend == "file":
         return FileRollout(recipe, tokenizer, model.get_input_embeddings().num_embeddings)
-    eos = tokenizer.eos_token_id
-    eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+    ends = eos_ids(tokenizer)
     generator: Generator
     if recipe.rollout.backend == "vllm":
         generator = vllm_backend.vllm_generator(recipe, model, tokenizer, device)
     else:
-        generator = HFGenerator(model, tokenizer.pad_token_id, sorted(eos_ids), device, synced, autocast)
-    return GeneratedRollout(recipe, generator, eos_ids)
+        generator = HFGenerator(model, tokenizer.pad_token_id, list(ends), device, synced, autocast)
+    return GeneratedRollout(recipe, generator, set(ends))

@@ -22,7 +22,7 @@ from llmft.data import collate
 from llmft.data.sampler import eval_shard
 from llmft.data.sequence import rank_slice
 from llmft.job.dist import DistEnv, all_reduce_sum, cut_short
-from llmft.model.generate import Generation, HFGenerator
+from llmft.model.generate import Generation, HFGenerator, eos_ids
 from llmft.model.vllm_backend import vllm_generator
 from llmft.plan.layout import RunPlan
 
@@ -137,11 +137,10 @@ class Evaluator:
                 self.synced_gpus,
                 self.engine.autocast,
             )
-        eos = tok.eos_token_id
         how = Generation(
             max_new_tokens=self.recipe.train.eval_max_new_tokens,
             batch_size=max(self.micro, 8),
             what="eval generation",
-            eos=(eos,) if isinstance(eos, int) else tuple(eos or ()),
+            eos=eos_ids(tok),
         )
         return tok.batch_decode(generator.generate(prompt_ids, how), skip_special_tokens=True)

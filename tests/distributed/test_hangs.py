@@ -137,6 +137,6 @@ def test_a_user_error_on_a_rank_is_reported_and_ends_the_job(tmp_path):
     assert f"llmft train: error: {data}:2: not valid JSON" in done.stderr, done.stderr[-4000:]
     assert "exitcode  : 2" in done.stderr, done.stderr[-4000:]  # torchrun's summary: the error's own code
     package = str(ROOT / "llmft") + os.sep  # llmft's own code, not a checkout's folder of that name
-    assert package not in "".join(
-        line for line in done.stderr.splitlines() if line.lstrip().startswith("File ")
-    ), done.stderr[-4000:]
+    assert package not in "".join(line for line in done.stderr.splitlines() if line.lstrip().startswith("File ")), (
+        done.stderr[-4000:]
+    )
