@@ -190,6 +190,26 @@ def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable) in ``group`` (the world by default), in rank order."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    with watchdog.collective("all_gather_object"):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def rank_group(size: int) -> Any:
+    """This rank's group of ``size`` consecutive ranks (``[g*size, (g+1)*size)``, as vLLM's
+    ``external_launcher`` makes its tensor-parallel groups), or None for a size of 1. Every rank
+    calls it together (each group is made by every rank)."""
+    if size == 1:
+        return None
+    group, _ = dist.new_subgroups(group_size=size)
+    return group
+
+
 def any_rank_stopping(device: torch.device | None) -> bool:
     """Whether any rank was asked to stop (``llmft.stop``): one all-reduce, which every rank must
     reach; without a stop request installed (``llmft verify``, a library caller) no collective and False."""

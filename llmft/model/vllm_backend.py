@@ -39,11 +39,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from llmft import stop
 from llmft.errors import Problem, UserError, library_problem
 from llmft.job import watchdog
-from llmft.job.dist import all_reduce_max, cut_short, one_process_env, read_env, timeout_s
+from llmft.job.dist import (
+    all_gather_objects,
+    all_reduce_max,
+    cut_short,
+    one_process_env,
+    rank_group,
+    read_env,
+    timeout_s,
+)
 from llmft.model.adapters import base_key
 from llmft.model.generate import Generation
 from llmft.model.precision import compute_dtype
@@ -157,9 +166,21 @@ class Engine:
         except ImportError as e:
             raise UserError(library_problem("rollout.backend", "cannot import vllm", e, name="vllm")) from e
         watchdog.phase("starting the vLLM engine")
+        if device_type == "cpu" and cfg.tensor_parallel_size > 1:
+            cpu_shm_per_job()
         try:
             self.llm = LLM(**kwargs)
         except Exception as e:
+            if "create shm in SHMManager failed. errno: 17" in str(e):
+                raise UserError(
+                    Problem(
+                        "rollout.vllm.tensor_parallel_size",
+                        f"is {cfg.tensor_parallel_size}, but vLLM's CPU engine could not create its shared memory "
+                        f"({whole_message(e)}): an engine of an earlier job that ended while it started left its "
+                        "segments in /dev/shm (or another job of tensor-parallel vLLM on this host is starting)",
+                        "Remove /dev/shm/*-cpushm_* where no other job uses them, then run the same command again.",
+                    )
+                ) from e
             raise UserError(
                 Problem(
                     "rollout.vllm",
@@ -167,6 +188,8 @@ class Engine:
                     "Fix what vLLM names above (its install, rollout.vllm.*), or use rollout.backend=hf.",
                 )
             ) from e
+        if device_type == "cpu" and cfg.tensor_parallel_size > 1:
+            unlink_cpu_shm(cfg.tensor_parallel_size)
         self.adapter_id = 0
         self.lora_request: Any = None
         self.asleep = False
@@ -209,36 +232,36 @@ class Engine:
             self.asleep = True
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int | None], params: dict[str, Any]
+        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int | None], params: Sequence[dict[str, Any]]
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """One call: each prompt's completion ids (and each drawn token's log-prob with
-        ``params["logprobs"]``), each prompt a request of its own seed. ``params``: ``max_tokens``,
-        ``greedy``, ``temperature``, ``top_p``, ``logprobs`` (``sampling_params``)."""
+        """One call: each prompt's completion ids (and each drawn token's log-prob where its
+        ``params["logprobs"]``), each prompt a request of its own seed and its own ``params``:
+        ``max_tokens``, ``greedy``, ``temperature``, ``top_p``, ``logprobs``, ``stop``
+        (``sampling_params``)."""
         from vllm import SamplingParams
 
         self.wake()
-        greedy, logprobs = bool(params["greedy"]), bool(params["logprobs"])
         sampling = [
             SamplingParams(
                 n=1,
-                max_tokens=int(params["max_tokens"]),
-                temperature=0.0 if greedy else float(params["temperature"]),
-                top_p=1.0 if greedy else float(params["top_p"]),
-                top_k=-1 if greedy else 0,
+                max_tokens=int(p["max_tokens"]),
+                temperature=0.0 if p["greedy"] else float(p["temperature"]),
+                top_p=1.0 if p["greedy"] else float(p["top_p"]),
+                top_k=-1 if p["greedy"] else 0,
                 seed=seed,
-                logprobs=0 if logprobs else None,
+                logprobs=0 if p["logprobs"] else None,
                 detokenize=False,
-                stop_token_ids=[int(t) for t in params.get("stop", ())],  # its eos: the engine has no tokenizer
+                stop_token_ids=[int(t) for t in p.get("stop", ())],  # its eos: the engine has no tokenizer
             )
-            for seed in seeds
+            for seed, p in zip(seeds, params, strict=True)
         ]
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         results = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.lora_request)
         out, logps = [], []
-        for r in results:
+        for r, p in zip(results, params, strict=True):
             done = r.outputs[0]
             out.append(list(done.token_ids))
-            if logprobs:
+            if p["logprobs"]:
                 logps.append([float(next(iter(d.values())).logprob) for d in done.logprobs])
         return out, logps
 
@@ -357,6 +380,7 @@ class VLLMGenerator(SyncedGenerator):
         base = policy.get_base_model() if self.lora else policy
         rank = policy.peft_config["default"].r if self.lora else None
         self.engine = Engine(recipe, base.config, architecture_of(base), rank, device.type)
+        self.group = rank_group(recipe.rollout.vllm.tensor_parallel_size)
 
     def _sync(self, base: bool) -> None:
         if base:
@@ -365,7 +389,19 @@ class VLLMGenerator(SyncedGenerator):
             self.engine.load_adapter(adapter_state(self.policy), adapter_config(self.policy))
 
     def _call(self, prompts, seeds, params):
-        return self.engine.generate(prompts, seeds, params)
+        if self.group is None:
+            return self.engine.generate(prompts, seeds, [params] * len(prompts))
+        # A tensor-parallel engine spans its group's ranks, each of which runs the same requests in the
+        # same order: the group's, in rank order, each with its own rank's seeds and sampling params.
+        asked = all_gather_objects((prompts, seeds, params), self.group)
+        rows = [p for ps, _, _ in asked for p in ps]
+        ids, logps = self.engine.generate(
+            rows, [s for _, ss, _ in asked for s in ss], [ask for ps, _, ask in asked for _ in ps]
+        )
+        me = dist.get_rank(self.group)
+        start = sum(len(ps) for ps, _, _ in asked[:me])
+        mine = slice(start, start + len(prompts))
+        return ids[mine], logps[mine] if logps else []
 
     def release(self) -> None:
         self.engine.release()
@@ -494,6 +530,41 @@ def request_seed(seed: int, index: int) -> int:
     """The seed of one completion's request: a pure function of the generation's seed and the
     completion's index in it (vLLM seeds each request's own generator)."""
     return (seed * 6_364_136_223_846_793_005 + index * 1_442_695_040_888_963_407 + 1) % (2**31 - 1)
+
+
+def cpu_shm_per_job() -> None:
+    """Name vLLM's CPU shared memory after this job too: vLLM names it after the tensor-parallel
+    group only (``-tp:0-[0-1]-cpushm``, the same for every ``external_launcher`` job on a host), so
+    two jobs starting together would take each other's. The job is its rendezvous port (every rank of
+    a job has it, no two jobs on a host share it); a name the ranks of a group disagree on makes vLLM
+    fall back to torch.distributed, never a wrong segment."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    name = getattr(shm, "make_group_name", None)
+    if name is None or getattr(name, "per_job", False):
+        return
+    job = os.environ.get("MASTER_PORT", "")
+
+    def per_job(communicator: Any) -> str:
+        return f"llmft{job}{name(communicator)}".replace("/", "")  # a shared memory name holds no "/"
+
+    per_job.per_job = True  # type: ignore[attr-defined]
+    shm.make_group_name = staticmethod(per_job)
+
+
+def unlink_cpu_shm(tp: int) -> None:
+    """Unlink the shared memory vLLM's CPU engine made for this rank's tensor-parallel group, once the
+    engine is built (every rank of the group has mapped it): vLLM names it after the group only
+    (and the job: ``cpu_shm_per_job``) and does not unlink it, so a later job on the same port would
+    fail to create it."""
+    first = dist.get_rank() // tp * tp if dist.is_initialized() else 0
+    ranks = "-".join(str(r) for r in range(first, first + tp))
+    shm = Path("/dev/shm")
+    for path in shm.glob("*-cpushm_*") if shm.is_dir() else []:
+        if f"-[{ranks}]-cpushm_" in path.name:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def _launcher_env() -> None:

@@ -345,9 +345,13 @@ class AgentRollout:
         turn = 0
         while True:
             active = [g for g in going if not g.done]
-            if all_reduce_max([float(bool(active))], self.device)[0] == 0.0:
+            most = int(all_reduce_max([float(len(active))], self.device)[0])
+            if most == 0:
                 break
-            rows = [g.prompt_ids + g.ids for g in active] or [going[0].prompt_ids]
+            rows = [g.prompt_ids + g.ids for g in active]
+            # every rank makes as many generate() calls as the busiest one (each call's forwards and stop
+            # vote are collective): a rank with fewer episodes going draws discarded rows to match
+            rows += [going[0].prompt_ids] * (rows_in_step(len(rows), most, how.batch_size) - len(rows))
             longest = max((self.limit - len(g.ids) for g in active), default=1)
             this = replace(
                 how,
@@ -493,3 +497,12 @@ def _check_schema(fn: Callable[..., Any], key: str) -> None:
                 "Give it type hints for every argument and a Google-style docstring with an Args: section naming each.",
             )
         ) from e
+
+
+def rows_in_step(rows: int, most: int, batch_size: int | None) -> int:
+    """How many rows a rank with ``rows`` episodes going generates so that it makes as many calls of
+    ``batch_size`` rows (all at once: None) as the rank with the most, ``most``: at least one row."""
+    if batch_size is None:
+        return max(rows, 1)
+    calls = -(-most // batch_size)
+    return max(rows, (calls - 1) * batch_size + 1)

@@ -229,7 +229,8 @@ def rollout_server_sbatch(layout: Layout) -> str:
     )
     usage = (
         "Submit: sbatch launch/rollout-server.sbatch RECIPE [KEY=VALUE ...]\n"
-        "The first node serves the policy in vLLM (llmft rollout-server, one GPU); the other nodes train\n"
+        "The first node serves the policy in vLLM (llmft rollout-server on ROLLOUT_TP GPUs, 1 by default:\n"
+        "the recipe's rollout.vllm.tensor_parallel_size, which the server checks); the other nodes train\n"
         "(rollout.vllm.mode=server, rollout.vllm.url set here). More nodes: sbatch --nodes 3 ... (the trainer\n"
         "takes all but the first). The recipe's rollout.vllm.max_model_len and peft.method serve both."
     )
@@ -244,10 +245,12 @@ def rollout_server_sbatch(layout: Layout) -> str:
         f'MASTER_PORT="${{MASTER_PORT:-{layout.master_port}}}"\n'
         "export MASTER_ADDR MASTER_PORT\n"
         "\n"
-        "# The server: one task on the first node, one GPU; the trainer waits for it (rollout.vllm.url,\n"
-        "# up to distributed.timeout_s) and streams its weights in before the first generation.\n"
-        'srun --nodes=1 --ntasks=1 --gpus=1 -w "$SERVER" "${PYTHON:-python}" -m llmft rollout-server "$RECIPE" "$@" \\\n'
-        '  --host 0.0.0.0 --port "$PORT" &\n'
+        "# The server: one task on the first node, one process per GPU of its engine (torchrun); the trainer\n"
+        "# waits for it (rollout.vllm.url, up to distributed.timeout_s) and streams its weights in before the\n"
+        "# first generation.\n"
+        'TP="${ROLLOUT_TP:-1}"\n'
+        'srun --nodes=1 --ntasks=1 --gpus="$TP" -w "$SERVER" "${PYTHON:-python}" -m torch.distributed.run --standalone \\\n'
+        '  --nproc_per_node "$TP" -m llmft rollout-server "$RECIPE" "$@" --host 0.0.0.0 --port "$PORT" &\n'
         "SERVER_STEP=$!\n"
         "\n"
         "# The trainer: one task per GPU on the other nodes (see launch/slurm.sbatch for why srun, not torchrun).\n"

@@ -576,13 +576,13 @@ def _generation_notes(
 def colocated_engine(recipe: Recipe, spec: ObjectiveSpec, params: Params, a: int) -> tuple[int, str]:
     """The colocated vLLM engine's memory on each GPU while it generates (``rollout.vllm.mode:
     colocate``) and what the plan says of it; (0, "") for every other run. vLLM takes
-    ``gpu_memory_utilization`` of the GPU for the weights (a whole copy in the compute dtype: one
-    engine per rank, tensor parallel 1), its KV cache and its working set; with
+    ``gpu_memory_utilization`` of the GPU for the weights (a copy in the compute dtype, split over
+    ``rollout.vllm.tensor_parallel_size`` ranks), its KV cache and its working set; with
     ``rollout.vllm.kv_cache_gib`` it takes the weights and that cache."""
     r = recipe.rollout
     if not spec.reads_from("rollout") or r.backend != "vllm" or r.vllm.mode != "colocate":
         return 0, ""
-    weights = (params.linear + params.other) * a + params.adapters * 4
+    weights = ((params.linear + params.other) * a + params.adapters * 4) // max(r.vllm.tensor_parallel_size, 1)
     v, gpu = r.vllm, recipe.distributed.gpu_memory_gb
     if v.kv_cache_gib:
         total = weights + int(v.kv_cache_gib * GIB)

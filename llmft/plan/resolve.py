@@ -39,7 +39,7 @@ from llmft.plan.objectives import (
     unknown_objective,
 )
 from llmft.plan.shape import model_shape
-from llmft.plan.vllm import eval_generate_problems
+from llmft.plan.vllm import eval_generate_problems, vllm_world_problems
 from llmft.recipe.load import RecipeError, load_unchecked, provenance
 from llmft.recipe.schema import Recipe
 
@@ -125,7 +125,7 @@ def resolve(
             problems += [Problem(where(pr.where), pr.what, pr.fix) for pr in e.problems]
             recipe = _with_seq_len(recipe, 2)  # to go on and report every other problem too
     problems += world_problems(recipe, spec, world.size, where) + layout_problems + moe_problems(recipe, where)
-    problems += eval_generate_problems(recipe, where)
+    problems += eval_generate_problems(recipe, where) + vllm_world_problems(recipe, world.size, where)
     batch = None
     try:
         batch, note = _solve(recipe, engine, compiled, world, measure_gpu, layout)

@@ -440,7 +440,13 @@ def rl_lines(plan: RunPlan) -> list[str]:
         )
     if r.rollout.backend == "vllm":
         v = r.rollout.vllm
-        where = "an engine in every training process" if v.mode == "colocate" else f"the rollout server at {v.url}"
+        tp = v.tensor_parallel_size
+        if v.mode == "server":
+            where = f"the rollout server at {v.url}"
+        elif tp > 1:
+            where = f"one engine across every {tp} consecutive training processes (tensor parallel {tp})"
+        else:
+            where = "an engine in every training process"
         staleness = (
             "async: step k+1's completions are generated during step k's update, from the weights before it "
             "(staleness 1 step)"

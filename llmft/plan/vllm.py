@@ -39,6 +39,25 @@ def eval_generate_problems(recipe: Recipe, where: Callable[[str], str]) -> list[
     return vllm_problems(recipe, where)
 
 
+def vllm_world_problems(recipe: Recipe, world_size: int, where: Callable[[str], str]) -> list[Problem]:
+    """Whether a colocated engine's tensor-parallel groups tile the training world: each group is
+    ``rollout.vllm.tensor_parallel_size`` consecutive ranks, which generate together."""
+    v = recipe.rollout.vllm
+    online = objective_of(recipe).reads_from("rollout") and recipe.rollout.backend == "vllm"
+    on_vllm = online or (recipe.train.eval_generate_backend == "vllm" and recipe.train.eval_generate_samples)
+    if not on_vllm or v.mode != "colocate" or v.tensor_parallel_size < 1 or world_size % v.tensor_parallel_size == 0:
+        return []
+    return [
+        Problem(
+            where("rollout.vllm.tensor_parallel_size"),
+            f"is {v.tensor_parallel_size}, which does not divide the {world_size} training processes (a colocated "
+            "engine spans that many consecutive ranks)",
+            f"Use a divisor of {world_size} (1 gives every rank an engine of its own), or launch a multiple of "
+            f"{v.tensor_parallel_size} processes.",
+        )
+    ]
+
+
 def vllm_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
     """What ``rollout.backend: vllm`` cannot do with this recipe (checked before the model loads)."""
     v, problems = recipe.rollout.vllm, []
@@ -61,12 +80,17 @@ def vllm_problems(recipe: Recipe, where: Callable[[str], str]) -> list[Problem]:
         problems.append(
             Problem(where("rollout.vllm.kv_cache_gib"), f"is {v.kv_cache_gib}", "Use a size above 0, or null.")
         )
-    if v.tensor_parallel_size != 1:
+    if v.tensor_parallel_size < 1:
+        problems.append(
+            Problem(where("rollout.vllm.tensor_parallel_size"), f"is {v.tensor_parallel_size}", "Use 1 or more.")
+        )
+    if v.tensor_parallel_size > 1 and getattr(recipe.rollout, "async") == 1 and v.mode == "colocate":
         problems.append(
             Problem(
                 where("rollout.vllm.tensor_parallel_size"),
-                f"is {v.tensor_parallel_size}, but an engine spans one device here (colocated or served)",
-                "Set rollout.vllm.tensor_parallel_size=1.",
+                f"is {v.tensor_parallel_size} with rollout.async=1: a colocated engine's tensor-parallel collectives "
+                "would run beside the update's",
+                "Use rollout.async=0, rollout.vllm.tensor_parallel_size=1, or rollout.vllm.mode=server.",
             )
         )
     if v.max_model_len is not None and v.max_model_len < recipe.data.max_seq_len:

@@ -359,7 +359,11 @@ class VLLMConfig:
     kv_cache_gib: Optional[float] = doc(
         None, "The engine's KV cache in GiB (vLLM's kv_cache_memory_bytes); null: from gpu_memory_utilization."
     )
-    tensor_parallel_size: int = doc(1, "Devices one vLLM engine spans (colocate: 1).")
+    tensor_parallel_size: int = doc(
+        1,
+        "Devices one vLLM engine spans. colocate: that many consecutive training ranks share one engine "
+        "(it divides the world); server: llmft rollout-server runs that many processes (docs/rl.md).",
+    )
     max_model_len: Optional[int] = doc(None, "The engine's longest sequence; null: data.max_seq_len.")
     batch_invariant: bool = doc(
         False,

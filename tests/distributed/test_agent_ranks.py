@@ -1,6 +1,8 @@
 """Live multi-turn episodes on 2 ranks (``rollout.tools``): every rank draws each turn together (FSDP2
-shards the parameters: ranks whose episodes ended keep joining their peers' forwards), and the
-episodes the run saved, replayed from a file on the same 2 ranks, land on the same weights."""
+shards the parameters: ranks whose episodes ended keep joining their peers' forwards), in as many
+``generate()`` calls of ``rollout.batch_size`` rows as the busiest rank needs (a rank with fewer
+episodes going draws discarded rows), and the episodes the run saved, replayed from a file on the
+same 2 ranks, land on the same weights."""
 
 from __future__ import annotations
 
@@ -27,9 +29,8 @@ def test_two_ranks_generate_episodes_in_step_and_train_them_exactly(tmp_path, ag
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     over = [*TWO_RANK_ENGINES[engine], "batch.micro_batch_size=2", "train.max_steps=2"]
     live = tmp_path / "live"
-    proc = torchrun(
-        ["train", str(tool_recipe(live, tool_model_dir, rollout__save_completions=True)), *over], env=env, timeout=600
-    )
+    recipe = tool_recipe(live, tool_model_dir, rollout__save_completions=True, rollout__batch_size=3)
+    proc = torchrun(["train", str(recipe), *over], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = metrics(live / "run")
     assert rows[0]["tool_calls"] > 0

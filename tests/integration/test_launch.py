@@ -272,3 +272,4 @@ def test_the_rollout_server_script_parses_and_serves_on_the_first_node():
     text = script.read_text()
     assert '-m llmft rollout-server "$RECIPE" "$@"' in text and '--exclude="$SERVER"' in text
     assert '"rollout.vllm.url=http://$SERVER:$PORT"' in text
+    assert '--gpus="$TP"' in text and '--nproc_per_node "$TP" -m llmft rollout-server' in text  # tensor parallel

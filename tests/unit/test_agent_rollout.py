@@ -16,7 +16,7 @@ from agent_runs import agent_recipe
 from llmft.data.tokenizer import BUILTIN_TEMPLATES, byte_tokenizer
 from llmft.errors import UserError
 from llmft.model.generate import Generation
-from llmft.objectives.agent import AgentRollout, CallFormat, call_of
+from llmft.objectives.agent import AgentRollout, CallFormat, call_of, rows_in_step
 from llmft.objectives.episodes import Episode, episode_ids
 from llmft.objectives.rollout import GeneratedRollout, Prompt
 from llmft.recipe.load import load_recipe
@@ -205,14 +205,14 @@ def test_a_rank_whose_episodes_ended_keeps_drawing_with_its_peers(tmp_path, agen
 
     votes = []
 
-    def peers_going(values, device):  # this rank's vote, and a peer still going for one turn more
+    def peers_going(values, device):  # this rank's episodes going, and a peer's going for one turn more
         votes.append(values[0])
-        return [1.0] if len(votes) <= 3 else [0.0]
+        return [max(values[0], 1.0)] if len(votes) <= 3 else [0.0]
 
     monkeypatch.setattr(agent_module, "all_reduce_max", peers_going)
     agent, generator, tok = rollout(tmp_path, two_turns)
     episodes = agent.complete(prompts_of(RECORDS), 0, 0)
-    assert votes == [1.0, 1.0, 0.0, 0.0]  # going, going, ended (the peer goes on), all ended
+    assert votes == [2.0, 2.0, 0.0, 0.0]  # both going, both going, ended (the peer goes on), all ended
     assert [n for n, _ in generator.calls] == [2, 2, 1]  # the third turn: one row, the first prompt's
     assert generator.calls[2][1].max_new_tokens == 1
     assert all(ep.turns == 2 for ep in episodes)  # the extra draw is not any episode's
@@ -365,3 +365,15 @@ def test_a_tokenizer_with_a_response_template_parses_its_own_turns():
     assert fmt.read(ids(text), [], text, [add]) == ("sure", [call("add", a=3, b=4)], False)
     broken = '<tool_call>\n{"name": "add", "arguments": {"a": 3\n</tool_call><|im_end|>'
     assert fmt.read(ids(broken), [], broken, [add]) == (broken, [], True)
+
+
+def test_every_rank_makes_as_many_generate_calls_as_the_busiest():
+    def calls(rows: int, size: int | None) -> int:
+        return 1 if size is None else -(-rows // size)
+
+    for size in (None, 1, 2, 3, 8):
+        for most in range(1, 20):
+            for rows in range(most + 1):
+                n = rows_in_step(rows, most, size)
+                assert n >= max(rows, 1) and calls(n, size) == calls(most, size), (rows, most, size, n)
+                assert n == max(rows, 1) or calls(n - 1, size) < calls(most, size)  # no row more than needed

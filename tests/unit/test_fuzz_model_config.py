@@ -266,7 +266,7 @@ COMMON = dict(
 )
 # No shrinking in the default tier: a failure shows its example at once (shrinking one can outlast the timeout).
 DEFAULT = settings(max_examples=40, derandomize=True, phases=[Phase.explicit, Phase.reuse, Phase.generate], **COMMON)
-SLOW = settings(max_examples=400, derandomize=False, print_blob=True, **COMMON)
+SLOW = settings(max_examples=200, derandomize=False, print_blob=True, **COMMON)
 
 
 @pytest.mark.timeout(180)
@@ -392,7 +392,7 @@ def test_fuzzed_reward_model_dirs(reward_dir, damage):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@settings(SLOW, max_examples=300)
+@settings(SLOW, max_examples=150)
 @given(damage=damages)
 def test_fuzzed_reward_model_dirs_many(reward_dir, damage):
     _check_reward_dir(reward_dir, damage)

@@ -49,8 +49,7 @@ def test_without_vllm_the_recipe_is_refused_naming_the_install(tmp_path, monkeyp
 def test_what_vllm_cannot_serve_is_refused_before_the_model_loads(tmp_path, vllm_installed):
     cases = {
         "peft.method=dora": "peft.method: is dora, but vLLM serves LoRA adapters only (no DoRA magnitudes)",
-        "rollout.vllm.tensor_parallel_size=2": "rollout.vllm.tensor_parallel_size: is 2, but an engine "
-        "spans one device here (colocated or served)",
+        "rollout.vllm.tensor_parallel_size=0": "rollout.vllm.tensor_parallel_size: is 0. Use 1 or more.",
         "rollout.vllm.max_model_len=32": "rollout.vllm.max_model_len: is 32, shorter than data.max_seq_len 64",
         "rollout.vllm.gpu_memory_utilization=0": "rollout.vllm.gpu_memory_utilization: is 0",
         "rollout.vllm.kv_cache_gib=-1": "rollout.vllm.kv_cache_gib: is -1",
@@ -151,6 +150,36 @@ def test_bad_completion_ids_are_named_at_their_line(tmp_path, importable):
     with pytest.raises(UserError) as e:
         train_inproc(grpo_recipe(tmp_path / "c"), f"rollout.file={beyond}")
     assert "token id 1000000, beyond the model's vocabulary (320)" in str(e.value)
+
+
+def test_a_tensor_parallel_engine_spans_consecutive_training_ranks(tmp_path, vllm_installed):
+    from llmft.plan.memory import estimate_memory
+    from llmft.plan.rl import rl_lines
+
+    over = [VLLM, "rollout.vllm.tensor_parallel_size=2", "distributed.gpu_memory_gb=8", "rollout.vllm.kv_cache_gib=1"]
+    over.append("batch.micro_batch_size=2")
+    plan = load_plan(grpo_recipe(tmp_path / "two"), over, world_size=4, nproc_per_node=4)
+    (line,) = [x for x in rl_lines(plan) if x.startswith("generation (vllm")]
+    assert "one engine across every 2 consecutive training processes (tensor parallel 2)" in line
+    one = load_plan(grpo_recipe(tmp_path / "one"), [*over, "rollout.vllm.tensor_parallel_size=1"], world_size=4)
+    assert estimate_memory(one).generation - estimate_memory(plan).generation > 0  # half the weights per rank
+    with pytest.raises(RecipeError) as e:
+        load_plan(grpo_recipe(tmp_path / "three"), over, world_size=3, nproc_per_node=3)
+    assert (
+        "rollout.vllm.tensor_parallel_size: is 2, which does not divide the 3 training processes (a colocated engine "
+        "spans that many consecutive ranks). Use a divisor of 3 (1 gives every rank an engine of its own), or launch "
+        "a multiple of 2 processes."
+    ) in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_plan(grpo_recipe(tmp_path / "async"), [*over, "rollout.async=1"], world_size=2, nproc_per_node=2)
+    assert (
+        "rollout.vllm.tensor_parallel_size: is 2 with rollout.async=1: a colocated engine's tensor-parallel "
+        "collectives would run beside the update's"
+    ) in str(e.value)
+    served = [*over, "rollout.vllm.mode=server", "rollout.vllm.url=http://h:1", "batch.global_batch_size=24"]
+    assert load_plan(
+        grpo_recipe(tmp_path / "srv"), served, world_size=3, nproc_per_node=3
+    )  # the server's own processes
 
 
 def test_the_planner_counts_the_colocated_engine(tmp_path, vllm_installed):

@@ -5,10 +5,12 @@ from a file, land on the same weights, and a stopped run resumes on the same epi
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from agent_runs import tool_model, tool_recipe
 from grpo_runs import G, replay_file
-from helpers import max_rel_diff, metrics, train_inproc
+from helpers import ROOT, max_rel_diff, metrics, torchrun, train_inproc
 from test_vllm_rollout import VLLM, WIDE
 
 from llmft.export.consolidate import load_checkpoint_model, trainable_state
@@ -54,3 +56,18 @@ def test_a_stopped_vllm_episode_run_resumes_on_the_same_episodes(tmp_path, agent
     assert train_inproc(recipe, *over, "train.max_steps=2", "checkpoint.every_steps=1") == 0
     assert train_inproc(recipe, *over, "train.max_steps=3") == 0
     assert max_rel_diff(_weights(part / "run"), _weights(whole / "run")) <= 1e-6
+
+
+def test_one_engine_across_two_ranks_samples_each_ranks_turns(tmp_path, agent_tools, wide_tool_model):
+    """Tensor parallel 2: both ranks give the one engine their turns (each rank its own episodes going,
+    its own seeds and length limit, in calls of rollout.batch_size rows), and every policy token is
+    sampled from the trainer's weights."""
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    recipe = tool_recipe(tmp_path, wide_tool_model, **VLLM, rollout__batch_size=3)
+    over = ["train.max_steps=2", "peft.method=lora", "peft.r=8", "distributed.engine=ddp", "batch.micro_batch_size=2"]
+    proc = torchrun(["train", str(recipe), *over, "rollout.vllm.tensor_parallel_size=2"], env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["mismatch/logp_abs_max"] <= 1e-4 for r in rows), [r["mismatch/logp_abs_max"] for r in rows]
+    assert sum(r["tool_calls"] for r in rows) > 0

@@ -63,18 +63,22 @@ def test_one_process_samples_from_the_trainers_weights(tmp_path, peft):
 
 
 @pytest.mark.parametrize(
-    ("peft", "engine"),
+    ("peft", "engine", "tp"),
     [
-        ("lora", "ddp"),
-        ("full", "fsdp"),
-        ("full", "zero3"),
-        pytest.param("full", "ddp", marks=pytest.mark.extended),
-        pytest.param("lora", "zero3", marks=pytest.mark.extended),
+        ("full", "fsdp", 1),
+        ("full", "zero3", 1),
+        ("lora", "ddp", 2),
+        ("full", "fsdp", 2),
+        pytest.param("lora", "ddp", 1, marks=pytest.mark.extended),
+        pytest.param("full", "ddp", 1, marks=pytest.mark.extended),
+        pytest.param("lora", "zero3", 1, marks=pytest.mark.extended),
+        pytest.param("full", "zero3", 2, marks=pytest.mark.extended),
     ],
 )
-def test_two_ranks_sync_and_land_on_the_file_runs_weights(tmp_path, peft, engine):
-    """2 ranks with vLLM, then the same completions from a file on the same 2 ranks: same weights."""
-    over = [*PEFT[peft], *TWO_RANK_ENGINES[engine]]
+def test_two_ranks_sync_and_land_on_the_file_runs_weights(tmp_path, peft, engine, tp):
+    """2 ranks with vLLM (an engine each, or one engine across both: tensor parallel 2), then the same
+    completions from a file on the same 2 ranks: same weights."""
+    over = [*PEFT[peft], *TWO_RANK_ENGINES[engine], f"rollout.vllm.tensor_parallel_size={tp}"]
     sampled = tmp_path / "vllm"
     proc = torchrun(
         ["train", str(_recipe(sampled, rollout__save_completions=True)), *over],
@@ -82,6 +86,7 @@ def test_two_ranks_sync_and_land_on_the_file_runs_weights(tmp_path, peft, engine
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert ("'tensor_parallel_size': 2" in proc.stdout + proc.stderr) == (tp == 2)  # vLLM's log of its engine
     _in_sync(metrics(sampled / "run"))
     given = tmp_path / "file"
     recipe = grpo_recipe(
@@ -157,7 +162,7 @@ def test_verify_proves_any_split_is_the_big_batch_with_vllm_completions(tmp_path
 
     from helpers import ROOT
 
-    recipe = _recipe(tmp_path)
+    recipe = _recipe(tmp_path / "verify")  # the model in this test's folder (``_recipe``: its parent)
     proc = subprocess.run(
         [sys.executable, "-m", "llmft", "verify", str(recipe), "batch.micro_batch_size=2"],
         capture_output=True,
