@@ -12,6 +12,7 @@ from grpo_runs import grpo_recipe
 
 TOOLS_MODULE = '''
 import os
+import time
 
 
 def add(a: int, b: int) -> int:
@@ -73,6 +74,27 @@ class Counter:
 
     def get_reward(self):
         return float(self.calls)
+
+
+def stuck(seconds: float) -> str:
+    """Waits.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "late"
+
+
+class Sleepy(Counter):
+    def wait(self, seconds: float) -> int:
+        """Waits.
+
+        Args:
+            seconds: How long.
+        """
+        time.sleep(seconds)
+        return self.total
 
 
 class WordReward(Counter):

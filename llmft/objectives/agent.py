@@ -18,7 +18,9 @@ called run here, in the training process (TRL's contract), and their results go 
    too, counted (``parse_failures``).
 4. Each call runs (a tool function, or an environment's method): what it returns is the tool
    message's content (text as is, anything else as JSON); a call that raises or names no tool gives
-   the model ``{"error": ...}`` as its result, counted (``tool_failures``). Then the context tokens:
+   the model ``{"error": ...}`` as its result, counted (``tool_failures``). A call that does not
+   return within ``rollout.tool_timeout_s`` (its own thread, left running) is a failure too and ends
+   the episode at that turn; its environment is replaced for the slot's next episodes. Then the context tokens:
    what the template writes after the turn's eos, the tool messages, the next turn's header
    (``llmft.objectives.episodes.context_ids``: the tokens ``rollout.file`` makes of the same
    messages). Context is in the sequence, not in the loss or the token count.
@@ -28,17 +30,20 @@ called run here, in the training process (TRL's contract), and their results go 
 
 Sampling is seeded per turn from the generation batch's seed: the same records, weights and tools
 give the same episodes, so a run killed anywhere (a tool call included) and resumed regenerates its
-step exactly. Every rank calls the generator once per turn while any rank has an episode going (a
-rank with none draws one token for its first prompt): sharded engines join every forward, and the
-generator's stop vote is a collective.
+step exactly (a late tool call depends on the clock: it is the exception). Every rank calls the
+generator once per turn while any rank has an episode going, in as many calls as the busiest rank
+(a rank with fewer episodes going draws discarded rows of its first prompt): sharded engines join
+every forward, and the generator's stop vote is a collective.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 import re
+import threading
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -46,6 +51,7 @@ import torch
 
 from llmft.data.encode import text_budget
 from llmft.errors import Problem, UserError
+from llmft.job import watchdog
 from llmft.job.dist import all_reduce_max
 from llmft.objectives.episodes import Episode, context_ids, render
 from llmft.objectives.rollout import end_at_eos
@@ -54,6 +60,8 @@ from llmft.plan.rl import environments_of, import_function
 if TYPE_CHECKING:
     from llmft.objectives.rollout import GeneratedRollout, Prompt
     from llmft.recipe.schema import Recipe
+
+log = logging.getLogger("llmft")
 
 PROBE = {"type": "function", "function": {"name": "llmft_probe", "arguments": {"x": 1}}}
 TEMPLATE_FIX = (
@@ -78,6 +86,15 @@ class Environments:
         while len(made) <= slot:
             made.append(self.factories[name]())
         return made[slot]
+
+    def replace(self, instance: Any) -> None:
+        """A fresh instance in ``instance``'s slot (a tool method of it never returned: its thread may
+        still change it), for the slot's next episodes."""
+        for name, made in self.pool.items():
+            for slot, other in enumerate(made):
+                if other is instance:
+                    made[slot] = self.factories[name]()
+                    return
 
 
 def load_environments(value: Any) -> Environments | None:
@@ -222,24 +239,45 @@ def call_of(value: Any) -> dict[str, Any] | None:
     return {"type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
-def run_call(tools: dict[str, Callable[..., Any]], call: dict[str, Any]) -> tuple[str, bool]:
-    """A tool call's result as a tool message's content, and whether it failed (the tool raised, or
-    there is no tool of that name): then the content is ``{"error": ...}``, what the model sees."""
+def run_call(
+    tools: dict[str, Callable[..., Any]], call: dict[str, Any], timeout_s: float | None = None
+) -> tuple[str, bool, bool]:
+    """A tool call's result as a tool message's content, whether it failed (the tool raised, there is
+    no tool of that name, or it did not return within ``timeout_s``): then the content is
+    ``{"error": ...}``, what the model sees; and whether it was late. With a ``timeout_s`` the tool
+    runs in a thread of its own, left running when late (Python cannot stop a thread)."""
     name, args = call["function"]["name"], call["function"]["arguments"]
     fn = tools.get(name)
     if fn is None:
         known = ", ".join(sorted(tools)) or "none"
-        return json.dumps({"error": f"no tool named {name!r} (tools: {known})"}), True
-    try:
-        result = fn(**args)
-    except Exception as e:  # the model called it wrong, or the tool failed: the model is told
-        return json.dumps({"error": f"{type(e).__name__}: {e}"}), True
+        return json.dumps({"error": f"no tool named {name!r} (tools: {known})"}), True, False
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn(**args)
+        except BaseException as e:  # noqa: BLE001 - the model called it wrong, or the tool failed: the model is told
+            box["error"] = e
+
+    if timeout_s is None:
+        run()
+    else:
+        thread = threading.Thread(target=run, name=f"llmft-tool-{name}", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            late = f"TimeoutError: {name} did not return within rollout.tool_timeout_s={timeout_s:g} s"
+            return json.dumps({"error": late}), True, True
+    if "error" in box:
+        e = box["error"]
+        return json.dumps({"error": f"{type(e).__name__}: {e}"}), True, False
+    result = box["result"]
     if isinstance(result, str):
-        return result, False
+        return result, False, False
     try:
-        return json.dumps(result, ensure_ascii=False), False
+        return json.dumps(result, ensure_ascii=False), False, False
     except (TypeError, ValueError):
-        return str(result), False
+        return str(result), False, False
 
 
 @dataclass
@@ -307,6 +345,7 @@ class AgentRollout:
         cfg = recipe.rollout
         self.rollout, self.tokenizer, self.device = rollout, tokenizer, device
         self.limit, self.max_turns, self.max_calls = cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_calls
+        self.tool_timeout_s = cfg.tool_timeout_s
         self.max_seq_len = recipe.data.max_seq_len
         self.tools = [import_function(t, f"rollout.tools[{i}]") for i, t in enumerate(cfg.tools)]
         self.envs = load_environments(cfg.environment)
@@ -464,8 +503,15 @@ class AgentRollout:
         g.calls += len(calls)
         results = []
         for call in calls:
-            content, failed = run_call(g.tools, call)
+            watchdog.phase(f"running the tool {call['function']['name']} (turn {turns} of an episode)")
+            content, failed, late = run_call(g.tools, call, self.tool_timeout_s)
             g.tool_failures += failed
+            if late:  # the tool is still running: its episode ends here, its environment is not used again
+                log.warning("rollout.tool_timeout_s: %s; the episode ends at this turn", json.loads(content)["error"])
+                if g.env is not None and self.envs is not None:
+                    self.envs.replace(g.env)
+                g.done = True
+                return
             results.append({"role": "tool", "name": call["function"]["name"], "content": content[: self.budget]})
         messages = g.messages + results
         turn = len(g.messages) - 1

@@ -305,6 +305,8 @@ def agent_problems(recipe: Recipe) -> list[Problem]:
                 key, "is set with rollout.async=1: multi-turn episodes are generated in step", "Use rollout.async=0."
             )
         )
+    if r.tool_timeout_s is not None and not r.tool_timeout_s > 0:
+        problems.append(Problem("rollout.tool_timeout_s", f"is {r.tool_timeout_s}", "Use seconds above 0, or null."))
     targets = [(f"rollout.tools[{i}]", t) for i, t in enumerate(r.tools)]
     try:
         named = environments_of(r.environment)

@@ -422,6 +422,11 @@ class RolloutConfig:
     max_tool_calls: Optional[int] = doc(
         None, "Multi-turn episodes: tool calls per episode, at most (the episode ends there); null: no bound."
     )
+    tool_timeout_s: Optional[float] = doc(
+        60.0,
+        "Multi-turn episodes: seconds a tool call may take (it runs in a thread of its own); a later call is a "
+        "tool failure and ends its episode. null: calls run in the training thread, without a deadline.",
+    )
     async_: int = doc(
         0,
         "rollout.backend=vllm: 1 generates the completions of step k+1 while step k "

@@ -7,6 +7,7 @@ unchanged, and the bounds end episodes where they say."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,34 @@ def test_a_tool_that_raises_or_is_unknown_is_told_to_the_model(tmp_path, agent_t
         {"error": "no tool named 'nope' (tools: add, broken)"},
     ]
     assert ep.tool_failures == 2 and ep.text == "done"
+
+
+def test_a_tool_call_that_does_not_return_in_time_ends_its_episode(tmp_path, agent_tools):
+    def calling(name):
+        def script(text):
+            if "<|tool|>" in text:
+                return {"role": "assistant", "content": "done"}
+            return {"role": "assistant", "content": "", "tool_calls": [call(name, seconds=5)]}
+
+        return script
+
+    late = {"rollout__tool_timeout_s": 0.2}
+    agent, _, _ = rollout(tmp_path / "tool", calling("stuck"), rollout__tools=["agent_tools:stuck"], **late)
+    (ep,) = agent.complete(prompts_of(RECORDS[:1]), 0, 0)
+    assert any(t.name == "llmft-tool-stuck" for t in threading.enumerate())  # returned while the tool still runs
+    assert [m["role"] for m in ep.messages] == ["assistant"] and ep.messages[0]["tool_calls"][0]["function"] == {
+        "name": "stuck",
+        "arguments": {"seconds": 5},
+    }
+    assert ep.tool_failures == 1 and ep.turns == 1 and ep.tool_calls == 1
+    agent, _, _ = rollout(
+        tmp_path / "env", calling("wait"), rollout__tools=[], rollout__environment="agent_tools:Sleepy", **late
+    )
+    first = agent.envs.instance(None, 0)
+    (ep,) = agent.complete(prompts_of(RECORDS[:1]), 0, 0)
+    assert ep.tool_failures == 1 and ep.turns == 1
+    fresh = agent.envs.instance(None, 0)
+    assert fresh is not first and type(fresh).__name__ == "Sleepy"  # the slot's next episodes get a new one
 
 
 def test_a_call_that_does_not_parse_ends_the_episode_counted(tmp_path, agent_tools):
@@ -228,6 +257,7 @@ def test_the_plan_refuses_what_cannot_generate_episodes(tmp_path, agent_tools):
         "rollout.tools=[agent_tools:add,agent_tools:nothing,nowhere_module:f]",
         "rollout.max_turns=0",
         "rollout.environment=[1,2]",
+        "rollout.tool_timeout_s=0",
     ]
     with pytest.raises(UserError) as e:
         load_plan(path, bad, nnodes=1, nproc_per_node=1)
@@ -238,6 +268,7 @@ def test_the_plan_refuses_what_cannot_generate_episodes(tmp_path, agent_tools):
     assert "rollout.tools[1]: module 'agent_tools' has no function 'nothing'" in text
     assert "rollout.tools[2]: cannot import module 'nowhere_module'" in text
     assert "rollout.max_turns: is 0. Use 1 or more." in text
+    assert "rollout.tool_timeout_s: is 0.0. Use seconds above 0, or null." in text
     assert "rollout.environment: is [1, 2], not a class or a mapping of names to classes" in text
 
 
