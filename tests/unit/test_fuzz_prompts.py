@@ -5,7 +5,9 @@ grpo``, read by ``build_data``) and ``rollout.file`` lines (``read_rollout_file`
 Each example writes a JSONL file of random lines: JSON of any shape and depth (up to thousands of
 levels, past Python's recursion limit), wrong types where a prompt, a message or a completion
 should be, prompts as text or as messages, lists of completions of any length, long texts, bytes
-that are not UTF-8 spliced in, blank and random lines. The property, for every example:
+that are not UTF-8 spliced in, blank and random lines; token-id lines as a live run saves its
+episodes (``completion_ids`` with ``policy_masks``, ``prompt_ids``, ``episodes``), whole or with a
+key replaced by anything. The property, for every example:
 
 - the file is accepted (a prompt record: built into rows that fit the room; a rollout line: each
   completion comes back as at most ``max_new_tokens`` ids, plus eos), or refused with a
@@ -113,8 +115,42 @@ GOOD_PROMPT = st.one_of(
     st.fixed_dictionaries({"prompt": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": TEXT}),
                                               min_size=1, max_size=2)}),
 )  # fmt: skip
-GOOD_ROLLOUT = st.fixed_dictionaries(
-    {"prompt": st.one_of(st.text(max_size=20), JSON), "completions": st.lists(TEXT, min_size=G, max_size=G)}
+IDS = st.lists(st.integers(0, 255), max_size=6)
+
+
+@st.composite
+def saved_episodes(draw) -> dict:
+    """A ``completion_ids`` line as ``rollout.save_completions`` writes a live run's episodes: each
+    completion's policy mask (one 0/1 per token), and maybe its rendered prompt and its messages."""
+    ids = draw(st.lists(IDS, min_size=G, max_size=G))
+    line = {"prompt": draw(st.text(max_size=20)), "completion_ids": ids}
+    line["policy_masks"] = [draw(st.lists(st.sampled_from([0, 1]), min_size=len(r), max_size=len(r))) for r in ids]
+    if draw(st.booleans()):
+        line["prompt_ids"] = draw(
+            st.lists(st.lists(st.integers(0, 255), min_size=1, max_size=6), min_size=G, max_size=G)
+        )
+    if draw(st.booleans()):
+        turn = st.fixed_dictionaries({"role": st.just("assistant"), "content": st.text(max_size=10)})
+        line["episodes"] = draw(st.lists(st.lists(turn, min_size=1, max_size=2), min_size=G, max_size=G))
+    return line
+
+
+@st.composite
+def damaged_episodes(draw) -> dict:
+    """A saved-episodes line with one of its keys replaced by anything."""
+    line = draw(saved_episodes())
+    key = draw(st.sampled_from(["policy_masks", "prompt_ids", "episodes", "completion_ids"]))
+    line[key] = draw(st.one_of(JSON, st.lists(st.one_of(JSON, st.lists(MESSAGE, max_size=2), IDS), max_size=G + 1)))
+    if draw(st.booleans()):
+        line.pop("policy_masks")
+    return line
+
+
+GOOD_ROLLOUT = st.one_of(
+    st.fixed_dictionaries(
+        {"prompt": st.one_of(st.text(max_size=20), JSON), "completions": st.lists(TEXT, min_size=G, max_size=G)}
+    ),
+    saved_episodes(),
 )
 PROMPT_RECORD = st.one_of(
     st.fixed_dictionaries({"prompt": PROMPT}, optional={"answer": JSON, "id": JSON}),
@@ -127,6 +163,7 @@ ROLLOUT_RECORD = st.one_of(
     ),
     st.fixed_dictionaries({"prompt": st.text(max_size=20), "completions": st.lists(TEXT, min_size=G, max_size=G)}),
     st.fixed_dictionaries({"prompt": PROMPT}, optional={"completions": JSON}),
+    damaged_episodes(),
     JSON,
 )
 
@@ -258,10 +295,20 @@ def test_every_kind_of_line_once():
         b'{"prompt": "p\\ud800", "completions": ["a", "\\udc00", "c"]}',
         b"\xef\xbb\xbf" + good_prompt,
     ]
+    saved = {"prompt": "q", "completion_ids": [[1, 2], [3], []], "policy_masks": [[1, 0], [1], []]}
+    for key, value in (("policy_masks", [[1], [1], []]), ("prompt_ids", [[], [1], [2]]), ("episodes", {"a": 1}),
+                       ("episodes", ["x", [], []]), ("policy_masks", None)):  # fmt: skip
+        hostile.append(json.dumps({**saved, key: value}).encode())
+    hostile.append(
+        json.dumps({k: v for k, v in saved.items() if k != "policy_masks"} | {"prompt_ids": [[1]] * 3}).encode()
+    )
     for bad in hostile:
         check_prompts([good_prompt, bad], skip=False)
         check_rollout([good_rollout, bad])
     check_prompts([good_prompt], skip=False)
     check_rollout([good_rollout])
+    before = OUTCOMES["rollout"]["accepted"]
+    check_rollout([json.dumps(saved).encode()])
+    assert OUTCOMES["rollout"]["accepted"] == before + 1
     assert OUTCOMES["prompts"]["accepted"] and OUTCOMES["prompts"]["refused"]
     assert OUTCOMES["rollout"]["accepted"] and OUTCOMES["rollout"]["refused"] >= len(hostile)
