@@ -44,6 +44,7 @@ import contextlib
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -345,6 +346,18 @@ def _prompts(micro_batches: list[dict[str, Any]]) -> list[Prompt]:
     ]
 
 
+@dataclass
+class Kept:
+    """One completion of a generation batch a checkpoint kept (``rl.iterations`` > 1), by position."""
+
+    ids: list[int]
+    advantage: float
+    old_logps: torch.Tensor
+    is_weights: torch.Tensor | None  # None: saved without rl.importance_correction
+    policy: list[bool] | None  # a live episode's policy mask (None: every completion token is the policy's)
+    prompt_ids: list[int] | None  # a live episode's rendered prompt
+
+
 def _as_rendered(
     prompts: list[Prompt], completions: list[list[int]], restored: list[list[int] | None] | None
 ) -> list[Prompt]:
@@ -378,13 +391,8 @@ class GRPOObjective(ObjectiveBase):
         self.autocast = getattr(models, "autocast", contextlib.nullcontext)
         # rl.iterations > 1: (the step's positions, -1, its micro-batch sizes) and its update batches
         self._kept: tuple[tuple[int, ...], list[dict[str, Any]]] | None = None
-        # from a checkpoint, by position: completion, advantage, old log-probs, importance weights (or
-        # None), policy mask (None: every completion token is the policy's)
-        self._restored: dict[int, tuple[list[int], float, torch.Tensor, torch.Tensor | None, list[bool] | None]] = {}
+        self._restored: dict[int, Kept] = {}  # from a checkpoint, by position
         self._restored_stats: dict[str, float] = {}
-        self._restored_policy: list[list[bool] | None] = []
-        self._restored_prompts: list[list[int] | None] | None = None  # live episodes' rendered prompts
-        self._restored_prompt_ids: dict[int, list[int]] = {}
         self._stats: dict[str, float] = {}
         self._update_from = time.perf_counter()
         # rollout.async: the next step's micro-batches, their drawing, this step's drawn completions,
@@ -445,8 +453,10 @@ class GRPOObjective(ObjectiveBase):
         sampler: list[list[float]] | None = None
         weights: list[torch.Tensor] | None = None
         if restored is not None:  # a resume inside a generation batch: its completions, old log-probs, weights
-            completions, adv, old, weights = restored
-            policy = self._restored_policy
+            completions = [k.ids for k in restored]
+            adv, old = torch.tensor([k.advantage for k in restored]), [k.old_logps for k in restored]
+            weights = [k.is_weights for k in restored] if self.correction else None  # type: ignore[misc]
+            policy = [k.policy for k in restored]
         else:
             watchdog.phase(f"generating the completions of generation batch {generation}")
             t0 = time.perf_counter()
@@ -468,7 +478,7 @@ class GRPOObjective(ObjectiveBase):
             if self.cfg.save_completions:
                 self._save_completions(generation, prompts, completions, sampler)
             policy = [c.policy if isinstance(c, Episode) else None for c in completions]
-        prompts = _as_rendered(prompts, completions, self._restored_prompts if restored is not None else None)
+        prompts = _as_rendered(prompts, completions, [k.prompt_ids for k in restored] if restored is not None else None)
         watchdog.phase("old and reference log-probs")
         out, start = [], 0
         mismatch = Mismatch()
@@ -609,7 +619,6 @@ class GRPOObjective(ObjectiveBase):
         """Every rank's kept batch (``llmft.checkpoint.manager.SavedState``: each names its file),
         checked before anything of it is used: a wrong one is a ``UserError`` naming the file."""
         self._restored = {}
-        self._restored_prompt_ids = {}
         if self.async_rollout:
             self._async_restored = {}
             vocab = _vocab_size(self.policy)
@@ -631,18 +640,19 @@ class GRPOObjective(ObjectiveBase):
                 if q in where:
                     raise _damaged(path, f"holds position {q} of the kept generation batch, which {where[q]} holds too")
                 where[q] = path
-                self._restored[q] = (
+                self._restored[q] = Kept(
                     state["completions"][j].tolist(),
                     float(state["advantages"][j]),
                     state["old_logps"][j].float(),
                     state["is_weights"][j].float() if "is_weights" in state else None,
                     state["policy_masks"][j].tolist() if "policy_masks" in state else None,
+                    state["prompt_ids"][j].tolist() if "prompt_ids" in state else None,
                 )
-                if "prompt_ids" in state:
-                    self._restored_prompt_ids[q] = state["prompt_ids"][j].tolist()
             self._restored_stats = {k: float(v) for k, v in state["stats"].items()}
 
-    def _restored_rollout(self, positions: tuple[int, ...]):
+    def _restored_rollout(self, positions: tuple[int, ...]) -> list[Kept] | None:
+        """The kept completions of ``positions`` when a checkpoint inside their generation batch
+        holds them (each once: the next step generates afresh), else None."""
         if not self._restored:
             return None
         found = [q in self._restored for q in positions]
@@ -654,6 +664,15 @@ class GRPOObjective(ObjectiveBase):
                 "the checkpoint's objective/ state",
                 f"holds {sum(found)} of the {len(positions)} completions of this step (positions {_span(positions)})",
             )
+        saved = [self._restored[q] for q in positions]
+        self._stats = {**self._restored_stats, "generation_s": 0.0}
+        self._restored = {}
+        if self.correction and any(k.is_weights is None for k in saved):
+            raise _damaged(
+                "the checkpoint's objective/ state",
+                "holds no importance weights, but rl.importance_correction is tis (the checkpoint was saved without it)",
+            )
+        return saved
         saved = [self._restored[q] for q in positions]
         self._stats = {**self._restored_stats, "generation_s": 0.0}
         self._restored = {}

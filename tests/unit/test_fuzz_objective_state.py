@@ -217,12 +217,11 @@ def resume(step: Path):
 
 
 def _same(restored, state: dict) -> bool:
-    completions, adv, old, weights = restored
     return (
-        weights is None
-        and completions == [c.tolist() for c in state["completions"]]
-        and torch.equal(adv, state["advantages"])
-        and all(torch.equal(a, b) for a, b in zip(old, state["old_logps"], strict=True))
+        all(k.is_weights is None for k in restored)
+        and [k.ids for k in restored] == [c.tolist() for c in state["completions"]]
+        and torch.equal(torch.tensor([k.advantage for k in restored]), state["advantages"])
+        and all(torch.equal(k.old_logps, b) for k, b in zip(restored, state["old_logps"], strict=True))
     )
 
 
@@ -242,9 +241,8 @@ def check(tmp: Path, legacy: bool, damages: list[tuple]) -> str:
         assert not untouched, f"a whole objective state was refused: {e}"
         return "refused"
     assert restored is not None, "a checkpoint inside a generation batch was accepted without its kept batch"
-    completions, adv, old, _ = restored
-    assert len(completions) == len(POSITIONS) and adv.shape == (len(POSITIONS),) and len(old) == len(POSITIONS)
-    assert all(len(o) == len(c) for c, o in zip(completions, old, strict=True))
+    assert len(restored) == len(POSITIONS)
+    assert all(len(k.old_logps) == len(k.ids) for k in restored)
     if untouched or not legacy:  # with the manifest, accepted means exact
         assert _same(restored, valid_state())
     return "exact" if _same(restored, valid_state()) else "accepted"
