@@ -35,7 +35,9 @@ EXAMPLES = {
     "plan": "llmft plan configs/llama3-8b-qlora-1gpu.yaml distributed.gpu_memory_gb=24",
     "verify": "llmft verify configs/tiny-cpu.yaml batch.micro_batch_size=2",
     "rollout-server": "llmft rollout-server recipe.yaml --port 8000   # then train with rollout.vllm.mode=server\n"
-    "  CUDA_VISIBLE_DEVICES=7 llmft rollout-server recipe.yaml --host 0.0.0.0 --port 8000",
+    "  CUDA_VISIBLE_DEVICES=7 llmft rollout-server recipe.yaml --host 0.0.0.0 --port 8000\n"
+    "  CUDA_VISIBLE_DEVICES=6,7 torchrun --nproc_per_node 2 -m llmft rollout-server recipe.yaml "
+    "rollout.vllm.tensor_parallel_size=2",
 }
 
 
