@@ -228,6 +228,11 @@ def _is_tensor(value: Any, dims: int, kinds: tuple[torch.dtype, ...]) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == dims and value.dtype in kinds
 
 
+def _equal(value: Any, expected: str | int) -> bool:
+    """A header field is ``expected`` itself (a tensor or a list where it stood compares as no value)."""
+    return type(value) is type(expected) and value == expected
+
+
 def check_state(state: Any, where: str | Path, vocab: int | None = None) -> int:
     """The number of completions in one rank's saved kept batch, after checking that it is one: the
     header (``objective``, ``format``; none in older checkpoints), exactly ``STATE_KEYS``, and per
@@ -238,9 +243,9 @@ def check_state(state: Any, where: str | Path, vocab: int | None = None) -> int:
     names = sorted(str(k) for k in state)
     if any(k in state for k in STATE_HEADER):
         got = {k: state.get(k) for k in STATE_HEADER}
-        if got["objective"] != STATE_HEADER["objective"]:
+        if not _equal(got["objective"], STATE_HEADER["objective"]):
             raise _damaged(where, f"is the objective state of {str(got['objective'])[:40]!r}, not of grpo")
-        if got["format"] != STATE_FORMAT:
+        if not _equal(got["format"], STATE_FORMAT):
             raise _damaged(
                 where,
                 f"is format {str(got['format'])[:20]} of the GRPO objective state; this llmft reads {STATE_FORMAT}",
@@ -312,9 +317,9 @@ DRAWN_KEYS = ("drawn_positions", "drawn_completions", "drawn_sampler")  # rollou
 def check_drawn_state(state: Any, where: str | Path, vocab: int | None = None) -> int:
     """The number of completions in one rank's ``rollout.async`` state (``GRPOObjective._async_state``),
     after checking that it is one; a ``UserError`` naming ``where`` otherwise."""
-    if not isinstance(state, dict) or state.get("objective") != STATE_HEADER["objective"]:
+    if not isinstance(state, dict) or not _equal(state.get("objective"), STATE_HEADER["objective"]):
         raise _damaged(where, "is not a GRPO objective state")
-    if state.get("format") != STATE_FORMAT or set(state) - set(STATE_HEADER) != set(DRAWN_KEYS):
+    if not _equal(state.get("format"), STATE_FORMAT) or set(state) - set(STATE_HEADER) != set(DRAWN_KEYS):
         keys = ", ".join(sorted(str(k) for k in state))[:200]
         raise _damaged(where, f"not the state of a rollout.async run (its keys are {keys})")
     positions, completions, sampler = (state[k] for k in DRAWN_KEYS)

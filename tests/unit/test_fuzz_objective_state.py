@@ -264,6 +264,7 @@ def test_a_whole_objective_state_resumes_exactly(tmp_path):
 @given(damages=DAMAGES, legacy=st.booleans())
 @example(damages=[("flip", 0.765625, 7)], legacy=False)  # an entry name in the zip index no longer UTF-8
 @example(damages=[("flip", 0.13643216591821616, 0)], legacy=True)  # a persistent id torch.load asserts on
+@example(damages=[("field", "format", torch.tensor([], dtype=torch.int64))], legacy=True)  # no truth value
 @settings(max_examples=FAST_EXAMPLES, derandomize=True, **_COMMON)
 def test_damaged_objective_states_are_refused_by_name_or_resume_exactly(tmp_path, damages, legacy):
     check(tmp_path / "example", legacy, damages)
