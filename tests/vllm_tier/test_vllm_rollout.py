@@ -52,11 +52,12 @@ def _in_sync(rows: list[dict]) -> None:
 
 @pytest.mark.parametrize("peft", ["lora", pytest.param("full", marks=pytest.mark.extended)])
 def test_one_process_samples_from_the_trainers_weights(tmp_path, peft):
-    assert train_inproc(_recipe(tmp_path, rollout__save_completions=True), *PEFT[peft], "train.max_steps=3") == 0
-    rows = metrics(tmp_path / "run")
+    one = tmp_path / "one"  # the model in this test's folder (``_recipe``: its parent)
+    assert train_inproc(_recipe(one, rollout__save_completions=True), *PEFT[peft], "train.max_steps=3") == 0
+    rows = metrics(one / "run")
     _in_sync(rows)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    saved = (tmp_path / "run" / "completions" / "rank-0.jsonl").read_text().splitlines()
+    saved = (one / "run" / "completions" / "rank-0.jsonl").read_text().splitlines()
     assert len(saved) == 3 * 8 and all(
         len(json.loads(s)["sampler_logprobs"]) == len(json.loads(s)["completion_ids"]) for s in saved
     )
@@ -108,9 +109,9 @@ def test_a_stopped_run_resumes_on_the_same_completions(tmp_path):
 
 
 def test_the_eval_generates_greedily_with_the_engine(tmp_path):
-    recipe = _recipe(tmp_path, data__eval_fraction=0.25)
+    recipe = _recipe(tmp_path / "eval", data__eval_fraction=0.25)  # the model in this test's folder
     assert train_inproc(recipe, *PEFT["lora"], "train.eval_every_steps=1") == 0
-    rows = metrics(tmp_path / "run", split="eval")
+    rows = metrics(tmp_path / "eval" / "run", split="eval")
     assert len(rows) >= 2 and all(r["prompts"] == 3 and r["completion_length"] >= 1 for r in rows)
 
 
