@@ -252,11 +252,14 @@ def run_call(
         known = ", ".join(sorted(tools)) or "none"
         return json.dumps({"error": f"no tool named {name!r} (tools: {known})"}), True, False
     box: dict[str, Any] = {}
+    # the model called it wrong, or the tool failed: the model is told. In the training thread a
+    # KeyboardInterrupt or SystemExit is the run's, not the tool's; in a thread of its own it ends only the call
+    caught = Exception if timeout_s is None else BaseException
 
     def run() -> None:
         try:
             box["result"] = fn(**args)
-        except BaseException as e:  # noqa: BLE001 - the model called it wrong, or the tool failed: the model is told
+        except caught as e:  # noqa: BLE001
             box["error"] = e
 
     if timeout_s is None:

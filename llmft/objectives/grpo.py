@@ -678,24 +678,6 @@ class GRPOObjective(ObjectiveBase):
                 "holds no importance weights, but rl.importance_correction is tis (the checkpoint was saved without it)",
             )
         return saved
-        saved = [self._restored[q] for q in positions]
-        self._stats = {**self._restored_stats, "generation_s": 0.0}
-        self._restored = {}
-        weights = [w for _, _, _, w, _ in saved]
-        if self.correction and any(w is None for w in weights):
-            raise _damaged(
-                "the checkpoint's objective/ state",
-                "holds no importance weights, but rl.importance_correction is tis (the checkpoint was saved without it)",
-            )
-        self._restored_policy = [m for _, _, _, _, m in saved]  # the episodes' policy masks (prepare)
-        self._restored_prompts = [self._restored_prompt_ids.get(q) for q in positions]
-        self._restored_prompt_ids = {}
-        return (
-            [c for c, _, _, _, _ in saved],
-            torch.tensor([a for _, a, _, _, _ in saved]),
-            [o for _, _, o, _, _ in saved],
-            weights if self.correction else None,
-        )
 
     @classmethod
     def check_saved_states(
